@@ -1,0 +1,267 @@
+//! `Consumer<M>`: a typed reader on one consumer group with rlstream's delivery policy.
+//!
+//! - Reads new entries, and every `claim_idle / 2` claims entries other consumers left
+//!   pending longer than `claim_idle` (a consumer that died mid-work).
+//! - Bytes that do not decode as `M` go to the dead-letter stream at once, with the
+//!   decoder's error: retrying cannot fix them. The consumer keeps going.
+//! - An entry delivered more than `max_deliveries` times (every consumer that took it died
+//!   or timed out) goes to the dead-letter stream instead of being handed out again.
+//! - [`Consumer::fail`] reports a processing error: the entry stays pending for a retry,
+//!   unless it has used up its deliveries, in which case it is dead-lettered with that error.
+//! - Nothing is acked until the caller says the work is done ([`Consumer::ack`]).
+
+use super::{BusResult, DeadLetterRecord, Entry, EntryId, GroupStart, ReadFrom, SharedBus};
+use crate::schema::{self, DeadLetter, Message, SchemaVersion};
+use bytes::Bytes;
+use std::marker::PhantomData;
+use std::time::{Duration, Instant};
+
+/// Delivery policy for one consumer.
+#[derive(Debug, Clone)]
+pub struct ConsumerOptions {
+    /// Entries pending longer than this under another consumer are claimed.
+    pub claim_idle: Duration,
+    /// Deliveries after which an entry is dead-lettered instead of handed out again.
+    pub max_deliveries: u32,
+    /// Longest wait for new entries in one poll.
+    pub block: Duration,
+    /// Most entries returned by one poll.
+    pub batch: usize,
+    /// Largest payload decoded; bigger ones are dead-lettered.
+    pub max_message_bytes: usize,
+    /// Where a new group starts reading.
+    pub start: GroupStart,
+}
+
+impl Default for ConsumerOptions {
+    fn default() -> Self {
+        ConsumerOptions {
+            claim_idle: Duration::from_secs(30),
+            max_deliveries: 5,
+            block: Duration::from_secs(1),
+            batch: 16,
+            max_message_bytes: schema::DEFAULT_MAX_MESSAGE_BYTES,
+            start: GroupStart::Beginning,
+        }
+    }
+}
+
+/// A decoded entry handed to the stage.
+#[derive(Debug, Clone)]
+pub struct Delivery<M> {
+    pub id: EntryId,
+    pub message: M,
+    /// Times delivered, this one included.
+    pub deliveries: u32,
+    /// The bytes as read, kept for dead-lettering and size accounting (a cheap clone).
+    pub payload: Bytes,
+}
+
+/// Counts of what the consumer did besides handing out messages.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConsumerCounts {
+    pub delivered: u64,
+    pub claimed: u64,
+    pub dead_lettered: u64,
+}
+
+pub struct Consumer<M> {
+    bus: SharedBus,
+    stream: String,
+    group: String,
+    name: String,
+    dead_stream: String,
+    opts: ConsumerOptions,
+    last_claim: Option<Instant>,
+    /// After a restart, this consumer's own pending entries are re-read first.
+    resume_pending: bool,
+    counts: ConsumerCounts,
+    _message: PhantomData<fn() -> M>,
+}
+
+impl<M: Message> Consumer<M> {
+    /// Joins (creating if needed) `group` on `stream` as `name`.
+    pub async fn join(
+        bus: SharedBus,
+        stream: impl Into<String>,
+        group: impl Into<String>,
+        name: impl Into<String>,
+        dead_stream: impl Into<String>,
+        opts: ConsumerOptions,
+    ) -> BusResult<Self> {
+        let (stream, group) = (stream.into(), group.into());
+        bus.create_group(&stream, &group, opts.start).await?;
+        Ok(Consumer {
+            bus,
+            stream,
+            group,
+            name: name.into(),
+            dead_stream: dead_stream.into(),
+            opts,
+            last_claim: None,
+            resume_pending: true,
+            counts: ConsumerCounts::default(),
+            _message: PhantomData,
+        })
+    }
+
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    pub fn stream(&self) -> &str {
+        &self.stream
+    }
+
+    pub fn counts(&self) -> ConsumerCounts {
+        self.counts
+    }
+
+    /// The next batch: own pending entries after a restart, then claimed idle entries
+    /// when a claim is due, else new entries (waiting up to `block`). May be empty.
+    pub async fn poll(&mut self) -> BusResult<Vec<Delivery<M>>> {
+        if self.resume_pending {
+            let own = self
+                .bus
+                .read_group(
+                    &self.stream,
+                    &self.group,
+                    &self.name,
+                    ReadFrom::OwnPending,
+                    self.opts.batch,
+                    None,
+                )
+                .await?;
+            if own.len() < self.opts.batch {
+                self.resume_pending = false;
+            }
+            if !own.is_empty() {
+                return self.admit(own).await;
+            }
+        }
+        let claim_every = self.opts.claim_idle / 2;
+        if self.last_claim.is_none_or(|t| t.elapsed() >= claim_every) {
+            self.last_claim = Some(Instant::now());
+            let claimed = self
+                .bus
+                .claim_idle(
+                    &self.stream,
+                    &self.group,
+                    &self.name,
+                    self.opts.claim_idle,
+                    self.opts.batch,
+                )
+                .await?;
+            if !claimed.is_empty() {
+                self.counts.claimed += claimed.len() as u64;
+                tracing::info!(stream = %self.stream, group = %self.group, consumer = %self.name,
+                    n = claimed.len(), "claimed entries left idle by another consumer");
+                return self.admit(claimed).await;
+            }
+        }
+        let fresh = self
+            .bus
+            .read_group(
+                &self.stream,
+                &self.group,
+                &self.name,
+                ReadFrom::New,
+                self.opts.batch,
+                Some(self.opts.block),
+            )
+            .await?;
+        self.admit(fresh).await
+    }
+
+    /// Decodes entries, dead-letters what cannot be used, returns the rest.
+    async fn admit(&mut self, entries: Vec<Entry>) -> BusResult<Vec<Delivery<M>>> {
+        let mut out = Vec::with_capacity(entries.len());
+        let mut dead = Vec::new();
+        for e in entries {
+            if e.deliveries > self.opts.max_deliveries {
+                let err = format!(
+                    "delivered {} times without an ack (max_deliveries = {}); the consumers that took it crashed or timed out",
+                    e.deliveries, self.opts.max_deliveries
+                );
+                dead.push(self.letter(&e, "max_deliveries", err));
+                continue;
+            }
+            match schema::decode_limited::<M>(&e.payload, self.opts.max_message_bytes) {
+                Ok(message) => out.push(Delivery {
+                    id: e.id,
+                    message,
+                    deliveries: e.deliveries,
+                    payload: e.payload,
+                }),
+                Err(err) => dead.push(self.letter(&e, err.label(), err.to_string())),
+            }
+        }
+        self.send_dead(dead).await?;
+        self.counts.delivered += out.len() as u64;
+        Ok(out)
+    }
+
+    /// Acknowledges finished work.
+    pub async fn ack(&self, ids: &[EntryId]) -> BusResult<u64> {
+        self.bus.ack(&self.stream, &self.group, ids).await
+    }
+
+    /// Reports that processing `delivery` failed with `error`. It stays pending for another
+    /// try after `claim_idle`, or is dead-lettered if it has used its deliveries.
+    /// Returns true when it was dead-lettered.
+    pub async fn fail(&mut self, delivery: &Delivery<M>, error: &str) -> BusResult<bool> {
+        if delivery.deliveries < self.opts.max_deliveries {
+            tracing::warn!(stream = %self.stream, id = %delivery.id, deliveries = delivery.deliveries,
+                error, "processing failed; entry left pending for a retry");
+            return Ok(false);
+        }
+        let entry = Entry {
+            id: delivery.id,
+            payload: delivery.payload.clone(),
+            deliveries: delivery.deliveries,
+        };
+        let letter = self.letter(&entry, "failed", error.to_string());
+        self.send_dead(vec![letter]).await?;
+        Ok(true)
+    }
+
+    fn letter(&self, e: &Entry, reason: &str, error: String) -> (DeadLetterRecord, String) {
+        let letter = DeadLetter {
+            schema: SchemaVersion::CURRENT,
+            source_stream: self.stream.clone(),
+            source_id: e.id.to_string(),
+            group: self.group.clone(),
+            consumer: self.name.clone(),
+            reason: reason.to_string(),
+            error: error.clone(),
+            deliveries: e.deliveries,
+            payload: e.payload.to_vec(),
+            dead_us: schema::now_us(),
+        };
+        // A DeadLetter has no fallible fields; encoding cannot fail short of a serde bug.
+        let bytes = schema::encode(&letter).unwrap_or_default();
+        (
+            DeadLetterRecord {
+                entry_id: e.id,
+                letter: Bytes::from(bytes),
+            },
+            error,
+        )
+    }
+
+    async fn send_dead(&mut self, dead: Vec<(DeadLetterRecord, String)>) -> BusResult<()> {
+        if dead.is_empty() {
+            return Ok(());
+        }
+        for (rec, error) in &dead {
+            tracing::warn!(stream = %self.stream, id = %rec.entry_id, dead = %self.dead_stream,
+                error = %error, "entry moved to the dead-letter stream");
+        }
+        let records: Vec<DeadLetterRecord> = dead.into_iter().map(|(r, _)| r).collect();
+        self.bus
+            .dead_letter(&self.stream, &self.group, &self.dead_stream, &records)
+            .await?;
+        self.counts.dead_lettered += records.len() as u64;
+        Ok(())
+    }
+}

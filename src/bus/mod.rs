@@ -1,0 +1,172 @@
+//! The stream bus: append-only streams with consumer groups, plus a small blob store for
+//! weight chunks.
+//!
+//! [`Bus`] is the one interface every stage talks to. [`RedisBus`] is the real thing
+//! (Redis streams: XADD, XREADGROUP, XACK, XAUTOCLAIM, XINFO); [`MemoryBus`] gives the same
+//! consumer-group semantics in process for `rlstream run` and fast tests. The conformance
+//! suite in `tests/bus_conformance.rs` runs unchanged against both.
+//!
+//! Delivery is at-least-once: an entry read through a group stays pending until acked, and
+//! an entry left pending longer than `claim_idle` is claimed by another consumer. Policy on
+//! top of that (dead-lettering, delivery limits, decoding) lives in [`Consumer`].
+
+mod consumer;
+mod entry;
+mod error;
+mod memory;
+mod redis;
+pub mod topology;
+
+pub use consumer::{Consumer, ConsumerOptions, Delivery};
+pub use entry::{Entry, EntryId, RangeBound};
+pub use error::{BusError, BusResult, RetryHint};
+pub use memory::MemoryBus;
+pub use redis::{RedisBus, RedisOptions};
+pub use topology::{StreamSpec, Topology, TopologyError};
+
+use async_trait::async_trait;
+use bytes::Bytes;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Where a new consumer group starts reading.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum GroupStart {
+    /// From the first entry still in the stream.
+    Beginning,
+    /// Only entries added after the group is created.
+    End,
+}
+
+/// Which entries a group read returns.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ReadFrom {
+    /// Entries never delivered to this group (`>`).
+    New,
+    /// Entries already delivered to this consumer and not yet acked (after a restart).
+    OwnPending,
+}
+
+/// Length, pending and lag of one stream, from XINFO.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct StreamStats {
+    pub length: u64,
+    pub first_id: Option<EntryId>,
+    pub last_id: Option<EntryId>,
+    pub groups: Vec<GroupStats>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GroupStats {
+    pub name: String,
+    /// Entries delivered and not yet acked.
+    pub pending: u64,
+    /// Entries in the stream not yet delivered to the group (None when Redis cannot tell).
+    pub lag: Option<u64>,
+    pub last_delivered: EntryId,
+    pub consumers: Vec<ConsumerStats>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ConsumerStats {
+    pub name: String,
+    pub pending: u64,
+    /// Time since the consumer last read.
+    pub idle: Duration,
+}
+
+/// A dead letter to write: the original entry and why it was given up on.
+#[derive(Debug, Clone)]
+pub struct DeadLetterRecord {
+    pub entry_id: EntryId,
+    /// The encoded [`crate::schema::DeadLetter`].
+    pub letter: Bytes,
+}
+
+/// The shared handle stages hold.
+pub type SharedBus = Arc<dyn Bus>;
+
+#[async_trait]
+pub trait Bus: Send + Sync + 'static {
+    /// `redis` or `memory`, for logs.
+    fn backend(&self) -> &'static str;
+
+    /// Creates the consumer group (and the stream) if missing; an existing group is kept.
+    async fn create_group(&self, stream: &str, group: &str, start: GroupStart) -> BusResult<()>;
+
+    /// Appends payloads in one pipelined batch, in order. `max_len` trims the stream to
+    /// about that many entries (`MAXLEN ~`) as it goes.
+    async fn publish(
+        &self,
+        stream: &str,
+        payloads: &[Bytes],
+        max_len: Option<u64>,
+    ) -> BusResult<Vec<EntryId>>;
+
+    /// Reads up to `count` entries through a consumer group. With [`ReadFrom::New`] and a
+    /// `block` duration it waits up to that long for an entry; [`ReadFrom::OwnPending`]
+    /// never blocks.
+    async fn read_group(
+        &self,
+        stream: &str,
+        group: &str,
+        consumer: &str,
+        from: ReadFrom,
+        count: usize,
+        block: Option<Duration>,
+    ) -> BusResult<Vec<Entry>>;
+
+    /// Acknowledges entries; returns how many were pending.
+    async fn ack(&self, stream: &str, group: &str, ids: &[EntryId]) -> BusResult<u64>;
+
+    /// Moves up to `count` entries pending for longer than `min_idle` (under any consumer)
+    /// to `consumer`, incrementing their delivery counts.
+    async fn claim_idle(
+        &self,
+        stream: &str,
+        group: &str,
+        consumer: &str,
+        min_idle: Duration,
+        count: usize,
+    ) -> BusResult<Vec<Entry>>;
+
+    /// Atomically appends each letter to `dead_stream` and acks its entry on `stream`, so
+    /// a dead-lettered entry is neither lost nor delivered again.
+    async fn dead_letter(
+        &self,
+        stream: &str,
+        group: &str,
+        dead_stream: &str,
+        letters: &[DeadLetterRecord],
+    ) -> BusResult<()>;
+
+    /// Reads entries after `after` without a group (every reader sees every entry).
+    async fn read_after(
+        &self,
+        stream: &str,
+        after: EntryId,
+        count: usize,
+        block: Option<Duration>,
+    ) -> BusResult<Vec<Entry>>;
+
+    /// Entries between two bounds, in id order, at most `count`.
+    async fn range(
+        &self,
+        stream: &str,
+        start: RangeBound,
+        end: RangeBound,
+        count: usize,
+    ) -> BusResult<Vec<Entry>>;
+
+    /// Length, pending and lag.
+    async fn stats(&self, stream: &str) -> BusResult<StreamStats>;
+
+    /// Writes blobs in one pipelined batch.
+    async fn put_blobs(&self, blobs: &[(String, Bytes)]) -> BusResult<()>;
+
+    /// Reads blobs; a missing key is `None`.
+    async fn get_blobs(&self, keys: &[String]) -> BusResult<Vec<Option<Bytes>>>;
+
+    /// Deletes keys (blobs or whole streams); returns how many existed.
+    async fn delete(&self, keys: &[String]) -> BusResult<u64>;
+}

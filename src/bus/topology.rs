@@ -1,0 +1,256 @@
+//! Stream topology: which streams exist, who reads them, how long they are kept, and the
+//! delivery policy. Loaded from `streams/default.toml` (or `--topology FILE`) and checked
+//! before any stage starts, so a typo fails at launch with the offending key named.
+
+use super::ConsumerOptions;
+use serde::Deserialize;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::time::Duration;
+
+/// The stream roles every pipeline needs, by name in `[streams.*]`.
+pub const REQUIRED_STREAMS: [&str; 6] =
+    ["prompts", "rollouts", "scored", "weights", "dead", "events"];
+
+/// The topology shipped in `streams/default.toml`, compiled in so the binary works anywhere.
+pub const DEFAULT_TOPOLOGY: &str = include_str!("../../streams/default.toml");
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Topology {
+    /// Prefix of every key: streams are `{namespace}:{name}`, so several runs can share one
+    /// Redis.
+    pub namespace: String,
+    /// Milliseconds an entry may stay pending under one consumer before another claims it.
+    pub claim_idle_ms: u64,
+    /// Deliveries after which an entry goes to the dead-letter stream.
+    pub max_deliveries: u32,
+    /// Largest message, in bytes, a consumer will decode.
+    pub max_message_bytes: usize,
+    /// Name (in `[streams.*]`) of the dead-letter stream.
+    pub dead_letter: String,
+    /// Milliseconds a blocking read waits before returning empty (bounds shutdown latency).
+    #[serde(default = "default_block_ms")]
+    pub block_ms: u64,
+    pub streams: BTreeMap<String, StreamSpec>,
+}
+
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StreamSpec {
+    /// Consumer groups created on the stream.
+    #[serde(default)]
+    pub groups: Vec<String>,
+    /// Approximate maximum number of entries (`MAXLEN ~`); absent means unbounded.
+    #[serde(default)]
+    pub max_len: Option<u64>,
+    /// What the stream carries, for humans.
+    #[serde(default)]
+    pub description: String,
+}
+
+fn default_block_ms() -> u64 {
+    1000
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum TopologyError {
+    #[error("cannot read topology file {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("topology {origin}: {source}")]
+    Parse {
+        origin: String,
+        #[source]
+        source: Box<toml::de::Error>,
+    },
+    #[error("topology {origin}: {problem}")]
+    Invalid { origin: String, problem: String },
+}
+
+impl Default for Topology {
+    fn default() -> Self {
+        // The shipped file is checked by a unit test, so this cannot fail at run time.
+        Topology::parse(DEFAULT_TOPOLOGY, "streams/default.toml")
+            .expect("shipped topology is valid")
+    }
+}
+
+impl Topology {
+    pub fn load(path: &Path) -> Result<Self, TopologyError> {
+        let text = std::fs::read_to_string(path).map_err(|source| TopologyError::Io {
+            path: path.display().to_string(),
+            source,
+        })?;
+        Self::parse(&text, &path.display().to_string())
+    }
+
+    /// Parses and validates; `origin` names the source in errors.
+    pub fn parse(text: &str, origin: &str) -> Result<Self, TopologyError> {
+        let topo: Topology = toml::from_str(text).map_err(|source| TopologyError::Parse {
+            origin: origin.to_string(),
+            source: Box::new(source),
+        })?;
+        topo.validate().map_err(|problem| TopologyError::Invalid {
+            origin: origin.to_string(),
+            problem,
+        })?;
+        Ok(topo)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        let ns = &self.namespace;
+        if ns.is_empty()
+            || ns
+                .chars()
+                .any(|c| c.is_whitespace() || c == ':' || c.is_control())
+        {
+            return Err(format!(
+                "namespace `{ns}` must be non-empty, without spaces or ':'"
+            ));
+        }
+        for (key, value) in [
+            ("claim_idle_ms", self.claim_idle_ms),
+            ("max_deliveries", u64::from(self.max_deliveries)),
+            ("max_message_bytes", self.max_message_bytes as u64),
+            ("block_ms", self.block_ms),
+        ] {
+            if value == 0 {
+                return Err(format!("`{key}` must be greater than 0"));
+            }
+        }
+        for name in REQUIRED_STREAMS {
+            if !self.streams.contains_key(name) {
+                return Err(format!("missing stream `[streams.{name}]`"));
+            }
+        }
+        if !self.streams.contains_key(&self.dead_letter) {
+            return Err(format!(
+                "dead_letter = `{}` names no stream in [streams.*]",
+                self.dead_letter
+            ));
+        }
+        for (name, spec) in &self.streams {
+            if name.is_empty() || name.contains(char::is_whitespace) {
+                return Err(format!(
+                    "stream name `{name}` must be non-empty, without spaces"
+                ));
+            }
+            if spec.max_len == Some(0) {
+                return Err(format!(
+                    "`streams.{name}.max_len` must be greater than 0 (omit it for unbounded)"
+                ));
+            }
+            let mut seen = std::collections::BTreeSet::new();
+            for g in &spec.groups {
+                if g.is_empty() || !seen.insert(g) {
+                    return Err(format!(
+                        "`streams.{name}.groups` has an empty or repeated group `{g}`"
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// With a different namespace (`--namespace`).
+    pub fn with_namespace(mut self, namespace: &str) -> Result<Self, TopologyError> {
+        self.namespace = namespace.to_string();
+        self.validate().map_err(|problem| TopologyError::Invalid {
+            origin: "--namespace".to_string(),
+            problem,
+        })?;
+        Ok(self)
+    }
+
+    /// Redis key of a stream by role (`prompts` → `rl:prompts`).
+    pub fn key(&self, name: &str) -> String {
+        format!("{}:{}", self.namespace, name)
+    }
+
+    /// Key of the dead-letter stream.
+    pub fn dead_key(&self) -> String {
+        self.key(&self.dead_letter)
+    }
+
+    /// Key of one weight chunk.
+    pub fn weights_chunk_key(&self, version: u64, chunk: u32) -> String {
+        format!("{}:weights:{version}:{chunk}", self.namespace)
+    }
+
+    pub fn max_len(&self, name: &str) -> Option<u64> {
+        self.streams.get(name).and_then(|s| s.max_len)
+    }
+
+    /// The delivery policy for a consumer.
+    pub fn consumer_options(&self) -> ConsumerOptions {
+        ConsumerOptions {
+            claim_idle: Duration::from_millis(self.claim_idle_ms),
+            max_deliveries: self.max_deliveries,
+            block: Duration::from_millis(self.block_ms),
+            max_message_bytes: self.max_message_bytes,
+            ..ConsumerOptions::default()
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn err(text: &str) -> String {
+        Topology::parse(text, "test").unwrap_err().to_string()
+    }
+
+    fn shipped_with(replace: &str, with: &str) -> String {
+        assert!(DEFAULT_TOPOLOGY.contains(replace), "{replace}");
+        DEFAULT_TOPOLOGY.replacen(replace, with, 1)
+    }
+
+    #[test]
+    fn shipped_topology_is_valid() {
+        let t = Topology::default();
+        assert_eq!(t.key("prompts"), "rl:prompts");
+        assert_eq!(t.dead_key(), "rl:dead");
+        assert_eq!(t.streams["prompts"].groups, vec!["gen"]);
+        assert_eq!(t.weights_chunk_key(7, 2), "rl:weights:7:2");
+    }
+
+    #[test]
+    fn unknown_key_is_named() {
+        let e = err(&shipped_with(
+            "max_deliveries =",
+            "max_delivery = 3\nmax_deliveries =",
+        ));
+        assert!(e.contains("max_delivery"), "{e}");
+    }
+
+    #[test]
+    fn missing_stream_is_named() {
+        let e = err(&shipped_with("[streams.scored]", "[streams.scored_typo]"));
+        assert!(e.contains("missing stream `[streams.scored]`"), "{e}");
+    }
+
+    #[test]
+    fn zero_and_negative_limits_are_refused() {
+        let e = err(&shipped_with("claim_idle_ms = 30000", "claim_idle_ms = 0"));
+        assert!(e.contains("`claim_idle_ms` must be greater than 0"), "{e}");
+        let e = err(&shipped_with("max_deliveries = 5", "max_deliveries = -2"));
+        assert!(e.contains("max_deliveries"), "{e}");
+        let e = err(&shipped_with("max_len = 100000", "max_len = 0"));
+        assert!(e.contains("max_len` must be greater than 0"), "{e}");
+    }
+
+    #[test]
+    fn bad_namespace_and_dead_letter_are_refused() {
+        assert!(Topology::default().with_namespace("a b").is_err());
+        let e = err(&shipped_with(
+            "dead_letter = \"dead\"",
+            "dead_letter = \"nowhere\"",
+        ));
+        assert!(e.contains("nowhere"), "{e}");
+    }
+}

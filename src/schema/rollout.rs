@@ -1,0 +1,283 @@
+//! `RolloutGroup`: the G completions of one prompt, with everything the trainer needs to
+//! correct for off-policy data (behaviour log-probs, per-token versions, sampling masks).
+
+use super::{CodecError, Floats, Message, SchemaVersion, Tokens, check_finite};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+
+/// Log-probs may come out a hair above zero through float rounding; anything beyond this
+/// is a producer bug, not rounding.
+const LOGPROB_TOLERANCE: f32 = 1e-4;
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct RolloutGroup {
+    pub schema: SchemaVersion,
+    /// Unique id of this group (`{gen_id}-{counter}`).
+    pub group_id: String,
+    pub prompt_id: String,
+    pub task: String,
+    pub prompt_tokens: Tokens,
+    /// The completions; the group is the atomic unit (GRPO needs all of them together).
+    pub samples: Vec<Sample>,
+    pub sampling: SamplingParams,
+    /// Which generator produced the group (consumer name).
+    pub gen_id: String,
+    /// When generation of the group started and finished, microseconds since the epoch.
+    pub started_us: u64,
+    pub finished_us: u64,
+    /// Task data passed through from the prompt (e.g. the reference answer).
+    #[serde(default)]
+    pub meta: BTreeMap<String, String>,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Sample {
+    /// Completion token ids (the prompt is not repeated).
+    pub tokens: Tokens,
+    /// Behaviour log-prob of each sampled token under the exact distribution it was drawn
+    /// from: after temperature, top-k and top-p.
+    pub logprobs: Floats,
+    /// Run-length policy versions: `[start_index, version]` pairs, first start 0, starts
+    /// increasing, versions non-decreasing. Token `i` was sampled by the version of the last
+    /// run starting at or before `i`.
+    pub versions: Vec<VersionRun>,
+    pub finish: FinishReason,
+    /// Token ids that survived top-k/top-p at each step, when sampling truncated the
+    /// distribution; lets the trainer renormalise over the same support (Keep Sampling Mask).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mask: Option<SamplingMask>,
+}
+
+/// `[start_index, version]` on the wire.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "(u32, u64)", into = "(u32, u64)")]
+pub struct VersionRun {
+    pub start: u32,
+    pub version: u64,
+}
+
+impl From<(u32, u64)> for VersionRun {
+    fn from((start, version): (u32, u64)) -> Self {
+        VersionRun { start, version }
+    }
+}
+impl From<VersionRun> for (u32, u64) {
+    fn from(r: VersionRun) -> Self {
+        (r.start, r.version)
+    }
+}
+
+/// Ragged per-step id sets in CSR form: the ids kept at step `i` are
+/// `ids[offsets[i]..offsets[i + 1]]`, so `offsets` has one more entry than there are tokens.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingMask {
+    pub offsets: Tokens,
+    pub ids: Tokens,
+}
+
+impl SamplingMask {
+    /// The ids kept at step `i`.
+    pub fn step(&self, i: usize) -> &[u32] {
+        &self.ids[self.offsets[i] as usize..self.offsets[i + 1] as usize]
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum FinishReason {
+    /// A stop token was sampled (it is the last token).
+    Stop,
+    /// `max_new_tokens` was reached.
+    Length,
+}
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct SamplingParams {
+    /// Softmax temperature; 0 means greedy.
+    pub temperature: f32,
+    /// Keep the k most likely tokens; 0 disables.
+    pub top_k: u32,
+    /// Keep the smallest set whose probability reaches p; 1.0 disables.
+    pub top_p: f32,
+    pub max_new_tokens: u32,
+    #[serde(default)]
+    pub stop_tokens: Vec<u32>,
+    /// Seed of the generator's RNG for this group, for reproduction.
+    #[serde(default)]
+    pub seed: u64,
+}
+
+impl Sample {
+    /// Version that produced token `i`.
+    pub fn version_at(&self, i: usize) -> u64 {
+        let idx = self.versions.partition_point(|r| r.start as usize <= i);
+        self.versions[idx.saturating_sub(1)].version
+    }
+
+    /// The oldest version in the sample: what staleness is measured by.
+    pub fn oldest_version(&self) -> Option<u64> {
+        self.versions.first().map(|r| r.version)
+    }
+
+    pub(crate) fn validate(&self, kind: &'static str, idx: usize) -> Result<(), CodecError> {
+        let n = self.tokens.len();
+        let field = |name: &str| format!("samples[{idx}].{name}");
+        if self.logprobs.len() != n {
+            return Err(CodecError::length(
+                kind,
+                field("logprobs"),
+                n,
+                self.logprobs.len(),
+            ));
+        }
+        check_finite(kind, &field("logprobs"), &self.logprobs)?;
+        if let Some(i) = self.logprobs.iter().position(|&l| l > LOGPROB_TOLERANCE) {
+            return Err(CodecError::invalid(
+                kind,
+                format!("{}[{i}]", field("logprobs")),
+                format!("log-prob {} is positive", self.logprobs[i]),
+            ));
+        }
+        if n > 0 && self.versions.is_empty() {
+            return Err(CodecError::invalid(
+                kind,
+                field("versions"),
+                "empty for a non-empty sample",
+            ));
+        }
+        if let Some(first) = self.versions.first()
+            && first.start != 0
+        {
+            return Err(CodecError::invalid(
+                kind,
+                field("versions"),
+                "first run must start at 0",
+            ));
+        }
+        for (j, pair) in self.versions.windows(2).enumerate() {
+            if pair[1].start <= pair[0].start || pair[1].version < pair[0].version {
+                return Err(CodecError::invalid(
+                    kind,
+                    format!("{}[{}]", field("versions"), j + 1),
+                    "starts must increase and versions must not decrease",
+                ));
+            }
+        }
+        if let Some(last) = self.versions.last()
+            && n > 0
+            && last.start as usize >= n
+        {
+            return Err(CodecError::invalid(
+                kind,
+                field("versions"),
+                format!("run starts at {} past the last token {}", last.start, n - 1),
+            ));
+        }
+        if let Some(mask) = &self.mask {
+            if mask.offsets.len() != n + 1 {
+                return Err(CodecError::length(
+                    kind,
+                    field("mask.offsets"),
+                    n + 1,
+                    mask.offsets.len(),
+                ));
+            }
+            if mask.offsets.first() != Some(&0)
+                || mask.offsets.windows(2).any(|w| w[1] < w[0])
+                || mask.offsets.last().map(|&o| o as usize) != Some(mask.ids.len())
+            {
+                return Err(CodecError::invalid(
+                    kind,
+                    field("mask.offsets"),
+                    "must start at 0, not decrease, and end at the number of ids",
+                ));
+            }
+            for i in 0..n {
+                if !mask.step(i).contains(&self.tokens[i]) {
+                    return Err(CodecError::invalid(
+                        kind,
+                        format!("{}[{i}]", field("mask")),
+                        format!("sampled token {} is not in the kept set", self.tokens[i]),
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+impl SamplingParams {
+    fn validate(&self, kind: &'static str) -> Result<(), CodecError> {
+        if !(self.temperature.is_finite() && self.temperature >= 0.0) {
+            return Err(CodecError::invalid(
+                kind,
+                "sampling.temperature",
+                "must be finite and >= 0",
+            ));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(CodecError::invalid(
+                kind,
+                "sampling.top_p",
+                "must be in (0, 1]",
+            ));
+        }
+        Ok(())
+    }
+}
+
+impl RolloutGroup {
+    /// The oldest token version across all samples.
+    pub fn oldest_version(&self) -> Option<u64> {
+        self.samples.iter().filter_map(Sample::oldest_version).min()
+    }
+
+    /// Completion tokens across all samples.
+    pub fn completion_tokens(&self) -> usize {
+        self.samples.iter().map(|s| s.tokens.len()).sum()
+    }
+
+    pub(crate) fn validate_as(&self, kind: &'static str) -> Result<(), CodecError> {
+        if self.samples.is_empty() {
+            return Err(CodecError::invalid(
+                kind,
+                "samples",
+                "a group needs at least one sample",
+            ));
+        }
+        self.sampling.validate(kind)?;
+        for (i, s) in self.samples.iter().enumerate() {
+            s.validate(kind, i)?;
+        }
+        Ok(())
+    }
+}
+
+impl Message for RolloutGroup {
+    const KIND: &'static str = "RolloutGroup";
+    fn schema(&self) -> SchemaVersion {
+        self.schema
+    }
+    fn validate(&self) -> Result<(), CodecError> {
+        self.validate_as(Self::KIND)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn version_lookup_follows_runs() {
+        let s = Sample {
+            tokens: vec![1, 2, 3, 4, 5].into(),
+            logprobs: vec![0.0; 5].into(),
+            versions: vec![(0, 3).into(), (2, 4).into(), (4, 6).into()],
+            finish: FinishReason::Length,
+            mask: None,
+        };
+        let got: Vec<u64> = (0..5).map(|i| s.version_at(i)).collect();
+        assert_eq!(got, vec![3, 3, 4, 4, 6]);
+        assert_eq!(s.oldest_version(), Some(3));
+    }
+}

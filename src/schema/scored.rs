@@ -1,0 +1,72 @@
+//! `ScoredGroup`: a rollout group with rewards and advantages, ready for the trainer.
+
+use super::{CodecError, Floats, Message, RolloutGroup, SchemaVersion, check_finite};
+use serde::{Deserialize, Serialize};
+
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ScoredGroup {
+    pub schema: SchemaVersion,
+    /// The rollout exactly as the generator published it.
+    pub rollout: RolloutGroup,
+    /// One scalar reward per sample.
+    pub rewards: Vec<f32>,
+    /// One advantage per sample (group-normalised by the scorer).
+    pub advantages: Vec<f32>,
+    /// Optional per-token process rewards, one array per sample.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token_rewards: Option<Vec<Floats>>,
+    /// Optional teacher log-probs of each completion token (distillation), one per sample.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ref_logprobs: Option<Vec<Floats>>,
+    /// Which scorer produced the rewards (consumer name or external command).
+    pub scorer_id: String,
+    /// When scoring finished, microseconds since the epoch.
+    pub scored_us: u64,
+}
+
+impl ScoredGroup {
+    fn check_per_token(&self, field: &str, arrays: &Option<Vec<Floats>>) -> Result<(), CodecError> {
+        let Some(arrays) = arrays else { return Ok(()) };
+        let samples = &self.rollout.samples;
+        if arrays.len() != samples.len() {
+            return Err(CodecError::length(
+                Self::KIND,
+                field,
+                samples.len(),
+                arrays.len(),
+            ));
+        }
+        for (i, (a, s)) in arrays.iter().zip(samples).enumerate() {
+            let name = format!("{field}[{i}]");
+            if a.len() != s.tokens.len() {
+                return Err(CodecError::length(
+                    Self::KIND,
+                    name,
+                    s.tokens.len(),
+                    a.len(),
+                ));
+            }
+            check_finite(Self::KIND, &name, a)?;
+        }
+        Ok(())
+    }
+}
+
+impl Message for ScoredGroup {
+    const KIND: &'static str = "ScoredGroup";
+    fn schema(&self) -> SchemaVersion {
+        self.schema
+    }
+    fn validate(&self) -> Result<(), CodecError> {
+        self.rollout.validate_as(Self::KIND)?;
+        let n = self.rollout.samples.len();
+        for (field, values) in [("rewards", &self.rewards), ("advantages", &self.advantages)] {
+            if values.len() != n {
+                return Err(CodecError::length(Self::KIND, field, n, values.len()));
+            }
+            check_finite(Self::KIND, field, values)?;
+        }
+        self.check_per_token("token_rewards", &self.token_rewards)?;
+        self.check_per_token("ref_logprobs", &self.ref_logprobs)
+    }
+}

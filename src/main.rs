@@ -1,1 +1,111 @@
-fn main() {}
+//! The `rlstream` command line: parse, build config, dispatch. No logic lives here.
+
+use anyhow::{Context, Result};
+use clap::{Parser, Subcommand, ValueEnum};
+use rlstream::bus::Topology;
+use rlstream::schema::{self, json::msgpack_to_json};
+use std::path::PathBuf;
+
+#[derive(Parser)]
+#[command(
+    name = "rlstream",
+    version,
+    about = "Asynchronous RL for language-model policies over Redis streams"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Check a stream topology file and print the keys, groups and policy it resolves to.
+    Streams {
+        /// Topology file (default: the shipped streams/default.toml).
+        #[arg(long, env = "RLSTREAM_TOPOLOGY")]
+        topology: Option<PathBuf>,
+        /// Override the namespace (key prefix).
+        #[arg(long, env = "RLSTREAM_NAMESPACE")]
+        namespace: Option<String>,
+    },
+    /// Decode and validate a MessagePack message file, print it as JSON (bin as base64).
+    Inspect {
+        /// Message type.
+        #[arg(long, value_enum)]
+        kind: Kind,
+        /// File holding one encoded message.
+        file: PathBuf,
+    },
+}
+
+#[derive(Clone, Copy, ValueEnum)]
+enum Kind {
+    Prompt,
+    RolloutGroup,
+    ScoredGroup,
+    WeightsAnnounce,
+    DeadLetter,
+    Event,
+}
+
+fn main() -> Result<()> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match Cli::parse().command {
+        Command::Streams {
+            topology,
+            namespace,
+        } => streams(topology, namespace),
+        Command::Inspect { kind, file } => inspect(kind, file),
+    }
+}
+
+fn streams(path: Option<PathBuf>, namespace: Option<String>) -> Result<()> {
+    let mut topo = match &path {
+        Some(p) => Topology::load(p)?,
+        None => Topology::default(),
+    };
+    if let Some(ns) = namespace {
+        topo = topo.with_namespace(&ns)?;
+    }
+    println!(
+        "namespace {}: claim_idle {} ms, max_deliveries {}, max_message_bytes {}, dead letters to {}",
+        topo.namespace,
+        topo.claim_idle_ms,
+        topo.max_deliveries,
+        topo.max_message_bytes,
+        topo.dead_key()
+    );
+    for (name, spec) in &topo.streams {
+        let retention = spec
+            .max_len
+            .map_or("unbounded".to_string(), |n| format!("~{n} entries"));
+        println!(
+            "  {:<16} groups [{}], {retention}  {}",
+            topo.key(name),
+            spec.groups.join(", "),
+            spec.description
+        );
+    }
+    Ok(())
+}
+
+fn inspect(kind: Kind, file: PathBuf) -> Result<()> {
+    let bytes = std::fs::read(&file).with_context(|| format!("cannot read {}", file.display()))?;
+    let checked = match kind {
+        Kind::Prompt => schema::decode::<schema::Prompt>(&bytes).map(drop),
+        Kind::RolloutGroup => schema::decode::<schema::RolloutGroup>(&bytes).map(drop),
+        Kind::ScoredGroup => schema::decode::<schema::ScoredGroup>(&bytes).map(drop),
+        Kind::WeightsAnnounce => schema::decode::<schema::WeightsAnnounce>(&bytes).map(drop),
+        Kind::DeadLetter => schema::decode::<schema::DeadLetter>(&bytes).map(drop),
+        Kind::Event => schema::decode::<schema::Event>(&bytes).map(drop),
+    };
+    checked.with_context(|| format!("{} is not a valid message", file.display()))?;
+    let json = msgpack_to_json(&bytes).map_err(anyhow::Error::msg)?;
+    println!("{}", serde_json::to_string_pretty(&json)?);
+    Ok(())
+}

@@ -7,7 +7,6 @@
 use super::{CodecError, SchemaVersion};
 use serde::Serialize;
 use serde::de::DeserializeOwned;
-use std::io::Cursor;
 
 /// Largest message a consumer decodes unless configured otherwise (64 MiB). A hostile or
 /// buggy producer cannot make a consumer allocate more than this per message.
@@ -54,7 +53,7 @@ pub fn decode_limited<M: Message>(bytes: &[u8], max_bytes: usize) -> Result<M, C
         });
     }
     check_map_marker(kind, bytes)?;
-    let mut de = rmp_serde::Deserializer::new(Cursor::new(bytes));
+    let mut de = rmp_serde::Deserializer::from_read_ref(bytes);
     let msg = match M::deserialize(&mut de) {
         Ok(m) => m,
         Err(e) => {
@@ -67,7 +66,7 @@ pub fn decode_limited<M: Message>(bytes: &[u8], max_bytes: usize) -> Result<M, C
             return Err(map_decode_error(kind, bytes.len(), e));
         }
     };
-    let used = de.position() as usize;
+    let used = encoded_len(bytes).unwrap_or(bytes.len());
     if used != bytes.len() {
         return Err(CodecError::Malformed {
             kind,
@@ -153,5 +152,86 @@ fn map_decode_error(kind: &'static str, len: usize, e: rmp_serde::decode::Error)
             kind,
             detail: other.to_string(),
         },
+    }
+}
+
+/// Length of the first MessagePack value in `buf`, walking headers only (strings and bins
+/// are skipped, not copied). `None` if the value runs past the end or uses a reserved byte.
+fn encoded_len(buf: &[u8]) -> Option<usize> {
+    fn be(buf: &[u8], at: usize, n: usize) -> Option<usize> {
+        let bytes = buf.get(at..at + n)?;
+        Some(
+            bytes
+                .iter()
+                .fold(0usize, |acc, &b| (acc << 8) | usize::from(b)),
+        )
+    }
+    let mut pos = 0usize;
+    let mut remaining: u64 = 1;
+    while remaining > 0 {
+        remaining -= 1;
+        let m = *buf.get(pos)?;
+        pos += 1;
+        let skip = match m {
+            0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => 0,
+            0x80..=0x8f => {
+                remaining += 2 * u64::from(m & 0x0f);
+                0
+            }
+            0x90..=0x9f => {
+                remaining += u64::from(m & 0x0f);
+                0
+            }
+            0xa0..=0xbf => usize::from(m & 0x1f),
+            0xcc | 0xd0 => 1,
+            0xcd | 0xd1 => 2,
+            0xca | 0xce | 0xd2 => 4,
+            0xcb | 0xcf | 0xd3 => 8,
+            0xd4 => 2,
+            0xd5 => 3,
+            0xd6 => 5,
+            0xd7 => 9,
+            0xd8 => 17,
+            0xc4 | 0xd9 => 1 + be(buf, pos, 1)?,
+            0xc5 | 0xda => 2 + be(buf, pos, 2)?,
+            0xc6 | 0xdb => 4 + be(buf, pos, 4)?,
+            0xc7 => 2 + be(buf, pos, 1)?,
+            0xc8 => 3 + be(buf, pos, 2)?,
+            0xc9 => 5 + be(buf, pos, 4)?,
+            0xdc | 0xde => {
+                let n = be(buf, pos, 2)? as u64;
+                remaining += if m == 0xde { 2 * n } else { n };
+                2
+            }
+            0xdd | 0xdf => {
+                let n = be(buf, pos, 4)? as u64;
+                remaining += if m == 0xdf { 2 * n } else { n };
+                4
+            }
+            0xc1 => return None,
+        };
+        pos = pos.checked_add(skip)?;
+        if pos > buf.len() {
+            return None;
+        }
+    }
+    Some(pos)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schema::examples;
+
+    #[test]
+    fn encoded_len_walks_every_message() {
+        let bytes = encode(&examples::realistic_rollout_group()).unwrap();
+        assert_eq!(encoded_len(&bytes), Some(bytes.len()));
+        let bytes = encode(&examples::scored_group()).unwrap();
+        assert_eq!(encoded_len(&bytes), Some(bytes.len()));
+        assert_eq!(encoded_len(&bytes[..bytes.len() - 1]), None);
+        let mut longer = bytes.clone();
+        longer.push(0xc0);
+        assert_eq!(encoded_len(&longer), Some(bytes.len()));
     }
 }

@@ -8,6 +8,7 @@ mod codec;
 mod dead;
 mod error;
 mod event;
+pub mod examples;
 pub mod json;
 mod packed;
 mod prompt;

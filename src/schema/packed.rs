@@ -16,7 +16,7 @@ use std::fmt;
 use std::marker::PhantomData;
 
 /// A scalar that travels as fixed-width little-endian bytes.
-pub trait Packable: Copy + PartialEq + fmt::Debug + Send + Sync + 'static {
+pub trait Packable: bytemuck::Pod + PartialEq + fmt::Debug + Send + Sync + 'static {
     /// Bytes per element on the wire.
     const WIDTH: usize;
     /// Name used in error messages and schemas (`u32le`, `f32le`).
@@ -114,6 +114,10 @@ impl<T: fmt::Debug> fmt::Debug for Packed<T> {
 
 impl<T: Packable> Serialize for Packed<T> {
     fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+        if cfg!(target_endian = "little") {
+            // The in-memory layout is the wire layout: no copy.
+            return serializer.serialize_bytes(bytemuck::cast_slice(&self.0));
+        }
         let mut buf = Vec::with_capacity(self.0.len() * T::WIDTH);
         for &v in &self.0 {
             v.write_le(&mut buf);
@@ -145,11 +149,16 @@ impl<'de, T: Packable> Visitor<'de> for PackedVisitor<T> {
                 T::DTYPE
             )));
         }
+        if cfg!(target_endian = "little") {
+            let mut out = vec![T::zeroed(); v.len() / T::WIDTH];
+            bytemuck::cast_slice_mut::<T, u8>(&mut out).copy_from_slice(v);
+            return Ok(Packed(out));
+        }
         Ok(Packed(v.chunks_exact(T::WIDTH).map(T::read_le).collect()))
     }
 
     fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Self::Value, A::Error> {
-        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(1 << 20));
+        let mut out = Vec::with_capacity(seq.size_hint().unwrap_or(0).min(4096));
         while let Some(n) = seq.next_element::<Number>()? {
             let v = match n {
                 Number::U(u) => T::from_u64(u),

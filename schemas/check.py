@@ -1,0 +1,192 @@
+#!/usr/bin/env python3
+"""Language-neutral checks of the rlstream message schemas, from Python.
+
+  check.py fixtures                          validate schemas/fixtures/* against schemas/*.schema.json
+  check.py write-rollout --redis URL --stream KEY
+                                             build a RolloutGroup in Python and XADD it (field "d")
+  check.py read-rollout --redis URL --stream KEY --id ID
+                                             read a RolloutGroup written by rlstream, validate, print JSON
+
+Only the schema files are used: this is how a verifier or dashboard in another language
+joins the pipeline. Mapping between MessagePack and the JSON view: bin <-> base64 string.
+"""
+import argparse
+import array
+import base64
+import json
+import pathlib
+import sys
+
+import jsonschema
+import msgpack
+import redis
+from referencing import Registry, Resource
+
+HERE = pathlib.Path(__file__).resolve().parent
+PAYLOAD_FIELD = b"d"
+
+
+def load_registry():
+    schemas = {}
+    for path in sorted(HERE.glob("*.schema.json")):
+        schema = json.loads(path.read_text())
+        schemas[schema["title"]] = schema
+    registry = Registry().with_resources(
+        (s["$id"], Resource.from_contents(s)) for s in schemas.values()
+    )
+    return schemas, registry
+
+
+def to_json_view(value):
+    """The documented MessagePack -> JSON mapping: bin becomes base64."""
+    if isinstance(value, (bytes, bytearray)):
+        return base64.b64encode(value).decode("ascii")
+    if isinstance(value, dict):
+        return {k: to_json_view(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [to_json_view(v) for v in value]
+    return value
+
+
+def validate(name, view, schemas, registry):
+    validator = jsonschema.Draft202012Validator(schemas[name], registry=registry)
+    errors = sorted(validator.iter_errors(view), key=lambda e: list(e.path))
+    if errors:
+        raise SystemExit(f"{name}: " + "; ".join(f"{list(e.path)}: {e.message}" for e in errors))
+
+
+def u32s(b):
+    a = array.array("I")
+    a.frombytes(b)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return list(a)
+
+
+def f32s(b):
+    a = array.array("f")
+    a.frombytes(b)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return list(a)
+
+
+def pack_u32(values):
+    a = array.array("I", values)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def pack_f32(values):
+    a = array.array("f", values)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def check_rollout_semantics(msg):
+    for i, s in enumerate(msg["samples"]):
+        tokens, logprobs = u32s(s["tokens"]), f32s(s["logprobs"])
+        if len(tokens) != len(logprobs):
+            raise SystemExit(f"samples[{i}]: {len(tokens)} tokens but {len(logprobs)} logprobs")
+        if s["versions"][0][0] != 0:
+            raise SystemExit(f"samples[{i}]: first version run does not start at 0")
+
+
+def cmd_fixtures(_args):
+    schemas, registry = load_registry()
+    checked = 0
+    for name in schemas:
+        raw = (HERE / "fixtures" / f"{name}.msgpack").read_bytes()
+        msg = msgpack.unpackb(raw, raw=False)
+        view = to_json_view(msg)
+        validate(name, view, schemas, registry)
+        twin = json.loads((HERE / "fixtures" / f"{name}.json").read_text())
+        if view != twin:
+            raise SystemExit(f"{name}: fixture and its .json twin disagree")
+        if name == "RolloutGroup":
+            check_rollout_semantics(msg)
+        elif name == "ScoredGroup":
+            check_rollout_semantics(msg["rollout"])
+        checked += 1
+        print(f"ok  {name}: {len(raw)} bytes, valid against {name}.schema.json, .json twin matches")
+    print(f"{checked} passed, 0 failed")
+
+
+def python_rollout():
+    tokens = [5, 6, 7, 0]
+    return {
+        "schema": [1, 0],
+        "group_id": "py-verifier-0001",
+        "prompt_id": "add-000001",
+        "task": "add",
+        "prompt_tokens": pack_u32([2, 3, 11, 4, 1, 12]),
+        "samples": [
+            {
+                "tokens": pack_u32(tokens),
+                "logprobs": pack_f32([-0.5, -0.25, -1.0, -0.125]),
+                "versions": [[0, 3], [2, 4]],
+                "finish": "stop",
+                "mask": {"offsets": pack_u32([0, 2, 4, 6, 8]), "ids": pack_u32([5, 1, 6, 2, 7, 3, 0, 4])},
+            },
+            {
+                # The list form, as a hand-written producer might send it.
+                "tokens": [9, 9],
+                "logprobs": [-2.0, -3.0],
+                "versions": [[0, 4]],
+                "finish": "length",
+            },
+        ],
+        "sampling": {"temperature": 0.7, "top_k": 2, "top_p": 1.0, "max_new_tokens": 4, "stop_tokens": [0], "seed": 99},
+        "gen_id": "python",
+        "started_us": 1767225600000000,
+        "finished_us": 1767225600100000,
+        "meta": {"answer": "42"},
+        "written_by": "python",  # an unknown field: readers must ignore it
+    }
+
+
+def cmd_write_rollout(args):
+    schemas, registry = load_registry()
+    msg = python_rollout()
+    validate("RolloutGroup", to_json_view(msg), schemas, registry)
+    r = redis.Redis.from_url(args.redis)
+    entry_id = r.xadd(args.stream, {PAYLOAD_FIELD: msgpack.packb(msg, use_bin_type=True)})
+    print(entry_id.decode())
+
+
+def cmd_read_rollout(args):
+    schemas, registry = load_registry()
+    r = redis.Redis.from_url(args.redis)
+    entries = r.xrange(args.stream, args.id, args.id)
+    if not entries:
+        raise SystemExit(f"no entry {args.id} in {args.stream}")
+    msg = msgpack.unpackb(entries[0][1][PAYLOAD_FIELD], raw=False)
+    validate("RolloutGroup", to_json_view(msg), schemas, registry)
+    check_rollout_semantics(msg)
+    summary = {
+        "group_id": msg["group_id"],
+        "tokens": [u32s(s["tokens"]) for s in msg["samples"]],
+        "logprobs": [f32s(s["logprobs"]) for s in msg["samples"]],
+        "versions": [s["versions"] for s in msg["samples"]],
+    }
+    print(json.dumps(summary))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="cmd", required=True)
+    sub.add_parser("fixtures")
+    for name in ("write-rollout", "read-rollout"):
+        sp = sub.add_parser(name)
+        sp.add_argument("--redis", default="redis://127.0.0.1:6379")
+        sp.add_argument("--stream", required=True)
+        if name == "read-rollout":
+            sp.add_argument("--id", required=True)
+    args = p.parse_args()
+    {"fixtures": cmd_fixtures, "write-rollout": cmd_write_rollout, "read-rollout": cmd_read_rollout}[args.cmd](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+//! Deterministic example messages: the golden fixtures in `schemas/fixtures/`, the codec
+//! benchmarks and tests all build from here, so they agree on what a message looks like.
+
+use super::{
+    DeadLetter, Event, FinishReason, Prompt, RolloutGroup, Sample, SamplingMask, SamplingParams,
+    SchemaVersion, ScoredGroup, WeightsAnnounce, WeightsKind,
+};
+use std::collections::BTreeMap;
+
+/// A fixed timestamp (2026-01-01T00:00:00Z) so fixtures are byte-stable.
+pub const EXAMPLE_TIME_US: u64 = 1_767_225_600_000_000;
+
+/// Tiny deterministic generator (xorshift64*), so examples need no RNG dependency.
+struct Xs(u64);
+impl Xs {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
+    }
+    fn below(&mut self, n: u32) -> u32 {
+        (self.next() % u64::from(n)) as u32
+    }
+}
+
+pub fn prompt() -> Prompt {
+    Prompt {
+        schema: SchemaVersion::CURRENT,
+        prompt_id: "add-000042".into(),
+        task: "add".into(),
+        text: "12+30=".into(),
+        prompt_tokens: Some(vec![2, 3, 11, 4, 1, 12].into()),
+        meta: BTreeMap::from([("answer".to_string(), "42".to_string())]),
+        created_us: EXAMPLE_TIME_US,
+    }
+}
+
+/// A RolloutGroup of `samples` completions of `tokens` tokens each over a `vocab`-sized
+/// vocabulary; with `mask_k > 0`, top-k sampling kept `mask_k` ids per step and the mask
+/// is recorded. Sample `i` switches policy version halfway through when `i` is odd.
+pub fn rollout_group(samples: usize, tokens: usize, vocab: u32, mask_k: u32) -> RolloutGroup {
+    let mut rng = Xs(0x9e37_79b9_7f4a_7c15);
+    let samples = (0..samples)
+        .map(|i| {
+            let mut ids = Vec::with_capacity(tokens);
+            let mut logprobs = Vec::with_capacity(tokens);
+            let mut offsets = vec![0u32];
+            let mut kept = Vec::new();
+            for _ in 0..tokens {
+                let tok = rng.below(vocab);
+                ids.push(tok);
+                logprobs.push(-((rng.below(1000) + 1) as f32) / 250.0);
+                if mask_k > 0 {
+                    kept.push(tok);
+                    for _ in 1..mask_k {
+                        kept.push(rng.below(vocab));
+                    }
+                    offsets.push(kept.len() as u32);
+                }
+            }
+            let mut versions = vec![(0u32, 7u64).into()];
+            if i % 2 == 1 && tokens > 1 {
+                versions.push(((tokens / 2) as u32, 8u64).into());
+            }
+            Sample {
+                tokens: ids.into(),
+                logprobs: logprobs.into(),
+                versions,
+                finish: if i % 3 == 0 {
+                    FinishReason::Stop
+                } else {
+                    FinishReason::Length
+                },
+                mask: (mask_k > 0).then(|| SamplingMask {
+                    offsets: offsets.into(),
+                    ids: kept.into(),
+                }),
+            }
+        })
+        .collect();
+    RolloutGroup {
+        schema: SchemaVersion::CURRENT,
+        group_id: "gen-0-000017".into(),
+        prompt_id: "add-000042".into(),
+        task: "add".into(),
+        prompt_tokens: vec![2, 3, 11, 4, 1, 12].into(),
+        samples,
+        sampling: SamplingParams {
+            temperature: 1.0,
+            top_k: mask_k,
+            top_p: 1.0,
+            max_new_tokens: tokens as u32,
+            stop_tokens: vec![0],
+            seed: 17,
+        },
+        gen_id: "gen-0".into(),
+        started_us: EXAMPLE_TIME_US,
+        finished_us: EXAMPLE_TIME_US + 250_000,
+        meta: BTreeMap::from([("answer".to_string(), "42".to_string())]),
+    }
+}
+
+/// The benchmark's realistic group: 8 samples × 256 tokens, top-k 8 masks, 32k vocabulary.
+pub fn realistic_rollout_group() -> RolloutGroup {
+    rollout_group(8, 256, 32_000, 8)
+}
+
+pub fn scored_group() -> ScoredGroup {
+    let rollout = rollout_group(2, 4, 16, 2);
+    ScoredGroup {
+        schema: SchemaVersion::CURRENT,
+        token_rewards: Some(
+            rollout
+                .samples
+                .iter()
+                .map(|s| vec![0.0; s.tokens.len()].into())
+                .collect(),
+        ),
+        rollout,
+        rewards: vec![1.0, 0.0],
+        advantages: vec![0.70710677, -0.70710677],
+        ref_logprobs: None,
+        scorer_id: "score-0".into(),
+        scored_us: EXAMPLE_TIME_US + 300_000,
+    }
+}
+
+pub fn weights_announce() -> WeightsAnnounce {
+    WeightsAnnounce {
+        schema: SchemaVersion::CURRENT,
+        version: 8,
+        step: 8,
+        kind: WeightsKind::Full,
+        format: "rlstream-params-v1".into(),
+        dtype: "f32".into(),
+        bytes: 4_194_304,
+        chunks: 4,
+        checksum: "0123456789abcdef".into(),
+        started_us: EXAMPLE_TIME_US,
+        published_us: EXAMPLE_TIME_US + 12_000,
+    }
+}
+
+pub fn dead_letter() -> DeadLetter {
+    DeadLetter {
+        schema: SchemaVersion::CURRENT,
+        source_stream: "rl:rollouts".into(),
+        source_id: "1767225600000-0".into(),
+        group: "score".into(),
+        consumer: "score-0".into(),
+        reason: "truncated".into(),
+        error: "RolloutGroup: bytes end before the message does (truncated after 3 bytes)".into(),
+        deliveries: 1,
+        payload: vec![0x8b, 0xa6, 0x73],
+        dead_us: EXAMPLE_TIME_US,
+    }
+}
+
+pub fn event() -> Event {
+    Event {
+        schema: SchemaVersion::CURRENT,
+        kind: "step".into(),
+        stage: "train".into(),
+        source: "train-0".into(),
+        version: 8,
+        fields: BTreeMap::from([
+            ("loss".to_string(), 0.125),
+            ("reward_mean".to_string(), 0.5),
+        ]),
+        text: None,
+        time_us: EXAMPLE_TIME_US,
+    }
+}

@@ -1,0 +1,73 @@
+//! Golden fixtures: `schemas/fixtures/NAME.msgpack` must decode to the example message,
+//! re-encode to the same bytes, and match its `.json` twin under the documented mapping.
+//! Regenerate after a deliberate schema change with `RLSTREAM_BLESS=1 cargo test --test schema_fixtures`.
+
+use rlstream::schema::{self, Message, examples, json::msgpack_to_json};
+use std::fmt::Debug;
+use std::path::PathBuf;
+
+fn fixture_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("schemas/fixtures")
+}
+
+fn check<M: Message + PartialEq + Debug>(name: &str, example: M) {
+    let bytes = schema::encode(&example).unwrap();
+    let json = serde_json::to_string_pretty(&msgpack_to_json(&bytes).unwrap()).unwrap() + "\n";
+    let (bin_path, json_path) = (
+        fixture_dir().join(format!("{name}.msgpack")),
+        fixture_dir().join(format!("{name}.json")),
+    );
+    if std::env::var_os("RLSTREAM_BLESS").is_some() {
+        std::fs::create_dir_all(fixture_dir()).unwrap();
+        std::fs::write(&bin_path, &bytes).unwrap();
+        std::fs::write(&json_path, &json).unwrap();
+    }
+    let golden = std::fs::read(&bin_path).unwrap_or_else(|e| panic!("{}: {e}", bin_path.display()));
+    let decoded: M = schema::decode(&golden).unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert_eq!(
+        decoded, example,
+        "{name}: fixture decodes to a different value"
+    );
+    assert_eq!(
+        schema::encode(&decoded).unwrap(),
+        golden,
+        "{name}: re-encoding changed the bytes"
+    );
+    let golden_json = std::fs::read_to_string(&json_path).unwrap();
+    let parsed: serde_json::Value = serde_json::from_str(&golden_json).unwrap();
+    assert_eq!(
+        msgpack_to_json(&golden).unwrap(),
+        parsed,
+        "{name}: .json twin disagrees"
+    );
+}
+
+#[test]
+fn prompt() {
+    check("Prompt", examples::prompt());
+}
+
+#[test]
+fn rollout_group() {
+    check("RolloutGroup", examples::rollout_group(2, 4, 16, 2));
+}
+
+#[test]
+fn scored_group() {
+    check("ScoredGroup", examples::scored_group());
+}
+
+#[test]
+fn weights_announce() {
+    check("WeightsAnnounce", examples::weights_announce());
+}
+
+#[test]
+fn dead_letter() {
+    check("DeadLetter", examples::dead_letter());
+}
+
+#[test]
+fn event() {
+    check("Event", examples::event());
+}

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Bus publish throughput as a ratio to raw Redis, measured side by side in one run.
 #
-# 1. redis-benchmark: pipelined XADD (-P 100, one client) of the same payload sizes.
-# 2. cargo bench --bench bus: RedisBus::publish in pipelined batches of 100.
+# 1. redis-benchmark: pipelined XADD MAXLEN ~ 10000 (-P 100, one client) of the same payload sizes.
+# 2. cargo bench --bench bus: RedisBus::publish in pipelined batches of 100, same trimming.
 # Prints messages/s for both and the ratio bus/raw for each payload size.
 #
 #   benches/bus_vs_redis.sh            (Redis at 127.0.0.1:6379; REDIS_HOST/REDIS_PORT override)
@@ -25,7 +25,7 @@ raw_rate() { # payload bytes -> XADD/s from redis-benchmark
   payload=$(head -c "$bytes" /dev/zero | tr '\0' x)
   key="bench:raw:$$"
   redis-benchmark -h "$host" -p "$port" -c 1 -P 100 -n "$n" --csv \
-    XADD "$key" '*' d "$payload" | tail -1 | cut -d, -f2 | tr -d '"'
+    XADD "$key" MAXLEN '~' 10000 '*' d "$payload" | tail -1 | cut -d, -f2 | tr -d '"'
   redis-cli -h "$host" -p "$port" del "$key" >/dev/null
 }
 

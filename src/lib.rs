@@ -6,7 +6,9 @@
 //! - [`bus`]: streams with consumer groups, on Redis or in memory, and the typed
 //!   [`bus::Consumer`] that applies the delivery policy (claim, dead-letter).
 //!
-//! The stages (`gen`, `score`, `train`) and the model build on these two.
+//! - [`model`]: the policy (Llama/Qwen2-family decoder in burn), Hugging Face checkpoints,
+//!   the KV-cache sampler and the trainer's log-probs.
 
 pub mod bus;
+pub mod model;
 pub mod schema;

@@ -1,0 +1,423 @@
+//! Hugging Face checkpoints and weight blobs.
+//!
+//! Tensor names and layouts are exactly those of `transformers`' Llama/Qwen2
+//! (`model.layers.{i}.self_attn.q_proj.weight` as `[out, in]`, ...), so a checkpoint
+//! written here loads in `transformers` and the other way round. The same named tensors,
+//! serialised as one safetensors buffer, are the weight blob the trainer publishes.
+
+use super::config::PolicyConfig;
+use super::llama::{Assembler, Block, Policy};
+use super::{Architecture, ModelError};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Tensor, TensorData};
+use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+/// A tensor on the host: shape and row-major f32 values.
+#[derive(Debug, Clone, PartialEq)]
+pub struct HostTensor {
+    pub shape: Vec<usize>,
+    pub data: Vec<f32>,
+}
+
+/// Named host tensors, in name order.
+pub type TensorMap = BTreeMap<String, HostTensor>;
+
+/// Format tag of published weight blobs.
+pub const BLOB_FORMAT: &str = "safetensors-f32";
+
+/// Every tensor a policy of this config has, with its HF name and shape.
+pub fn expected_tensors(cfg: &PolicyConfig) -> Vec<(String, Vec<usize>)> {
+    let (d, hd, ff) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
+    let (q_out, kv_out) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
+    let mut out = vec![(
+        "model.embed_tokens.weight".to_string(),
+        vec![cfg.vocab_size, d],
+    )];
+    for i in 0..cfg.num_layers {
+        let p = format!("model.layers.{i}");
+        out.push((format!("{p}.input_layernorm.weight"), vec![d]));
+        out.push((format!("{p}.self_attn.q_proj.weight"), vec![q_out, d]));
+        out.push((format!("{p}.self_attn.k_proj.weight"), vec![kv_out, d]));
+        out.push((format!("{p}.self_attn.v_proj.weight"), vec![kv_out, d]));
+        if cfg.qkv_bias {
+            out.push((format!("{p}.self_attn.q_proj.bias"), vec![q_out]));
+            out.push((format!("{p}.self_attn.k_proj.bias"), vec![kv_out]));
+            out.push((format!("{p}.self_attn.v_proj.bias"), vec![kv_out]));
+        }
+        out.push((format!("{p}.self_attn.o_proj.weight"), vec![d, q_out]));
+        out.push((format!("{p}.post_attention_layernorm.weight"), vec![d]));
+        out.push((format!("{p}.mlp.gate_proj.weight"), vec![ff, d]));
+        out.push((format!("{p}.mlp.up_proj.weight"), vec![ff, d]));
+        out.push((format!("{p}.mlp.down_proj.weight"), vec![d, ff]));
+    }
+    out.push(("model.norm.weight".to_string(), vec![d]));
+    if !cfg.tie_embeddings {
+        out.push(("lm_head.weight".to_string(), vec![cfg.vocab_size, d]));
+    }
+    out
+}
+
+impl<B: Backend> Policy<B> {
+    /// Builds the policy from named tensors, checking every name and shape.
+    pub fn from_tensors(
+        cfg: &PolicyConfig,
+        tensors: &TensorMap,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        cfg.validate()?;
+        let shapes: HashMap<String, Vec<usize>> = expected_tensors(cfg).into_iter().collect();
+        let get = |name: &str| -> Result<&HostTensor, ModelError> {
+            let t = tensors
+                .get(name)
+                .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+            let expected = &shapes[name];
+            if &t.shape != expected {
+                return Err(ModelError::Shape {
+                    name: name.to_string(),
+                    expected: expected.clone(),
+                    found: t.shape.clone(),
+                });
+            }
+            Ok(t)
+        };
+        let t2 = |name: &str| -> Result<Tensor<B, 2>, ModelError> {
+            let t = get(name)?;
+            Ok(Tensor::from_data(
+                TensorData::new(t.data.clone(), [t.shape[0], t.shape[1]]),
+                device,
+            ))
+        };
+        let t1 = |name: &str| -> Result<Tensor<B, 1>, ModelError> {
+            let t = get(name)?;
+            Ok(Tensor::from_data(
+                TensorData::new(t.data.clone(), [t.shape[0]]),
+                device,
+            ))
+        };
+        let asm = Assembler::<B> { device };
+        let eps = cfg.rms_norm_eps;
+        let mut blocks = Vec::with_capacity(cfg.num_layers);
+        for i in 0..cfg.num_layers {
+            let p = format!("model.layers.{i}");
+            let bias = |n: &str| -> Result<Option<Tensor<B, 1>>, ModelError> {
+                if cfg.qkv_bias {
+                    t1(&format!("{p}.self_attn.{n}_proj.bias")).map(Some)
+                } else {
+                    Ok(None)
+                }
+            };
+            let proj = |n: &str| t2(&format!("{p}.self_attn.{n}_proj.weight"));
+            let attn = asm.attention(
+                cfg,
+                asm.linear(proj("q")?, bias("q")?),
+                asm.linear(proj("k")?, bias("k")?),
+                asm.linear(proj("v")?, bias("v")?),
+                asm.linear(proj("o")?, None),
+            );
+            let mlp = |n: &str| t2(&format!("{p}.mlp.{n}_proj.weight"));
+            blocks.push(Block {
+                attn_norm: asm.norm(t1(&format!("{p}.input_layernorm.weight"))?, eps),
+                attn,
+                mlp_norm: asm.norm(t1(&format!("{p}.post_attention_layernorm.weight"))?, eps),
+                mlp: super::llama::Mlp {
+                    gate: asm.linear(mlp("gate")?, None),
+                    up: asm.linear(mlp("up")?, None),
+                    down: asm.linear(mlp("down")?, None),
+                },
+            });
+        }
+        let head = if cfg.tie_embeddings {
+            None
+        } else {
+            Some(asm.linear(t2("lm_head.weight")?, None))
+        };
+        Ok(asm.policy(
+            cfg,
+            t2("model.embed_tokens.weight")?,
+            blocks,
+            asm.norm(t1("model.norm.weight")?, eps),
+            head,
+        ))
+    }
+
+    /// A randomly initialised policy (normal(0, 0.02) weights, unit norms, zero biases),
+    /// reproducible from `seed`.
+    pub fn random(cfg: &PolicyConfig, seed: u64, device: &B::Device) -> Result<Self, ModelError> {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
+        let mut tensors = TensorMap::new();
+        for (name, shape) in expected_tensors(cfg) {
+            let n: usize = shape.iter().product();
+            let data = if name.ends_with("norm.weight") {
+                vec![1.0; n]
+            } else if name.ends_with(".bias") {
+                vec![0.0; n]
+            } else {
+                (0..n)
+                    .map(|_| {
+                        // Box-Muller: two uniforms to one normal draw.
+                        let (u1, u2): (f64, f64) = (rng.random::<f64>().max(1e-12), rng.random());
+                        (0.02 * (-2.0 * u1.ln()).sqrt() * (std::f64::consts::TAU * u2).cos()) as f32
+                    })
+                    .collect()
+            };
+            tensors.insert(name, HostTensor { shape, data });
+        }
+        Self::from_tensors(cfg, &tensors, device)
+    }
+
+    /// Every parameter by HF name, copied to the host.
+    pub fn to_tensors(&self) -> TensorMap {
+        let mut out = TensorMap::new();
+        let mut put2 = |name: String, t: Tensor<B, 2>, transpose: bool| {
+            let t = if transpose { t.transpose() } else { t };
+            let shape = t.dims().to_vec();
+            out.insert(
+                name,
+                HostTensor {
+                    shape,
+                    data: host(t.into_data()),
+                },
+            );
+        };
+        put2(
+            "model.embed_tokens.weight".into(),
+            self.embed.weight.val(),
+            false,
+        );
+        if let Some(head) = &self.head {
+            put2("lm_head.weight".into(), head.weight.val(), true);
+        }
+        for (i, b) in self.blocks.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            for (n, lin) in [
+                ("q", &b.attn.q),
+                ("k", &b.attn.k),
+                ("v", &b.attn.v),
+                ("o", &b.attn.o),
+            ] {
+                put2(
+                    format!("{p}.self_attn.{n}_proj.weight"),
+                    lin.weight.val(),
+                    true,
+                );
+            }
+            for (n, lin) in [
+                ("gate", &b.mlp.gate),
+                ("up", &b.mlp.up),
+                ("down", &b.mlp.down),
+            ] {
+                put2(format!("{p}.mlp.{n}_proj.weight"), lin.weight.val(), true);
+            }
+        }
+        let mut put1 = |name: String, t: Tensor<B, 1>| {
+            let shape = t.dims().to_vec();
+            out.insert(
+                name,
+                HostTensor {
+                    shape,
+                    data: host(t.into_data()),
+                },
+            );
+        };
+        put1("model.norm.weight".into(), self.norm.gamma.val());
+        for (i, b) in self.blocks.iter().enumerate() {
+            let p = format!("model.layers.{i}");
+            put1(
+                format!("{p}.input_layernorm.weight"),
+                b.attn_norm.gamma.val(),
+            );
+            put1(
+                format!("{p}.post_attention_layernorm.weight"),
+                b.mlp_norm.gamma.val(),
+            );
+            for (n, lin) in [("q", &b.attn.q), ("k", &b.attn.k), ("v", &b.attn.v)] {
+                if let Some(bias) = &lin.bias {
+                    put1(format!("{p}.self_attn.{n}_proj.bias"), bias.val());
+                }
+            }
+        }
+        out
+    }
+
+    /// All parameters as one safetensors buffer (f32): the published weight blob.
+    pub fn to_bytes(&self) -> Result<Vec<u8>, ModelError> {
+        tensors_to_safetensors(&self.to_tensors())
+    }
+
+    /// A fresh policy from a weight blob; the running model is not touched.
+    pub fn from_bytes(
+        cfg: &PolicyConfig,
+        bytes: &[u8],
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        Self::from_tensors(cfg, &safetensors_to_tensors(bytes, None)?, device)
+    }
+
+    /// Writes `config.json` and `model.safetensors` into `dir` (created if missing).
+    pub fn save_hf(&self, dir: &Path) -> Result<(), ModelError> {
+        std::fs::create_dir_all(dir).map_err(|source| io_err(dir, source))?;
+        let config = dir.join("config.json");
+        std::fs::write(&config, self.config().to_hf_json())
+            .map_err(|source| io_err(&config, source))?;
+        let weights = dir.join("model.safetensors");
+        let tmp = dir.join("model.safetensors.tmp");
+        std::fs::write(&tmp, self.to_bytes()?).map_err(|source| io_err(&tmp, source))?;
+        std::fs::rename(&tmp, &weights).map_err(|source| io_err(&weights, source))
+    }
+}
+
+fn io_err(path: &Path, source: std::io::Error) -> ModelError {
+    ModelError::Io {
+        path: path.display().to_string(),
+        source,
+    }
+}
+
+fn host(data: TensorData) -> Vec<f32> {
+    data.convert::<f32>().into_vec::<f32>().unwrap_or_default()
+}
+
+/// Loads `config.json` plus `model.safetensors` or a sharded
+/// `model.safetensors.index.json` from a Hugging Face model directory.
+pub fn load_hf<B: Backend>(dir: &Path, device: &B::Device) -> Result<Policy<B>, ModelError> {
+    let config_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&config_path).map_err(|e| ModelError::MissingFile {
+        path: config_path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    let cfg = PolicyConfig::from_hf_json(&text)?;
+    let tensors = read_hf_tensors(dir)?;
+    Policy::from_tensors(&cfg, &tensors, device)
+}
+
+/// Reads every tensor of a model directory into host memory (f32).
+pub fn read_hf_tensors(dir: &Path) -> Result<TensorMap, ModelError> {
+    let single = dir.join("model.safetensors");
+    let index = dir.join("model.safetensors.index.json");
+    let files: Vec<std::path::PathBuf> = if single.exists() {
+        vec![single]
+    } else if index.exists() {
+        let text = std::fs::read_to_string(&index).map_err(|source| io_err(&index, source))?;
+        let v: serde_json::Value =
+            serde_json::from_str(&text).map_err(|e| ModelError::Safetensors {
+                path: Some(index.display().to_string()),
+                reason: e.to_string(),
+            })?;
+        let map = v["weight_map"]
+            .as_object()
+            .ok_or_else(|| ModelError::Safetensors {
+                path: Some(index.display().to_string()),
+                reason: "no `weight_map` object".into(),
+            })?;
+        let mut shards: Vec<String> = map
+            .values()
+            .filter_map(|f| f.as_str().map(String::from))
+            .collect();
+        shards.sort();
+        shards.dedup();
+        shards.into_iter().map(|s| dir.join(s)).collect()
+    } else {
+        return Err(ModelError::MissingFile {
+            path: single.display().to_string(),
+            reason: "neither model.safetensors nor model.safetensors.index.json exists".into(),
+        });
+    };
+    let mut out = TensorMap::new();
+    for f in files {
+        let bytes = std::fs::read(&f).map_err(|e| ModelError::MissingFile {
+            path: f.display().to_string(),
+            reason: e.to_string(),
+        })?;
+        out.extend(safetensors_to_tensors(&bytes, Some(&f))?);
+    }
+    Ok(out)
+}
+
+/// Decodes a safetensors buffer; F32, F16 and BF16 become f32.
+pub fn safetensors_to_tensors(bytes: &[u8], path: Option<&Path>) -> Result<TensorMap, ModelError> {
+    let st = SafeTensors::deserialize(bytes).map_err(|e| ModelError::Safetensors {
+        path: path.map(|p| p.display().to_string()),
+        reason: e.to_string(),
+    })?;
+    let mut out = TensorMap::new();
+    for (name, view) in st.tensors() {
+        let raw = view.data();
+        let data: Vec<f32> = match view.dtype() {
+            Dtype::F32 => raw
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect(),
+            Dtype::BF16 => raw
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            Dtype::F16 => raw
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+                .collect(),
+            other => {
+                return Err(ModelError::Dtype {
+                    name,
+                    dtype: format!("{other:?}"),
+                });
+            }
+        };
+        out.insert(
+            name,
+            HostTensor {
+                shape: view.shape().to_vec(),
+                data,
+            },
+        );
+    }
+    Ok(out)
+}
+
+/// Encodes named tensors as one safetensors buffer (f32, `format = pt` metadata so
+/// `transformers` accepts it).
+pub fn tensors_to_safetensors(tensors: &TensorMap) -> Result<Vec<u8>, ModelError> {
+    let bytes: Vec<(&String, Vec<u8>, &Vec<usize>)> = tensors
+        .iter()
+        .map(|(n, t)| {
+            (
+                n,
+                bytemuck::cast_slice::<f32, u8>(&t.data).to_vec(),
+                &t.shape,
+            )
+        })
+        .collect();
+    let views = bytes
+        .iter()
+        .map(|(n, b, s)| {
+            TensorView::new(Dtype::F32, s.to_vec(), b)
+                .map(|v| (n.as_str(), v))
+                .map_err(|e| ModelError::Safetensors {
+                    path: None,
+                    reason: e.to_string(),
+                })
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
+    safetensors::serialize(views, Some(meta)).map_err(|e| ModelError::Safetensors {
+        path: None,
+        reason: e.to_string(),
+    })
+}
+
+/// xxh3-64 of a weight blob as 16 hex digits (the `checksum` of a WeightsAnnounce).
+pub fn checksum(bytes: &[u8]) -> String {
+    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
+}
+
+/// Architecture of a model directory without loading it.
+pub fn architecture_of(dir: &Path) -> Result<Architecture, ModelError> {
+    let path = dir.join("config.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| ModelError::MissingFile {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    Ok(PolicyConfig::from_hf_json(&text)?.architecture)
+}

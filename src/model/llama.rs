@@ -1,0 +1,597 @@
+//! The decoder: token embedding, `num_layers` pre-norm blocks (RMSNorm → grouped-query
+//! attention with rotary positions → RMSNorm → SwiGLU MLP), final RMSNorm, output head.
+//!
+//! One forward function serves every caller: the trainer (whole sequences, causal mask,
+//! no cache), prefill (a prompt into an empty cache) and decode (one token per row against
+//! the cache). Each row carries its own positions, so rows of different lengths share a
+//! batch: the cache is left-aligned per row and masked before each row's start.
+
+use super::config::PolicyConfig;
+use burn::module::{Module, Param};
+use burn::nn::{Embedding, Linear, RmsNorm};
+use burn::tensor::activation::{silu, softmax};
+use burn::tensor::backend::Backend;
+use burn::tensor::{Int, Tensor, TensorData};
+
+/// Additive attention bias for masked positions. Finite, so a fully masked row (never
+/// produced here) would not turn into NaN, and gradients stay clean.
+pub(crate) const MASKED: f32 = -1e9;
+
+#[derive(Module, Debug)]
+pub struct Mlp<B: Backend> {
+    pub gate: Linear<B>,
+    pub up: Linear<B>,
+    pub down: Linear<B>,
+}
+
+impl<B: Backend> Mlp<B> {
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
+        self.down
+            .forward(silu(self.gate.forward(x.clone())) * self.up.forward(x))
+    }
+}
+
+#[derive(Module, Debug)]
+pub struct Attention<B: Backend> {
+    pub q: Linear<B>,
+    pub k: Linear<B>,
+    pub v: Linear<B>,
+    pub o: Linear<B>,
+    num_heads: usize,
+    num_kv_heads: usize,
+    head_dim: usize,
+}
+
+#[derive(Module, Debug)]
+pub struct Block<B: Backend> {
+    pub attn_norm: RmsNorm<B>,
+    pub attn: Attention<B>,
+    pub mlp_norm: RmsNorm<B>,
+    pub mlp: Mlp<B>,
+}
+
+/// The policy. Build it with [`Policy::from_tensors`] (checkpoints, weight blobs) or
+/// [`Policy::random`].
+#[derive(Module, Debug)]
+pub struct Policy<B: Backend> {
+    pub embed: Embedding<B>,
+    pub blocks: Vec<Block<B>>,
+    pub norm: RmsNorm<B>,
+    /// Untied output head; `None` when the embedding is reused.
+    pub head: Option<Linear<B>>,
+    /// Rotary tables `[max_position, head_dim]` in the HF layout (frequencies repeated
+    /// over both halves). Constants, not parameters.
+    rope_cos: Tensor<B, 2>,
+    rope_sin: Tensor<B, 2>,
+    #[module(skip)]
+    config: PolicyConfig,
+}
+
+/// Per-layer keys and values of the rows being decoded.
+///
+/// Row `r` occupies columns `starts[r]..len` of every layer's `[rows, kv_heads, len,
+/// head_dim]` tensors; columns before `starts[r]` are padding, masked out. Rows join
+/// ([`KvCache::append_rows`]) and leave ([`KvCache::keep_rows`]) between forward passes.
+#[derive(Debug, Clone)]
+pub struct KvCache<B: Backend> {
+    pub(crate) layers: Vec<(Tensor<B, 4>, Tensor<B, 4>)>,
+    pub(crate) starts: Vec<usize>,
+    pub(crate) len: usize,
+}
+
+/// What one forward pass attends to.
+pub(crate) enum AttnMode<'a, B: Backend> {
+    /// Whole sequences from position 0, causal mask, no cache.
+    Full,
+    /// Append the inputs to `cache` and attend over it (prefill or decode).
+    Cached(&'a mut KvCache<B>),
+}
+
+fn rope_tables<B: Backend>(cfg: &PolicyConfig, device: &B::Device) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let (hd, n) = (cfg.head_dim, cfg.max_position);
+    let half = hd / 2;
+    let mut cos = Vec::with_capacity(n * hd);
+    let mut sin = Vec::with_capacity(n * hd);
+    for pos in 0..n {
+        for i in 0..hd {
+            let inv_freq = 1.0 / cfg.rope_theta.powf((2 * (i % half)) as f64 / hd as f64);
+            let angle = pos as f64 * inv_freq;
+            cos.push(angle.cos() as f32);
+            sin.push(angle.sin() as f32);
+        }
+    }
+    (
+        Tensor::from_data(TensorData::new(cos, [n, hd]), device),
+        Tensor::from_data(TensorData::new(sin, [n, hd]), device),
+    )
+}
+
+/// `x * cos + rotate_half(x) * sin` with `rotate_half([a, b]) = [-b, a]` (the HF layout).
+fn apply_rope<B: Backend>(x: Tensor<B, 4>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 4> {
+    let [b, h, l, hd] = x.dims();
+    let half = hd / 2;
+    let x1 = x.clone().slice([0..b, 0..h, 0..l, 0..half]);
+    let x2 = x.clone().slice([0..b, 0..h, 0..l, half..hd]);
+    let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
+    x * cos + rotated * sin
+}
+
+impl<B: Backend> Attention<B> {
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        cos: Tensor<B, 4>,
+        sin: Tensor<B, 4>,
+        bias: Tensor<B, 4>,
+        layer_cache: Option<&mut (Tensor<B, 4>, Tensor<B, 4>)>,
+    ) -> Tensor<B, 3> {
+        let [b, l, _] = x.dims();
+        let (h, kvh, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
+        let g = h / kvh;
+        let q = self
+            .q
+            .forward(x.clone())
+            .reshape([b, l, h, hd])
+            .swap_dims(1, 2);
+        let k = self
+            .k
+            .forward(x.clone())
+            .reshape([b, l, kvh, hd])
+            .swap_dims(1, 2);
+        let v = self.v.forward(x).reshape([b, l, kvh, hd]).swap_dims(1, 2);
+        let q = apply_rope(q, cos.clone(), sin.clone());
+        let k = apply_rope(k, cos, sin);
+        let (k, v) = match layer_cache {
+            Some(cache) => {
+                let k = Tensor::cat(vec![cache.0.clone(), k], 2);
+                let v = Tensor::cat(vec![cache.1.clone(), v], 2);
+                *cache = (k.clone(), v.clone());
+                (k, v)
+            }
+            None => (k, v),
+        };
+        let t = k.dims()[2];
+        // Query heads j*g..(j+1)*g share key/value head j (HF `repeat_kv`): group them so
+        // one matmul per kv head serves all its query heads without copying K and V.
+        let q = q.reshape([b, kvh, g * l, hd]);
+        let scale = (hd as f64).powf(-0.5);
+        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale);
+        // bias is [b or 1, 1, l, t]: broadcast over kv heads and their query groups.
+        let bb = bias.dims()[0];
+        let scores = scores.reshape([b, kvh, g, l, t]) + bias.reshape([bb, 1, 1, l, t]);
+        let probs = softmax(scores, 4).reshape([b, kvh, g * l, t]);
+        let out = probs
+            .matmul(v)
+            .reshape([b, h, l, hd])
+            .swap_dims(1, 2)
+            .reshape([b, l, h * hd]);
+        self.o.forward(out)
+    }
+}
+
+impl<B: Backend> Policy<B> {
+    pub fn config(&self) -> &PolicyConfig {
+        &self.config
+    }
+
+    pub fn device(&self) -> B::Device {
+        self.rope_cos.device()
+    }
+
+    /// Logits `[batch, len, vocab]` of token ids `[batch, len]` at `positions`
+    /// (`[batch, len]`, each row's own), attending as `mode` says.
+    pub(crate) fn forward_with(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        positions: &[usize],
+        mode: AttnMode<'_, B>,
+    ) -> Tensor<B, 3> {
+        let [b, l] = tokens.dims();
+        let device = tokens.device();
+        let hd = self.config.head_dim;
+        let pos = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(
+                positions.iter().map(|&p| p as i64).collect::<Vec<_>>(),
+                [b * l],
+            ),
+            &device,
+        );
+        let cos = self
+            .rope_cos
+            .clone()
+            .select(0, pos.clone())
+            .reshape([b, 1, l, hd]);
+        let sin = self.rope_sin.clone().select(0, pos).reshape([b, 1, l, hd]);
+        let mut x = self.embed.forward(tokens);
+        match mode {
+            AttnMode::Full => {
+                let bias = causal_bias::<B>(l, &device).reshape([1, 1, l, l]);
+                for block in &self.blocks {
+                    x = block.forward(x, cos.clone(), sin.clone(), bias.clone(), None);
+                }
+            }
+            AttnMode::Cached(cache) => {
+                let total = cache.len + l;
+                let bias = cached_bias::<B>(&cache.starts, cache.len, l, &device);
+                for (block, layer) in self.blocks.iter().zip(cache.layers.iter_mut()) {
+                    x = block.forward(x, cos.clone(), sin.clone(), bias.clone(), Some(layer));
+                }
+                cache.len = total;
+            }
+        }
+        let x = self.norm.forward(x);
+        match &self.head {
+            Some(head) => head.forward(x),
+            None => {
+                let [b, l, d] = x.dims();
+                let w = self.embed.weight.val();
+                x.reshape([b * l, d])
+                    .matmul(w.transpose())
+                    .reshape([b, l, self.config.vocab_size])
+            }
+        }
+    }
+
+    /// Logits of whole sequences `[batch, len]` from position 0 (the trainer's view; also
+    /// the reference the cached path is tested against).
+    pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let [b, l] = tokens.dims();
+        let positions: Vec<usize> = (0..b).flat_map(|_| 0..l).collect();
+        self.forward_with(tokens, &positions, AttnMode::Full)
+    }
+
+    /// An empty cache for `rows` rows.
+    pub fn empty_cache(&self, rows: usize) -> KvCache<B> {
+        let device = self.device();
+        let (kvh, hd) = (self.config.num_kv_heads, self.config.head_dim);
+        let empty = || Tensor::<B, 4>::zeros([rows, kvh, 0, hd], &device);
+        KvCache {
+            layers: (0..self.config.num_layers)
+                .map(|_| (empty(), empty()))
+                .collect(),
+            starts: vec![0; rows],
+            len: 0,
+        }
+    }
+}
+
+impl<B: Backend> Block<B> {
+    fn forward(
+        &self,
+        x: Tensor<B, 3>,
+        cos: Tensor<B, 4>,
+        sin: Tensor<B, 4>,
+        bias: Tensor<B, 4>,
+        cache: Option<&mut (Tensor<B, 4>, Tensor<B, 4>)>,
+    ) -> Tensor<B, 3> {
+        let h = x.clone()
+            + self
+                .attn
+                .forward(self.attn_norm.forward(x), cos, sin, bias, cache);
+        h.clone() + self.mlp.forward(self.mlp_norm.forward(h))
+    }
+}
+
+/// `[l, l]`: 0 on and below the diagonal, masked above.
+fn causal_bias<B: Backend>(l: usize, device: &B::Device) -> Tensor<B, 2> {
+    let data: Vec<f32> = (0..l)
+        .flat_map(|i| (0..l).map(move |j| if j <= i { 0.0 } else { MASKED }))
+        .collect();
+    Tensor::from_data(TensorData::new(data, [l, l]), device)
+}
+
+/// `[rows, 1, l, past + l]` for `l` new tokens per row after `past` cached columns: a row
+/// sees its own columns from `starts[r]`, causally among the new ones.
+fn cached_bias<B: Backend>(
+    starts: &[usize],
+    past: usize,
+    l: usize,
+    device: &B::Device,
+) -> Tensor<B, 4> {
+    let t = past + l;
+    let mut data = Vec::with_capacity(starts.len() * l * t);
+    for &start in starts {
+        for i in 0..l {
+            for j in 0..t {
+                let visible = j >= start && j <= past + i;
+                data.push(if visible { 0.0 } else { MASKED });
+            }
+        }
+    }
+    Tensor::from_data(TensorData::new(data, [starts.len(), 1, l, t]), device)
+}
+
+impl<B: Backend> KvCache<B> {
+    pub fn rows(&self) -> usize {
+        self.starts.len()
+    }
+
+    /// Cached columns (the longest row plus left padding).
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.starts.is_empty()
+    }
+
+    /// Keeps only `rows` (in that order) and drops padding columns no row needs any more.
+    pub fn keep_rows(&mut self, rows: &[usize]) {
+        if rows.is_empty() {
+            for (k, v) in &mut self.layers {
+                let [_, h, _, d] = k.dims();
+                *k = Tensor::zeros([0, h, 0, d], &k.device());
+                *v = Tensor::zeros([0, h, 0, d], &v.device());
+            }
+            self.starts.clear();
+            self.len = 0;
+            return;
+        }
+        let device = self.layers[0].0.device();
+        let idx = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(
+                rows.iter().map(|&r| r as i64).collect::<Vec<_>>(),
+                [rows.len()],
+            ),
+            &device,
+        );
+        let starts: Vec<usize> = rows.iter().map(|&r| self.starts[r]).collect();
+        let drop = starts.iter().copied().min().unwrap_or(0);
+        for (k, v) in &mut self.layers {
+            let [_, h, t, d] = k.dims();
+            *k = k
+                .clone()
+                .select(0, idx.clone())
+                .slice([0..rows.len(), 0..h, drop..t, 0..d]);
+            *v = v
+                .clone()
+                .select(0, idx.clone())
+                .slice([0..rows.len(), 0..h, drop..t, 0..d]);
+        }
+        self.starts = starts.into_iter().map(|s| s - drop).collect();
+        self.len -= drop;
+    }
+
+    /// Appends the rows of `other` (e.g. a freshly prefilled prompt), right-aligning both
+    /// so every row's last token sits in the last column.
+    pub fn append_rows(&mut self, other: KvCache<B>) {
+        if self.starts.is_empty() {
+            *self = other;
+            return;
+        }
+        let t = self.len.max(other.len);
+        let pad = |layers: &mut Vec<(Tensor<B, 4>, Tensor<B, 4>)>, from: usize| {
+            if from == t {
+                return;
+            }
+            for (k, v) in layers.iter_mut() {
+                let [r, h, _, d] = k.dims();
+                let zeros = Tensor::<B, 4>::zeros([r, h, t - from, d], &k.device());
+                *k = Tensor::cat(vec![zeros.clone(), k.clone()], 2);
+                *v = Tensor::cat(vec![zeros, v.clone()], 2);
+            }
+        };
+        let mut other = other;
+        pad(&mut self.layers, self.len);
+        pad(&mut other.layers, other.len);
+        let (shift_a, shift_b) = (t - self.len, t - other.len);
+        for ((k, v), (ok, ov)) in self.layers.iter_mut().zip(other.layers) {
+            *k = Tensor::cat(vec![k.clone(), ok], 0);
+            *v = Tensor::cat(vec![v.clone(), ov], 0);
+        }
+        for s in &mut self.starts {
+            *s += shift_a;
+        }
+        self.starts
+            .extend(other.starts.into_iter().map(|s| s + shift_b));
+        self.len = t;
+    }
+
+    /// Repeats every row `n` times (one prompt prefilled once, sampled `n` ways).
+    pub fn repeat_rows(&mut self, n: usize) {
+        if n == 1 {
+            return;
+        }
+        let rows = self.starts.len();
+        let order: Vec<usize> = (0..rows).flat_map(|r| std::iter::repeat_n(r, n)).collect();
+        let starts = order.iter().map(|&r| self.starts[r]).collect();
+        let device = self.layers[0].0.device();
+        let idx = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(
+                order.iter().map(|&r| r as i64).collect::<Vec<_>>(),
+                [order.len()],
+            ),
+            &device,
+        );
+        for (k, v) in &mut self.layers {
+            *k = k.clone().select(0, idx.clone());
+            *v = v.clone().select(0, idx.clone());
+        }
+        self.starts = starts;
+    }
+
+    /// Position of the next token of each row.
+    pub fn next_positions(&self) -> Vec<usize> {
+        self.starts.iter().map(|&s| self.len - s).collect()
+    }
+}
+
+/// Builds modules from named tensors; see [`super::hf`] for names and layout.
+pub(crate) struct Assembler<'a, B: Backend> {
+    pub device: &'a B::Device,
+}
+
+impl<B: Backend> Assembler<'_, B> {
+    pub fn linear(&self, weight_out_in: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Linear<B> {
+        Linear {
+            weight: Param::from_tensor(weight_out_in.transpose()),
+            bias: bias.map(Param::from_tensor),
+        }
+    }
+
+    pub fn norm(&self, gamma: Tensor<B, 1>, eps: f64) -> RmsNorm<B> {
+        RmsNorm {
+            gamma: Param::from_tensor(gamma),
+            epsilon: eps,
+        }
+    }
+
+    pub fn attention(
+        &self,
+        cfg: &PolicyConfig,
+        q: Linear<B>,
+        k: Linear<B>,
+        v: Linear<B>,
+        o: Linear<B>,
+    ) -> Attention<B> {
+        Attention {
+            q,
+            k,
+            v,
+            o,
+            num_heads: cfg.num_heads,
+            num_kv_heads: cfg.num_kv_heads,
+            head_dim: cfg.head_dim,
+        }
+    }
+
+    pub fn policy(
+        &self,
+        cfg: &PolicyConfig,
+        embed: Tensor<B, 2>,
+        blocks: Vec<Block<B>>,
+        norm: RmsNorm<B>,
+        head: Option<Linear<B>>,
+    ) -> Policy<B> {
+        let (rope_cos, rope_sin) = rope_tables(cfg, self.device);
+        Policy {
+            embed: Embedding {
+                weight: Param::from_tensor(embed),
+            },
+            blocks,
+            norm,
+            head,
+            rope_cos,
+            rope_sin,
+            config: cfg.clone(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{Architecture, InferBackend};
+
+    type B = InferBackend;
+
+    fn ids(v: &[u32]) -> Vec<i64> {
+        v.iter().map(|&t| i64::from(t)).collect()
+    }
+
+    /// Logits of every position of `seq` by full recompute.
+    fn full(model: &Policy<B>, seq: &[u32]) -> Vec<Vec<f32>> {
+        let t = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(ids(seq), [1, seq.len()]),
+            &Default::default(),
+        );
+        let flat: Vec<f32> = model.forward(t).into_data().into_vec().unwrap();
+        flat.chunks(model.config().vocab_size)
+            .map(<[f32]>::to_vec)
+            .collect()
+    }
+
+    fn prefill(model: &Policy<B>, prompt: &[u32]) -> (KvCache<B>, Vec<f32>) {
+        let mut cache = model.empty_cache(1);
+        let t = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(ids(prompt), [1, prompt.len()]),
+            &Default::default(),
+        );
+        let pos: Vec<usize> = (0..prompt.len()).collect();
+        let flat: Vec<f32> = model
+            .forward_with(t, &pos, AttnMode::Cached(&mut cache))
+            .into_data()
+            .into_vec()
+            .unwrap();
+        let v = model.config().vocab_size;
+        (cache, flat[flat.len() - v..].to_vec())
+    }
+
+    fn step(model: &Policy<B>, cache: &mut KvCache<B>, next: &[u32]) -> Vec<Vec<f32>> {
+        let t = Tensor::<B, 2, Int>::from_data(
+            TensorData::new(ids(next), [next.len(), 1]),
+            &Default::default(),
+        );
+        let pos = cache.next_positions();
+        let flat: Vec<f32> = model
+            .forward_with(t, &pos, AttnMode::Cached(cache))
+            .into_data()
+            .into_vec()
+            .unwrap();
+        flat.chunks(model.config().vocab_size)
+            .map(<[f32]>::to_vec)
+            .collect()
+    }
+
+    fn assert_close(a: &[f32], b: &[f32], what: &str) {
+        let d = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max);
+        assert!(d < 1e-4, "{what}: max diff {d}");
+    }
+
+    #[test]
+    fn cached_decode_matches_full_recompute_as_rows_join_and_leave() {
+        let cfg = PolicyConfig::tiny(Architecture::Llama, 50);
+        assert_eq!(
+            (cfg.num_heads, cfg.num_kv_heads),
+            (4, 2),
+            "grouped-query attention under test"
+        );
+        let model = Policy::<B>::random(&cfg, 5, &Default::default()).unwrap();
+        let a: Vec<u32> = (0..14).map(|i| (i * 7 + 3) % 50).collect();
+        let b: Vec<u32> = (0..11).map(|i| (i * 5 + 1) % 50).collect();
+        let c: Vec<u32> = (0..9).map(|i| (i * 3 + 2) % 50).collect();
+        let (fa, fb, fc) = (full(&model, &a), full(&model, &b), full(&model, &c));
+
+        // Row a: prompt of 4, then decode.
+        let (mut cache, last) = prefill(&model, &a[..4]);
+        assert_close(&last, &fa[3], "a prefill");
+        let mut pos = vec![4usize];
+        let mut rows = vec![('a', &a, &fa)];
+        for round in 0..7 {
+            if round == 2 {
+                // b joins with a 6-token prompt (longer than a's cache: a gets left-padded).
+                let (cb, lb) = prefill(&model, &b[..6]);
+                assert_close(&lb, &fb[5], "b prefill");
+                cache.append_rows(cb);
+                pos.push(6);
+                rows.push(('b', &b, &fb));
+            }
+            if round == 4 {
+                // a leaves; c joins with a 2-token prompt.
+                cache.keep_rows(&[1]);
+                pos.remove(0);
+                rows.remove(0);
+                let (cc, lc) = prefill(&model, &c[..2]);
+                assert_close(&lc, &fc[1], "c prefill");
+                cache.append_rows(cc);
+                pos.push(2);
+                rows.push(('c', &c, &fc));
+            }
+            let next: Vec<u32> = rows.iter().zip(&pos).map(|((_, s, _), &p)| s[p]).collect();
+            let out = step(&model, &mut cache, &next);
+            for (i, ((name, _, f), p)) in rows.iter().zip(pos.iter_mut()).enumerate() {
+                assert_close(
+                    &out[i],
+                    &f[*p],
+                    &format!("row {name} at {p}, round {round}"),
+                );
+                *p += 1;
+            }
+        }
+        assert_eq!(cache.rows(), 2);
+    }
+}

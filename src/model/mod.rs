@@ -1,0 +1,62 @@
+//! The policy model: a Llama/Qwen2-family decoder in burn, generic over the backend.
+//!
+//! - [`config`]: shape and numerics, and the Hugging Face `config.json` mapping.
+//! - [`llama`]: the decoder (RMSNorm, rotary embedding in the HF half-rotation layout,
+//!   grouped-query attention, SwiGLU), its forward pass with or without a KV cache.
+//! - [`hf`]: safetensors checkpoints (single file or sharded) in and out, and the weights
+//!   as one byte blob for publication.
+//! - [`sampler`]: batched generation with an incremental KV cache and continuous batching,
+//!   returning per-token behaviour log-probs and sampling masks.
+//! - [`logprobs`]: the trainer's teacher-forced log-probs, optionally renormalised over a
+//!   recorded sampling mask, with gradients.
+//! - [`tokenizer`]: Hugging Face `tokenizer.json` and a built-in character tokenizer.
+
+pub mod config;
+pub mod hf;
+pub mod llama;
+pub mod logprobs;
+pub mod sampler;
+pub mod tokenizer;
+
+pub use config::{Architecture, PolicyConfig};
+pub use llama::{KvCache, Policy};
+
+/// The CPU backend generation runs on (chosen by measurement, see BENCHMARKS.md).
+pub type InferBackend = burn::backend::Flex;
+/// The backend training runs on: autodiff over the CPU backend.
+pub type TrainBackend = burn::backend::Autodiff<burn::backend::Flex>;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ModelError {
+    #[error("model config: `{field}` {reason}")]
+    Config { field: String, reason: String },
+    #[error("unsupported model: {0}")]
+    Unsupported(String),
+    #[error("missing file {path}: {reason}")]
+    MissingFile { path: String, reason: String },
+    #[error("checkpoint is missing tensor `{0}`")]
+    MissingTensor(String),
+    #[error("tensor `{name}` has shape {found:?}, expected {expected:?}")]
+    Shape {
+        name: String,
+        expected: Vec<usize>,
+        found: Vec<usize>,
+    },
+    #[error("tensor `{name}` has dtype {dtype}; rlstream reads F32, F16 and BF16")]
+    Dtype { name: String, dtype: String },
+    #[error("bad safetensors data{}: {reason}", .path.as_ref().map(|p| format!(" in {p}")).unwrap_or_default())]
+    Safetensors {
+        path: Option<String>,
+        reason: String,
+    },
+    #[error("weights checksum mismatch: expected {expected}, got {found}")]
+    Checksum { expected: String, found: String },
+    #[error("tokenizer: {0}")]
+    Tokenizer(String),
+    #[error("{path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+}

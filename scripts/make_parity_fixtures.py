@@ -47,6 +47,7 @@ def char_tokenizer():
     tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Split(pattern="", behavior="isolated")
     tok.decoder = decoders.Fuse()
+    tok.add_special_tokens(["</s>", "<unk>"])
     return tok
 
 

@@ -8,7 +8,9 @@
 //!
 //! - [`model`]: the policy (Llama/Qwen2-family decoder in burn), Hugging Face checkpoints,
 //!   the KV-cache sampler and the trainer's log-probs.
+//! - [`commands`]: user commands other than the stages (`rlstream generate`).
 
 pub mod bus;
+pub mod commands;
 pub mod model;
 pub mod schema;

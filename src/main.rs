@@ -3,6 +3,7 @@
 use anyhow::{Context, Result};
 use clap::{Parser, Subcommand, ValueEnum};
 use rlstream::bus::Topology;
+use rlstream::commands::generate::{self, GenerateOptions};
 use rlstream::schema::{self, json::msgpack_to_json};
 use std::path::PathBuf;
 
@@ -28,6 +29,8 @@ enum Command {
         #[arg(long, env = "RLSTREAM_NAMESPACE")]
         namespace: Option<String>,
     },
+    /// Sample from a Hugging Face checkpoint (Llama/Qwen2 family).
+    Generate(GenerateArgs),
     /// Decode and validate a MessagePack message file, print it as JSON (bin as base64).
     Inspect {
         /// Message type.
@@ -36,6 +39,38 @@ enum Command {
         /// File holding one encoded message.
         file: PathBuf,
     },
+}
+
+#[derive(clap::Args)]
+struct GenerateArgs {
+    /// Model directory: config.json, model.safetensors (or a sharded index), tokenizer.
+    #[arg(long)]
+    model: PathBuf,
+    /// Prompt text (encoded with the model's tokenizer).
+    #[arg(long, conflicts_with = "prompt_ids")]
+    prompt: Option<String>,
+    /// Prompt token ids, comma-separated.
+    #[arg(long, value_delimiter = ',')]
+    prompt_ids: Option<Vec<u32>>,
+    #[arg(long, default_value_t = 32)]
+    max_new_tokens: u32,
+    /// Softmax temperature; 0 is greedy.
+    #[arg(long, default_value_t = 1.0)]
+    temperature: f32,
+    /// Keep the k most likely tokens; 0 disables.
+    #[arg(long, default_value_t = 0)]
+    top_k: u32,
+    /// Keep the smallest set of tokens with this much probability; 1 disables.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f32,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// Completions to sample.
+    #[arg(long, default_value_t = 1)]
+    n: usize,
+    /// Print token ids and log-probs as JSON.
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -61,6 +96,21 @@ fn main() -> Result<()> {
             namespace,
         } => streams(topology, namespace),
         Command::Inspect { kind, file } => inspect(kind, file),
+        Command::Generate(a) => {
+            let opts = GenerateOptions {
+                model: a.model,
+                prompt: a.prompt,
+                prompt_ids: a.prompt_ids,
+                max_new_tokens: a.max_new_tokens,
+                temperature: a.temperature,
+                top_k: a.top_k,
+                top_p: a.top_p,
+                seed: a.seed,
+                n: a.n,
+                json: a.json,
+            };
+            Ok(generate::run(&opts, &mut std::io::stdout().lock())?)
+        }
     }
 }
 

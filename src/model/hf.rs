@@ -5,9 +5,9 @@
 //! written here loads in `transformers` and the other way round. The same named tensors,
 //! serialised as one safetensors buffer, are the weight blob the trainer publishes.
 
+use super::ModelError;
 use super::config::PolicyConfig;
 use super::llama::{Assembler, Block, Policy};
-use super::{Architecture, ModelError};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
@@ -410,14 +410,4 @@ pub fn tensors_to_safetensors(tensors: &TensorMap) -> Result<Vec<u8>, ModelError
 /// xxh3-64 of a weight blob as 16 hex digits (the `checksum` of a WeightsAnnounce).
 pub fn checksum(bytes: &[u8]) -> String {
     format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
-}
-
-/// Architecture of a model directory without loading it.
-pub fn architecture_of(dir: &Path) -> Result<Architecture, ModelError> {
-    let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| ModelError::MissingFile {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    })?;
-    Ok(PolicyConfig::from_hf_json(&text)?.architecture)
 }

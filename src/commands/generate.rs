@@ -1,0 +1,123 @@
+//! `rlstream generate`: load a checkpoint and sample from it, printing text or, with
+//! `--json`, token ids and behaviour log-probs.
+
+use crate::model::hf::load_hf;
+use crate::model::sampler::{Generator, Request};
+use crate::model::tokenizer::Tokenizer;
+use crate::model::{InferBackend, ModelError, Policy};
+use crate::schema::{FinishReason, SamplingParams};
+use std::io::Write;
+use std::path::PathBuf;
+
+#[derive(Debug, Clone)]
+pub struct GenerateOptions {
+    /// Hugging Face model directory (config.json, model.safetensors, tokenizer).
+    pub model: PathBuf,
+    /// Prompt as text (needs a tokenizer in the model directory).
+    pub prompt: Option<String>,
+    /// Prompt as token ids.
+    pub prompt_ids: Option<Vec<u32>>,
+    pub max_new_tokens: u32,
+    pub temperature: f32,
+    pub top_k: u32,
+    pub top_p: f32,
+    pub seed: u64,
+    /// Completions to sample.
+    pub n: usize,
+    pub json: bool,
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum GenerateError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("{0}")]
+    Usage(String),
+    #[error("cannot write output: {0}")]
+    Output(#[from] std::io::Error),
+}
+
+pub fn run(opts: &GenerateOptions, out: &mut impl Write) -> Result<(), GenerateError> {
+    let usage = |m: String| Err(GenerateError::Usage(m));
+    if !(opts.temperature.is_finite() && opts.temperature >= 0.0) {
+        return usage(format!(
+            "--temperature {} must be >= 0 (0 is greedy)",
+            opts.temperature
+        ));
+    }
+    if !(opts.top_p > 0.0 && opts.top_p <= 1.0) {
+        return usage(format!("--top-p {} must be in (0, 1]", opts.top_p));
+    }
+    if opts.n == 0 || opts.max_new_tokens == 0 {
+        return usage("--n and --max-new-tokens must be at least 1".into());
+    }
+    let device = Default::default();
+    let model: Policy<InferBackend> = load_hf(&opts.model, &device)?;
+    let tokenizer = Tokenizer::load(&opts.model).ok();
+    let prompt = match (&opts.prompt, &opts.prompt_ids) {
+        (Some(_), Some(_)) => return usage("give --prompt or --prompt-ids, not both".into()),
+        (None, None) => return usage("give --prompt TEXT or --prompt-ids 1,2,3".into()),
+        (None, Some(ids)) => ids.clone(),
+        (Some(text), None) => match &tokenizer {
+            Some(t) => t.encode(text)?,
+            None => {
+                return usage(format!(
+                    "{} has no tokenizer (tokenizer.json); pass --prompt-ids instead",
+                    opts.model.display()
+                ));
+            }
+        },
+    };
+    let vocab = model.config().vocab_size;
+    if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
+        return usage(format!(
+            "prompt token {bad} is outside the vocabulary of {vocab}"
+        ));
+    }
+    let params = SamplingParams {
+        temperature: opts.temperature,
+        top_k: opts.top_k,
+        top_p: opts.top_p,
+        max_new_tokens: opts.max_new_tokens,
+        stop_tokens: model.config().eos_token_id.into_iter().collect(),
+        seed: opts.seed,
+    };
+    let req = Request {
+        id: 0,
+        prompt: prompt.clone(),
+        n: opts.n,
+        params,
+    };
+    let started = std::time::Instant::now();
+    let done = Generator::generate(&model, 0, &[req]);
+    let secs = started.elapsed().as_secs_f64();
+    let text = |ids: &[u32]| tokenizer.as_ref().and_then(|t| t.decode(ids).ok());
+    if opts.json {
+        let completions: Vec<serde_json::Value> = done
+            .iter()
+            .map(|c| {
+                serde_json::json!({
+                    "ids": c.tokens,
+                    "logprobs": c.logprobs,
+                    "text": text(&c.tokens),
+                    "finish": if c.finish == FinishReason::Stop { "stop" } else { "length" },
+                })
+            })
+            .collect();
+        let doc = serde_json::json!({ "prompt_ids": prompt, "completions": completions });
+        writeln!(out, "{doc}")?;
+    } else {
+        for c in &done {
+            match text(&c.tokens) {
+                Some(t) => writeln!(out, "{t}")?,
+                None => writeln!(out, "{:?}", c.tokens)?,
+            }
+        }
+        let tokens: usize = done.iter().map(|c| c.tokens.len()).sum();
+        tracing::info!(
+            "{} completion(s), {tokens} tokens in {secs:.2} s",
+            done.len()
+        );
+    }
+    Ok(())
+}

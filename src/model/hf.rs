@@ -89,6 +89,23 @@ impl<B: Backend> Policy<B> {
                 device,
             ))
         };
+        // Linear weights: HF stores [out, in], burn's Linear wants [in, out]. Transpose on
+        // the host so the parameter is contiguous (a transposed view would be copied on
+        // every forward pass).
+        let lin_w = |name: &str| -> Result<Tensor<B, 2>, ModelError> {
+            let t = get(name)?;
+            let (rows, cols) = (t.shape[0], t.shape[1]);
+            let mut data = vec![0f32; rows * cols];
+            for r in 0..rows {
+                for c in 0..cols {
+                    data[c * rows + r] = t.data[r * cols + c];
+                }
+            }
+            Ok(Tensor::from_data(
+                TensorData::new(data, [cols, rows]),
+                device,
+            ))
+        };
         let t1 = |name: &str| -> Result<Tensor<B, 1>, ModelError> {
             let t = get(name)?;
             Ok(Tensor::from_data(
@@ -108,7 +125,7 @@ impl<B: Backend> Policy<B> {
                     Ok(None)
                 }
             };
-            let proj = |n: &str| t2(&format!("{p}.self_attn.{n}_proj.weight"));
+            let proj = |n: &str| lin_w(&format!("{p}.self_attn.{n}_proj.weight"));
             let attn = asm.attention(
                 cfg,
                 asm.linear(proj("q")?, bias("q")?),
@@ -116,7 +133,7 @@ impl<B: Backend> Policy<B> {
                 asm.linear(proj("v")?, bias("v")?),
                 asm.linear(proj("o")?, None),
             );
-            let mlp = |n: &str| t2(&format!("{p}.mlp.{n}_proj.weight"));
+            let mlp = |n: &str| lin_w(&format!("{p}.mlp.{n}_proj.weight"));
             blocks.push(Block {
                 attn_norm: asm.norm(t1(&format!("{p}.input_layernorm.weight"))?, eps),
                 attn,
@@ -131,7 +148,7 @@ impl<B: Backend> Policy<B> {
         let head = if cfg.tie_embeddings {
             None
         } else {
-            Some(asm.linear(t2("lm_head.weight")?, None))
+            Some(asm.linear(lin_w("lm_head.weight")?, None))
         };
         Ok(asm.policy(
             cfg,

@@ -422,9 +422,10 @@ pub(crate) struct Assembler<'a, B: Backend> {
 }
 
 impl<B: Backend> Assembler<'_, B> {
-    pub fn linear(&self, weight_out_in: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Linear<B> {
+    /// A linear layer from a contiguous `[in, out]` weight.
+    pub fn linear(&self, weight_in_out: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Linear<B> {
         Linear {
-            weight: Param::from_tensor(weight_out_in.transpose()),
+            weight: Param::from_tensor(weight_in_out),
             bias: bias.map(Param::from_tensor),
         }
     }

@@ -12,5 +12,9 @@
 
 pub mod bus;
 pub mod commands;
+pub mod config;
 pub mod model;
 pub mod schema;
+pub mod stages;
+pub mod tasks;
+pub mod weights;

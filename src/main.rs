@@ -1,11 +1,18 @@
-//! The `rlstream` command line: parse, build config, dispatch. No logic lives here.
+//! The `rlstream` command line: parse, build config, dispatch. No pipeline logic lives here.
 
-use anyhow::{Context, Result};
-use clap::{Parser, Subcommand, ValueEnum};
-use rlstream::bus::Topology;
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use rlstream::bus::{RedisBus, SharedBus, Topology};
 use rlstream::commands::generate::{self, GenerateOptions};
+use rlstream::commands::sft::{self, SftOptions};
+use rlstream::config::Config;
 use rlstream::schema::{self, json::msgpack_to_json};
+use rlstream::stages::score::AdvantageKind;
+use rlstream::stages::train::LossKind;
+use rlstream::stages::{feed, generate as gen_stage, score, train};
+use rlstream::tasks::BuiltinTask;
 use std::path::PathBuf;
+use std::sync::Arc;
 
 #[derive(Parser)]
 #[command(
@@ -18,30 +25,171 @@ struct Cli {
     command: Command,
 }
 
+/// Flags every stage takes. Precedence: --config file, then RLSTREAM__* environment, then these.
+#[derive(Args, Clone)]
+struct Common {
+    /// TOML config file (sections [feed], [gen], [score], [train]).
+    #[arg(long)]
+    config: Option<PathBuf>,
+    /// Redis URL [default: redis://127.0.0.1:6379].
+    #[arg(long)]
+    redis: Option<String>,
+    /// Key prefix of every stream [default: the topology's, `rl`].
+    #[arg(long)]
+    namespace: Option<String>,
+    /// Stream topology file [default: the shipped streams/default.toml].
+    #[arg(long)]
+    topology: Option<PathBuf>,
+}
+
 #[derive(Subcommand)]
 enum Command {
-    /// Check a stream topology file and print the keys, groups and policy it resolves to.
-    Streams {
-        /// Topology file (default: the shipped streams/default.toml).
-        #[arg(long, env = "RLSTREAM_TOPOLOGY")]
-        topology: Option<PathBuf>,
-        /// Override the namespace (key prefix).
-        #[arg(long, env = "RLSTREAM_NAMESPACE")]
-        namespace: Option<String>,
+    /// Push prompts from a built-in task or a JSONL dataset to the prompts stream.
+    Feed {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long, value_enum)]
+        task: Option<BuiltinTask>,
+        /// JSONL file: {"prompt": ..., "answer": ..., "verifier": exact|numeric|contains|positional}.
+        #[arg(long)]
+        dataset: Option<PathBuf>,
+        /// Prompts to generate from a built-in task.
+        #[arg(long)]
+        count: Option<u64>,
+        #[arg(long)]
+        epochs: Option<u32>,
+        #[arg(long)]
+        shuffle: bool,
+        #[arg(long)]
+        seed: Option<u64>,
+    },
+    /// Generator: sample G completions per prompt, follow new weights without stopping.
+    Gen {
+        #[command(flatten)]
+        common: Common,
+        /// Initial policy (Hugging Face model directory).
+        #[arg(long)]
+        model: Option<PathBuf>,
+        #[arg(long)]
+        group_size: Option<usize>,
+        #[arg(long)]
+        max_new_tokens: Option<u32>,
+        #[arg(long)]
+        temperature: Option<f32>,
+        #[arg(long)]
+        top_k: Option<u32>,
+        #[arg(long)]
+        top_p: Option<f32>,
+        /// Most sequences decoded together.
+        #[arg(long)]
+        max_batch: Option<usize>,
+        #[arg(long)]
+        max_lag: Option<u64>,
+        #[arg(long)]
+        groups_per_step: Option<usize>,
+        #[arg(long)]
+        seed: Option<u64>,
+        /// Consumer name, unique per generator.
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// Scorer: reward completions, compute group advantages.
+    Score {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long, value_enum)]
+        advantage: Option<AdvantageKind>,
+        /// External scorer speaking JSON lines on stdin/stdout (see examples/verifier.py).
+        #[arg(long)]
+        scorer_cmd: Option<String>,
+        /// Model directory whose tokenizer decodes completions.
+        #[arg(long)]
+        tokenizer: Option<PathBuf>,
+        #[arg(long)]
+        name: Option<String>,
+    },
+    /// Trainer: importance-weighted policy gradient, weight publication, checkpoints.
+    Train(TrainArgs),
+    /// Warm start: supervised training on a built-in task's answers; writes a HF checkpoint.
+    Sft {
+        #[arg(long, value_enum, default_value_t = BuiltinTask::Add)]
+        task: BuiltinTask,
+        #[arg(long)]
+        out: PathBuf,
+        #[arg(long, default_value_t = 300)]
+        steps: u64,
+        #[arg(long, default_value_t = 32)]
+        batch: usize,
+        #[arg(long, default_value_t = 3e-3)]
+        lr: f64,
+        #[arg(long, default_value_t = 64)]
+        hidden: usize,
+        #[arg(long, default_value_t = 2)]
+        layers: usize,
+        #[arg(long, default_value_t = 0)]
+        seed: u64,
     },
     /// Sample from a Hugging Face checkpoint (Llama/Qwen2 family).
     Generate(GenerateArgs),
+    /// Check a stream topology file and print the keys, groups and policy it resolves to.
+    Streams {
+        #[arg(long, env = "RLSTREAM_TOPOLOGY")]
+        topology: Option<PathBuf>,
+        #[arg(long)]
+        namespace: Option<String>,
+    },
     /// Decode and validate a MessagePack message file, print it as JSON (bin as base64).
     Inspect {
-        /// Message type.
         #[arg(long, value_enum)]
         kind: Kind,
-        /// File holding one encoded message.
         file: PathBuf,
     },
 }
 
-#[derive(clap::Args)]
+#[derive(Args)]
+struct TrainArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Initial policy (Hugging Face model directory); also the KL reference.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    #[arg(long, value_enum)]
+    loss: Option<LossKind>,
+    #[arg(long)]
+    lr: Option<f64>,
+    #[arg(long)]
+    groups_per_step: Option<usize>,
+    #[arg(long)]
+    max_lag: Option<u64>,
+    #[arg(long)]
+    publish_every: Option<u64>,
+    #[arg(long)]
+    keep_versions: Option<usize>,
+    #[arg(long)]
+    checkpoint_every: Option<u64>,
+    #[arg(long)]
+    checkpoint_dir: Option<PathBuf>,
+    /// Stop after this many steps (0: until stopped).
+    #[arg(long)]
+    steps: Option<u64>,
+    #[arg(long)]
+    kl_coef: Option<f32>,
+    #[arg(long)]
+    clip_eps: Option<f32>,
+    #[arg(long)]
+    clip_eps_high: Option<f32>,
+    #[arg(long)]
+    is_cap: Option<f32>,
+    #[arg(long)]
+    max_grad_norm: Option<f32>,
+    /// Sampling temperature of the generators.
+    #[arg(long)]
+    temperature: Option<f32>,
+    #[arg(long)]
+    name: Option<String>,
+}
+
+#[derive(Args)]
 struct GenerateArgs {
     /// Model directory: config.json, model.safetensors (or a sharded index), tokenizer.
     #[arg(long)]
@@ -83,6 +231,13 @@ enum Kind {
     Event,
 }
 
+/// Sets `$target` from `$flag` when the flag was given.
+macro_rules! apply {
+    ($($target:expr => $flag:expr),* $(,)?) => {
+        $( if let Some(v) = $flag { $target = v.into(); } )*
+    };
+}
+
 fn main() -> Result<()> {
     tracing_subscriber::fmt()
         .with_env_filter(
@@ -90,12 +245,189 @@ fn main() -> Result<()> {
         )
         .with_writer(std::io::stderr)
         .init();
-    match Cli::parse().command {
-        Command::Streams {
-            topology,
-            namespace,
-        } => streams(topology, namespace),
-        Command::Inspect { kind, file } => inspect(kind, file),
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .context("cannot start the async runtime")?;
+    rt.block_on(dispatch(Cli::parse().command))
+}
+
+/// Completes on Ctrl-C or SIGTERM.
+async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("stopping: finishing the work in hand");
+}
+
+/// Loads the config (file, environment, common flags), the topology and the bus.
+async fn setup(common: &Common) -> Result<(Config, Topology, SharedBus)> {
+    let mut cfg = Config::load(common.config.as_deref())?;
+    apply!(cfg.redis => common.redis.clone().map(Some::<String>),
+           cfg.namespace => common.namespace.clone().map(Some::<String>),
+           cfg.topology => common.topology.clone().map(Some::<PathBuf>));
+    let mut topo = match &cfg.topology {
+        Some(p) => Topology::load(p)?,
+        None => Topology::default(),
+    };
+    if let Some(ns) = &cfg.namespace {
+        topo = topo.with_namespace(ns)?;
+    }
+    let url = cfg
+        .redis
+        .clone()
+        .unwrap_or_else(|| "redis://127.0.0.1:6379".into());
+    let bus: SharedBus = Arc::new(RedisBus::connect(&url).await?);
+    Ok((cfg, topo, bus))
+}
+
+async fn dispatch(command: Command) -> Result<()> {
+    match command {
+        Command::Feed {
+            common,
+            task,
+            dataset,
+            count,
+            epochs,
+            shuffle,
+            seed,
+        } => {
+            let (mut cfg, topo, bus) = setup(&common).await?;
+            apply!(cfg.feed.task => task.map(Some), cfg.feed.dataset => dataset.map(Some),
+                   cfg.feed.count => count, cfg.feed.epochs => epochs, cfg.feed.seed => seed);
+            cfg.feed.shuffle |= shuffle;
+            let s = feed::run(&cfg.feed, bus, &topo, shutdown_signal()).await?;
+            println!("fed {} prompts to {}", s.fed, topo.key("prompts"));
+        }
+        Command::Gen {
+            common,
+            model,
+            group_size,
+            max_new_tokens,
+            temperature,
+            top_k,
+            top_p,
+            max_batch,
+            max_lag,
+            groups_per_step,
+            seed,
+            name,
+        } => {
+            let (mut cfg, topo, bus) = setup(&common).await?;
+            let g = &mut cfg.generator;
+            apply!(g.model => model.map(Some), g.group_size => group_size, g.max_new_tokens => max_new_tokens,
+                   g.temperature => temperature, g.top_k => top_k, g.top_p => top_p, g.max_batch => max_batch,
+                   g.max_lag => max_lag, g.groups_per_step => groups_per_step, g.seed => seed, g.name => name);
+            cfg.validate()?;
+            let Some(dir) = cfg.generator.model.clone() else {
+                bail!(
+                    "gen needs --model DIR (a Hugging Face checkpoint, e.g. from `rlstream sft`)"
+                );
+            };
+            let slot = gen_stage::initial_slot(&dir)?;
+            let s = gen_stage::run(&cfg.generator, bus, &topo, slot, shutdown_signal()).await?;
+            println!(
+                "generated {} groups, {} tokens; {} weight swaps, final version {}",
+                s.groups, s.tokens, s.decode.swaps, s.final_version
+            );
+        }
+        Command::Score {
+            common,
+            advantage,
+            scorer_cmd,
+            tokenizer,
+            name,
+        } => {
+            let (mut cfg, topo, bus) = setup(&common).await?;
+            let c = &mut cfg.score;
+            apply!(c.advantage => advantage, c.scorer_cmd => scorer_cmd.map(Some),
+                   c.tokenizer => tokenizer.map(Some), c.name => name);
+            cfg.validate()?;
+            let s = score::run(&cfg.score, bus, &topo, shutdown_signal()).await?;
+            let mean = if s.samples > 0 {
+                s.reward_sum / s.samples as f64
+            } else {
+                0.0
+            };
+            println!(
+                "scored {} groups (reward mean {mean:.3}), {} failed",
+                s.scored, s.failed
+            );
+        }
+        Command::Train(a) => {
+            let (mut cfg, topo, bus) = setup(&a.common).await?;
+            let t = &mut cfg.train;
+            apply!(t.model => a.model.map(Some), t.loss => a.loss, t.lr => a.lr, t.groups_per_step => a.groups_per_step,
+                   t.max_lag => a.max_lag, t.publish_every => a.publish_every, t.keep_versions => a.keep_versions,
+                   t.checkpoint_every => a.checkpoint_every, t.checkpoint_dir => a.checkpoint_dir, t.steps => a.steps,
+                   t.kl_coef => a.kl_coef, t.clip_eps => a.clip_eps, t.clip_eps_high => a.clip_eps_high,
+                   t.is_cap => a.is_cap, t.max_grad_norm => a.max_grad_norm, t.temperature => a.temperature,
+                   t.name => a.name);
+            cfg.validate()?;
+            let s = train::run(&cfg.train, bus, &topo, shutdown_signal(), |_| {}).await?;
+            let first = s.history.first().map_or(0.0, |h| h.reward_mean);
+            let last = s.history.last().map_or(0.0, |h| h.reward_mean);
+            println!(
+                "trained {} steps to version {} on {} groups; reward {first:.3} -> {last:.3}; dropped {:?}",
+                s.steps, s.version, s.trained_groups, s.dropped
+            );
+        }
+        Command::Sft {
+            task,
+            out,
+            steps,
+            batch,
+            lr,
+            hidden,
+            layers,
+            seed,
+        } => {
+            let opts = SftOptions {
+                task,
+                out,
+                steps,
+                batch,
+                lr,
+                seed,
+                hidden,
+                layers,
+                ..SftOptions::default()
+            };
+            let every = (steps / 10).max(1);
+            let s = tokio::task::block_in_place(|| {
+                sft::run(&opts, |step, loss| {
+                    if step % every == 0 || step == steps {
+                        tracing::info!(step, loss = format!("{loss:.4}"), "sft");
+                    }
+                })
+            })?;
+            println!(
+                "sft {}: {} params, {} steps in {:.1} s, loss {:.4}; held-out greedy accuracy {:.1}%, reward {:.3}; wrote {}",
+                task.name(),
+                s.params,
+                s.steps,
+                s.seconds,
+                s.final_loss,
+                100.0 * s.accuracy,
+                s.reward,
+                opts.out.display()
+            );
+        }
         Command::Generate(a) => {
             let opts = GenerateOptions {
                 model: a.model,
@@ -109,9 +441,15 @@ fn main() -> Result<()> {
                 n: a.n,
                 json: a.json,
             };
-            Ok(generate::run(&opts, &mut std::io::stdout().lock())?)
+            tokio::task::block_in_place(|| generate::run(&opts, &mut std::io::stdout().lock()))?;
         }
+        Command::Streams {
+            topology,
+            namespace,
+        } => streams(topology, namespace)?,
+        Command::Inspect { kind, file } => inspect(kind, file)?,
     }
+    Ok(())
 }
 
 fn streams(path: Option<PathBuf>, namespace: Option<String>) -> Result<()> {

@@ -225,6 +225,22 @@ impl<M: Message> Consumer<M> {
         Ok(true)
     }
 
+    /// Dead-letters `delivery` now: its content is unusable (retrying cannot help).
+    pub async fn reject(
+        &mut self,
+        delivery: &Delivery<M>,
+        reason: &str,
+        error: &str,
+    ) -> BusResult<()> {
+        let entry = Entry {
+            id: delivery.id,
+            payload: delivery.payload.clone(),
+            deliveries: delivery.deliveries,
+        };
+        let letter = self.letter(&entry, reason, error.to_string());
+        self.send_dead(vec![letter]).await
+    }
+
     fn letter(&self, e: &Entry, reason: &str, error: String) -> (DeadLetterRecord, String) {
         let letter = DeadLetter {
             schema: SchemaVersion::CURRENT,

@@ -2,3 +2,4 @@
 //! `main.rs`) and writes its result to a writer, so tests call them directly.
 
 pub mod generate;
+pub mod sft;

@@ -109,7 +109,7 @@ impl PolicyConfig {
                 return Err(bad(field, "must be greater than 0".into()));
             }
         }
-        if self.num_heads % self.num_kv_heads != 0 {
+        if !self.num_heads.is_multiple_of(self.num_kv_heads) {
             return Err(bad(
                 "num_key_value_heads",
                 format!(
@@ -118,7 +118,7 @@ impl PolicyConfig {
                 ),
             ));
         }
-        if self.head_dim % 2 != 0 {
+        if !self.head_dim.is_multiple_of(2) {
             return Err(bad(
                 "head_dim",
                 format!("{} is odd; rotary embedding needs pairs", self.head_dim),

@@ -142,7 +142,7 @@ impl<'de, T: Packable> Visitor<'de> for PackedVisitor<T> {
     }
 
     fn visit_bytes<E: de::Error>(self, v: &[u8]) -> Result<Self::Value, E> {
-        if v.len() % T::WIDTH != 0 {
+        if !v.len().is_multiple_of(T::WIDTH) {
             return Err(E::custom(format_args!(
                 "bin of {} bytes is not a whole number of {} values",
                 v.len(),

@@ -1,0 +1,93 @@
+//! `rlstream feed`: pushes prompts from a built-in task or a JSONL dataset to the prompts
+//! stream, in pipelined batches.
+
+use super::StageError;
+use crate::bus::{SharedBus, Topology};
+use crate::config::FeedConfig;
+use crate::schema::{self, Prompt, SchemaVersion};
+use crate::tasks::{self, Dataset, TaskItem};
+use bytes::Bytes;
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
+use std::future::Future;
+
+/// Prompts per pipelined publish.
+const FEED_BATCH: usize = 256;
+
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FeedSummary {
+    pub fed: u64,
+}
+
+/// The prompts a feed config describes, with their ids.
+pub fn items(cfg: &FeedConfig) -> Result<(String, Vec<(String, TaskItem)>), StageError> {
+    match (&cfg.task, &cfg.dataset) {
+        (Some(_), Some(_)) => Err(StageError::Other(
+            "give --task or --dataset, not both".into(),
+        )),
+        (None, None) => Err(StageError::Other(
+            "give --task add|reverse|sort or --dataset FILE".into(),
+        )),
+        (Some(task), None) => Ok((
+            task.name().to_string(),
+            (0..cfg.count)
+                .map(|i| (format!("{}-{:06}", task.name(), i), task.item(cfg.seed, i)))
+                .collect(),
+        )),
+        (None, Some(path)) => {
+            let d = Dataset::load(path)?;
+            let mut out = Vec::new();
+            let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
+            for epoch in 0..cfg.epochs.max(1) {
+                let mut order: Vec<usize> = (0..d.items.len()).collect();
+                if cfg.shuffle {
+                    order.shuffle(&mut rng);
+                }
+                for i in order {
+                    let it = &d.items[i];
+                    out.push((format!("{}-e{epoch}-l{}", d.name, it.line), it.item.clone()));
+                }
+            }
+            Ok((d.name, out))
+        }
+    }
+}
+
+pub async fn run(
+    cfg: &FeedConfig,
+    bus: SharedBus,
+    topo: &Topology,
+    shutdown: impl Future<Output = ()>,
+) -> Result<FeedSummary, StageError> {
+    let (task, items) = items(cfg)?;
+    let tok = tasks::char_tokenizer();
+    let stream = topo.key("prompts");
+    let max_len = topo.max_len("prompts");
+    tokio::pin!(shutdown);
+    let mut fed = 0u64;
+    for chunk in items.chunks(FEED_BATCH) {
+        let payloads = chunk
+            .iter()
+            .map(|(id, item)| {
+                let p = Prompt {
+                    schema: SchemaVersion::CURRENT,
+                    prompt_id: id.clone(),
+                    task: task.clone(),
+                    text: item.prompt.clone(),
+                    prompt_tokens: cfg.task.is_some().then(|| tok.encode(&item.prompt).into()),
+                    meta: item.meta.clone(),
+                    created_us: schema::now_us(),
+                };
+                schema::encode(&p).map(Bytes::from)
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        tokio::select! {
+            biased;
+            _ = &mut shutdown => break,
+            r = bus.publish(&stream, &payloads, max_len) => { r?; }
+        }
+        fed += payloads.len() as u64;
+    }
+    tracing::info!(fed, stream = %stream, "fed prompts");
+    Ok(FeedSummary { fed })
+}

@@ -1,0 +1,337 @@
+//! `rlstream score`: reads rollout groups through the `score` group, rewards each completion
+//! with the task's verifier (or an external program), computes group advantages, and
+//! publishes scored groups. A rollout is acked only after its scored group is published.
+
+use super::StageError;
+use crate::bus::{Consumer, SharedBus, Topology};
+use crate::config::ScoreConfig;
+use crate::model::tokenizer::Tokenizer;
+use crate::schema::{self, RolloutGroup, SchemaVersion, ScoredGroup};
+use crate::tasks;
+use bytes::Bytes;
+use serde::{Deserialize, Serialize};
+use std::future::Future;
+use std::time::Duration;
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+/// How rewards become advantages within a group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum AdvantageKind {
+    /// (r − mean) / (std + ε): GRPO.
+    Grpo,
+    /// r − mean of the other samples: leave-one-out (RLOO).
+    Loo,
+    /// r − mean, no scaling (Dr. GRPO).
+    Nostd,
+}
+
+/// Added to the standard deviation so uniform groups get zero advantage, not NaN.
+const STD_EPS: f32 = 1e-6;
+
+pub fn advantages(rewards: &[f32], kind: AdvantageKind) -> Vec<f32> {
+    let n = rewards.len() as f32;
+    if rewards.is_empty() {
+        return Vec::new();
+    }
+    let mean = rewards.iter().sum::<f32>() / n;
+    match kind {
+        AdvantageKind::Grpo => {
+            let var = rewards.iter().map(|r| (r - mean).powi(2)).sum::<f32>() / n;
+            rewards
+                .iter()
+                .map(|r| (r - mean) / (var.sqrt() + STD_EPS))
+                .collect()
+        }
+        AdvantageKind::Loo => {
+            if rewards.len() == 1 {
+                return vec![0.0];
+            }
+            let sum: f32 = rewards.iter().sum();
+            rewards.iter().map(|r| r - (sum - r) / (n - 1.0)).collect()
+        }
+        AdvantageKind::Nostd => rewards.iter().map(|r| r - mean).collect(),
+    }
+}
+
+/// One request to an external scorer (a JSON line on its stdin).
+#[derive(Debug, Serialize)]
+struct ExternalRequest<'a> {
+    group_id: &'a str,
+    task: &'a str,
+    prompt: String,
+    completions: Vec<String>,
+    meta: &'a std::collections::BTreeMap<String, String>,
+}
+
+/// Its answer (a JSON line on its stdout).
+#[derive(Debug, Deserialize)]
+struct ExternalResponse {
+    #[serde(default)]
+    rewards: Option<Vec<f32>>,
+    #[serde(default)]
+    error: Option<String>,
+}
+
+/// An external scorer process, restarted if it dies.
+struct External {
+    argv: Vec<String>,
+    timeout: Duration,
+    child: Option<(
+        tokio::process::Child,
+        tokio::process::ChildStdin,
+        BufReader<tokio::process::ChildStdout>,
+    )>,
+}
+
+impl External {
+    fn new(cmd: &str, timeout: Duration) -> Result<Self, StageError> {
+        let argv: Vec<String> = cmd.split_whitespace().map(String::from).collect();
+        if argv.is_empty() {
+            return Err(StageError::Other("--scorer-cmd is empty".into()));
+        }
+        Ok(External {
+            argv,
+            timeout,
+            child: None,
+        })
+    }
+
+    fn spawn(&mut self) -> Result<(), String> {
+        let mut child = tokio::process::Command::new(&self.argv[0])
+            .args(&self.argv[1..])
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .kill_on_drop(true)
+            .spawn()
+            .map_err(|e| format!("cannot start scorer `{}`: {e}", self.argv.join(" ")))?;
+        let stdin = child.stdin.take().ok_or("scorer has no stdin")?;
+        let stdout = child.stdout.take().ok_or("scorer has no stdout")?;
+        self.child = Some((child, stdin, BufReader::new(stdout)));
+        Ok(())
+    }
+
+    async fn score(&mut self, req: &ExternalRequest<'_>) -> Result<Vec<f32>, String> {
+        if self.child.is_none() {
+            self.spawn()?;
+        }
+        let mut line = serde_json::to_string(req).map_err(|e| e.to_string())?;
+        line.push('\n');
+        let result = {
+            let Some((_, stdin, stdout)) = self.child.as_mut() else {
+                return Err("scorer not running".into());
+            };
+            let exchange = async {
+                stdin
+                    .write_all(line.as_bytes())
+                    .await
+                    .map_err(|e| format!("scorer stdin: {e}"))?;
+                stdin
+                    .flush()
+                    .await
+                    .map_err(|e| format!("scorer stdin: {e}"))?;
+                let mut answer = String::new();
+                let n = stdout
+                    .read_line(&mut answer)
+                    .await
+                    .map_err(|e| format!("scorer stdout: {e}"))?;
+                if n == 0 {
+                    return Err("scorer exited".to_string());
+                }
+                Ok(answer)
+            };
+            tokio::time::timeout(self.timeout, exchange)
+                .await
+                .unwrap_or_else(|_| Err(format!("scorer gave no answer within {:?}", self.timeout)))
+        };
+        let answer = match result {
+            Ok(a) => a,
+            Err(e) => {
+                // Its state is unknown: start a fresh one next time.
+                self.child = None;
+                return Err(e);
+            }
+        };
+        let resp: ExternalResponse = serde_json::from_str(&answer)
+            .map_err(|e| format!("scorer answered non-JSON ({e}): {}", answer.trim()))?;
+        if let Some(e) = resp.error {
+            return Err(format!("scorer error: {e}"));
+        }
+        let rewards = resp.rewards.ok_or("scorer answer has no `rewards`")?;
+        if rewards.len() != req.completions.len() {
+            return Err(format!(
+                "scorer returned {} rewards for {} completions",
+                rewards.len(),
+                req.completions.len()
+            ));
+        }
+        if let Some(bad) = rewards.iter().find(|r| !r.is_finite()) {
+            return Err(format!("scorer returned a non-finite reward {bad}"));
+        }
+        Ok(rewards)
+    }
+}
+
+/// Rewards a group: built-in verifiers or an external program.
+pub struct Scorer {
+    tokenizer: Tokenizer,
+    external: Option<External>,
+}
+
+impl Scorer {
+    pub fn new(cfg: &ScoreConfig) -> Result<Self, StageError> {
+        let tokenizer = match &cfg.tokenizer {
+            Some(dir) => Tokenizer::load(dir)?,
+            None => Tokenizer::Char(tasks::char_tokenizer()),
+        };
+        let external = match &cfg.scorer_cmd {
+            Some(cmd) => Some(External::new(
+                cmd,
+                Duration::from_secs_f64(cfg.scorer_timeout_s),
+            )?),
+            None => None,
+        };
+        Ok(Scorer {
+            tokenizer,
+            external,
+        })
+    }
+
+    /// Completion text without its stop token.
+    fn text(&self, tokens: &[u32], stop: &[u32]) -> String {
+        let end = match tokens.last() {
+            Some(t) if stop.contains(t) => tokens.len() - 1,
+            _ => tokens.len(),
+        };
+        self.tokenizer.decode(&tokens[..end]).unwrap_or_default()
+    }
+
+    pub async fn rewards(&mut self, g: &RolloutGroup) -> Result<Vec<f32>, String> {
+        let texts: Vec<String> = g
+            .samples
+            .iter()
+            .map(|s| self.text(&s.tokens, &g.sampling.stop_tokens))
+            .collect();
+        match &mut self.external {
+            Some(ext) => {
+                let prompt = self.tokenizer.decode(&g.prompt_tokens).unwrap_or_default();
+                let req = ExternalRequest {
+                    group_id: &g.group_id,
+                    task: &g.task,
+                    prompt,
+                    completions: texts,
+                    meta: &g.meta,
+                };
+                ext.score(&req).await
+            }
+            None => texts
+                .iter()
+                .map(|t| {
+                    tasks::score(t, &g.meta).ok_or_else(|| {
+                        format!(
+                            "group {} has no `answer` in its meta; use --scorer-cmd for this task",
+                            g.group_id
+                        )
+                    })
+                })
+                .collect(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ScoreSummary {
+    pub scored: u64,
+    pub failed: u64,
+    pub reward_sum: f64,
+    pub samples: u64,
+}
+
+pub async fn run(
+    cfg: &ScoreConfig,
+    bus: SharedBus,
+    topo: &Topology,
+    shutdown: impl Future<Output = ()>,
+) -> Result<ScoreSummary, StageError> {
+    let mut scorer = Scorer::new(cfg)?;
+    let mut consumer = Consumer::<RolloutGroup>::join(
+        bus.clone(),
+        topo.key("rollouts"),
+        "score",
+        &cfg.name,
+        topo.dead_key(),
+        topo.consumer_options(),
+    )
+    .await?;
+    let out_stream = topo.key("scored");
+    let max_len = topo.max_len("scored");
+    let mut summary = ScoreSummary::default();
+    tokio::pin!(shutdown);
+    loop {
+        let batch = tokio::select! {
+            biased;
+            _ = &mut shutdown => break,
+            b = consumer.poll() => b?,
+        };
+        let mut out = Vec::with_capacity(batch.len());
+        let mut done = Vec::with_capacity(batch.len());
+        for d in &batch {
+            match scorer.rewards(&d.message).await {
+                Ok(rewards) => {
+                    let adv = advantages(&rewards, cfg.advantage);
+                    summary.reward_sum += rewards.iter().map(|&r| f64::from(r)).sum::<f64>();
+                    summary.samples += rewards.len() as u64;
+                    let scored = ScoredGroup {
+                        schema: SchemaVersion::CURRENT,
+                        rollout: d.message.clone(),
+                        rewards,
+                        advantages: adv,
+                        token_rewards: None,
+                        ref_logprobs: None,
+                        scorer_id: cfg.name.clone(),
+                        scored_us: schema::now_us(),
+                    };
+                    out.push(Bytes::from(schema::encode(&scored)?));
+                    done.push(d.id);
+                }
+                Err(e) => {
+                    summary.failed += 1;
+                    consumer.fail(d, &e).await?;
+                }
+            }
+        }
+        if !out.is_empty() {
+            bus.publish(&out_stream, &out, max_len).await?;
+            consumer.ack(&done).await?;
+            summary.scored += done.len() as u64;
+        }
+    }
+    tracing::info!(
+        scored = summary.scored,
+        failed = summary.failed,
+        "score stopped"
+    );
+    Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn advantage_variants() {
+        let r = [1.0, 0.0, 0.0, 1.0];
+        let g = advantages(&r, AdvantageKind::Grpo);
+        assert!(
+            (g[0] - 1.0).abs() < 1e-4 && (g[1] + 1.0).abs() < 1e-4,
+            "{g:?}"
+        );
+        assert_eq!(
+            advantages(&r, AdvantageKind::Nostd),
+            vec![0.5, -0.5, -0.5, 0.5]
+        );
+        let l = advantages(&r, AdvantageKind::Loo);
+        assert!((l[0] - (1.0 - 1.0 / 3.0)).abs() < 1e-6, "{l:?}");
+        assert_eq!(advantages(&[0.3, 0.3], AdvantageKind::Grpo), vec![0.0, 0.0]);
+    }
+}

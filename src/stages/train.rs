@@ -1,0 +1,571 @@
+//! `rlstream train`: reads scored groups through the `train` group, drops groups older than
+//! `max_lag` versions, optimises an importance-weighted policy-gradient objective, publishes
+//! weights, and checkpoints.
+//!
+//! Delivery: entries are acked only after the checkpoint that contains their effect is on
+//! disk. On restart the trainer loads its newest checkpoint and, under the same consumer
+//! name, re-reads the entries it had taken but not acked, so a crash at any point loses
+//! nothing and trains nothing twice. Group ids trained since the checkpoint are remembered
+//! in it, so a group published twice upstream (a scorer that crashed between publish and
+//! ack) is not trained twice either.
+
+use super::StageError;
+use crate::bus::{Consumer, Delivery, EntryId, SharedBus, Topology};
+use crate::config::TrainConfig;
+use crate::model::hf::load_hf;
+use crate::model::logprobs::{ScoredSeq, completion_logprobs};
+use crate::model::{ModelError, Policy, TrainBackend};
+use crate::schema::ScoredGroup;
+use crate::weights::Publisher;
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::{ElementConversion, Tensor, TensorData};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, VecDeque};
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// The objective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LossKind {
+    /// PPO clipped surrogate: −min(r·A, clip(r, 1−ε, 1+ε_high)·A).
+    Ppo,
+    /// Truncated importance sampling: −min(r, C)·A·log π, the weight without gradient.
+    Tis,
+    /// REINFORCE with the ratio capped: −min(r, C)·A.
+    Reinforce,
+}
+
+/// Group ids remembered for de-duplication.
+const REMEMBERED_GROUPS: usize = 100_000;
+
+/// What one optimizer step did, in the units the metrics use.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct StepStats {
+    pub step: u64,
+    pub version: u64,
+    pub loss: f64,
+    pub reward_mean: f64,
+    /// (Σr)² / (N·Σr²) over tokens: 1 when on-policy.
+    pub ess: f64,
+    pub clip_fraction: f64,
+    pub ratio_mean: f64,
+    pub ratio_max: f64,
+    /// KL(μ‖π) estimated on the sampled tokens (k3).
+    pub mismatch_kl: f64,
+    /// KL to the initial policy (k3), when `kl_coef` > 0.
+    pub ref_kl: f64,
+    /// Mean negative log-prob of the sampled tokens (an entropy estimate).
+    pub entropy: f64,
+    pub grad_norm: f64,
+    pub groups: usize,
+    pub tokens: usize,
+    /// Versions behind the trainer, per group.
+    pub staleness: Vec<u64>,
+    /// Seconds spent waiting for data before this step.
+    pub wait_s: f64,
+    pub step_s: f64,
+    /// The step was skipped: the loss or the gradient was not finite.
+    pub skipped: bool,
+}
+
+/// Persistent trainer state, saved as `state.json` in each checkpoint.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    pub version: u64,
+    pub step: u64,
+    pub trained_groups: u64,
+    pub dropped: BTreeMap<String, u64>,
+    /// Recently trained group ids (de-duplication across restarts).
+    pub recent_groups: VecDeque<String>,
+}
+
+/// Global L2 norm of the gradients, and scaling them.
+struct GradNorm<'a> {
+    grads: &'a GradientsParams,
+    sum_sq: f64,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for GradNorm<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+            self.sum_sq += g.square().sum().into_scalar().elem::<f64>();
+        }
+    }
+}
+
+struct GradScale<'a> {
+    grads: &'a mut GradientsParams,
+    factor: f32,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for GradScale<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            self.grads
+                .register::<B::InnerBackend, D>(param.id, g.mul_scalar(self.factor));
+        }
+    }
+}
+
+fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+    t.into_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .unwrap_or_default()
+}
+
+/// The loss of a batch of groups and its statistics (everything but timing and grad norm).
+pub fn loss<B: AutodiffBackend>(
+    model: &Policy<B>,
+    reference: Option<&Policy<B::InnerBackend>>,
+    groups: &[&ScoredGroup],
+    cfg: &TrainConfig,
+) -> (Tensor<B, 1>, StepStats) {
+    let device = model.device();
+    let mut seqs = Vec::new();
+    let mut adv = Vec::new();
+    let mut behaviour = Vec::new();
+    for g in groups {
+        for (s, a) in g.rollout.samples.iter().zip(&g.advantages) {
+            seqs.push(ScoredSeq {
+                prompt: &g.rollout.prompt_tokens,
+                completion: &s.tokens,
+                mask: s.mask.as_ref(),
+            });
+            adv.push(*a);
+            behaviour.push(s.logprobs.as_slice());
+        }
+    }
+    let b = seqs.len();
+    let (lp, valid) = completion_logprobs(model, &seqs, cfg.temperature);
+    let c = lp.dims()[1];
+    let mut mu = vec![0f32; b * c];
+    let mut a_tok = vec![0f32; b * c];
+    for (i, (m, a)) in behaviour.iter().zip(&adv).enumerate() {
+        mu[i * c..i * c + m.len()].copy_from_slice(m);
+        a_tok[i * c..(i + 1) * c].fill(*a);
+    }
+    let mu = Tensor::<B, 2>::from_data(TensorData::new(mu, [b, c]), &device);
+    let a_tok = Tensor::<B, 2>::from_data(TensorData::new(a_tok, [b, c]), &device);
+    let log_ratio = (lp.clone() - mu) * valid.clone();
+    let ratio = log_ratio.clone().exp();
+    let per_token = match cfg.loss {
+        LossKind::Ppo => {
+            let unclipped = ratio.clone() * a_tok.clone();
+            let clipped = ratio
+                .clone()
+                .clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps_high)
+                * a_tok;
+            unclipped.min_pair(clipped).neg()
+        }
+        LossKind::Tis => (ratio.clone().detach().clamp_max(cfg.is_cap) * a_tok * lp.clone()).neg(),
+        LossKind::Reinforce => (ratio.clone().clamp_max(cfg.is_cap) * a_tok).neg(),
+    };
+    let n_tokens: f32 = host(valid.clone().sum())
+        .first()
+        .copied()
+        .unwrap_or(0.0)
+        .max(1.0);
+    let mut total = (per_token * valid.clone()).sum().div_scalar(n_tokens);
+    let mut ref_kl = 0.0;
+    if let (Some(reference), true) = (reference, cfg.kl_coef > 0.0) {
+        let (ref_lp, _) = completion_logprobs(reference, &seqs, cfg.temperature);
+        let ref_lp = Tensor::<B, 2>::from_inner(ref_lp);
+        let d = (ref_lp - lp.clone()) * valid.clone();
+        let k3 = (d.clone().exp() - d - 1.0) * valid.clone();
+        let kl = k3.sum().div_scalar(n_tokens);
+        ref_kl = f64::from(host(kl.clone().detach()).first().copied().unwrap_or(0.0));
+        total = total + kl.mul_scalar(cfg.kl_coef);
+    }
+    // Host-side statistics over real tokens.
+    let (r, v, l) = (host(ratio.detach()), host(valid), host(lp.detach()));
+    let (mut sum_r, mut sum_r2, mut n, mut clipped, mut r_max, mut mkl, mut nll) =
+        (0f64, 0f64, 0f64, 0f64, 0f64, 0f64, 0f64);
+    for i in 0..r.len() {
+        if v[i] == 0.0 {
+            continue;
+        }
+        let ri = f64::from(r[i]);
+        sum_r += ri;
+        sum_r2 += ri * ri;
+        n += 1.0;
+        r_max = r_max.max(ri);
+        let out = match cfg.loss {
+            LossKind::Ppo => {
+                ri < f64::from(1.0 - cfg.clip_eps) || ri > f64::from(1.0 + cfg.clip_eps_high)
+            }
+            LossKind::Tis | LossKind::Reinforce => ri > f64::from(cfg.is_cap),
+        };
+        clipped += f64::from(u8::from(out));
+        mkl += ri - 1.0 - ri.ln();
+        nll -= f64::from(l[i]);
+    }
+    let n = n.max(1.0);
+    let rewards: Vec<f32> = groups
+        .iter()
+        .flat_map(|g| g.rewards.iter().copied())
+        .collect();
+    let stats = StepStats {
+        loss: f64::from(
+            host(total.clone().detach())
+                .first()
+                .copied()
+                .unwrap_or(f32::NAN),
+        ),
+        reward_mean: rewards.iter().map(|&x| f64::from(x)).sum::<f64>()
+            / rewards.len().max(1) as f64,
+        ess: if sum_r2 > 0.0 {
+            sum_r * sum_r / (n * sum_r2)
+        } else {
+            0.0
+        },
+        clip_fraction: clipped / n,
+        ratio_mean: sum_r / n,
+        ratio_max: r_max,
+        mismatch_kl: mkl / n,
+        ref_kl,
+        entropy: nll / n,
+        groups: groups.len(),
+        tokens: n as usize,
+        ..StepStats::default()
+    };
+    (total, stats)
+}
+
+/// Model, optimizer and state; one `step` per batch of groups.
+pub struct Trainer {
+    pub model: Policy<TrainBackend>,
+    optim: burn::optim::adaptor::OptimizerAdaptor<
+        burn::optim::AdamW,
+        Policy<TrainBackend>,
+        TrainBackend,
+    >,
+    reference: Option<Policy<<TrainBackend as AutodiffBackend>::InnerBackend>>,
+    pub state: TrainerState,
+    cfg: TrainConfig,
+}
+
+const MODEL_RECORD: &str = "trainer_model";
+const OPTIM_RECORD: &str = "trainer_optim";
+const STATE_FILE: &str = "state.json";
+const CONFIG_FILE: &str = "train_config.toml";
+/// File in the checkpoint directory naming the newest complete checkpoint.
+const LATEST: &str = "latest";
+
+impl Trainer {
+    fn optimizer(
+        cfg: &TrainConfig,
+    ) -> burn::optim::adaptor::OptimizerAdaptor<
+        burn::optim::AdamW,
+        Policy<TrainBackend>,
+        TrainBackend,
+    > {
+        AdamWConfig::new()
+            .with_weight_decay(cfg.weight_decay as f32)
+            .init()
+    }
+
+    /// From the newest checkpoint in `checkpoint_dir` if there is one, else from `model`.
+    pub fn start(cfg: &TrainConfig) -> Result<Self, StageError> {
+        let device = Default::default();
+        let (model, state, optim) = match latest_checkpoint(&cfg.checkpoint_dir) {
+            Some(dir) => {
+                let model: Policy<TrainBackend> = load_hf(&dir, &device)?;
+                let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+                let record = recorder
+                    .load(dir.join(MODEL_RECORD), &device)
+                    .map_err(|e| {
+                        StageError::Other(format!(
+                            "checkpoint {}: model record: {e}",
+                            dir.display()
+                        ))
+                    })?;
+                let model = model.load_record(record);
+                let optim_record = recorder
+                    .load(dir.join(OPTIM_RECORD), &device)
+                    .map_err(|e| {
+                        StageError::Other(format!(
+                            "checkpoint {}: optimizer record: {e}",
+                            dir.display()
+                        ))
+                    })?;
+                let optim = Self::optimizer(cfg).load_record(optim_record);
+                let text = std::fs::read_to_string(dir.join(STATE_FILE))
+                    .map_err(|e| StageError::Other(format!("checkpoint {}: {e}", dir.display())))?;
+                let state: TrainerState = serde_json::from_str(&text).map_err(|e| {
+                    StageError::Other(format!("checkpoint {}: state.json: {e}", dir.display()))
+                })?;
+                tracing::info!(checkpoint = %dir.display(), version = state.version, "resuming");
+                (model, state, optim)
+            }
+            None => {
+                let dir = cfg.model.as_ref().ok_or_else(|| {
+                    StageError::Other(
+                        "train needs --model DIR (or a checkpoint in --checkpoint-dir)".into(),
+                    )
+                })?;
+                (
+                    load_hf(dir, &device)?,
+                    TrainerState::default(),
+                    Self::optimizer(cfg),
+                )
+            }
+        };
+        let reference = if cfg.kl_coef > 0.0 {
+            let dir = cfg.model.as_ref().ok_or_else(|| {
+                StageError::Other("--kl-coef needs --model (the reference)".into())
+            })?;
+            Some(load_hf(dir, &device)?)
+        } else {
+            None
+        };
+        Ok(Trainer {
+            model,
+            optim,
+            reference,
+            state,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// One optimizer step on `groups`. A non-finite loss or gradient skips the step and
+    /// leaves the weights untouched.
+    pub fn step(&mut self, groups: &[&ScoredGroup]) -> StepStats {
+        let started = Instant::now();
+        let (loss, mut stats) = loss(&self.model, self.reference.as_ref(), groups, &self.cfg);
+        let mut grads = GradientsParams::from_grads(loss.backward(), &self.model);
+        let mut norm = GradNorm {
+            grads: &grads,
+            sum_sq: 0.0,
+        };
+        self.model.visit(&mut norm);
+        let grad_norm = norm.sum_sq.sqrt();
+        stats.grad_norm = grad_norm;
+        if !(stats.loss.is_finite() && grad_norm.is_finite()) {
+            stats.skipped = true;
+            tracing::warn!(
+                loss = stats.loss,
+                grad_norm,
+                "non-finite loss or gradient: step skipped, weights kept"
+            );
+        } else {
+            if grad_norm > f64::from(self.cfg.max_grad_norm) {
+                let mut scale = GradScale {
+                    grads: &mut grads,
+                    factor: (f64::from(self.cfg.max_grad_norm) / grad_norm) as f32,
+                };
+                self.model.visit(&mut scale);
+            }
+            self.model = self.optim.step(self.cfg.lr, self.model.clone(), grads);
+            self.state.version += 1;
+            self.state.step += 1;
+            self.state.trained_groups += groups.len() as u64;
+            for g in groups {
+                self.state
+                    .recent_groups
+                    .push_back(g.rollout.group_id.clone());
+            }
+            while self.state.recent_groups.len() > REMEMBERED_GROUPS {
+                self.state.recent_groups.pop_front();
+            }
+        }
+        stats.step = self.state.step;
+        stats.version = self.state.version;
+        stats.step_s = started.elapsed().as_secs_f64();
+        stats
+    }
+
+    /// Weights as a blob for publication.
+    pub fn weights_blob(&self) -> Result<Vec<u8>, ModelError> {
+        self.model.valid().to_bytes()
+    }
+
+    /// Writes a complete checkpoint, then points `latest` at it.
+    pub fn checkpoint(&self) -> Result<PathBuf, StageError> {
+        let root = &self.cfg.checkpoint_dir;
+        let dir = root.join(format!("step-{:08}", self.state.step));
+        let io =
+            |e: std::io::Error| StageError::Other(format!("checkpoint {}: {e}", dir.display()));
+        self.model.valid().save_hf(&dir)?;
+        let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+        recorder
+            .record(self.model.clone().into_record(), dir.join(MODEL_RECORD))
+            .map_err(|e| StageError::Other(format!("checkpoint {}: {e}", dir.display())))?;
+        recorder
+            .record(self.optim.to_record(), dir.join(OPTIM_RECORD))
+            .map_err(|e| StageError::Other(format!("checkpoint {}: {e}", dir.display())))?;
+        let state = serde_json::to_string_pretty(&self.state)
+            .map_err(|e| StageError::Other(e.to_string()))?;
+        std::fs::write(dir.join(STATE_FILE), state).map_err(io)?;
+        let config =
+            toml::to_string_pretty(&self.cfg).map_err(|e| StageError::Other(e.to_string()))?;
+        std::fs::write(dir.join(CONFIG_FILE), config).map_err(io)?;
+        let tmp = root.join(format!("{LATEST}.tmp"));
+        std::fs::write(
+            &tmp,
+            dir.file_name()
+                .map(|n| n.to_string_lossy().into_owned())
+                .unwrap_or_default(),
+        )
+        .map_err(io)?;
+        std::fs::rename(&tmp, root.join(LATEST)).map_err(io)?;
+        Ok(dir)
+    }
+
+    fn seen(&self, group_id: &str) -> bool {
+        self.state.recent_groups.iter().any(|g| g == group_id)
+    }
+}
+
+/// The newest complete checkpoint under `root`, if any.
+pub fn latest_checkpoint(root: &Path) -> Option<PathBuf> {
+    let name = std::fs::read_to_string(root.join(LATEST)).ok()?;
+    let dir = root.join(name.trim());
+    dir.join(STATE_FILE).exists().then_some(dir)
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct TrainSummary {
+    pub steps: u64,
+    pub version: u64,
+    pub trained_groups: u64,
+    pub dropped: BTreeMap<String, u64>,
+    pub history: Vec<StepStats>,
+}
+
+/// Runs the trainer until `cfg.steps` steps (0: until shutdown). `on_step` sees each step's
+/// statistics (for progress displays and reports).
+pub async fn run(
+    cfg: &TrainConfig,
+    bus: SharedBus,
+    topo: &Topology,
+    shutdown: impl Future<Output = ()>,
+    mut on_step: impl FnMut(&StepStats),
+) -> Result<TrainSummary, StageError> {
+    let mut trainer = tokio::task::block_in_place(|| Trainer::start(cfg))?;
+    let mut publisher = Publisher::new(bus.clone(), topo.clone(), cfg.keep_versions);
+    let mut consumer = Consumer::<ScoredGroup>::join(
+        bus.clone(),
+        topo.key("scored"),
+        "train",
+        &cfg.name,
+        topo.dead_key(),
+        topo.consumer_options(),
+    )
+    .await?;
+    let mut summary = TrainSummary::default();
+    let mut buffer: Vec<Delivery<ScoredGroup>> = Vec::new();
+    let mut unacked: Vec<EntryId> = Vec::new();
+    let mut waiting = Instant::now();
+    let mut last_checkpoint = trainer.state.step;
+    tokio::pin!(shutdown);
+    'outer: loop {
+        if cfg.steps > 0 && trainer.state.step >= cfg.steps {
+            break;
+        }
+        let batch = tokio::select! {
+            biased;
+            _ = &mut shutdown => break 'outer,
+            b = consumer.poll() => b?,
+        };
+        for d in batch {
+            let g = &d.message;
+            let lag = g
+                .rollout
+                .oldest_version()
+                .map_or(0, |v| trainer.state.version.saturating_sub(v));
+            let reason = if lag > cfg.max_lag {
+                Some("stale")
+            } else if trainer.seen(&g.rollout.group_id)
+                || buffer
+                    .iter()
+                    .any(|b| b.message.rollout.group_id == g.rollout.group_id)
+            {
+                Some("duplicate")
+            } else {
+                None
+            };
+            match reason {
+                Some(reason) => {
+                    *trainer.state.dropped.entry(reason.to_string()).or_default() += 1;
+                    tracing::debug!(group = %g.rollout.group_id, lag, reason, "dropped");
+                    unacked.push(d.id);
+                }
+                None => buffer.push(d),
+            }
+        }
+        while buffer.len() >= cfg.groups_per_step {
+            let taken: Vec<Delivery<ScoredGroup>> = buffer.drain(..cfg.groups_per_step).collect();
+            let groups: Vec<&ScoredGroup> = taken.iter().map(|d| &d.message).collect();
+            let wait_s = waiting.elapsed().as_secs_f64();
+            let version_before = trainer.state.version;
+            let mut stats = tokio::task::block_in_place(|| trainer.step(&groups));
+            stats.wait_s = wait_s;
+            stats.staleness = groups
+                .iter()
+                .map(|g| {
+                    g.rollout
+                        .oldest_version()
+                        .map_or(0, |v| version_before.saturating_sub(v))
+                })
+                .collect();
+            unacked.extend(taken.iter().map(|d| d.id));
+            if stats.skipped {
+                *trainer
+                    .state
+                    .dropped
+                    .entry("nonfinite".to_string())
+                    .or_default() += groups.len() as u64;
+            }
+            tracing::info!(
+                step = stats.step,
+                version = stats.version,
+                loss = format!("{:.4}", stats.loss),
+                reward = format!("{:.3}", stats.reward_mean),
+                ess = format!("{:.3}", stats.ess),
+                clip = format!("{:.3}", stats.clip_fraction),
+                grad_norm = format!("{:.3}", stats.grad_norm),
+                step_s = format!("{:.3}", stats.step_s),
+                "train step"
+            );
+            on_step(&stats);
+            summary.history.push(stats);
+            let stepped = trainer.state.version != version_before;
+            if stepped && trainer.state.version.is_multiple_of(cfg.publish_every) {
+                let blob = tokio::task::block_in_place(|| trainer.weights_blob())?;
+                publisher.publish(trainer.state.version, trainer.state.step, &blob).await?;
+            }
+            if trainer.state.step - last_checkpoint >= cfg.checkpoint_every {
+                tokio::task::block_in_place(|| trainer.checkpoint())?;
+                consumer.ack(&unacked).await?;
+                unacked.clear();
+                last_checkpoint = trainer.state.step;
+            }
+            waiting = Instant::now();
+            if cfg.steps > 0 && trainer.state.step >= cfg.steps {
+                break 'outer;
+            }
+        }
+    }
+    // Stopping: make what was trained durable, then ack it. Groups still in the buffer were
+    // not trained: they stay pending and come back to this consumer after a restart.
+    if trainer.state.step > last_checkpoint || !unacked.is_empty() {
+        tokio::task::block_in_place(|| trainer.checkpoint())?;
+        consumer.ack(&unacked).await?;
+    }
+    summary.steps = trainer.state.step;
+    summary.version = trainer.state.version;
+    summary.trained_groups = trainer.state.trained_groups;
+    summary.dropped = trainer.state.dropped.clone();
+    tracing::info!(
+        steps = summary.steps,
+        version = summary.version,
+        "train stopped"
+    );
+    Ok(summary)
+}

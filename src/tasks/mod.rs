@@ -1,0 +1,153 @@
+//! Built-in tasks (prompt generators with verifiers) and JSONL datasets.
+//!
+//! A task turns an index into a prompt with a reference answer, and scores a completion
+//! against the answer with a reward in [0, 1]. Built-in tasks share one character alphabet
+//! ([`ALPHABET`]) so one small character-level policy can learn any of them.
+
+mod dataset;
+mod verify;
+
+pub use dataset::{Dataset, DatasetError, DatasetItem};
+pub use verify::Verifier;
+
+use crate::model::tokenizer::CharTokenizer;
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use std::collections::BTreeMap;
+
+/// Characters of the built-in tasks' tokenizer (ids 0 and 1 are end-of-sequence and unknown).
+pub const ALPHABET: &str = "0123456789+-=*abcdefghijklmnopqrstuvwxyz .,?!:";
+
+/// The character tokenizer every built-in task uses.
+pub fn char_tokenizer() -> CharTokenizer {
+    CharTokenizer::new(ALPHABET)
+}
+
+/// Meta key of the reference answer.
+pub const ANSWER: &str = "answer";
+/// Meta key naming the verifier of a dataset item.
+pub const VERIFIER: &str = "verifier";
+
+/// One prompt of a task.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TaskItem {
+    pub prompt: String,
+    pub answer: String,
+    /// Everything the scorer needs (answer, verifier), carried in the messages.
+    pub meta: BTreeMap<String, String>,
+}
+
+/// Built-in tasks.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, serde::Serialize, serde::Deserialize,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum BuiltinTask {
+    /// `a+b=` → the sum; exact match. Operands up to `digits` digits.
+    Add,
+    /// `rev:word=` → the word reversed; exact match. Words of 1 to 8 letters, so completion
+    /// lengths vary.
+    Reverse,
+    /// `sort:digits=` → the digits sorted; partial credit per position.
+    Sort,
+}
+
+impl BuiltinTask {
+    pub fn name(self) -> &'static str {
+        match self {
+            BuiltinTask::Add => "add",
+            BuiltinTask::Reverse => "reverse",
+            BuiltinTask::Sort => "sort",
+        }
+    }
+
+    pub fn from_name(name: &str) -> Option<Self> {
+        [BuiltinTask::Add, BuiltinTask::Reverse, BuiltinTask::Sort]
+            .into_iter()
+            .find(|t| t.name() == name)
+    }
+
+    fn verifier(self) -> Verifier {
+        match self {
+            BuiltinTask::Add | BuiltinTask::Reverse => Verifier::Exact,
+            BuiltinTask::Sort => Verifier::Positional,
+        }
+    }
+
+    /// Prompt number `index` of the stream seeded by `seed` (deterministic).
+    pub fn item(self, seed: u64, index: u64) -> TaskItem {
+        let mut rng = StdRng::seed_from_u64(seed ^ index.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let (prompt, answer) = match self {
+            BuiltinTask::Add => {
+                let (a, b) = (rng.random_range(0..100u32), rng.random_range(0..100u32));
+                (format!("{a}+{b}="), (a + b).to_string())
+            }
+            BuiltinTask::Reverse => {
+                let len = rng.random_range(1..=8);
+                let word: String = (0..len)
+                    .map(|_| (b'a' + rng.random_range(0..26u8)) as char)
+                    .collect();
+                (format!("rev:{word}="), word.chars().rev().collect())
+            }
+            BuiltinTask::Sort => {
+                let len = rng.random_range(3..=6);
+                let digits: String = (0..len)
+                    .map(|_| (b'0' + rng.random_range(0..10u8)) as char)
+                    .collect();
+                let mut sorted: Vec<char> = digits.chars().collect();
+                sorted.sort_unstable();
+                (format!("sort:{digits}="), sorted.into_iter().collect())
+            }
+        };
+        let meta = BTreeMap::from([
+            (ANSWER.to_string(), answer.clone()),
+            (VERIFIER.to_string(), self.verifier().name().to_string()),
+        ]);
+        TaskItem {
+            prompt,
+            answer,
+            meta,
+        }
+    }
+}
+
+/// Reward of `completion` for a prompt whose meta is `meta`: the meta's verifier (or exact
+/// match) against its answer. Missing answer → `None` (the scorer reports it).
+pub fn score(completion: &str, meta: &BTreeMap<String, String>) -> Option<f32> {
+    let answer = meta.get(ANSWER)?;
+    let verifier = meta
+        .get(VERIFIER)
+        .and_then(|v| Verifier::from_name(v))
+        .unwrap_or(Verifier::Exact);
+    Some(verifier.score(completion, answer))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn items_are_deterministic_and_scored_by_their_verifier() {
+        for task in [BuiltinTask::Add, BuiltinTask::Reverse, BuiltinTask::Sort] {
+            let a = task.item(7, 3);
+            assert_eq!(a, task.item(7, 3));
+            assert_ne!(task.item(7, 3), task.item(7, 4));
+            assert_eq!(score(&a.answer, &a.meta), Some(1.0), "{task:?}");
+            let tok = char_tokenizer();
+            assert!(
+                !tok.encode(&a.prompt).contains(&CharTokenizer::UNK),
+                "{}",
+                a.prompt
+            );
+        }
+        let s = BuiltinTask::Sort.item(1, 1);
+        let mut wrong: Vec<char> = s.answer.chars().collect();
+        wrong[0] = if wrong[0] == '9' { '0' } else { '9' };
+        let partial = score(&wrong.into_iter().collect::<String>(), &s.meta).unwrap();
+        assert!(partial > 0.0 && partial < 1.0, "{partial}");
+        assert_eq!(
+            score("12", &BuiltinTask::Add.item(0, 0).meta).map(|r| r <= 1.0),
+            Some(true)
+        );
+    }
+}

@@ -13,6 +13,7 @@
 use super::{BusResult, DeadLetterRecord, Entry, EntryId, GroupStart, ReadFrom, SharedBus};
 use crate::schema::{self, DeadLetter, Message, SchemaVersion};
 use bytes::Bytes;
+use std::collections::HashSet;
 use std::marker::PhantomData;
 use std::time::{Duration, Instant};
 
@@ -75,6 +76,11 @@ pub struct Consumer<M> {
     last_claim: Option<Instant>,
     /// After a restart, this consumer's own pending entries are re-read first.
     resume_pending: bool,
+    /// Entries handed out and not yet acked, failed or dead-lettered. XAUTOCLAIM cannot
+    /// exclude the claiming consumer, so a stage that holds entries longer than
+    /// `claim_idle` (the trainer, until its checkpoint) would otherwise claim its own work
+    /// back and process it twice.
+    held: HashSet<EntryId>,
     counts: ConsumerCounts,
     _message: PhantomData<fn() -> M>,
 }
@@ -100,6 +106,7 @@ impl<M: Message> Consumer<M> {
             opts,
             last_claim: None,
             resume_pending: true,
+            held: HashSet::new(),
             counts: ConsumerCounts::default(),
             _message: PhantomData,
         })
@@ -187,12 +194,15 @@ impl<M: Message> Consumer<M> {
                 continue;
             }
             match schema::decode_limited::<M>(&e.payload, self.opts.max_message_bytes) {
-                Ok(message) => out.push(Delivery {
-                    id: e.id,
-                    message,
-                    deliveries: e.deliveries,
-                    payload: e.payload,
-                }),
+                Ok(message) => {
+                    self.held.insert(e.id);
+                    out.push(Delivery {
+                        id: e.id,
+                        message,
+                        deliveries: e.deliveries,
+                        payload: e.payload,
+                    })
+                }
                 Err(err) => dead.push(self.letter(&e, err.label(), err.to_string())),
             }
         }
@@ -202,14 +212,27 @@ impl<M: Message> Consumer<M> {
     }
 
     /// Acknowledges finished work.
-    pub async fn ack(&self, ids: &[EntryId]) -> BusResult<u64> {
-        self.bus.ack(&self.stream, &self.group, ids).await
+    pub async fn ack(&mut self, ids: &[EntryId]) -> BusResult<u64> {
+        let n = self.bus.ack(&self.stream, &self.group, ids).await?;
+        for id in ids {
+            self.held.remove(id);
+        }
+        Ok(n)
+    }
+
+    /// Forgets entries acked by someone else on this consumer's behalf (a stage that acks
+    /// through the bus directly, after publishing its output).
+    pub fn release(&mut self, ids: &[EntryId]) {
+        for id in ids {
+            self.held.remove(id);
+        }
     }
 
     /// Reports that processing `delivery` failed with `error`. It stays pending for another
     /// try after `claim_idle`, or is dead-lettered if it has used its deliveries.
     /// Returns true when it was dead-lettered.
     pub async fn fail(&mut self, delivery: &Delivery<M>, error: &str) -> BusResult<bool> {
+        self.held.remove(&delivery.id);
         if delivery.deliveries < self.opts.max_deliveries {
             tracing::warn!(stream = %self.stream, id = %delivery.id, deliveries = delivery.deliveries,
                 error, "processing failed; entry left pending for a retry");
@@ -274,6 +297,9 @@ impl<M: Message> Consumer<M> {
                 error = %error, "entry moved to the dead-letter stream");
         }
         let records: Vec<DeadLetterRecord> = dead.into_iter().map(|(r, _)| r).collect();
+        for r in &records {
+            self.held.remove(&r.entry_id);
+        }
         self.bus
             .dead_letter(&self.stream, &self.group, &self.dead_stream, &records)
             .await?;

@@ -12,9 +12,12 @@
 //!   publishes finished groups and acks their prompts.
 //!
 //! In-flight bound: a prompt is admitted only while the work started but not yet trained
-//! (groups decoding here, plus the backlog of the rollouts and scored streams, from XINFO)
-//! stays under `(max_lag + 1) × groups_per_step` groups. The trainer drops groups older than
-//! `max_lag` versions; this bound keeps it from having to.
+//! stays under `(max_lag + 1) × groups_per_step` groups: groups decoding here, plus the
+//! rollouts not yet scored (pending and lag of the `score` group) and the scored groups not
+//! yet delivered to the trainer (lag of the `train` group), from XINFO. Scored groups the
+//! trainer has taken are not counted: it holds them unacked until its next checkpoint even
+//! after training on them, and it takes at most `groups_per_step` it has not trained. The
+//! trainer drops groups older than `max_lag` versions; this bound keeps it from having to.
 
 use super::StageError;
 use crate::bus::{Bus, Consumer, ConsumerOptions, Delivery, EntryId, SharedBus, Topology};
@@ -218,13 +221,17 @@ fn decode_loop(
     stats
 }
 
-/// Work started but not trained, in groups, from the downstream streams' XINFO.
+/// Work started but not trained, in groups, from the downstream streams' XINFO (see the
+/// module doc for what is counted).
 async fn downstream_backlog(bus: &dyn Bus, topo: &Topology) -> u64 {
     let mut total = 0;
-    for (stream, group) in [("rollouts", "score"), ("scored", "train")] {
+    for (stream, group, count_pending) in [("rollouts", "score", true), ("scored", "train", false)]
+    {
         if let Ok(s) = bus.stats(&topo.key(stream)).await {
             let g = s.groups.iter().find(|g| g.name == group);
-            total += g.map_or(s.length, |g| g.pending + g.lag.unwrap_or(0));
+            total += g.map_or(s.length, |g| {
+                g.lag.unwrap_or(0) + if count_pending { g.pending } else { 0 }
+            });
         }
     }
     total
@@ -247,6 +254,8 @@ pub async fn run(
     let in_flight = Arc::new(AtomicUsize::new(0));
     let (admit_tx, admit_rx) = mpsc::channel::<Admit>();
     let (done_tx, mut done_rx) = tokio::sync::mpsc::unbounded_channel::<Finished>();
+    // Prompt entries acked by the publisher, so the reader's consumer stops holding them.
+    let (acked_tx, mut acked_rx) = tokio::sync::mpsc::unbounded_channel::<Vec<EntryId>>();
     let decode = {
         let (cfg, slot, stop) = (cfg.clone(), slot.clone(), stop.clone());
         std::thread::Builder::new()
@@ -302,6 +311,9 @@ pub async fn run(
             let mut refreshed = Instant::now() - BACKLOG_REFRESH;
             let mut backoff = Duration::from_millis(100);
             while !stop.load(Ordering::Relaxed) {
+                while let Ok(ids) = acked_rx.try_recv() {
+                    consumer.release(&ids);
+                }
                 if refreshed.elapsed() >= BACKLOG_REFRESH {
                     backlog = downstream_backlog(bus.as_ref(), &topo).await;
                     refreshed = Instant::now();
@@ -386,6 +398,7 @@ pub async fn run(
         let entries: Vec<EntryId> = batch.iter().map(|f| f.entry).collect();
         bus.publish(&out_stream, &payloads, max_len).await?;
         bus.ack(&prompts, "gen", &entries).await?;
+        let _ = acked_tx.send(entries);
         in_flight.fetch_sub(batch.len(), Ordering::Relaxed);
         summary.groups += batch.len() as u64;
         summary.tokens += batch

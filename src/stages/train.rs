@@ -15,13 +15,14 @@ use crate::config::TrainConfig;
 use crate::model::hf::load_hf;
 use crate::model::logprobs::{ScoredSeq, completion_logprobs};
 use crate::model::{ModelError, Policy, TrainBackend};
-use crate::schema::ScoredGroup;
+use crate::schema::{self, Event, SchemaVersion, ScoredGroup};
 use crate::weights::Publisher;
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor, TensorData};
+use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
 use std::future::Future;
@@ -82,6 +83,8 @@ pub struct TrainerState {
     pub dropped: BTreeMap<String, u64>,
     /// Recently trained group ids (de-duplication across restarts).
     pub recent_groups: VecDeque<String>,
+    /// Recently dropped group ids with the reason, for accounting.
+    pub recent_dropped: VecDeque<(String, String)>,
 }
 
 /// Global L2 norm of the gradients, and scaling them.
@@ -422,6 +425,53 @@ impl Trainer {
     }
 }
 
+/// A `step` event on the events stream: what `rlstream status` and tests read.
+async fn publish_step_event(
+    bus: &SharedBus,
+    topo: &Topology,
+    source: &str,
+    state: &TrainerState,
+    s: &StepStats,
+) -> Result<(), StageError> {
+    let fields = BTreeMap::from([
+        ("step".to_string(), s.step as f64),
+        ("loss".to_string(), s.loss),
+        ("reward_mean".to_string(), s.reward_mean),
+        ("ess".to_string(), s.ess),
+        ("clip_fraction".to_string(), s.clip_fraction),
+        ("mismatch_kl".to_string(), s.mismatch_kl),
+        ("entropy".to_string(), s.entropy),
+        ("grad_norm".to_string(), s.grad_norm),
+        ("tokens".to_string(), s.tokens as f64),
+        (
+            "staleness_max".to_string(),
+            s.staleness.iter().copied().max().unwrap_or(0) as f64,
+        ),
+        ("wait_s".to_string(), s.wait_s),
+        ("step_s".to_string(), s.step_s),
+        ("trained_groups".to_string(), state.trained_groups as f64),
+        (
+            "dropped_groups".to_string(),
+            state.dropped.values().sum::<u64>() as f64,
+        ),
+        ("skipped".to_string(), f64::from(u8::from(s.skipped))),
+    ]);
+    let event = Event {
+        schema: SchemaVersion::CURRENT,
+        kind: "step".into(),
+        stage: "train".into(),
+        source: source.to_string(),
+        version: state.version,
+        fields,
+        text: None,
+        time_us: schema::now_us(),
+    };
+    let bytes = Bytes::from(schema::encode(&event)?);
+    bus.publish(&topo.key("events"), &[bytes], topo.max_len("events"))
+        .await?;
+    Ok(())
+}
+
 /// The newest complete checkpoint under `root`, if any.
 pub fn latest_checkpoint(root: &Path) -> Option<PathBuf> {
     let name = std::fs::read_to_string(root.join(LATEST)).ok()?;
@@ -493,6 +543,13 @@ pub async fn run(
             match reason {
                 Some(reason) => {
                     *trainer.state.dropped.entry(reason.to_string()).or_default() += 1;
+                    trainer
+                        .state
+                        .recent_dropped
+                        .push_back((g.rollout.group_id.clone(), reason.to_string()));
+                    while trainer.state.recent_dropped.len() > REMEMBERED_GROUPS {
+                        trainer.state.recent_dropped.pop_front();
+                    }
                     tracing::debug!(group = %g.rollout.group_id, lag, reason, "dropped");
                     unacked.push(d.id);
                 }
@@ -534,11 +591,14 @@ pub async fn run(
                 "train step"
             );
             on_step(&stats);
+            publish_step_event(&bus, topo, &cfg.name, &trainer.state, &stats).await?;
             summary.history.push(stats);
             let stepped = trainer.state.version != version_before;
             if stepped && trainer.state.version.is_multiple_of(cfg.publish_every) {
                 let blob = tokio::task::block_in_place(|| trainer.weights_blob())?;
-                publisher.publish(trainer.state.version, trainer.state.step, &blob).await?;
+                publisher
+                    .publish(trainer.state.version, trainer.state.step, &blob)
+                    .await?;
             }
             if trainer.state.step - last_checkpoint >= cfg.checkpoint_every {
                 tokio::task::block_in_place(|| trainer.checkpoint())?;

@@ -1,0 +1,97 @@
+//! The score stage on the embedded bus: built-in verifiers, the Python example verifier
+//! over JSON lines, and a broken external scorer (retried, then dead-lettered).
+
+use bytes::Bytes;
+use rlstream::bus::{MemoryBus, RangeBound, SharedBus, Topology};
+use rlstream::config::ScoreConfig;
+use rlstream::schema::{self, DeadLetter, RolloutGroup, ScoredGroup, examples};
+use rlstream::stages::score::{self, AdvantageKind};
+use rlstream::tasks;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// A group of 3 completions of `rev:abc=`: right, right but upper-case, wrong.
+fn group() -> RolloutGroup {
+    let tok = tasks::char_tokenizer();
+    let mut g = examples::rollout_group(3, 1, 40, 0);
+    g.prompt_tokens = tok.encode("rev:abc=").into();
+    g.meta.insert("answer".into(), "cba".into());
+    g.meta.insert("verifier".into(), "exact".into());
+    g.sampling.stop_tokens = vec![0];
+    for (s, text) in g.samples.iter_mut().zip(["cba", " cba ", "abc"]) {
+        let mut ids = tok.encode(text);
+        ids.push(0);
+        s.logprobs = vec![-0.5; ids.len()].into();
+        s.tokens = ids.into();
+        s.versions = vec![(0, 0).into()];
+    }
+    g
+}
+
+async fn score_one(cfg: ScoreConfig, topo: Topology) -> (SharedBus, Vec<ScoredGroup>) {
+    let bus: SharedBus = Arc::new(MemoryBus::new());
+    let bytes = Bytes::from(schema::encode(&group()).unwrap());
+    bus.publish(&topo.key("rollouts"), &[bytes], None).await.unwrap();
+    let stage = {
+        let (bus, topo) = (bus.clone(), topo.clone());
+        tokio::spawn(async move { score::run(&cfg, bus, &topo, tokio::time::sleep(Duration::from_secs(3))).await })
+    };
+    stage.await.unwrap().unwrap();
+    let out = bus
+        .range(&topo.key("scored"), RangeBound::Open, RangeBound::Open, 10)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| schema::decode::<ScoredGroup>(&e.payload).unwrap())
+        .collect();
+    (bus, out)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn builtin_verifier_rewards_and_normalises() {
+    let (_, out) = score_one(ScoreConfig::default(), Topology::default()).await;
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].rewards, vec![1.0, 1.0, 0.0], "trimmed exact match");
+    let adv = score::advantages(&out[0].rewards, AdvantageKind::Grpo);
+    assert_eq!(out[0].advantages, adv);
+    assert!(adv[0] > 0.0 && adv[2] < 0.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn python_example_verifier_scores_over_json_lines() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/verifier.py");
+    let cfg = ScoreConfig {
+        scorer_cmd: Some(format!("python3 {script}")),
+        advantage: AdvantageKind::Nostd,
+        ..ScoreConfig::default()
+    };
+    let (_, out) = score_one(cfg, Topology::default()).await;
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].rewards, vec![1.0, 0.5, 0.0]);
+    assert_eq!(out[0].advantages, vec![0.5, 0.0, -0.5]);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failing_scorer_is_retried_then_dead_lettered() {
+    let mut topo = Topology::default();
+    topo.claim_idle_ms = 100;
+    topo.max_deliveries = 2;
+    topo.block_ms = 50;
+    let cfg = ScoreConfig {
+        // Exits at once: every request fails.
+        scorer_cmd: Some("false".into()),
+        ..ScoreConfig::default()
+    };
+    let (bus, out) = score_one(cfg, topo.clone()).await;
+    assert!(out.is_empty());
+    let dead: Vec<DeadLetter> = bus
+        .range(&topo.dead_key(), RangeBound::Open, RangeBound::Open, 10)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| schema::decode(&e.payload).unwrap())
+        .collect();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].deliveries, 2);
+    assert!(dead[0].error.contains("scorer"), "{}", dead[0].error);
+}

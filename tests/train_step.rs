@@ -1,0 +1,126 @@
+//! One trainer step moves the policy the right way: completions with positive advantage
+//! become more likely and those with negative advantage less, for every loss.
+
+use rlstream::config::TrainConfig;
+use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
+use rlstream::model::sampler::{Generator, Request};
+use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
+use rlstream::schema::{
+    FinishReason, RolloutGroup, Sample, SamplingParams, SchemaVersion, ScoredGroup,
+};
+use rlstream::stages::score::{AdvantageKind, advantages};
+use rlstream::stages::train::{LossKind, Trainer};
+
+fn group(model: &Policy<InferBackend>) -> ScoredGroup {
+    let params = SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        max_new_tokens: 6,
+        stop_tokens: vec![],
+        seed: 3,
+    };
+    let prompt = vec![4u32, 9, 2];
+    let req = Request {
+        id: 0,
+        prompt: prompt.clone(),
+        n: 8,
+        params: params.clone(),
+    };
+    let done = Generator::generate(model, 0, &[req]);
+    let rewards: Vec<f32> = (0..8).map(|i| if i < 2 { 1.0 } else { 0.0 }).collect();
+    ScoredGroup {
+        schema: SchemaVersion::CURRENT,
+        rollout: RolloutGroup {
+            schema: SchemaVersion::CURRENT,
+            group_id: "g".into(),
+            prompt_id: "p".into(),
+            task: "t".into(),
+            prompt_tokens: prompt.into(),
+            samples: done
+                .into_iter()
+                .map(|c| Sample {
+                    tokens: c.tokens.into(),
+                    logprobs: c.logprobs.into(),
+                    versions: c.versions,
+                    finish: FinishReason::Length,
+                    mask: c.mask,
+                })
+                .collect(),
+            sampling: params,
+            gen_id: "gen".into(),
+            started_us: 0,
+            finished_us: 0,
+            meta: Default::default(),
+        },
+        advantages: advantages(&rewards, AdvantageKind::Grpo),
+        rewards,
+        token_rewards: None,
+        ref_logprobs: None,
+        scorer_id: "s".into(),
+        scored_us: 0,
+    }
+}
+
+fn seq_logprobs(model: &Policy<InferBackend>, g: &ScoredGroup) -> Vec<f32> {
+    let seqs: Vec<ScoredSeq<'_>> = g
+        .rollout
+        .samples
+        .iter()
+        .map(|s| ScoredSeq {
+            prompt: &g.rollout.prompt_tokens,
+            completion: &s.tokens,
+            mask: None,
+        })
+        .collect();
+    let (lp, _) = completion_logprobs(model, &seqs, 1.0);
+    let c = lp.dims()[1];
+    let flat: Vec<f32> = lp.into_data().into_vec().unwrap();
+    flat.chunks(c).map(|r| r.iter().sum()).collect()
+}
+
+#[test]
+fn a_step_raises_good_completions_and_lowers_bad_ones() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = PolicyConfig::tiny(Architecture::Qwen2, 32);
+    let model = Policy::<InferBackend>::random(&cfg, 8, &Default::default()).unwrap();
+    model.save_hf(&dir.path().join("model")).unwrap();
+    let g = group(&model);
+    let before = seq_logprobs(&model, &g);
+    for loss in [LossKind::Ppo, LossKind::Tis, LossKind::Reinforce] {
+        let tc = TrainConfig {
+            model: Some(dir.path().join("model")),
+            loss,
+            lr: 1e-2,
+            checkpoint_dir: dir.path().join(format!("ckpt-{loss:?}")),
+            ..TrainConfig::default()
+        };
+        let mut trainer = Trainer::start(&tc).unwrap();
+        let stats = trainer.step(&[&g]);
+        assert!(!stats.skipped);
+        assert!(
+            (stats.ess - 1.0).abs() < 1e-3,
+            "on-policy ESS {}",
+            stats.ess
+        );
+        assert!(
+            stats.mismatch_kl.abs() < 1e-4,
+            "on-policy mismatch {}",
+            stats.mismatch_kl
+        );
+        let after_model = Policy::<InferBackend>::from_bytes(
+            &cfg,
+            &trainer.weights_blob().unwrap(),
+            &Default::default(),
+        )
+        .unwrap();
+        let after = seq_logprobs(&after_model, &g);
+        let delta: Vec<f32> = after.iter().zip(&before).map(|(a, b)| a - b).collect();
+        let good = (delta[0] + delta[1]) / 2.0;
+        let bad = delta[2..].iter().sum::<f32>() / 6.0;
+        assert!(
+            good > 0.0 && good > bad,
+            "{loss:?}: good {good}, bad {bad}, deltas {delta:?}"
+        );
+    }
+}

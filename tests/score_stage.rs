@@ -31,10 +31,14 @@ fn group() -> RolloutGroup {
 async fn score_one(cfg: ScoreConfig, topo: Topology) -> (SharedBus, Vec<ScoredGroup>) {
     let bus: SharedBus = Arc::new(MemoryBus::new());
     let bytes = Bytes::from(schema::encode(&group()).unwrap());
-    bus.publish(&topo.key("rollouts"), &[bytes], None).await.unwrap();
+    bus.publish(&topo.key("rollouts"), &[bytes], None)
+        .await
+        .unwrap();
     let stage = {
         let (bus, topo) = (bus.clone(), topo.clone());
-        tokio::spawn(async move { score::run(&cfg, bus, &topo, tokio::time::sleep(Duration::from_secs(3))).await })
+        tokio::spawn(async move {
+            score::run(&cfg, bus, &topo, tokio::time::sleep(Duration::from_secs(3))).await
+        })
     };
     stage.await.unwrap().unwrap();
     let out = bus

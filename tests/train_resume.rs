@@ -1,0 +1,139 @@
+//! The trainer resumes from its checkpoint: version and optimizer state continue, acked
+//! groups are not read again, and nothing is trained twice.
+
+use bytes::Bytes;
+use rlstream::bus::{MemoryBus, SharedBus, Topology};
+use rlstream::config::TrainConfig;
+use rlstream::model::sampler::{Generator, Request};
+use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
+use rlstream::schema::{self, RolloutGroup, Sample, SamplingParams, SchemaVersion, ScoredGroup};
+use rlstream::stages::score::{AdvantageKind, advantages};
+use rlstream::stages::train;
+use std::sync::Arc;
+
+fn scored(model: &Policy<InferBackend>, i: u64) -> ScoredGroup {
+    let params = SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        max_new_tokens: 4,
+        stop_tokens: vec![],
+        seed: i,
+    };
+    let prompt = vec![(i % 20) as u32 + 1, 3];
+    let done = Generator::generate(
+        model,
+        0,
+        &[Request {
+            id: 0,
+            prompt: prompt.clone(),
+            n: 4,
+            params: params.clone(),
+        }],
+    );
+    let rewards: Vec<f32> = (0..4).map(|k| ((i + k) % 2) as f32).collect();
+    ScoredGroup {
+        schema: SchemaVersion::CURRENT,
+        rollout: RolloutGroup {
+            schema: SchemaVersion::CURRENT,
+            group_id: format!("g{i}"),
+            prompt_id: format!("p{i}"),
+            task: "t".into(),
+            prompt_tokens: prompt.into(),
+            samples: done
+                .into_iter()
+                .map(|c| Sample {
+                    tokens: c.tokens.into(),
+                    logprobs: c.logprobs.into(),
+                    versions: c.versions,
+                    finish: c.finish,
+                    mask: c.mask,
+                })
+                .collect(),
+            sampling: params,
+            gen_id: "gen".into(),
+            started_us: 0,
+            finished_us: 0,
+            meta: Default::default(),
+        },
+        advantages: advantages(&rewards, AdvantageKind::Grpo),
+        rewards,
+        token_rewards: None,
+        ref_logprobs: None,
+        scorer_id: "s".into(),
+        scored_us: 0,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn resumes_from_checkpoint_without_training_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = PolicyConfig::tiny(Architecture::Llama, 32);
+    let model = Policy::<InferBackend>::random(&cfg, 4, &Default::default()).unwrap();
+    model.save_hf(&dir.path().join("model")).unwrap();
+    let bus: SharedBus = Arc::new(MemoryBus::new());
+    let mut topo = Topology::default();
+    topo.block_ms = 50;
+    // Group 5 is published twice (an upstream retry): it must be trained once.
+    let mut payloads: Vec<Bytes> = (0..12)
+        .map(|i| Bytes::from(schema::encode(&scored(&model, i)).unwrap()))
+        .collect();
+    payloads.insert(7, payloads[5].clone());
+    bus.publish(&topo.key("scored"), &payloads, None)
+        .await
+        .unwrap();
+
+    let tc = TrainConfig {
+        model: Some(dir.path().join("model")),
+        groups_per_step: 4,
+        checkpoint_every: 1,
+        checkpoint_dir: dir.path().join("ckpt"),
+        lr: 1e-3,
+        steps: 2,
+        ..TrainConfig::default()
+    };
+    let never = std::future::pending::<()>();
+    let first = train::run(&tc, bus.clone(), &topo, never, |_| {})
+        .await
+        .unwrap();
+    assert_eq!(
+        (first.steps, first.version, first.trained_groups),
+        (2, 2, 8)
+    );
+    assert_eq!(first.dropped.get("duplicate"), Some(&1));
+    let weights_v2 = train::Trainer::start(&tc).unwrap().weights_blob().unwrap();
+
+    // A restart continues at version 2 and trains the remaining 4 groups.
+    let again = TrainConfig {
+        steps: 3,
+        ..tc.clone()
+    };
+    let second = train::run(
+        &again,
+        bus.clone(),
+        &topo,
+        std::future::pending::<()>(),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    assert_eq!(
+        (second.steps, second.version, second.trained_groups),
+        (3, 3, 12)
+    );
+    assert_eq!(second.history.len(), 1, "only the new step ran");
+    let resumed = train::Trainer::start(&again).unwrap();
+    assert_ne!(
+        resumed.weights_blob().unwrap(),
+        weights_v2,
+        "step 3 changed the weights"
+    );
+    let trained: Vec<&String> = resumed.state.recent_groups.iter().collect();
+    let unique: std::collections::HashSet<&&String> = trained.iter().collect();
+    assert_eq!((trained.len(), unique.len()), (12, 12), "{trained:?}");
+    assert_eq!(
+        bus.stats(&topo.key("scored")).await.unwrap().groups[0].pending,
+        0,
+        "all acked after the checkpoints"
+    );
+}

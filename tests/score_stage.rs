@@ -77,10 +77,12 @@ async fn python_example_verifier_scores_over_json_lines() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_scorer_is_retried_then_dead_lettered() {
-    let mut topo = Topology::default();
-    topo.claim_idle_ms = 100;
-    topo.max_deliveries = 2;
-    topo.block_ms = 50;
+    let topo = Topology {
+        claim_idle_ms: 100,
+        max_deliveries: 2,
+        block_ms: 50,
+        ..Topology::default()
+    };
     let cfg = ScoreConfig {
         // Exits at once: every request fails.
         scorer_cmd: Some("false".into()),

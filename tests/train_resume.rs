@@ -72,8 +72,10 @@ async fn resumes_from_checkpoint_without_training_twice() {
     let model = Policy::<InferBackend>::random(&cfg, 4, &Default::default()).unwrap();
     model.save_hf(&dir.path().join("model")).unwrap();
     let bus: SharedBus = Arc::new(MemoryBus::new());
-    let mut topo = Topology::default();
-    topo.block_ms = 50;
+    let topo = Topology {
+        block_ms: 50,
+        ..Topology::default()
+    };
     // Group 5 is published twice (an upstream retry): it must be trained once.
     let mut payloads: Vec<Bytes> = (0..12)
         .map(|i| Bytes::from(schema::encode(&scored(&model, i)).unwrap()))

@@ -5,14 +5,19 @@
 //! - [`schema`]: the messages stages exchange (MessagePack maps, versioned, validated).
 //! - [`bus`]: streams with consumer groups, on Redis or in memory, and the typed
 //!   [`bus::Consumer`] that applies the delivery policy (claim, dead-letter).
-//!
 //! - [`model`]: the policy (Llama/Qwen2-family decoder in burn), Hugging Face checkpoints,
 //!   the KV-cache sampler and the trainer's log-probs.
-//! - [`commands`]: user commands other than the stages (`rlstream generate`).
+//! - [`tasks`]: built-in tasks, verifiers and JSONL datasets.
+//! - [`stages`]: `feed`, `gen`, `score`, `train`, each `run(config, bus, topology, shutdown)`.
+//! - [`weights`]: weight publication and the generator's follower.
+//! - [`config`]: the config file / environment / flag precedence.
+//! - [`metrics`]: every metric name and the Prometheus exporter.
+//! - [`commands`]: user commands other than the stages (`generate`, `sft`).
 
 pub mod bus;
 pub mod commands;
 pub mod config;
+pub mod metrics;
 pub mod model;
 pub mod schema;
 pub mod stages;

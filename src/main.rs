@@ -40,6 +40,9 @@ struct Common {
     /// Stream topology file [default: the shipped streams/default.toml].
     #[arg(long)]
     topology: Option<PathBuf>,
+    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9100).
+    #[arg(long)]
+    metrics_addr: Option<String>,
 }
 
 #[derive(Subcommand)]
@@ -280,7 +283,12 @@ async fn setup(common: &Common) -> Result<(Config, Topology, SharedBus)> {
     let mut cfg = Config::load(common.config.as_deref())?;
     apply!(cfg.redis => common.redis.clone().map(Some::<String>),
            cfg.namespace => common.namespace.clone().map(Some::<String>),
-           cfg.topology => common.topology.clone().map(Some::<PathBuf>));
+           cfg.topology => common.topology.clone().map(Some::<PathBuf>),
+           cfg.metrics_addr => common.metrics_addr.clone().map(Some::<String>));
+    if let Some(addr) = &cfg.metrics_addr {
+        rlstream::metrics::install(addr)?;
+        tracing::info!("serving metrics at http://{addr}/metrics");
+    }
     let mut topo = match &cfg.topology {
         Some(p) => Topology::load(p)?,
         None => Topology::default(),

@@ -152,6 +152,7 @@ fn decode_loop(
             stats.swaps += 1;
             stats.swap_stalls.push(stall);
             last_version = current.version;
+            crate::metrics::swapped(current.version, stall);
         }
         // Admit while rows are free; wait briefly only when there is nothing to decode.
         while generator.active() + g <= cfg.max_batch {
@@ -400,11 +401,14 @@ pub async fn run(
         bus.ack(&prompts, "gen", &entries).await?;
         let _ = acked_tx.send(entries);
         in_flight.fetch_sub(batch.len(), Ordering::Relaxed);
-        summary.groups += batch.len() as u64;
-        summary.tokens += batch
+        let tokens: u64 = batch
             .iter()
             .map(|f| f.group.completion_tokens() as u64)
-            .sum::<u64>();
+            .sum();
+        let samples: u64 = batch.iter().map(|f| f.group.samples.len() as u64).sum();
+        crate::metrics::generated(samples, tokens);
+        summary.groups += batch.len() as u64;
+        summary.tokens += tokens;
     }
     summary.decode = tokio::task::spawn_blocking(move || decode.join())
         .await

@@ -281,6 +281,7 @@ pub async fn run(
                     let adv = advantages(&rewards, cfg.advantage);
                     summary.reward_sum += rewards.iter().map(|&r| f64::from(r)).sum::<f64>();
                     summary.samples += rewards.len() as u64;
+                    crate::metrics::scored(rewards.len() as u64);
                     let scored = ScoredGroup {
                         schema: SchemaVersion::CURRENT,
                         rollout: d.message.clone(),
@@ -296,6 +297,7 @@ pub async fn run(
                 }
                 Err(e) => {
                     summary.failed += 1;
+                    crate::metrics::error("score", "scorer");
                     consumer.fail(d, &e).await?;
                 }
             }

@@ -543,6 +543,7 @@ pub async fn run(
             match reason {
                 Some(reason) => {
                     *trainer.state.dropped.entry(reason.to_string()).or_default() += 1;
+                    crate::metrics::dropped(reason, g.rollout.samples.len() as u64);
                     trainer
                         .state
                         .recent_dropped
@@ -591,6 +592,10 @@ pub async fn run(
                 "train step"
             );
             on_step(&stats);
+            crate::metrics::trained(
+                &stats,
+                groups.iter().map(|g| g.rollout.samples.len() as u64).sum(),
+            );
             publish_step_event(&bus, topo, &cfg.name, &trainer.state, &stats).await?;
             summary.history.push(stats);
             let stepped = trainer.state.version != version_before;

@@ -22,5 +22,5 @@ gen=$!
 $bin score --redis "$redis" --namespace "$ns" 2>"$out/score.log" >/dev/null &
 score=$!
 trap 'kill -INT $gen $score 2>/dev/null; wait $gen $score 2>/dev/null || true' EXIT
-$bin train --redis "$redis" --namespace "$ns" --model "$out/model" --steps "$steps" --lr 1e-3 \
+$bin train --redis "$redis" --namespace "$ns" --model "$out/model" --steps "$steps" --lr 5e-4 \
   --checkpoint-dir "$out/checkpoints" 2>"$out/train.log"

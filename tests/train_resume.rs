@@ -124,6 +124,24 @@ async fn resumes_from_checkpoint_without_training_twice() {
         (3, 3, 12)
     );
     assert_eq!(second.history.len(), 1, "only the new step ran");
+    // On resume the checkpoint's weights are published again, so generators catch up.
+    let announced: Vec<u64> = bus
+        .range(
+            &topo.key("weights"),
+            rlstream::bus::RangeBound::Open,
+            rlstream::bus::RangeBound::Open,
+            100,
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| {
+            schema::decode::<schema::WeightsAnnounce>(&e.payload)
+                .unwrap()
+                .version
+        })
+        .collect();
+    assert_eq!(announced, vec![1, 2, 2, 3]);
     let resumed = train::Trainer::start(&again).unwrap();
     assert_ne!(
         resumed.weights_blob().unwrap(),

@@ -508,6 +508,15 @@ pub async fn run(
         topo.consumer_options(),
     )
     .await?;
+    if trainer.state.version > 0 {
+        // Resumed: publish the checkpoint's weights so generators that start from the
+        // initial model (or whose weights stream was trimmed) catch up instead of producing
+        // groups that are all too stale to train on.
+        let blob = tokio::task::block_in_place(|| trainer.weights_blob())?;
+        publisher
+            .publish(trainer.state.version, trainer.state.step, &blob)
+            .await?;
+    }
     let mut summary = TrainSummary::default();
     let mut buffer: Vec<Delivery<ScoredGroup>> = Vec::new();
     let mut unacked: Vec<EntryId> = Vec::new();

@@ -1,68 +1,26 @@
 //! The trainer resumes from its checkpoint: version and optimizer state continue, acked
 //! groups are not read again, and nothing is trained twice.
 
+mod common;
+
 use bytes::Bytes;
 use rlstream::bus::{MemoryBus, SharedBus, Topology};
 use rlstream::config::TrainConfig;
-use rlstream::model::sampler::{Generator, Request};
 use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
-use rlstream::schema::{self, RolloutGroup, Sample, SamplingParams, SchemaVersion, ScoredGroup};
-use rlstream::stages::score::{AdvantageKind, advantages};
+use rlstream::schema::{self, ScoredGroup};
 use rlstream::stages::train;
 use std::sync::Arc;
 
 fn scored(model: &Policy<InferBackend>, i: u64) -> ScoredGroup {
-    let params = SamplingParams {
-        temperature: 1.0,
-        top_k: 0,
-        top_p: 1.0,
-        max_new_tokens: 4,
-        stop_tokens: vec![],
-        seed: i,
-    };
-    let prompt = vec![(i % 20) as u32 + 1, 3];
-    let done = Generator::generate(
-        model,
-        0,
-        &[Request {
-            id: 0,
-            prompt: prompt.clone(),
-            n: 4,
-            params: params.clone(),
-        }],
-    );
     let rewards: Vec<f32> = (0..4).map(|k| ((i + k) % 2) as f32).collect();
-    ScoredGroup {
-        schema: SchemaVersion::CURRENT,
-        rollout: RolloutGroup {
-            schema: SchemaVersion::CURRENT,
-            group_id: format!("g{i}"),
-            prompt_id: format!("p{i}"),
-            task: "t".into(),
-            prompt_tokens: prompt.into(),
-            samples: done
-                .into_iter()
-                .map(|c| Sample {
-                    tokens: c.tokens.into(),
-                    logprobs: c.logprobs.into(),
-                    versions: c.versions,
-                    finish: c.finish,
-                    mask: c.mask,
-                })
-                .collect(),
-            sampling: params,
-            gen_id: "gen".into(),
-            started_us: 0,
-            finished_us: 0,
-            meta: Default::default(),
-        },
-        advantages: advantages(&rewards, AdvantageKind::Grpo),
+    common::sampled_group(
+        model,
+        &format!("g{i}"),
+        vec![(i % 20) as u32 + 1, 3],
+        4,
+        i,
         rewards,
-        token_rewards: None,
-        ref_logprobs: None,
-        scorer_id: "s".into(),
-        scored_us: 0,
-    }
+    )
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

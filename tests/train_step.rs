@@ -1,65 +1,17 @@
 //! One trainer step moves the policy the right way: completions with positive advantage
 //! become more likely and those with negative advantage less, for every loss.
 
+mod common;
+
 use rlstream::config::TrainConfig;
 use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
-use rlstream::model::sampler::{Generator, Request};
 use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
-use rlstream::schema::{
-    FinishReason, RolloutGroup, Sample, SamplingParams, SchemaVersion, ScoredGroup,
-};
-use rlstream::stages::score::{AdvantageKind, advantages};
+use rlstream::schema::ScoredGroup;
 use rlstream::stages::train::{LossKind, Trainer};
 
 fn group(model: &Policy<InferBackend>) -> ScoredGroup {
-    let params = SamplingParams {
-        temperature: 1.0,
-        top_k: 0,
-        top_p: 1.0,
-        max_new_tokens: 6,
-        stop_tokens: vec![],
-        seed: 3,
-    };
-    let prompt = vec![4u32, 9, 2];
-    let req = Request {
-        id: 0,
-        prompt: prompt.clone(),
-        n: 8,
-        params: params.clone(),
-    };
-    let done = Generator::generate(model, 0, &[req]);
     let rewards: Vec<f32> = (0..8).map(|i| if i < 2 { 1.0 } else { 0.0 }).collect();
-    ScoredGroup {
-        schema: SchemaVersion::CURRENT,
-        rollout: RolloutGroup {
-            schema: SchemaVersion::CURRENT,
-            group_id: "g".into(),
-            prompt_id: "p".into(),
-            task: "t".into(),
-            prompt_tokens: prompt.into(),
-            samples: done
-                .into_iter()
-                .map(|c| Sample {
-                    tokens: c.tokens.into(),
-                    logprobs: c.logprobs.into(),
-                    versions: c.versions,
-                    finish: FinishReason::Length,
-                    mask: c.mask,
-                })
-                .collect(),
-            sampling: params,
-            gen_id: "gen".into(),
-            started_us: 0,
-            finished_us: 0,
-            meta: Default::default(),
-        },
-        advantages: advantages(&rewards, AdvantageKind::Grpo),
-        rewards,
-        token_rewards: None,
-        ref_logprobs: None,
-        scorer_id: "s".into(),
-        scored_us: 0,
-    }
+    common::sampled_group(model, "g", vec![4, 9, 2], 6, 3, rewards)
 }
 
 fn seq_logprobs(model: &Policy<InferBackend>, g: &ScoredGroup) -> Vec<f32> {

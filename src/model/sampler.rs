@@ -42,6 +42,18 @@ pub struct Completion {
     pub mask: Option<SamplingMask>,
 }
 
+impl From<Completion> for crate::schema::Sample {
+    fn from(c: Completion) -> Self {
+        crate::schema::Sample {
+            tokens: c.tokens.into(),
+            logprobs: c.logprobs.into(),
+            versions: c.versions,
+            finish: c.finish,
+            mask: c.mask,
+        }
+    }
+}
+
 /// One draw from a logits row.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Draw {

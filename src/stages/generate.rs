@@ -98,18 +98,7 @@ struct Pending {
 }
 
 fn assemble(gen_id: &str, p: Pending) -> RolloutGroup {
-    let samples = p
-        .done
-        .into_iter()
-        .flatten()
-        .map(|c| Sample {
-            tokens: c.tokens.into(),
-            logprobs: c.logprobs.into(),
-            versions: c.versions,
-            finish: c.finish,
-            mask: c.mask,
-        })
-        .collect();
+    let samples = p.done.into_iter().flatten().map(Sample::from).collect();
     RolloutGroup {
         schema: SchemaVersion::CURRENT,
         // Stable per prompt entry: a prompt generated twice (after a crash) yields the same

@@ -2,6 +2,10 @@
 #![allow(dead_code)]
 
 use rlstream::bus::{RedisBus, SharedBus};
+use rlstream::model::sampler::{Generator, Request};
+use rlstream::model::{InferBackend, Policy};
+use rlstream::schema::{RolloutGroup, Sample, SamplingParams, SchemaVersion, ScoredGroup};
+use rlstream::stages::score::{AdvantageKind, advantages};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -47,5 +51,54 @@ pub async fn drop_namespace(ns: &str) {
         .unwrap_or_default();
     if !keys.is_empty() {
         let _: Result<u64, _> = redis::cmd("DEL").arg(&keys).query_async(&mut conn).await;
+    }
+}
+
+/// A scored group of `rewards.len()` completions of `prompt` sampled from `model` (at
+/// temperature 1, `max_new_tokens`, seed `seed`), with GRPO advantages.
+pub fn sampled_group(
+    model: &Policy<InferBackend>,
+    group_id: &str,
+    prompt: Vec<u32>,
+    max_new_tokens: u32,
+    seed: u64,
+    rewards: Vec<f32>,
+) -> ScoredGroup {
+    let params = SamplingParams {
+        temperature: 1.0,
+        top_k: 0,
+        top_p: 1.0,
+        max_new_tokens,
+        stop_tokens: vec![],
+        seed,
+    };
+    let req = Request {
+        id: 0,
+        prompt: prompt.clone(),
+        n: rewards.len(),
+        params: params.clone(),
+    };
+    let done = Generator::generate(model, 0, &[req]);
+    ScoredGroup {
+        schema: SchemaVersion::CURRENT,
+        rollout: RolloutGroup {
+            schema: SchemaVersion::CURRENT,
+            group_id: group_id.to_string(),
+            prompt_id: format!("prompt-{group_id}"),
+            task: "test".into(),
+            prompt_tokens: prompt.into(),
+            samples: done.into_iter().map(Sample::from).collect(),
+            sampling: params,
+            gen_id: "gen".into(),
+            started_us: 0,
+            finished_us: 0,
+            meta: Default::default(),
+        },
+        advantages: advantages(&rewards, AdvantageKind::Grpo),
+        rewards,
+        token_rewards: None,
+        ref_logprobs: None,
+        scorer_id: "score".into(),
+        scored_us: 0,
     }
 }

@@ -366,47 +366,70 @@ pub async fn run(
     let mut summary = GenSummary::default();
     tokio::pin!(shutdown);
     let mut stopping = false;
-    loop {
-        let first = tokio::select! {
-            biased;
-            _ = &mut shutdown, if !stopping => {
-                stopping = true;
-                stop.store(true, Ordering::Relaxed);
-                continue;
+    let mut reader = reader;
+    let mut reader_result: Option<Result<(), StageError>> = None;
+    // The publishing loop; on any error the decode thread and the reader are still stopped
+    // below, so nothing keeps running after the stage returns.
+    let outcome: Result<(), StageError> = async {
+        loop {
+            let first = tokio::select! {
+                biased;
+                _ = &mut shutdown, if !stopping => {
+                    stopping = true;
+                    stop.store(true, Ordering::Relaxed);
+                    continue;
+                }
+                r = &mut reader, if reader_result.is_none() => {
+                    // The reader only ends early on an error it cannot retry: stop too.
+                    let r = r.unwrap_or_else(|e| Err(StageError::Other(format!("prompt reader: {e}"))));
+                    reader_result = Some(r);
+                    stop.store(true, Ordering::Relaxed);
+                    continue;
+                }
+                f = done_rx.recv() => f,
+            };
+            let Some(first) = first else { break };
+            let mut batch = vec![first];
+            while let Ok(f) = done_rx.try_recv() {
+                batch.push(f);
             }
-            f = done_rx.recv() => f,
-        };
-        let Some(first) = first else { break };
-        let mut batch = vec![first];
-        while let Ok(f) = done_rx.try_recv() {
-            batch.push(f);
+            let payloads = batch
+                .iter()
+                .map(|f| schema::encode(&f.group).map(Bytes::from))
+                .collect::<Result<Vec<_>, _>>()?;
+            let entries: Vec<EntryId> = batch.iter().map(|f| f.entry).collect();
+            bus.publish(&out_stream, &payloads, max_len).await?;
+            bus.ack(&prompts, "gen", &entries).await?;
+            let _ = acked_tx.send(entries);
+            in_flight.fetch_sub(batch.len(), Ordering::Relaxed);
+            let tokens: u64 = batch
+                .iter()
+                .map(|f| f.group.completion_tokens() as u64)
+                .sum();
+            let samples: u64 = batch.iter().map(|f| f.group.samples.len() as u64).sum();
+            crate::metrics::generated(samples, tokens);
+            summary.groups += batch.len() as u64;
+            summary.tokens += tokens;
         }
-        let payloads = batch
-            .iter()
-            .map(|f| schema::encode(&f.group).map(Bytes::from))
-            .collect::<Result<Vec<_>, _>>()?;
-        let entries: Vec<EntryId> = batch.iter().map(|f| f.entry).collect();
-        bus.publish(&out_stream, &payloads, max_len).await?;
-        bus.ack(&prompts, "gen", &entries).await?;
-        let _ = acked_tx.send(entries);
-        in_flight.fetch_sub(batch.len(), Ordering::Relaxed);
-        let tokens: u64 = batch
-            .iter()
-            .map(|f| f.group.completion_tokens() as u64)
-            .sum();
-        let samples: u64 = batch.iter().map(|f| f.group.samples.len() as u64).sum();
-        crate::metrics::generated(samples, tokens);
-        summary.groups += batch.len() as u64;
-        summary.tokens += tokens;
+        Ok(())
     }
+    .await;
+    stop.store(true, Ordering::Relaxed);
     summary.decode = tokio::task::spawn_blocking(move || decode.join())
         .await
         .map_err(|e| StageError::Other(format!("decode thread: {e}")))?
         .map_err(|_| StageError::Other("the decode thread panicked".into()))?;
-    reader.abort();
-    // An aborted reader (the normal end) is fine; a reader that failed is the stage's error.
-    if let Ok(Err(e)) = reader.await {
-        return Err(e);
+    outcome?;
+    match reader_result {
+        Some(Err(e)) => return Err(e),
+        Some(Ok(())) => {}
+        None => {
+            reader.abort();
+            // An aborted reader (the normal end) is fine; a reader that failed is the error.
+            if let Ok(Err(e)) = reader.await {
+                return Err(e);
+            }
+        }
     }
     summary.rejected = follower.await.unwrap_or(0);
     summary.final_version = slot.load().version;

@@ -43,20 +43,24 @@ fn requests(p: &SamplingParams) -> Vec<Request> {
         .collect()
 }
 
+/// The trainer's view of finished completions: prompt, completion, recorded mask.
+fn scored_seqs<'a>(reqs: &'a [Request], done: &'a [Completion]) -> Vec<ScoredSeq<'a>> {
+    done.iter()
+        .map(|c| ScoredSeq {
+            prompt: &reqs[c.request_id as usize].prompt,
+            completion: &c.tokens,
+            mask: c.mask.as_ref(),
+        })
+        .collect()
+}
+
 fn trainer_logprobs<BB: Backend>(
     model: &Policy<BB>,
     reqs: &[Request],
     done: &[Completion],
     t: f32,
 ) -> Vec<Vec<f32>> {
-    let seqs: Vec<ScoredSeq<'_>> = done
-        .iter()
-        .map(|c| ScoredSeq {
-            prompt: &reqs[c.request_id as usize].prompt,
-            completion: &c.tokens,
-            mask: c.mask.as_ref(),
-        })
-        .collect();
+    let seqs = scored_seqs(reqs, done);
     let (lp, _) = completion_logprobs(model, &seqs, t);
     let cmax = lp.dims()[1];
     let flat: Vec<f32> = lp.into_data().convert::<f32>().into_vec().unwrap();
@@ -111,14 +115,7 @@ fn trainer_logprobs_have_gradients_on_the_autodiff_backend() {
     let done = Generator::generate(&infer, 0, &reqs);
     let trainer = trainer_logprobs(&train, &reqs, &done, 1.0);
     assert!(max_mismatch(&done, &trainer) <= 1e-4);
-    let seqs: Vec<ScoredSeq<'_>> = done
-        .iter()
-        .map(|c| ScoredSeq {
-            prompt: &reqs[c.request_id as usize].prompt,
-            completion: &c.tokens,
-            mask: c.mask.as_ref(),
-        })
-        .collect();
+    let seqs = scored_seqs(&reqs, &done);
     let (lp, valid) = completion_logprobs(&train, &seqs, 1.0);
     let loss = (lp * valid).sum().neg();
     let grads = loss.backward();

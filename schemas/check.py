@@ -55,34 +55,37 @@ def validate(name, view, schemas, registry):
         raise SystemExit(f"{name}: " + "; ".join(f"{list(e.path)}: {e.message}" for e in errors))
 
 
-def u32s(b):
-    a = array.array("I")
+def unpack(b, code):
+    """A little-endian bin as a list: code "I" for u32, "f" for f32."""
+    a = array.array(code)
     a.frombytes(b)
     if sys.byteorder != "little":
         a.byteswap()
     return list(a)
+
+
+def pack(values, code):
+    """A list as a little-endian bin: code "I" for u32, "f" for f32."""
+    a = array.array(code, values)
+    if sys.byteorder != "little":
+        a.byteswap()
+    return a.tobytes()
+
+
+def u32s(b):
+    return unpack(b, "I")
 
 
 def f32s(b):
-    a = array.array("f")
-    a.frombytes(b)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return list(a)
+    return unpack(b, "f")
 
 
 def pack_u32(values):
-    a = array.array("I", values)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a.tobytes()
+    return pack(values, "I")
 
 
 def pack_f32(values):
-    a = array.array("f", values)
-    if sys.byteorder != "little":
-        a.byteswap()
-    return a.tobytes()
+    return pack(values, "f")
 
 
 def check_rollout_semantics(msg):

@@ -24,7 +24,7 @@ use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{ElementConversion, Tensor, TensorData};
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -250,6 +250,8 @@ pub struct Trainer {
     >,
     reference: Option<Policy<<TrainBackend as AutodiffBackend>::InnerBackend>>,
     pub state: TrainerState,
+    /// `state.recent_groups` as a set: the duplicate check runs for every incoming group.
+    trained_ids: HashSet<String>,
     cfg: TrainConfig,
 }
 
@@ -331,6 +333,7 @@ impl Trainer {
             model,
             optim,
             reference,
+            trained_ids: state.recent_groups.iter().cloned().collect(),
             state,
             cfg: cfg.clone(),
         })
@@ -372,9 +375,12 @@ impl Trainer {
                 self.state
                     .recent_groups
                     .push_back(g.rollout.group_id.clone());
+                self.trained_ids.insert(g.rollout.group_id.clone());
             }
             while self.state.recent_groups.len() > REMEMBERED_GROUPS {
-                self.state.recent_groups.pop_front();
+                if let Some(old) = self.state.recent_groups.pop_front() {
+                    self.trained_ids.remove(&old);
+                }
             }
         }
         stats.step = self.state.step;
@@ -421,7 +427,7 @@ impl Trainer {
     }
 
     fn seen(&self, group_id: &str) -> bool {
-        self.state.recent_groups.iter().any(|g| g == group_id)
+        self.trained_ids.contains(group_id)
     }
 }
 

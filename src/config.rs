@@ -221,11 +221,30 @@ impl Config {
         Self::load_with_env(path, std::env::vars())
     }
 
+    /// Like [`Config::load`], over `base` instead of the stage defaults: a command whose
+    /// defaults differ (`rlstream run`) passes them here, and the file and environment still
+    /// override them.
+    pub fn load_over(base: &Config, path: Option<&Path>) -> Result<Self, ConfigError> {
+        let base = toml::Table::try_from(base).map_err(|e| ConfigError::Parse {
+            origin: "(command defaults)".into(),
+            message: e.to_string(),
+        })?;
+        Self::load_layers(base, path, std::env::vars())
+    }
+
     pub fn load_with_env(
         path: Option<&Path>,
         env: impl Iterator<Item = (String, String)>,
     ) -> Result<Self, ConfigError> {
-        let mut table = match path {
+        Self::load_layers(toml::Table::new(), path, env)
+    }
+
+    fn load_layers(
+        base: toml::Table,
+        path: Option<&Path>,
+        env: impl Iterator<Item = (String, String)>,
+    ) -> Result<Self, ConfigError> {
+        let file = match path {
             Some(p) => {
                 let text = std::fs::read_to_string(p).map_err(|source| ConfigError::Io {
                     path: p.display().to_string(),
@@ -239,6 +258,8 @@ impl Config {
             }
             None => toml::Table::new(),
         };
+        let mut table = base;
+        merge(&mut table, file);
         for (k, v) in env {
             let Some(rest) = k.strip_prefix(ENV_PREFIX) else {
                 continue;
@@ -336,6 +357,18 @@ fn parse_scalar(v: &str) -> toml::Value {
         .unwrap_or_else(|| toml::Value::String(v.to_string()))
 }
 
+/// Sets every key of `over` in `base`, descending into sections present in both.
+fn merge(base: &mut toml::Table, over: toml::Table) {
+    for (k, v) in over {
+        match (base.get_mut(&k), v) {
+            (Some(toml::Value::Table(b)), toml::Value::Table(o)) => merge(b, o),
+            (_, v) => {
+                base.insert(k, v);
+            }
+        }
+    }
+}
+
 fn insert(table: &mut toml::Table, path: &[String], value: toml::Value) -> Result<(), String> {
     match path {
         [] => Err("empty key".into()),
@@ -358,6 +391,21 @@ fn insert(table: &mut toml::Table, path: &[String], value: toml::Value) -> Resul
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn command_defaults_sit_under_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[train]\nlr = 0.5\n").unwrap();
+        let mut base = Config::default();
+        base.train.lr = 0.25;
+        base.train.steps = 7;
+        base.generator.model = Some(PathBuf::from("m"));
+        let c = Config::load_over(&base, Some(&path)).unwrap();
+        assert_eq!((c.train.lr, c.train.steps), (0.5, 7));
+        assert_eq!(c.generator.model, Some(PathBuf::from("m")));
+        assert_eq!(Config::load_over(&base, None).unwrap().train.lr, 0.25);
+    }
 
     fn env(pairs: &[(&str, &str)]) -> impl Iterator<Item = (String, String)> {
         pairs

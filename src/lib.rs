@@ -12,13 +12,16 @@
 //! - [`weights`]: weight publication and the generator's follower.
 //! - [`config`]: the config file / environment / flag precedence.
 //! - [`metrics`]: every metric name and the Prometheus exporter.
-//! - [`commands`]: user commands other than the stages (`generate`, `sft`).
+//! - [`commands`]: user commands other than the stages (`run`, `generate`, `sft`).
+//! - [`display`] and [`report`]: progress bars or log lines, and the run report.
 
 pub mod bus;
 pub mod commands;
 pub mod config;
+pub mod display;
 pub mod metrics;
 pub mod model;
+pub mod report;
 pub mod schema;
 pub mod stages;
 pub mod tasks;

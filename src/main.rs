@@ -2,15 +2,18 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use rlstream::bus::{RedisBus, SharedBus, Topology};
+use rlstream::bus::{MemoryBus, RedisBus, SharedBus, Topology};
 use rlstream::commands::generate::{self, GenerateOptions};
+use rlstream::commands::run::{self, RunOptions};
 use rlstream::commands::sft::{self, SftOptions};
 use rlstream::config::Config;
+use rlstream::display::DisplayMode;
 use rlstream::schema::{self, json::msgpack_to_json};
 use rlstream::stages::score::AdvantageKind;
 use rlstream::stages::train::LossKind;
 use rlstream::stages::{feed, generate as gen_stage, score, train};
 use rlstream::tasks::BuiltinTask;
+use rlstream::weights::Transport;
 use std::path::PathBuf;
 use std::sync::Arc;
 
@@ -47,6 +50,9 @@ struct Common {
 
 #[derive(Subcommand)]
 enum Command {
+    /// The whole pipeline in one process: warm start, then feed, gen, score and train on the
+    /// embedded bus (or Redis with --redis), with a live display and a report.
+    Run(RunArgs),
     /// Push prompts from a built-in task or a JSONL dataset to the prompts stream.
     Feed {
         #[command(flatten)]
@@ -193,6 +199,61 @@ struct TrainArgs {
 }
 
 #[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    common: Common,
+    #[arg(long, value_enum, default_value_t = BuiltinTask::Sort)]
+    task: BuiltinTask,
+    /// RL steps [default: 200].
+    #[arg(long)]
+    steps: Option<u64>,
+    /// The synchronous baseline: generate a batch, score it, train on it, publish, repeat.
+    #[arg(long)]
+    sync: bool,
+    /// Start from this model (written by `rlstream sft` or an earlier run) instead of a
+    /// warm start.
+    #[arg(long)]
+    model: Option<PathBuf>,
+    /// Run directory for the warm-start model, checkpoints and report
+    /// [default: runs/TASK-UNIXTIME].
+    #[arg(long)]
+    out: Option<PathBuf>,
+    /// Where the learning curve and per-step metrics go [default: OUT/report].
+    #[arg(long)]
+    report: Option<PathBuf>,
+    /// Warm-start (supervised) steps: enough to learn the answer format, little enough to
+    /// leave RL something to learn.
+    #[arg(long, default_value_t = 100)]
+    sft_steps: u64,
+    /// Width of the warm-start model.
+    #[arg(long, default_value_t = 64)]
+    hidden: usize,
+    #[arg(long, default_value_t = 2)]
+    layers: usize,
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    #[arg(long)]
+    lr: Option<f64>,
+    #[arg(long)]
+    group_size: Option<usize>,
+    #[arg(long)]
+    groups_per_step: Option<usize>,
+    #[arg(long)]
+    max_lag: Option<u64>,
+    #[arg(long)]
+    max_batch: Option<usize>,
+    #[arg(long)]
+    max_new_tokens: Option<u32>,
+    #[arg(long)]
+    temperature: Option<f32>,
+    #[arg(long, value_enum)]
+    loss: Option<LossKind>,
+    /// Progress as log lines even on a terminal.
+    #[arg(long)]
+    plain: bool,
+}
+
+#[derive(Args)]
 struct GenerateArgs {
     /// Model directory: config.json, model.safetensors (or a sharded index), tokenizer.
     #[arg(long)]
@@ -242,9 +303,16 @@ macro_rules! apply {
 }
 
 fn main() -> Result<()> {
+    let cli = Cli::parse();
+    // `run` shows its own progress: stage logs below warnings would flood the display.
+    let default_filter = match cli.command {
+        Command::Run(_) => "warn",
+        _ => "info",
+    };
     tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| default_filter.into()),
         )
         .with_writer(std::io::stderr)
         .init();
@@ -252,7 +320,7 @@ fn main() -> Result<()> {
         .enable_all()
         .build()
         .context("cannot start the async runtime")?;
-    rt.block_on(dispatch(Cli::parse().command))
+    rt.block_on(dispatch(cli.command))
 }
 
 /// Completes on Ctrl-C or SIGTERM.
@@ -306,6 +374,7 @@ async fn setup(common: &Common) -> Result<(Config, Topology, SharedBus)> {
 
 async fn dispatch(command: Command) -> Result<()> {
     match command {
+        Command::Run(a) => run_command(a).await?,
         Command::Feed {
             common,
             task,
@@ -348,7 +417,15 @@ async fn dispatch(command: Command) -> Result<()> {
                 );
             };
             let slot = gen_stage::initial_slot(&dir)?;
-            let s = gen_stage::run(&cfg.generator, bus, &topo, slot, shutdown_signal()).await?;
+            let s = gen_stage::run(
+                &cfg.generator,
+                bus,
+                &topo,
+                slot,
+                Transport::Bus,
+                shutdown_signal(),
+            )
+            .await?;
             println!(
                 "generated {} groups, {} tokens; {} weight swaps, final version {}",
                 s.groups, s.tokens, s.decode.swaps, s.final_version
@@ -387,7 +464,15 @@ async fn dispatch(command: Command) -> Result<()> {
                    t.is_cap => a.is_cap, t.max_grad_norm => a.max_grad_norm, t.temperature => a.temperature,
                    t.name => a.name);
             cfg.validate()?;
-            let s = train::run(&cfg.train, bus, &topo, shutdown_signal(), |_| {}).await?;
+            let s = train::run(
+                &cfg.train,
+                bus,
+                &topo,
+                Transport::Bus,
+                shutdown_signal(),
+                |_| {},
+            )
+            .await?;
             let first = s.history.first().map_or(0.0, |h| h.reward_mean);
             let last = s.history.last().map_or(0.0, |h| h.reward_mean);
             println!(
@@ -457,6 +542,86 @@ async fn dispatch(command: Command) -> Result<()> {
         } => streams(topology, namespace)?,
         Command::Inspect { kind, file } => inspect(kind, file)?,
     }
+    Ok(())
+}
+
+async fn run_command(a: RunArgs) -> Result<()> {
+    let c = &a.common;
+    let mut cfg = Config::load_over(&run::defaults(a.task), c.config.as_deref())?;
+    apply!(cfg.redis => c.redis.clone().map(Some::<String>),
+           cfg.namespace => c.namespace.clone().map(Some::<String>),
+           cfg.topology => c.topology.clone().map(Some::<PathBuf>),
+           cfg.metrics_addr => c.metrics_addr.clone().map(Some::<String>),
+           cfg.train.steps => a.steps, cfg.train.lr => a.lr, cfg.train.groups_per_step => a.groups_per_step,
+           cfg.train.max_lag => a.max_lag, cfg.train.loss => a.loss,
+           cfg.generator.group_size => a.group_size, cfg.generator.max_batch => a.max_batch,
+           cfg.generator.max_new_tokens => a.max_new_tokens, cfg.generator.temperature => a.temperature);
+    if let Some(addr) = &cfg.metrics_addr {
+        rlstream::metrics::install(addr)?;
+        tracing::info!("serving metrics at http://{addr}/metrics");
+    }
+    let mut topo = match &cfg.topology {
+        Some(p) => Topology::load(p)?,
+        None => Topology::default(),
+    };
+    let bus: SharedBus = match &cfg.redis {
+        Some(url) => {
+            // A fresh namespace per run unless one is given: a run never mixes with
+            // another's streams.
+            let ns = cfg.namespace.clone().unwrap_or_else(|| {
+                format!(
+                    "run-{}",
+                    std::time::SystemTime::now()
+                        .duration_since(std::time::UNIX_EPOCH)
+                        .map_or(0, |d| d.as_millis())
+                )
+            });
+            topo = topo.with_namespace(&ns)?;
+            eprintln!("using Redis at {url}, namespace {ns}");
+            Arc::new(RedisBus::connect(url).await?)
+        }
+        None => {
+            if let Some(ns) = &cfg.namespace {
+                topo = topo.with_namespace(ns)?;
+            }
+            Arc::new(MemoryBus::new())
+        }
+    };
+    let out = a.out.clone().unwrap_or_else(|| run::default_out(a.task));
+    let opts = RunOptions {
+        task: a.task,
+        model: a.model,
+        sft: SftOptions {
+            task: a.task,
+            out: out.join("sft"),
+            steps: a.sft_steps,
+            hidden: a.hidden,
+            layers: a.layers,
+            seed: a.seed,
+            ..SftOptions::default()
+        },
+        out,
+        report: a.report,
+        sync: a.sync,
+        seed: a.seed,
+        display: if a.plain {
+            DisplayMode::Log {
+                every: std::time::Duration::from_secs(5),
+            }
+        } else {
+            DisplayMode::auto()
+        },
+    };
+    eprintln!("run directory {}", opts.out.display());
+    let outcome = run::run(&opts, cfg, bus, topo, shutdown_signal()).await?;
+    println!("{}", outcome.summary.paragraph());
+    println!(
+        "learning curve: {}\nper-step metrics: {} and {}\nsummary: {}",
+        outcome.report.svg.display(),
+        outcome.report.jsonl.display(),
+        outcome.report.csv.display(),
+        outcome.report.summary.display()
+    );
     Ok(())
 }
 

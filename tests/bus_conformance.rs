@@ -156,6 +156,34 @@ async fn consumer_claims_for_a_dead_consumer(bus: SharedBus, ns: &str) {
     assert_eq!(bus.stats(&stream).await.unwrap().groups[0].pending, 0);
 }
 
+async fn held_entries_are_not_claimed_while_the_consumer_polls(bus: SharedBus, ns: &str) {
+    let (stream, dead) = (format!("{ns}:s"), format!("{ns}:dead"));
+    bus.create_group(&stream, "g", GroupStart::Beginning)
+        .await
+        .unwrap();
+    bus.publish(&stream, &[prompt_bytes(0)], None)
+        .await
+        .unwrap();
+    // The trainer's pattern: take an entry, keep polling, ack much later than claim_idle.
+    let mut c = Consumer::<Prompt>::join(bus.clone(), &stream, "g", "holder", &dead, opts(100, 2))
+        .await
+        .unwrap();
+    let first = c.poll().await.unwrap();
+    assert_eq!(first.len(), 1);
+    let held = first[0].id;
+    for _ in 0..12 {
+        tokio::time::sleep(Duration::from_millis(40)).await;
+        assert!(c.poll().await.unwrap().is_empty(), "a held entry came back");
+        let other = bus
+            .claim_idle(&stream, "g", "other", Duration::from_millis(100), 10)
+            .await
+            .unwrap();
+        assert!(other.is_empty(), "claimed from a live holder: {other:?}");
+    }
+    assert!(dead_letters(&bus, &dead).await.is_empty());
+    assert_eq!(c.ack(&[held]).await.unwrap(), 1);
+}
+
 async fn failing_entry_is_dead_lettered_with_its_error(bus: SharedBus, ns: &str) {
     let (stream, dead) = (format!("{ns}:s"), format!("{ns}:dead"));
     let ids = bus
@@ -515,6 +543,7 @@ conformance!(
     two_consumers_never_share_an_entry,
     unacked_entry_is_claimed_after_claim_idle,
     consumer_claims_for_a_dead_consumer,
+    held_entries_are_not_claimed_while_the_consumer_polls,
     failing_entry_is_dead_lettered_with_its_error,
     entry_over_max_deliveries_is_dead_lettered,
     undecodable_bytes_are_dead_lettered_and_consumer_goes_on,

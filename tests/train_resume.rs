@@ -9,6 +9,7 @@ use rlstream::config::TrainConfig;
 use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
 use rlstream::schema::{self, ScoredGroup};
 use rlstream::stages::train;
+use rlstream::weights::Transport;
 use std::sync::Arc;
 
 fn scored(model: &Policy<InferBackend>, i: u64) -> ScoredGroup {
@@ -53,7 +54,7 @@ async fn resumes_from_checkpoint_without_training_twice() {
         ..TrainConfig::default()
     };
     let never = std::future::pending::<()>();
-    let first = train::run(&tc, bus.clone(), &topo, never, |_| {})
+    let first = train::run(&tc, bus.clone(), &topo, Transport::Bus, never, |_| {})
         .await
         .unwrap();
     assert_eq!(
@@ -72,6 +73,7 @@ async fn resumes_from_checkpoint_without_training_twice() {
         &again,
         bus.clone(),
         &topo,
+        Transport::Bus,
         std::future::pending::<()>(),
         |_| {},
     )

@@ -81,6 +81,8 @@ pub struct Consumer<M> {
     /// `claim_idle` (the trainer, until its checkpoint) would otherwise claim its own work
     /// back and process it twice.
     held: HashSet<EntryId>,
+    /// When held entries were last refreshed (see [`Bus::touch`]).
+    last_touch: Option<Instant>,
     counts: ConsumerCounts,
     _message: PhantomData<fn() -> M>,
 }
@@ -107,6 +109,7 @@ impl<M: Message> Consumer<M> {
             last_claim: None,
             resume_pending: true,
             held: HashSet::new(),
+            last_touch: None,
             counts: ConsumerCounts::default(),
             _message: PhantomData,
         })
@@ -145,6 +148,18 @@ impl<M: Message> Consumer<M> {
             if !own.is_empty() {
                 return self.admit(own).await;
             }
+        }
+        // Entries still held here are alive: refresh them well before anyone may claim them.
+        if !self.held.is_empty()
+            && self
+                .last_touch
+                .is_none_or(|t| t.elapsed() >= self.opts.claim_idle / 4)
+        {
+            self.last_touch = Some(Instant::now());
+            let held: Vec<EntryId> = self.held.iter().copied().collect();
+            self.bus
+                .touch(&self.stream, &self.group, &self.name, &held)
+                .await?;
         }
         let claim_every = self.opts.claim_idle / 2;
         if self.last_claim.is_none_or(|t| t.elapsed() >= claim_every) {
@@ -185,6 +200,10 @@ impl<M: Message> Consumer<M> {
         let mut out = Vec::with_capacity(entries.len());
         let mut dead = Vec::new();
         for e in entries {
+            if self.held.contains(&e.id) {
+                // Claimed back from ourselves: already in hand, not a new delivery.
+                continue;
+            }
             if e.deliveries > self.opts.max_deliveries {
                 let err = format!(
                     "delivered {} times without an ack (max_deliveries = {}); the consumers that took it crashed or timed out",

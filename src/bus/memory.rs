@@ -260,6 +260,29 @@ impl Bus for MemoryBus {
             .count() as u64)
     }
 
+    async fn touch(
+        &self,
+        stream: &str,
+        group: &str,
+        consumer: &str,
+        ids: &[EntryId],
+    ) -> BusResult<()> {
+        let mut st = self.lock();
+        let Some(s) = st.streams.get_mut(stream) else {
+            return Ok(());
+        };
+        let g = s.group_mut(stream, group)?;
+        let now = Instant::now();
+        for id in ids {
+            if let Some(p) = g.pending.get_mut(id)
+                && p.consumer == consumer
+            {
+                p.delivered_at = now;
+            }
+        }
+        Ok(())
+    }
+
     async fn claim_idle(
         &self,
         stream: &str,

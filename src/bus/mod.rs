@@ -130,6 +130,17 @@ pub trait Bus: Send + Sync + 'static {
         count: usize,
     ) -> BusResult<Vec<Entry>>;
 
+    /// Resets the idle time of entries pending under `consumer` without counting a delivery
+    /// (`XCLAIM … JUSTID`), so work a consumer holds longer than `claim_idle` (the trainer
+    /// holds entries until its next checkpoint) is not claimed while it is alive.
+    async fn touch(
+        &self,
+        stream: &str,
+        group: &str,
+        consumer: &str,
+        ids: &[EntryId],
+    ) -> BusResult<()>;
+
     /// Atomically appends each letter to `dead_stream` and acks its entry on `stream`, so
     /// a dead-lettered entry is neither lost nor delivered again.
     async fn dead_letter(

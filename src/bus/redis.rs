@@ -494,6 +494,27 @@ impl Bus for RedisBus {
             .await
     }
 
+    async fn touch(
+        &self,
+        stream: &str,
+        group: &str,
+        consumer: &str,
+        ids: &[EntryId],
+    ) -> BusResult<()> {
+        for chunk in ids.chunks(1000) {
+            let mut cmd = redis::cmd("XCLAIM");
+            cmd.arg(stream).arg(group).arg(consumer).arg(0);
+            for id in chunk {
+                cmd.arg(id.to_string());
+            }
+            cmd.arg("JUSTID");
+            let _: Value = self
+                .query("XCLAIM", &format!("{stream} {group}"), &mut cmd)
+                .await?;
+        }
+        Ok(())
+    }
+
     async fn claim_idle(
         &self,
         stream: &str,

@@ -2,4 +2,5 @@
 //! `main.rs`) and writes its result to a writer, so tests call them directly.
 
 pub mod generate;
+pub mod run;
 pub mod sft;

@@ -95,7 +95,7 @@ pub fn evaluate(
                 temperature: 0.0,
                 top_k: 0,
                 top_p: 1.0,
-                max_new_tokens: 12,
+                max_new_tokens: task.max_answer_tokens() + 2,
                 stop_tokens: vec![CharTokenizer::EOS],
                 seed: 0,
             },

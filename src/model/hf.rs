@@ -428,3 +428,17 @@ pub fn tensors_to_safetensors(tensors: &TensorMap) -> Result<Vec<u8>, ModelError
 pub fn checksum(bytes: &[u8]) -> String {
     format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
 }
+
+/// xxh3-64 over named host tensors (name, shape, then the f32 values, in name order), as
+/// 16 hex digits: the checksum of a version handed over in process.
+pub fn tensors_checksum(tensors: &TensorMap) -> String {
+    let mut h = xxhash_rust::xxh3::Xxh3::new();
+    for (name, t) in tensors {
+        h.update(name.as_bytes());
+        for d in &t.shape {
+            h.update(&(*d as u64).to_le_bytes());
+        }
+        h.update(bytemuck::cast_slice(&t.data));
+    }
+    format!("{:016x}", h.digest())
+}

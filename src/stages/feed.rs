@@ -53,6 +53,37 @@ pub fn items(cfg: &FeedConfig) -> Result<(String, Vec<(String, TaskItem)>), Stag
     }
 }
 
+/// Publishes `items` of `task` to the prompts stream in one pipelined batch. Built-in task
+/// prompts carry their tokens (the character tokenizer); dataset prompts are tokenised by
+/// the generator with its model's tokenizer.
+pub async fn publish(
+    bus: &SharedBus,
+    topo: &Topology,
+    task: &str,
+    items: &[(String, TaskItem)],
+    builtin: bool,
+) -> Result<u64, StageError> {
+    let tok = tasks::char_tokenizer();
+    let payloads = items
+        .iter()
+        .map(|(id, item)| {
+            let p = Prompt {
+                schema: SchemaVersion::CURRENT,
+                prompt_id: id.clone(),
+                task: task.to_string(),
+                text: item.prompt.clone(),
+                prompt_tokens: builtin.then(|| tok.encode(&item.prompt).into()),
+                meta: item.meta.clone(),
+                created_us: schema::now_us(),
+            };
+            schema::encode(&p).map(Bytes::from)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    bus.publish(&topo.key("prompts"), &payloads, topo.max_len("prompts"))
+        .await?;
+    Ok(payloads.len() as u64)
+}
+
 pub async fn run(
     cfg: &FeedConfig,
     bus: SharedBus,
@@ -60,34 +91,15 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<FeedSummary, StageError> {
     let (task, items) = items(cfg)?;
-    let tok = tasks::char_tokenizer();
-    let stream = topo.key("prompts");
-    let max_len = topo.max_len("prompts");
     tokio::pin!(shutdown);
     let mut fed = 0u64;
     for chunk in items.chunks(FEED_BATCH) {
-        let payloads = chunk
-            .iter()
-            .map(|(id, item)| {
-                let p = Prompt {
-                    schema: SchemaVersion::CURRENT,
-                    prompt_id: id.clone(),
-                    task: task.clone(),
-                    text: item.prompt.clone(),
-                    prompt_tokens: cfg.task.is_some().then(|| tok.encode(&item.prompt).into()),
-                    meta: item.meta.clone(),
-                    created_us: schema::now_us(),
-                };
-                schema::encode(&p).map(Bytes::from)
-            })
-            .collect::<Result<Vec<_>, _>>()?;
         tokio::select! {
             biased;
             _ = &mut shutdown => break,
-            r = bus.publish(&stream, &payloads, max_len) => { r?; }
+            r = publish(&bus, topo, &task, chunk, cfg.task.is_some()) => fed += r?,
         }
-        fed += payloads.len() as u64;
     }
-    tracing::info!(fed, stream = %stream, "fed prompts");
+    tracing::info!(fed, stream = %topo.key("prompts"), "fed prompts");
     Ok(FeedSummary { fed })
 }

@@ -28,7 +28,7 @@ use crate::model::tokenizer::Tokenizer;
 use crate::model::{InferBackend, Policy};
 use crate::schema::{self, Prompt, RolloutGroup, Sample, SamplingParams, SchemaVersion};
 use crate::tasks;
-use crate::weights::{Follower, ModelSlot, Versioned};
+use crate::weights::{Follower, ModelSlot, Transport, Versioned};
 use arc_swap::ArcSwap;
 use bytes::Bytes;
 use std::collections::HashMap;
@@ -65,7 +65,8 @@ pub struct DecodeStats {
     pub swaps: u64,
     /// Time to pick up the current model before each pass, per swap (seconds).
     pub swap_stalls: Vec<f64>,
-    /// Seconds with no row to decode, and total seconds.
+    /// Seconds waiting for a prompt with no row to decode, and seconds in forward passes
+    /// (prefill and decode).
     pub idle_s: f64,
     pub busy_s: f64,
 }
@@ -134,6 +135,17 @@ fn decode_loop(
         if stop.load(Ordering::Relaxed) {
             break;
         }
+        // With nothing to decode, wait for a prompt *before* loading the model, so the first
+        // prompt after a pause starts on the newest weights.
+        let mut first = None;
+        if generator.is_idle() && pending.is_empty() {
+            let idle = Instant::now();
+            first = admit.recv_timeout(IDLE_WAIT).ok();
+            stats.idle_s += idle.elapsed().as_secs_f64();
+            if first.is_none() {
+                continue;
+            }
+        }
         let t0 = Instant::now();
         let current = slot.load_full();
         let stall = t0.elapsed().as_secs_f64();
@@ -143,17 +155,11 @@ fn decode_loop(
             last_version = current.version;
             crate::metrics::swapped(current.version, stall);
         }
-        // Admit while rows are free; wait briefly only when there is nothing to decode.
+        // Admit while rows are free.
         while generator.active() + g <= cfg.max_batch {
-            let next = if generator.is_idle() && pending.is_empty() {
-                let idle = Instant::now();
-                let r = admit.recv_timeout(IDLE_WAIT);
-                stats.idle_s += idle.elapsed().as_secs_f64();
-                r.ok()
-            } else {
-                admit.try_recv().ok()
+            let Some(a) = first.take().or_else(|| admit.try_recv().ok()) else {
+                break;
             };
-            let Some(a) = next else { break };
             let params = SamplingParams {
                 temperature: cfg.temperature,
                 top_k: cfg.top_k,
@@ -181,7 +187,9 @@ fn decode_loop(
                     done: vec![None; g],
                 },
             );
+            let prefill = Instant::now();
             generator.admit(&current.policy, current.version, &req);
+            stats.busy_s += prefill.elapsed().as_secs_f64();
         }
         if generator.is_idle() {
             continue;
@@ -227,11 +235,14 @@ async fn downstream_backlog(bus: &dyn Bus, topo: &Topology) -> u64 {
     total
 }
 
+/// Runs the generator on the model in `slot` until `shutdown`; new versions arrive through
+/// `transport` ([`Transport::Bus`] unless the trainer shares this process).
 pub async fn run(
     cfg: &GenConfig,
     bus: SharedBus,
     topo: &Topology,
     slot: ModelSlot<InferBackend>,
+    transport: Transport,
     shutdown: impl Future<Output = ()>,
 ) -> Result<GenSummary, StageError> {
     let tokenizer = match &cfg.model {
@@ -254,7 +265,8 @@ pub async fn run(
             .map_err(|e| StageError::Other(format!("cannot start the decode thread: {e}")))?
     };
     let follower = {
-        let mut follower = Follower::new(bus.clone(), topo.clone(), model_config, slot.clone());
+        let mut follower = Follower::new(bus.clone(), topo.clone(), model_config, slot.clone())
+            .with_transport(transport);
         let stop = stop.clone();
         let block = Duration::from_millis(topo.block_ms);
         tokio::spawn(async move {

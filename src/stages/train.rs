@@ -16,7 +16,7 @@ use crate::model::hf::load_hf;
 use crate::model::logprobs::{ScoredSeq, completion_logprobs};
 use crate::model::{ModelError, Policy, TrainBackend};
 use crate::schema::{self, Event, SchemaVersion, ScoredGroup};
-use crate::weights::Publisher;
+use crate::weights::{Payload, Publisher, Transport};
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
@@ -51,6 +51,8 @@ pub struct StepStats {
     pub version: u64,
     pub loss: f64,
     pub reward_mean: f64,
+    /// Fraction of samples with full reward (≥ 1).
+    pub accuracy: f64,
     /// (Σr)² / (N·Σr²) over tokens: 1 when on-policy.
     pub ess: f64,
     pub clip_fraction: f64,
@@ -221,6 +223,8 @@ pub fn loss<B: AutodiffBackend>(
                 .unwrap_or(f32::NAN),
         ),
         reward_mean: rewards.iter().map(|&x| f64::from(x)).sum::<f64>()
+            / rewards.len().max(1) as f64,
+        accuracy: rewards.iter().filter(|&&x| x >= 1.0).count() as f64
             / rewards.len().max(1) as f64,
         ess: if sum_r2 > 0.0 {
             sum_r * sum_r / (n * sum_r2)
@@ -431,6 +435,33 @@ impl Trainer {
     }
 }
 
+/// Publishes the trainer's current weights in the form the transport takes.
+async fn publish_weights(trainer: &Trainer, publisher: &mut Publisher) -> Result<(), StageError> {
+    let payload = tokio::task::block_in_place(|| {
+        if publisher.in_process() {
+            Ok::<_, ModelError>(Payload::Tensors(trainer.model.valid().to_tensors()))
+        } else {
+            trainer.weights_blob().map(Payload::Blob)
+        }
+    })?;
+    publisher
+        .publish_payload(trainer.state.version, trainer.state.step, payload)
+        .await?;
+    Ok(())
+}
+
+/// Counts a group the trainer will not train on, with the reason.
+fn drop_group(state: &mut TrainerState, g: &ScoredGroup, reason: &str) {
+    *state.dropped.entry(reason.to_string()).or_default() += 1;
+    crate::metrics::dropped(reason, g.rollout.samples.len() as u64);
+    state
+        .recent_dropped
+        .push_back((g.rollout.group_id.clone(), reason.to_string()));
+    while state.recent_dropped.len() > REMEMBERED_GROUPS {
+        state.recent_dropped.pop_front();
+    }
+}
+
 /// A `step` event on the events stream: what `rlstream status` and tests read.
 async fn publish_step_event(
     bus: &SharedBus,
@@ -443,6 +474,7 @@ async fn publish_step_event(
         ("step".to_string(), s.step as f64),
         ("loss".to_string(), s.loss),
         ("reward_mean".to_string(), s.reward_mean),
+        ("accuracy".to_string(), s.accuracy),
         ("ess".to_string(), s.ess),
         ("clip_fraction".to_string(), s.clip_fraction),
         ("mismatch_kl".to_string(), s.mismatch_kl),
@@ -495,16 +527,19 @@ pub struct TrainSummary {
 }
 
 /// Runs the trainer until `cfg.steps` steps (0: until shutdown). `on_step` sees each step's
-/// statistics (for progress displays and reports).
+/// statistics (for progress displays and reports). `transport` says how weights reach the
+/// generators ([`Transport::Bus`] unless they share this process).
 pub async fn run(
     cfg: &TrainConfig,
     bus: SharedBus,
     topo: &Topology,
+    transport: Transport,
     shutdown: impl Future<Output = ()>,
     mut on_step: impl FnMut(&StepStats),
 ) -> Result<TrainSummary, StageError> {
     let mut trainer = tokio::task::block_in_place(|| Trainer::start(cfg))?;
-    let mut publisher = Publisher::new(bus.clone(), topo.clone(), cfg.keep_versions);
+    let mut publisher =
+        Publisher::new(bus.clone(), topo.clone(), cfg.keep_versions).with_transport(transport);
     let mut consumer = Consumer::<ScoredGroup>::join(
         bus.clone(),
         topo.key("scored"),
@@ -518,10 +553,7 @@ pub async fn run(
         // Resumed: publish the checkpoint's weights so generators that start from the
         // initial model (or whose weights stream was trimmed) catch up instead of producing
         // groups that are all too stale to train on.
-        let blob = tokio::task::block_in_place(|| trainer.weights_blob())?;
-        publisher
-            .publish(trainer.state.version, trainer.state.step, &blob)
-            .await?;
+        publish_weights(&trainer, &mut publisher).await?;
     }
     let mut summary = TrainSummary::default();
     let mut buffer: Vec<Delivery<ScoredGroup>> = Vec::new();
@@ -557,22 +589,30 @@ pub async fn run(
             };
             match reason {
                 Some(reason) => {
-                    *trainer.state.dropped.entry(reason.to_string()).or_default() += 1;
-                    crate::metrics::dropped(reason, g.rollout.samples.len() as u64);
-                    trainer
-                        .state
-                        .recent_dropped
-                        .push_back((g.rollout.group_id.clone(), reason.to_string()));
-                    while trainer.state.recent_dropped.len() > REMEMBERED_GROUPS {
-                        trainer.state.recent_dropped.pop_front();
-                    }
                     tracing::debug!(group = %g.rollout.group_id, lag, reason, "dropped");
+                    drop_group(&mut trainer.state, g, reason);
                     unacked.push(d.id);
                 }
                 None => buffer.push(d),
             }
         }
-        while buffer.len() >= cfg.groups_per_step {
+        loop {
+            // Staleness is judged again before each step: groups buffered across steps age.
+            let version = trainer.state.version;
+            let (fresh, aged): (Vec<_>, Vec<_>) = buffer.drain(..).partition(|d| {
+                d.message
+                    .rollout
+                    .oldest_version()
+                    .is_none_or(|v| version.saturating_sub(v) <= cfg.max_lag)
+            });
+            buffer = fresh;
+            for d in aged {
+                drop_group(&mut trainer.state, &d.message, "stale");
+                unacked.push(d.id);
+            }
+            if buffer.len() < cfg.groups_per_step {
+                break;
+            }
             let taken: Vec<Delivery<ScoredGroup>> = buffer.drain(..cfg.groups_per_step).collect();
             let groups: Vec<&ScoredGroup> = taken.iter().map(|d| &d.message).collect();
             let wait_s = waiting.elapsed().as_secs_f64();
@@ -615,10 +655,7 @@ pub async fn run(
             summary.history.push(stats);
             let stepped = trainer.state.version != version_before;
             if stepped && trainer.state.version.is_multiple_of(cfg.publish_every) {
-                let blob = tokio::task::block_in_place(|| trainer.weights_blob())?;
-                publisher
-                    .publish(trainer.state.version, trainer.state.step, &blob)
-                    .await?;
+                publish_weights(&trainer, &mut publisher).await?;
             }
             if trainer.state.step - last_checkpoint >= cfg.checkpoint_every {
                 tokio::task::block_in_place(|| trainer.checkpoint())?;

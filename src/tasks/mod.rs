@@ -50,27 +50,46 @@ pub enum BuiltinTask {
     Reverse,
     /// `sort:digits=` → the digits sorted; partial credit per position.
     Sort,
+    /// `sort:digits=` with 2 to 16 digits: completion lengths vary eightfold, so a batch
+    /// that waits for its longest completion wastes most of its rows.
+    Longsort,
 }
 
 impl BuiltinTask {
+    pub const ALL: [BuiltinTask; 4] = [
+        BuiltinTask::Add,
+        BuiltinTask::Reverse,
+        BuiltinTask::Sort,
+        BuiltinTask::Longsort,
+    ];
+
+    /// Longest reference answer in tokens, end-of-sequence included.
+    pub fn max_answer_tokens(self) -> u32 {
+        match self {
+            BuiltinTask::Add => 4,
+            BuiltinTask::Reverse => 9,
+            BuiltinTask::Sort => 7,
+            BuiltinTask::Longsort => 17,
+        }
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             BuiltinTask::Add => "add",
             BuiltinTask::Reverse => "reverse",
             BuiltinTask::Sort => "sort",
+            BuiltinTask::Longsort => "longsort",
         }
     }
 
     pub fn from_name(name: &str) -> Option<Self> {
-        [BuiltinTask::Add, BuiltinTask::Reverse, BuiltinTask::Sort]
-            .into_iter()
-            .find(|t| t.name() == name)
+        Self::ALL.into_iter().find(|t| t.name() == name)
     }
 
     fn verifier(self) -> Verifier {
         match self {
             BuiltinTask::Add | BuiltinTask::Reverse => Verifier::Exact,
-            BuiltinTask::Sort => Verifier::Positional,
+            BuiltinTask::Sort | BuiltinTask::Longsort => Verifier::Positional,
         }
     }
 
@@ -89,8 +108,12 @@ impl BuiltinTask {
                     .collect();
                 (format!("rev:{word}="), word.chars().rev().collect())
             }
-            BuiltinTask::Sort => {
-                let len = rng.random_range(3..=6);
+            BuiltinTask::Sort | BuiltinTask::Longsort => {
+                let len = if self == BuiltinTask::Sort {
+                    rng.random_range(3..=6)
+                } else {
+                    rng.random_range(2..=16)
+                };
                 let digits: String = (0..len)
                     .map(|_| (b'0' + rng.random_range(0..10u8)) as char)
                     .collect();
@@ -128,8 +151,10 @@ mod tests {
 
     #[test]
     fn items_are_deterministic_and_scored_by_their_verifier() {
-        for task in [BuiltinTask::Add, BuiltinTask::Reverse, BuiltinTask::Sort] {
+        for task in BuiltinTask::ALL {
             let a = task.item(7, 3);
+            let tokens = char_tokenizer().encode(&a.answer).len() as u32 + 1;
+            assert!(tokens <= task.max_answer_tokens(), "{task:?}");
             assert_eq!(a, task.item(7, 3));
             assert_ne!(task.item(7, 3), task.item(7, 4));
             assert_eq!(score(&a.answer, &a.meta), Some(1.0), "{task:?}");

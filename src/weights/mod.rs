@@ -10,16 +10,64 @@
 //! stores it in an `ArcSwap` that the decode loop loads once per forward pass. A blob that
 //! fails its checksum or does not build is reported and skipped: the generator keeps its
 //! current weights.
+//!
+//! In one process (`rlstream run`) a [`Transport::InProcess`] hands the trainer's host
+//! tensors to the generator by reference instead of through a serialized blob. The version
+//! protocol is the same: the announce still goes on the weights stream, with the format
+//! [`IN_PROCESS_FORMAT`], and the follower still decides from it what to swap in.
 
 use crate::bus::{BusError, EntryId, SharedBus, Topology};
-use crate::model::hf::{BLOB_FORMAT, checksum};
+use crate::model::hf::{BLOB_FORMAT, TensorMap, checksum, tensors_checksum};
 use crate::model::{ModelError, Policy, PolicyConfig};
 use crate::schema::{self, CodecError, SchemaVersion, WeightsAnnounce, WeightsKind};
 use arc_swap::ArcSwap;
 use burn::tensor::backend::Backend;
 use bytes::Bytes;
-use std::sync::Arc;
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+/// Format tag of versions handed over in process (no blob: host tensors by reference).
+pub const IN_PROCESS_FORMAT: &str = "in-process-f32";
+
+/// How weights travel from the trainer to the generators.
+#[derive(Clone, Default)]
+pub enum Transport {
+    /// Serialized, checksummed blobs in the bus (works across processes and machines).
+    #[default]
+    Bus,
+    /// Host tensors shared in memory; trainer and generators must be in one process.
+    InProcess(LocalWeights),
+}
+
+/// The versions a trainer handed over in process, newest `keep` kept.
+#[derive(Clone, Default)]
+pub struct LocalWeights(Arc<Mutex<BTreeMap<u64, Arc<TensorMap>>>>);
+
+impl LocalWeights {
+    fn put(&self, version: u64, tensors: Arc<TensorMap>, keep: usize) {
+        let mut m = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        m.insert(version, tensors);
+        while m.len() > keep {
+            m.pop_first();
+        }
+    }
+
+    fn get(&self, version: u64) -> Option<Arc<TensorMap>> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&version)
+            .cloned()
+    }
+}
+
+/// What the trainer hands to [`Publisher::publish`]: a serialized blob, or host tensors
+/// for an in-process transport.
+pub enum Payload {
+    Blob(Vec<u8>),
+    Tensors(TensorMap),
+}
 
 /// Default chunk size: small enough for pipelined SETs to interleave with other traffic.
 pub const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
@@ -58,6 +106,7 @@ pub struct Publisher {
     keep: usize,
     chunk_bytes: usize,
     published: Vec<(u64, u32)>,
+    transport: Transport,
 }
 
 impl Publisher {
@@ -68,7 +117,66 @@ impl Publisher {
             keep: keep.max(1),
             chunk_bytes: DEFAULT_CHUNK_BYTES,
             published: Vec::new(),
+            transport: Transport::Bus,
         }
+    }
+
+    pub fn with_transport(mut self, transport: Transport) -> Self {
+        self.transport = transport;
+        self
+    }
+
+    /// Whether [`Publisher::publish_payload`] wants host tensors rather than a blob.
+    pub fn in_process(&self) -> bool {
+        matches!(self.transport, Transport::InProcess(_))
+    }
+
+    /// Publishes a version in the form the transport takes: tensors are handed over in
+    /// process (announced with [`IN_PROCESS_FORMAT`]), a blob goes through the bus.
+    pub async fn publish_payload(
+        &mut self,
+        version: u64,
+        step: u64,
+        payload: Payload,
+    ) -> Result<WeightsAnnounce, WeightsError> {
+        match (payload, &self.transport) {
+            (Payload::Tensors(t), Transport::InProcess(local)) => {
+                let started_us = schema::now_us();
+                let bytes = t.values().map(|h| h.data.len() as u64 * 4).sum();
+                let checksum = tensors_checksum(&t);
+                local.put(version, Arc::new(t), self.keep);
+                let announce = WeightsAnnounce {
+                    schema: SchemaVersion::CURRENT,
+                    version,
+                    step,
+                    kind: WeightsKind::Full,
+                    format: IN_PROCESS_FORMAT.into(),
+                    dtype: "f32".into(),
+                    bytes,
+                    // One in-memory object; the checksum covers names, shapes and values.
+                    chunks: 1,
+                    checksum,
+                    started_us,
+                    published_us: schema::now_us(),
+                };
+                self.announce(&announce).await?;
+                Ok(announce)
+            }
+            (Payload::Blob(b), _) => self.publish(version, step, &b).await,
+            (Payload::Tensors(t), Transport::Bus) => {
+                let blob = crate::model::hf::tensors_to_safetensors(&t)?;
+                self.publish(version, step, &blob).await
+            }
+        }
+    }
+
+    async fn announce(&self, announce: &WeightsAnnounce) -> Result<(), WeightsError> {
+        let bytes = Bytes::from(schema::encode(announce)?);
+        let stream = self.topo.key("weights");
+        self.bus
+            .publish(&stream, &[bytes], self.topo.max_len("weights"))
+            .await?;
+        Ok(())
     }
 
     pub fn with_chunk_bytes(mut self, n: usize) -> Self {
@@ -115,11 +223,7 @@ impl Publisher {
             started_us,
             published_us: schema::now_us(),
         };
-        let bytes = Bytes::from(schema::encode(&announce)?);
-        let stream = self.topo.key("weights");
-        self.bus
-            .publish(&stream, &[bytes], self.topo.max_len("weights"))
-            .await?;
+        self.announce(&announce).await?;
         self.published.push((version, n));
         while self.published.len() > self.keep {
             let (old, chunks) = self.published.remove(0);
@@ -190,6 +294,7 @@ pub struct Follower<B: Backend> {
     config: PolicyConfig,
     slot: ModelSlot<B>,
     last_id: EntryId,
+    transport: Transport,
     /// Versions rejected (bad checksum, bad shape), for reporting.
     pub rejected: u64,
 }
@@ -205,8 +310,14 @@ where
             config,
             slot,
             last_id: EntryId::ZERO,
+            transport: Transport::Bus,
             rejected: 0,
         }
+    }
+
+    pub fn with_transport(mut self, transport: Transport) -> Self {
+        self.transport = transport;
+        self
     }
 
     /// Reads announces for up to `block`; if one is newer than the current model, fetches,
@@ -237,6 +348,37 @@ where
         if a.version <= current {
             return Ok(None);
         }
+        if a.format == IN_PROCESS_FORMAT {
+            let local = match &self.transport {
+                Transport::InProcess(local) => local.get(a.version),
+                Transport::Bus => None,
+            };
+            let Some(tensors) = local else {
+                self.rejected += 1;
+                tracing::error!(
+                    version = a.version,
+                    "weights were handed over in another process's memory and cannot be read \
+                     here: run the trainer with the bus transport; keeping version {current}"
+                );
+                return Ok(None);
+            };
+            let found = tensors_checksum(&tensors);
+            if found != a.checksum {
+                self.rejected += 1;
+                let e = WeightsError::Checksum {
+                    version: a.version,
+                    expected: a.checksum.clone(),
+                    found,
+                };
+                tracing::error!(version = a.version, error = %e, "rejected new weights; keeping version {current}");
+                return Ok(None);
+            }
+            return self
+                .build(a.version, current, move |cfg, dev| {
+                    Policy::<B>::from_tensors(cfg, &tensors, dev)
+                })
+                .await;
+        }
         let blob = match fetch(&self.bus, &self.topo, &a).await {
             Ok(b) => b,
             Err(
@@ -251,23 +393,32 @@ where
             }
             Err(e) => return Err(e),
         };
-        let config = self.config.clone();
-        let built = tokio::task::spawn_blocking(move || {
-            Policy::<B>::from_bytes(&config, &blob, &B::Device::default())
+        self.build(a.version, current, move |cfg, dev| {
+            Policy::<B>::from_bytes(cfg, &blob, dev)
         })
         .await
-        .map_err(|e| ModelError::Unsupported(format!("weight build task failed: {e}")))?;
+    }
+
+    /// Builds a version off the async threads and swaps it in; a version that does not fit
+    /// the model is rejected and the current one kept.
+    async fn build(
+        &mut self,
+        version: u64,
+        current: u64,
+        make: impl FnOnce(&PolicyConfig, &B::Device) -> Result<Policy<B>, ModelError> + Send + 'static,
+    ) -> Result<Option<u64>, WeightsError> {
+        let config = self.config.clone();
+        let built = tokio::task::spawn_blocking(move || make(&config, &B::Device::default()))
+            .await
+            .map_err(|e| ModelError::Unsupported(format!("weight build task failed: {e}")))?;
         match built {
             Ok(policy) => {
-                self.slot.store(Arc::new(Versioned {
-                    version: a.version,
-                    policy,
-                }));
-                Ok(Some(a.version))
+                self.slot.store(Arc::new(Versioned { version, policy }));
+                Ok(Some(version))
             }
             Err(e) => {
                 self.rejected += 1;
-                tracing::error!(version = a.version, error = %e, "new weights do not fit the model; keeping version {current}");
+                tracing::error!(version, error = %e, "new weights do not fit the model; keeping version {current}");
                 Ok(None)
             }
         }

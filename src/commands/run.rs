@@ -1,0 +1,652 @@
+//! `rlstream run`: the whole pipeline in one process.
+//!
+//! Warm start (or `--model`), then feed, gen, score and train run as tasks of one runtime
+//! over one bus: the embedded [`MemoryBus`](crate::bus::MemoryBus) unless `--redis` is given.
+//! The stages are the same `stages::*::run` functions the separate processes call; only the
+//! weight handoff differs ([`Transport::InProcess`]: host tensors by reference, announced on
+//! the weights stream like any other version).
+//!
+//! Two schedules:
+//! - **async** (default): the feeder keeps a few steps of prompts queued, the generator
+//!   decodes continuously under its in-flight bound and swaps weights between forward
+//!   passes, the trainer trains on whatever is scored.
+//! - **sync** (`--sync`): the baseline with no overlap. The feeder releases one step's
+//!   prompts, waits until the trainer has stepped on them and the generator holds the new
+//!   version, then releases the next. The generator waits for the trainer and the trainer
+//!   for the generator; every batch waits for its longest completion.
+
+use crate::bus::{SharedBus, Topology};
+use crate::commands::sft::{self, SftOptions};
+use crate::config::Config;
+use crate::display::{DisplayMode, Phase};
+use crate::model::hf::load_hf;
+use crate::model::tokenizer::Tokenizer;
+use crate::model::{InferBackend, Policy};
+use crate::report::{self, ReportFiles, StepRow};
+use crate::stages::generate::{self as gen_stage, GenSummary};
+use crate::stages::train::{self, StepStats, TrainSummary};
+use crate::stages::{StageError, feed, score};
+use crate::tasks::{self, BuiltinTask};
+use crate::weights::{LocalWeights, ModelSlot, Transport};
+use serde::Serialize;
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{mpsc, watch};
+
+/// Salt of the RL prompt stream, so RL prompts differ from the warm start's.
+const RL_PROMPT_SALT: u64 = 0x5eed_0f_a11;
+/// How often the async feeder checks the prompt backlog.
+const FEED_POLL: Duration = Duration::from_millis(10);
+/// Held-out prompts for the greedy before/after evaluation.
+pub const EVAL_PROMPTS: usize = 128;
+
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub task: BuiltinTask,
+    /// Start from this Hugging Face model (with the rlstream character tokenizer) instead
+    /// of a warm start.
+    pub model: Option<PathBuf>,
+    /// Warm start when no model is given.
+    pub sft: SftOptions,
+    /// Run directory: warm-start model, checkpoints, report.
+    pub out: PathBuf,
+    /// Report directory (default `OUT/report`).
+    pub report: Option<PathBuf>,
+    pub sync: bool,
+    pub seed: u64,
+    pub display: DisplayMode,
+}
+
+/// What a run did, as printed at the end and saved as `summary.json`.
+#[derive(Debug, Clone, Default, Serialize)]
+pub struct RunSummary {
+    /// `async` or `sync`.
+    pub mode: String,
+    pub task: String,
+    /// `memory` or `redis`.
+    pub bus: String,
+    pub model_params: usize,
+    pub warm_start_s: f64,
+    pub steps: u64,
+    /// Seconds of the RL phase (stages started to trainer done).
+    pub wall_s: f64,
+    pub trained_groups: u64,
+    pub trained_tokens: u64,
+    pub trained_tokens_per_s: f64,
+    pub generated_groups: u64,
+    pub generated_tokens: u64,
+    /// Mean over the first and the last tenth of the steps (at most 10 steps each).
+    pub reward_start: f64,
+    pub reward_end: f64,
+    pub accuracy_start: f64,
+    pub accuracy_end: f64,
+    /// Greedy exact-answer rate and mean reward on held-out prompts before and after RL.
+    pub eval_accuracy_before: f64,
+    pub eval_accuracy_after: f64,
+    pub eval_reward_before: f64,
+    pub eval_reward_after: f64,
+    /// Generator time waiting for prompts with nothing to decode, over the RL phase.
+    pub gen_idle_fraction: f64,
+    pub gen_busy_s: f64,
+    pub gen_idle_s: f64,
+    /// Sum of optimizer step times, and of the trainer's waits for data.
+    pub train_busy_s: f64,
+    pub train_wait_s: f64,
+    pub swaps: u64,
+    pub swap_stall_p50_s: f64,
+    pub swap_stall_p99_s: f64,
+    pub swap_stall_max_s: f64,
+    /// Trained groups by staleness (versions behind the trainer).
+    pub staleness: BTreeMap<u64, u64>,
+    pub dropped: BTreeMap<String, u64>,
+    pub config: Config,
+}
+
+impl RunSummary {
+    /// The one-paragraph summary printed at the end.
+    pub fn paragraph(&self) -> String {
+        format!(
+            "{mode} run of `{task}` on the {bus} bus: {steps} steps in {wall:.1} s after a {warm:.1} s \
+             warm start. Reward {r0:.3} -> {r1:.3}, sample accuracy {a0:.1}% -> {a1:.1}%; greedy \
+             held-out reward {g0:.3} -> {g1:.3}, accuracy {e0:.1}% -> {e1:.1}%. Trained {tt} tokens ({tps:.0}/s) from \
+             {tg} groups; generated {gt} tokens in {gg} groups. Generator idle {idle:.0}% of \
+             the time; {swaps} weight swaps, stall p50 {p50:.1} us, p99 {p99:.1} us.",
+            mode = self.mode,
+            task = self.task,
+            bus = self.bus,
+            steps = self.steps,
+            wall = self.wall_s,
+            warm = self.warm_start_s,
+            r0 = self.reward_start,
+            r1 = self.reward_end,
+            a0 = 100.0 * self.accuracy_start,
+            a1 = 100.0 * self.accuracy_end,
+            e0 = 100.0 * self.eval_accuracy_before,
+            e1 = 100.0 * self.eval_accuracy_after,
+            g0 = self.eval_reward_before,
+            g1 = self.eval_reward_after,
+            tt = self.trained_tokens,
+            tps = self.trained_tokens_per_s,
+            tg = self.trained_groups,
+            gt = self.generated_tokens,
+            gg = self.generated_groups,
+            idle = 100.0 * self.gen_idle_fraction,
+            swaps = self.swaps,
+            p50 = 1e6 * self.swap_stall_p50_s,
+            p99 = 1e6 * self.swap_stall_p99_s,
+        )
+    }
+}
+
+/// The result of [`run`].
+pub struct RunOutcome {
+    pub summary: RunSummary,
+    pub rows: Vec<StepRow>,
+    pub report: ReportFiles,
+}
+
+/// The defaults `rlstream run` puts under the config file: a small model that learns a
+/// built-in task in minutes on a CPU.
+pub fn defaults(task: BuiltinTask) -> Config {
+    let mut c = Config::default();
+    c.generator.group_size = 8;
+    c.generator.max_new_tokens = task.max_answer_tokens() + 2;
+    c.generator.max_batch = 64;
+    c.train.groups_per_step = 8;
+    c.train.lr = 1e-3;
+    c.train.max_lag = 4;
+    c.train.steps = 200;
+    c.train.checkpoint_every = 50;
+    c
+}
+
+/// Work waiting for each stage: prompts and rollouts not yet finished (lag + pending), scored
+/// groups not yet delivered to the trainer (lag; the trainer keeps what it trained pending
+/// until its checkpoint).
+async fn queue_depths(bus: &SharedBus, topo: &Topology) -> [u64; 3] {
+    let mut out = [0; 3];
+    for (i, (stream, group, count_pending)) in [
+        ("prompts", "gen", true),
+        ("rollouts", "score", true),
+        ("scored", "train", false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        if let Ok(s) = bus.stats(&topo.key(stream)).await
+            && let Some(g) = s.groups.iter().find(|g| g.name == group)
+        {
+            out[i] = g.lag.unwrap_or(0) + if count_pending { g.pending } else { 0 };
+        }
+    }
+    out
+}
+
+/// Completes once `stop` is set (or its sender is gone).
+async fn stopped(mut stop: watch::Receiver<bool>) {
+    let _ = stop.wait_for(|s| *s).await;
+}
+
+/// Trainer progress the sync feeder waits on: steps attempted and the version reached.
+#[derive(Debug, Clone, Copy, Default)]
+struct Progress {
+    steps: u64,
+    version: u64,
+}
+
+/// Keeps prompts flowing: in async mode a backlog of about two steps; in sync mode one
+/// step's worth at a time, released when the previous step's weights are in the generator.
+#[allow(clippy::too_many_arguments)]
+async fn feeder(
+    task: BuiltinTask,
+    seed: u64,
+    per_step: usize,
+    sync: bool,
+    bus: SharedBus,
+    topo: Topology,
+    slot: ModelSlot<InferBackend>,
+    mut progress: watch::Receiver<Progress>,
+    stop: watch::Receiver<bool>,
+) -> Result<u64, StageError> {
+    let mut next = 0u64;
+    let seed = seed ^ RL_PROMPT_SALT;
+    let make = |from: u64, n: usize| -> Vec<(String, tasks::TaskItem)> {
+        (from..from + n as u64)
+            .map(|i| (format!("{}-{i:06}", task.name()), task.item(seed, i)))
+            .collect()
+    };
+    let target = (2 * per_step) as u64;
+    let mut released = 0u64;
+    while !*stop.borrow() {
+        if sync {
+            // One step's prompts, then wait for the trainer's step and the generator's swap.
+            next += feed::publish(&bus, &topo, task.name(), &make(next, per_step), true).await?;
+            released += 1;
+            let mut stop_rx = stop.clone();
+            let version = tokio::select! {
+                _ = stop_rx.wait_for(|s| *s) => break,
+                p = progress.wait_for(|p| p.steps >= released) => match p {
+                    Ok(p) => p.version,
+                    Err(_) => break,
+                },
+            };
+            while slot.load().version < version && !*stop.borrow() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        } else {
+            let [waiting, _, _] = queue_depths(&bus, &topo).await;
+            if waiting < target {
+                let n = (target - waiting) as usize;
+                next += feed::publish(&bus, &topo, task.name(), &make(next, n), true).await?;
+            }
+            tokio::time::sleep(FEED_POLL).await;
+        }
+    }
+    Ok(next)
+}
+
+fn percentile(sorted: &[f64], q: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * q).round() as usize;
+    sorted[i.min(sorted.len() - 1)]
+}
+
+/// Mean of `f` over the first and the last tenth of `rows` (1 to 10 rows each).
+fn start_end(rows: &[StepRow], f: impl Fn(&StepRow) -> f64) -> (f64, f64) {
+    if rows.is_empty() {
+        return (0.0, 0.0);
+    }
+    let k = (rows.len() / 10).clamp(1, 10);
+    let mean = |r: &[StepRow]| r.iter().map(&f).sum::<f64>() / r.len() as f64;
+    (mean(&rows[..k]), mean(&rows[rows.len() - k..]))
+}
+
+/// A model for the run: `--model` (checked against the task tokenizer) or a warm start.
+fn prepare_model(opts: &RunOptions) -> Result<(PathBuf, f64), StageError> {
+    if let Some(dir) = &opts.model {
+        match Tokenizer::load(dir)? {
+            Tokenizer::Char(t) if t.vocab_size() == tasks::char_tokenizer().vocab_size() => {}
+            _ => {
+                return Err(StageError::Other(format!(
+                    "{} does not use the built-in tasks' character tokenizer; give a model \
+                     written by `rlstream sft` or `rlstream run`, or leave out --model",
+                    dir.display()
+                )));
+            }
+        }
+        return Ok((dir.clone(), 0.0));
+    }
+    let out = opts.out.join("sft");
+    let sft_opts = SftOptions {
+        task: opts.task,
+        out: out.clone(),
+        seed: opts.seed,
+        ..opts.sft.clone()
+    };
+    let mut phase = Phase::new(opts.display, "warm start", sft_opts.steps);
+    let s = tokio::task::block_in_place(|| {
+        sft::run(&sft_opts, |step, loss| {
+            phase.update(step, &format!("loss {loss:.4}"))
+        })
+    })?;
+    phase.finish(&format!(
+        "{} params, loss {:.4}, held-out greedy accuracy {:.1}%",
+        s.params,
+        s.final_loss,
+        100.0 * s.accuracy
+    ));
+    Ok((out, s.seconds))
+}
+
+/// Runs warm start and the pipeline until `cfg.train.steps` steps or `shutdown`, then writes
+/// the report. `cfg` is the resolved config (over [`defaults`]); its model and checkpoint
+/// paths are set here.
+pub async fn run(
+    opts: &RunOptions,
+    mut cfg: Config,
+    bus: SharedBus,
+    topo: Topology,
+    shutdown: impl Future<Output = ()>,
+) -> Result<RunOutcome, StageError> {
+    let checkpoints = opts.out.join("checkpoints");
+    if train::latest_checkpoint(&checkpoints).is_some() {
+        return Err(StageError::Other(format!(
+            "{} already holds a run; choose another --out",
+            opts.out.display()
+        )));
+    }
+    if cfg.train.steps == 0 {
+        return Err(StageError::Other("run needs --steps of at least 1".into()));
+    }
+    std::fs::create_dir_all(&opts.out)
+        .map_err(|e| StageError::Other(format!("cannot create {}: {e}", opts.out.display())))?;
+    let (model_dir, warm_start_s) = prepare_model(opts)?;
+
+    // One model, one task, shared settings: the generator follows the trainer's.
+    cfg.generator.model = Some(model_dir.clone());
+    cfg.generator.max_lag = cfg.train.max_lag;
+    cfg.generator.groups_per_step = cfg.train.groups_per_step;
+    cfg.generator.seed = opts.seed;
+    cfg.train.model = Some(model_dir.clone());
+    cfg.train.checkpoint_dir = checkpoints;
+    cfg.train.temperature = cfg.generator.temperature;
+    cfg.train.seed = opts.seed;
+    cfg.feed.task = Some(opts.task);
+    cfg.feed.seed = opts.seed;
+    if opts.sync {
+        // The sync feeder waits for each step's weights in the generator.
+        cfg.train.publish_every = 1;
+    }
+    cfg.validate()?;
+
+    let slot = gen_stage::initial_slot(&model_dir)?;
+    let params = slot.load().policy.config().num_params();
+    let eval_before = tokio::task::block_in_place(|| {
+        sft::evaluate(&slot.load().policy, opts.task, opts.seed, EVAL_PROMPTS)
+    });
+    let transport = Transport::InProcess(LocalWeights::default());
+    let (stop_tx, stop_rx) = watch::channel(false);
+    let stop_tx = Arc::new(stop_tx);
+    let (progress_tx, progress_rx) = watch::channel(Progress::default());
+    let (step_tx, mut step_rx) = mpsc::unbounded_channel::<StepStats>();
+    let started = Instant::now();
+
+    // Every stage task stops the others when it fails, so an error anywhere ends the run.
+    let spawn_stage =
+        |fut: std::pin::Pin<Box<dyn Future<Output = Result<StageResult, StageError>> + Send>>| {
+            let stop = stop_tx.clone();
+            tokio::spawn(async move {
+                let r = fut.await;
+                if r.is_err() {
+                    stop.send_replace(true);
+                }
+                r
+            })
+        };
+    let train_task = {
+        let (c, bus, topo, t, rx) = (
+            cfg.train.clone(),
+            bus.clone(),
+            topo.clone(),
+            transport.clone(),
+            stop_rx.clone(),
+        );
+        spawn_stage(Box::pin(async move {
+            let mut steps = 0u64;
+            train::run(&c, bus, &topo, t, stopped(rx), move |s| {
+                steps += 1;
+                progress_tx.send_replace(Progress {
+                    steps,
+                    version: s.version,
+                });
+                let _ = step_tx.send(s.clone());
+            })
+            .await
+            .map(StageResult::Train)
+        }))
+    };
+    let score_task = {
+        let (c, bus, topo, rx) = (
+            cfg.score.clone(),
+            bus.clone(),
+            topo.clone(),
+            stop_rx.clone(),
+        );
+        spawn_stage(Box::pin(async move {
+            score::run(&c, bus, &topo, stopped(rx))
+                .await
+                .map(|_| StageResult::Other)
+        }))
+    };
+    let gen_task = {
+        let (c, bus, topo, slot, t, rx) = (
+            cfg.generator.clone(),
+            bus.clone(),
+            topo.clone(),
+            slot.clone(),
+            transport.clone(),
+            stop_rx.clone(),
+        );
+        spawn_stage(Box::pin(async move {
+            gen_stage::run(&c, bus, &topo, slot, t, stopped(rx))
+                .await
+                .map(StageResult::Gen)
+        }))
+    };
+    let feed_task = {
+        let (bus, topo, slot, rx) = (bus.clone(), topo.clone(), slot.clone(), stop_rx.clone());
+        let (task, seed, per_step, sync) =
+            (opts.task, opts.seed, cfg.train.groups_per_step, opts.sync);
+        spawn_stage(Box::pin(async move {
+            feeder(task, seed, per_step, sync, bus, topo, slot, progress_rx, rx)
+                .await
+                .map(|_| StageResult::Other)
+        }))
+    };
+
+    // The monitor: one report row and a display update per trainer step.
+    let total = cfg.train.steps;
+    let mut phase = Phase::new(
+        opts.display,
+        if opts.sync { "RL (sync)" } else { "RL" },
+        total,
+    );
+    let mut rows: Vec<StepRow> = Vec::new();
+    let mut trained_tokens = 0u64;
+    tokio::pin!(shutdown);
+    let mut train_task = train_task;
+    let mut stopping = false;
+    let train_result = loop {
+        tokio::select! {
+            _ = &mut shutdown, if !stopping => {
+                stopping = true;
+                phase.println("stopping: the trainer checkpoints what it trained");
+                stop_tx.send_replace(true);
+            }
+            Some(s) = step_rx.recv() => {
+                trained_tokens += s.tokens as u64;
+                let queues = queue_depths(&bus, &topo).await;
+                let row = step_row(&s, started.elapsed().as_secs_f64(), slot.load().version, trained_tokens, queues);
+                phase.update(row.step.min(total), &status_line(&row));
+                rows.push(row);
+            }
+            r = &mut train_task => break r,
+        }
+    };
+    stop_tx.send_replace(true);
+    let wall_s = started.elapsed().as_secs_f64();
+    while let Ok(s) = step_rx.try_recv() {
+        trained_tokens += s.tokens as u64;
+        let row = step_row(&s, wall_s, slot.load().version, trained_tokens, [0; 3]);
+        rows.push(row);
+    }
+    let join = |r: Result<Result<StageResult, StageError>, tokio::task::JoinError>, name: &str| {
+        r.map_err(|e| StageError::Other(format!("{name} task: {e}")))?
+    };
+    // Report the first real failure; the other stages only stopped because of it.
+    let train_r = join(train_result, "train");
+    let gen_r = join(gen_task.await, "gen");
+    let score_r = join(score_task.await, "score");
+    let feed_r = join(feed_task.await, "feed");
+    let train_summary: TrainSummary = match train_r? {
+        StageResult::Train(t) => t,
+        _ => TrainSummary::default(),
+    };
+    let gen_summary: GenSummary = match gen_r? {
+        StageResult::Gen(g) => g,
+        _ => GenSummary::default(),
+    };
+    score_r?;
+    feed_r?;
+    phase.finish(&rows.last().map(status_line).unwrap_or_default());
+
+    // Greedy evaluation of the trainer's final weights (its last checkpoint).
+    let eval_after = match train::latest_checkpoint(&cfg.train.checkpoint_dir) {
+        Some(dir) => {
+            let policy: Policy<InferBackend> = load_hf(&dir, &Default::default())?;
+            tokio::task::block_in_place(|| {
+                sft::evaluate(&policy, opts.task, opts.seed, EVAL_PROMPTS)
+            })
+        }
+        None => eval_before,
+    };
+    let summary = summarize(
+        opts,
+        cfg,
+        &bus,
+        params,
+        warm_start_s,
+        wall_s,
+        &rows,
+        &train_summary,
+        &gen_summary,
+        (eval_before, eval_after),
+    );
+    let dir = opts
+        .report
+        .clone()
+        .unwrap_or_else(|| opts.out.join("report"));
+    let title = format!(
+        "rlstream run: {} ({}), {} steps, {:.0} s",
+        opts.task.name(),
+        summary.mode,
+        summary.steps,
+        summary.wall_s
+    );
+    let report = report::write_report(&dir, &rows, &summary, &title)
+        .map_err(|e| StageError::Other(e.to_string()))?;
+    Ok(RunOutcome {
+        summary,
+        rows,
+        report,
+    })
+}
+
+/// What a stage task returns to the run.
+enum StageResult {
+    Train(TrainSummary),
+    Gen(GenSummary),
+    Other,
+}
+
+fn step_row(s: &StepStats, time_s: f64, gen_version: u64, trained: u64, q: [u64; 3]) -> StepRow {
+    let staleness_mean = if s.staleness.is_empty() {
+        0.0
+    } else {
+        s.staleness.iter().sum::<u64>() as f64 / s.staleness.len() as f64
+    };
+    StepRow {
+        step: s.step,
+        time_s,
+        version: s.version,
+        gen_version,
+        loss: s.loss,
+        reward_mean: s.reward_mean,
+        accuracy: s.accuracy,
+        ess: s.ess,
+        clip_fraction: s.clip_fraction,
+        mismatch_kl: s.mismatch_kl,
+        entropy: s.entropy,
+        grad_norm: s.grad_norm,
+        groups: s.groups,
+        tokens: s.tokens,
+        trained_tokens_per_s: trained as f64 / time_s.max(1e-9),
+        staleness_mean,
+        staleness_max: s.staleness.iter().copied().max().unwrap_or(0),
+        step_s: s.step_s,
+        wait_s: s.wait_s,
+        queue_prompts: q[0],
+        queue_rollouts: q[1],
+        queue_scored: q[2],
+        skipped: s.skipped,
+    }
+}
+
+fn status_line(r: &StepRow) -> String {
+    format!(
+        "v{} (gen v{}) reward {:.3} acc {:.0}% {:.0} tok/s stale {:.1}/{} queue {}/{}/{}",
+        r.version,
+        r.gen_version,
+        r.reward_mean,
+        100.0 * r.accuracy,
+        r.trained_tokens_per_s,
+        r.staleness_mean,
+        r.staleness_max,
+        r.queue_prompts,
+        r.queue_rollouts,
+        r.queue_scored
+    )
+}
+
+#[allow(clippy::too_many_arguments)]
+fn summarize(
+    opts: &RunOptions,
+    cfg: Config,
+    bus: &SharedBus,
+    params: usize,
+    warm_start_s: f64,
+    wall_s: f64,
+    rows: &[StepRow],
+    t: &TrainSummary,
+    g: &GenSummary,
+    (eval_before, eval_after): ((f64, f64), (f64, f64)),
+) -> RunSummary {
+    let (reward_start, reward_end) = start_end(rows, |r| r.reward_mean);
+    let (accuracy_start, accuracy_end) = start_end(rows, |r| r.accuracy);
+    let mut stalls = g.decode.swap_stalls.clone();
+    stalls.sort_by(f64::total_cmp);
+    let mut staleness = BTreeMap::new();
+    for h in &t.history {
+        for &s in &h.staleness {
+            *staleness.entry(s).or_default() += 1;
+        }
+    }
+    let trained_tokens: u64 = t.history.iter().map(|h| h.tokens as u64).sum();
+    RunSummary {
+        mode: if opts.sync { "sync" } else { "async" }.into(),
+        task: opts.task.name().into(),
+        bus: bus.backend().into(),
+        model_params: params,
+        warm_start_s,
+        steps: t.steps,
+        wall_s,
+        trained_groups: t.trained_groups,
+        trained_tokens,
+        trained_tokens_per_s: trained_tokens as f64 / wall_s.max(1e-9),
+        generated_groups: g.groups,
+        generated_tokens: g.tokens,
+        reward_start,
+        reward_end,
+        accuracy_start,
+        accuracy_end,
+        eval_accuracy_before: eval_before.0,
+        eval_accuracy_after: eval_after.0,
+        eval_reward_before: eval_before.1,
+        eval_reward_after: eval_after.1,
+        gen_idle_fraction: (g.decode.idle_s / wall_s.max(1e-9)).min(1.0),
+        gen_busy_s: g.decode.busy_s,
+        gen_idle_s: g.decode.idle_s,
+        train_busy_s: t.history.iter().map(|h| h.step_s).sum(),
+        train_wait_s: t.history.iter().map(|h| h.wait_s).sum(),
+        swaps: g.decode.swaps,
+        swap_stall_p50_s: percentile(&stalls, 0.5),
+        swap_stall_p99_s: percentile(&stalls, 0.99),
+        swap_stall_max_s: stalls.last().copied().unwrap_or(0.0),
+        staleness,
+        dropped: t.dropped.clone(),
+        config: cfg,
+    }
+}
+
+/// The default run directory: `runs/{task}-{unix seconds}`.
+pub fn default_out(task: BuiltinTask) -> PathBuf {
+    let secs = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_secs());
+    Path::new("runs").join(format!("{}-{secs}", task.name()))
+}

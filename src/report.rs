@@ -1,0 +1,342 @@
+//! Run reports: the per-step metrics as JSON lines and CSV, and the learning curve as SVG
+//! (reward and accuracy against wall-clock time and against step).
+
+use serde::{Deserialize, Serialize};
+use std::fmt::Write as _;
+use std::path::{Path, PathBuf};
+
+/// One trainer step as the report records it.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct StepRow {
+    pub step: u64,
+    /// Seconds since RL started.
+    pub time_s: f64,
+    pub version: u64,
+    /// Version the generator was decoding with when the step finished.
+    pub gen_version: u64,
+    pub loss: f64,
+    pub reward_mean: f64,
+    pub accuracy: f64,
+    pub ess: f64,
+    pub clip_fraction: f64,
+    pub mismatch_kl: f64,
+    pub entropy: f64,
+    pub grad_norm: f64,
+    pub groups: usize,
+    pub tokens: usize,
+    /// Trained tokens per second since RL started.
+    pub trained_tokens_per_s: f64,
+    pub staleness_mean: f64,
+    pub staleness_max: u64,
+    pub step_s: f64,
+    pub wait_s: f64,
+    /// Entries waiting in (or delivered but unacked from) each stream.
+    pub queue_prompts: u64,
+    pub queue_rollouts: u64,
+    pub queue_scored: u64,
+    pub skipped: bool,
+}
+
+/// Column order of the CSV (the field order of [`StepRow`]).
+const COLUMNS: [&str; 23] = [
+    "step",
+    "time_s",
+    "version",
+    "gen_version",
+    "loss",
+    "reward_mean",
+    "accuracy",
+    "ess",
+    "clip_fraction",
+    "mismatch_kl",
+    "entropy",
+    "grad_norm",
+    "groups",
+    "tokens",
+    "trained_tokens_per_s",
+    "staleness_mean",
+    "staleness_max",
+    "step_s",
+    "wait_s",
+    "queue_prompts",
+    "queue_rollouts",
+    "queue_scored",
+    "skipped",
+];
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReportError {
+    #[error("cannot write report file {path}: {source}")]
+    Io {
+        path: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("cannot serialise the report: {0}")]
+    Json(#[from] serde_json::Error),
+}
+
+fn write(path: &Path, text: &str) -> Result<(), ReportError> {
+    std::fs::write(path, text).map_err(|source| ReportError::Io {
+        path: path.display().to_string(),
+        source,
+    })
+}
+
+/// The files [`write_report`] wrote.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ReportFiles {
+    pub jsonl: PathBuf,
+    pub csv: PathBuf,
+    pub svg: PathBuf,
+    pub summary: PathBuf,
+}
+
+/// Writes `metrics.jsonl`, `metrics.csv`, `learning_curve.svg` and `summary.json` in `dir`.
+pub fn write_report(
+    dir: &Path,
+    rows: &[StepRow],
+    summary: &impl Serialize,
+    title: &str,
+) -> Result<ReportFiles, ReportError> {
+    std::fs::create_dir_all(dir).map_err(|source| ReportError::Io {
+        path: dir.display().to_string(),
+        source,
+    })?;
+    let files = ReportFiles {
+        jsonl: dir.join("metrics.jsonl"),
+        csv: dir.join("metrics.csv"),
+        svg: dir.join("learning_curve.svg"),
+        summary: dir.join("summary.json"),
+    };
+    let mut jsonl = String::new();
+    for r in rows {
+        jsonl.push_str(&serde_json::to_string(r)?);
+        jsonl.push('\n');
+    }
+    write(&files.jsonl, &jsonl)?;
+    write(&files.csv, &csv(rows)?)?;
+    write(&files.svg, &learning_curve_svg(rows, title))?;
+    write(&files.summary, &serde_json::to_string_pretty(summary)?)?;
+    Ok(files)
+}
+
+/// The rows as CSV with a header, in [`COLUMNS`] order.
+pub fn csv(rows: &[StepRow]) -> Result<String, ReportError> {
+    let mut out = COLUMNS.join(",");
+    out.push('\n');
+    for r in rows {
+        let v = serde_json::to_value(r)?;
+        let cells: Vec<String> = COLUMNS
+            .iter()
+            .map(|c| match &v[*c] {
+                serde_json::Value::Number(n) => n.to_string(),
+                serde_json::Value::Bool(b) => u8::from(*b).to_string(),
+                other => other.to_string(),
+            })
+            .collect();
+        out.push_str(&cells.join(","));
+        out.push('\n');
+    }
+    Ok(out)
+}
+
+/// Mean of a trailing window, so a noisy per-step series reads as a curve.
+pub fn moving_average(xs: &[f64], window: usize) -> Vec<f64> {
+    let w = window.max(1);
+    let mut out = Vec::with_capacity(xs.len());
+    let mut sum = 0.0;
+    for (i, &x) in xs.iter().enumerate() {
+        sum += x;
+        if i >= w {
+            sum -= xs[i - w];
+        }
+        out.push(sum / (i + 1).min(w) as f64);
+    }
+    out
+}
+
+const WIDTH: f64 = 960.0;
+const HEIGHT: f64 = 380.0;
+const PANEL_W: f64 = 400.0;
+const PANEL_H: f64 = 260.0;
+const REWARD_COLOR: &str = "#1f77b4";
+const ACCURACY_COLOR: &str = "#d62728";
+
+/// Tick values covering [0, max]: 5 steps at a round size.
+fn ticks(max: f64) -> Vec<f64> {
+    if max <= 0.0 || !max.is_finite() {
+        return vec![0.0];
+    }
+    let raw = max / 5.0;
+    let mag = 10f64.powf(raw.log10().floor());
+    let step = [1.0, 2.0, 2.5, 5.0, 10.0]
+        .iter()
+        .map(|m| m * mag)
+        .find(|s| *s >= raw)
+        .unwrap_or(10.0 * mag);
+    (0..)
+        .map(|i| i as f64 * step)
+        .take_while(|t| *t <= max + step * 1e-9)
+        .collect()
+}
+
+fn fmt_tick(t: f64) -> String {
+    if t.fract() == 0.0 {
+        format!("{t:.0}")
+    } else {
+        format!("{t:.1}")
+    }
+}
+
+/// One panel: reward and accuracy (raw faint, smoothed solid) against `xs`.
+fn panel(
+    svg: &mut String,
+    x0: f64,
+    y0: f64,
+    xs: &[f64],
+    series: &[(&str, &str, Vec<f64>)],
+    xlabel: &str,
+) {
+    let x_max = xs.iter().copied().fold(0.0, f64::max).max(1e-9);
+    let px = |x: f64| x0 + x / x_max * PANEL_W;
+    let py = |y: f64| y0 + PANEL_H - y.clamp(0.0, 1.0) * PANEL_H;
+    let _ = writeln!(
+        svg,
+        r##"<rect x="{x0}" y="{y0}" width="{PANEL_W}" height="{PANEL_H}" fill="none" stroke="#888"/>"##
+    );
+    for t in [0.0, 0.25, 0.5, 0.75, 1.0] {
+        let y = py(t);
+        let _ = writeln!(
+            svg,
+            r##"<line x1="{x0}" y1="{y:.1}" x2="{:.1}" y2="{y:.1}" stroke="#eee"/><text x="{:.1}" y="{:.1}" font-size="11" text-anchor="end">{t}</text>"##,
+            x0 + PANEL_W,
+            x0 - 6.0,
+            y + 4.0
+        );
+    }
+    for t in ticks(x_max) {
+        let x = px(t);
+        let _ = writeln!(
+            svg,
+            r##"<line x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="#888"/><text x="{x:.1}" y="{:.1}" font-size="11" text-anchor="middle">{}</text>"##,
+            y0 + PANEL_H,
+            y0 + PANEL_H + 4.0,
+            y0 + PANEL_H + 17.0,
+            fmt_tick(t)
+        );
+    }
+    let _ = writeln!(
+        svg,
+        r#"<text x="{:.1}" y="{:.1}" font-size="12" text-anchor="middle">{xlabel}</text>"#,
+        x0 + PANEL_W / 2.0,
+        y0 + PANEL_H + 34.0
+    );
+    let window = (xs.len() / 20).clamp(1, 25);
+    for (_, color, ys) in series {
+        let points = |ys: &[f64]| {
+            xs.iter()
+                .zip(ys)
+                .map(|(x, y)| format!("{:.1},{:.1}", px(*x), py(*y)))
+                .collect::<Vec<_>>()
+                .join(" ")
+        };
+        let _ = writeln!(
+            svg,
+            r#"<polyline points="{}" fill="none" stroke="{color}" stroke-opacity="0.25" stroke-width="1"/>"#,
+            points(ys)
+        );
+        let _ = writeln!(
+            svg,
+            r#"<polyline points="{}" fill="none" stroke="{color}" stroke-width="2"/>"#,
+            points(&moving_average(ys, window))
+        );
+    }
+}
+
+/// Reward and accuracy against wall-clock time (left) and against step (right).
+pub fn learning_curve_svg(rows: &[StepRow], title: &str) -> String {
+    let mut svg = String::new();
+    let _ = writeln!(
+        svg,
+        r#"<svg xmlns="http://www.w3.org/2000/svg" width="{WIDTH}" height="{HEIGHT}" viewBox="0 0 {WIDTH} {HEIGHT}" font-family="sans-serif">"#
+    );
+    let _ = writeln!(
+        svg,
+        r#"<rect width="{WIDTH}" height="{HEIGHT}" fill="white"/><text x="{:.0}" y="24" font-size="15" text-anchor="middle">{}</text>"#,
+        WIDTH / 2.0,
+        escape(title)
+    );
+    let series = [
+        (
+            "reward",
+            REWARD_COLOR,
+            rows.iter().map(|r| r.reward_mean).collect::<Vec<_>>(),
+        ),
+        (
+            "accuracy",
+            ACCURACY_COLOR,
+            rows.iter().map(|r| r.accuracy).collect::<Vec<_>>(),
+        ),
+    ];
+    let times: Vec<f64> = rows.iter().map(|r| r.time_s).collect();
+    let steps: Vec<f64> = rows.iter().map(|r| r.step as f64).collect();
+    panel(&mut svg, 60.0, 50.0, &times, &series, "wall-clock time (s)");
+    panel(&mut svg, 530.0, 50.0, &steps, &series, "trainer step");
+    for (i, (name, color, _)) in series.iter().enumerate() {
+        let x = 250.0 + i as f64 * 250.0;
+        let _ = writeln!(
+            svg,
+            r#"<line x1="{x}" y1="368" x2="{}" y2="368" stroke="{color}" stroke-width="2"/><text x="{}" y="372" font-size="12">{name} (smoothed; raw faint)</text>"#,
+            x + 18.0,
+            x + 22.0
+        );
+    }
+    svg.push_str("</svg>\n");
+    svg
+}
+
+fn escape(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn moving_average_and_ticks() {
+        assert_eq!(moving_average(&[1.0, 3.0, 5.0], 2), vec![1.0, 2.0, 4.0]);
+        assert_eq!(ticks(10.0), vec![0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);
+        assert_eq!(ticks(0.0), vec![0.0]);
+        assert_eq!(ticks(37.0).last().copied(), Some(35.0));
+    }
+
+    #[test]
+    fn csv_has_a_header_and_one_line_per_row() {
+        let rows = vec![
+            StepRow {
+                step: 1,
+                reward_mean: 0.5,
+                skipped: true,
+                ..StepRow::default()
+            },
+            StepRow::default(),
+        ];
+        let fields = serde_json::to_value(StepRow::default()).unwrap();
+        let fields = fields.as_object().unwrap();
+        assert_eq!(fields.len(), COLUMNS.len());
+        assert!(COLUMNS.iter().all(|c| fields.contains_key(*c)));
+        let text = csv(&rows).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 3);
+        assert_eq!(lines[0].split(',').count(), COLUMNS.len());
+        assert!(lines[1].starts_with("1,0.0,"), "{}", lines[1]);
+        assert!(lines[1].ends_with(",1"), "{}", lines[1]);
+        for l in &lines[1..] {
+            assert_eq!(l.split(',').count(), COLUMNS.len(), "{l}");
+        }
+    }
+}

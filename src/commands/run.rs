@@ -37,7 +37,7 @@ use std::time::{Duration, Instant};
 use tokio::sync::{mpsc, watch};
 
 /// Salt of the RL prompt stream, so RL prompts differ from the warm start's.
-const RL_PROMPT_SALT: u64 = 0x5eed_0f_a11;
+const RL_PROMPT_SALT: u64 = 0x0005_eed0_fa11;
 /// How often the async feeder checks the prompt backlog.
 const FEED_POLL: Duration = Duration::from_millis(10);
 /// Held-out prompts for the greedy before/after evaluation.

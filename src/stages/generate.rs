@@ -12,7 +12,7 @@
 //!   publishes finished groups and acks their prompts.
 //!
 //! In-flight bound: a prompt is admitted only while the work started but not yet trained
-//! stays under `(max_lag + 1) × groups_per_step` groups: groups decoding here, plus the
+//! stays under `max_lag × groups_per_step` groups (at least one step's): groups decoding here, plus the
 //! rollouts not yet scored (pending and lag of the `score` group) and the scored groups not
 //! yet delivered to the trainer (lag of the `train` group), from XINFO. Scored groups the
 //! trainer has taken are not counted: it holds them unacked until its next checkpoint even
@@ -307,7 +307,7 @@ pub async fn run(
                 opts,
             )
             .await?;
-            let bound = ((cfg.max_lag + 1) * cfg.groups_per_step as u64) as usize;
+            let bound = (cfg.max_lag.max(1) * cfg.groups_per_step as u64) as usize;
             let local_cap = (cfg.max_batch / cfg.group_size).max(1) * 2;
             let mut backlog = 0u64;
             let mut refreshed = Instant::now() - BACKLOG_REFRESH;

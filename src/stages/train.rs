@@ -540,13 +540,19 @@ pub async fn run(
     let mut trainer = tokio::task::block_in_place(|| Trainer::start(cfg))?;
     let mut publisher =
         Publisher::new(bus.clone(), topo.clone(), cfg.keep_versions).with_transport(transport);
+    // Read no more than a step's worth: what the trainer has not taken stays visible as lag
+    // to the generators' in-flight bound.
+    let opts = crate::bus::ConsumerOptions {
+        batch: cfg.groups_per_step,
+        ..topo.consumer_options()
+    };
     let mut consumer = Consumer::<ScoredGroup>::join(
         bus.clone(),
         topo.key("scored"),
         "train",
         &cfg.name,
         topo.dead_key(),
-        topo.consumer_options(),
+        opts,
     )
     .await?;
     if trainer.state.version > 0 {

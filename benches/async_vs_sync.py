@@ -1,0 +1,189 @@
+#!/usr/bin/env python3
+"""The headline benchmark: `rlstream run` asynchronous vs `--sync`, side by side.
+
+For each task, both modes start from the same warm-start model, with the same config and
+seed, one after the other on this machine. Printed per task:
+
+- trained tokens/s in each mode and the ratio async/sync;
+- wall-clock time until the reward (20-step moving average) first reaches a target, and the
+  ratio; the target is halfway from the starting reward (first 20 steps, both runs) to the
+  lower of the two final rewards (last 20 steps);
+- final reward and accuracy (mean of the last 20 steps);
+- generator idle fraction (time it waited for prompts with nothing to decode);
+- weight-swap stall per swap, p50/p99 (time the decode loop spends picking up new weights);
+- staleness of the trained groups (versions behind the trainer);
+- held-out greedy reward and accuracy before and after (the unbiased measure: the training
+  reward of an async run leans towards prompts whose groups finish first);
+- the machine's ceiling for the throughput ratio, from measured stage times per token: sync
+  pays generation plus training (each on both cores, measured in the sync run); async pays
+  the slower of the two as measured in the async run, where they share the cores. The
+  achieved ratio is compared with it.
+
+Usage: python3 benches/async_vs_sync.py [--steps 200] [--tasks sort,longsort] [--out DIR]
+Needs nothing but Python 3 and the release binary (built here with cargo).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WINDOW = 20
+
+
+def sh(cmd, log=None):
+    print("+ " + " ".join(cmd), file=sys.stderr, flush=True)
+    with open(log, "w") if log else open(os.devnull, "w") as err:
+        out = subprocess.run(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=err, text=True)
+    if out.returncode != 0:
+        sys.exit(f"failed ({out.returncode}): {' '.join(cmd)}" + (f"; see {log}" if log else ""))
+    return out.stdout
+
+
+def moving(xs, w=WINDOW):
+    out, s = [], 0.0
+    for i, x in enumerate(xs):
+        s += x
+        if i >= w:
+            s -= xs[i - w]
+        out.append(s / min(i + 1, w))
+    return out
+
+
+def load(run_dir):
+    rep = os.path.join(run_dir, "report")
+    with open(os.path.join(rep, "summary.json")) as f:
+        summary = json.load(f)
+    with open(os.path.join(rep, "metrics.jsonl")) as f:
+        rows = [json.loads(line) for line in f]
+    return summary, rows
+
+
+def time_to(rows, target):
+    """First time the full-window moving average of the reward reaches `target`."""
+    avg = moving([r["reward_mean"] for r in rows])
+    for i in range(WINDOW - 1, len(rows)):
+        if avg[i] >= target:
+            return rows[i]["time_s"]
+    return float("nan")
+
+
+def tail_mean(rows, key):
+    t = rows[-WINDOW:]
+    return sum(r[key] for r in t) / max(1, len(t))
+
+
+def stage_times(s):
+    """Generation and training seconds per trained token: busy time per token each stage
+    handled, so runs whose completions differ in length compare fairly."""
+    gen = s["gen_busy_s"] / max(1, s["generated_tokens"])
+    train = s["train_busy_s"] / max(1, s["trained_tokens"])
+    return gen, train
+
+
+def staleness_text(s):
+    total = sum(s["staleness"].values()) or 1
+    return ", ".join(f"{k}: {100 * v / total:.0f}%" for k, v in sorted(s["staleness"].items(), key=lambda kv: int(kv[0])))
+
+
+def bench(binary, task, steps, out, extra):
+    model = os.path.join(out, f"sft-{task}")
+    sh([binary, "sft", "--task", task, "--steps", "100", "--out", model], os.path.join(out, f"sft-{task}.log"))
+    runs = {}
+    for mode in ["async", "sync"]:
+        d = os.path.join(out, f"{task}-{mode}")
+        cmd = [binary, "run", "--task", task, "--model", model, "--steps", str(steps), "--out", d, "--plain"] + extra
+        if mode == "sync":
+            cmd.append("--sync")
+        sh(cmd, d + ".log")
+        runs[mode] = load(d)
+    (sa, ra), (ss, rs) = runs["async"], runs["sync"]
+    head = lambda rows: sum(r["reward_mean"] for r in rows[:WINDOW]) / max(1, len(rows[:WINDOW]))
+    start = (head(ra) + head(rs)) / 2
+    final = min(tail_mean(ra, "reward_mean"), tail_mean(rs, "reward_mean"))
+    target = start + 0.5 * (final - start)
+    ta, ts = time_to(ra, target), time_to(rs, target)
+    g_sync, t_sync = stage_times(ss)
+    g_async, t_async = stage_times(sa)
+    ceiling = (g_sync + t_sync) / max(g_async, t_async)
+    achieved = sa["trained_tokens_per_s"] / ss["trained_tokens_per_s"]
+    res = {
+        "task": task,
+        "steps": steps,
+        "trained_tokens_per_s": {"async": sa["trained_tokens_per_s"], "sync": ss["trained_tokens_per_s"]},
+        "throughput_ratio": achieved,
+        "ceiling_ratio": ceiling,
+        "of_ceiling": achieved / ceiling,
+        "target_reward": target,
+        "time_to_target_s": {"async": ta, "sync": ts},
+        "time_to_target_ratio": ts / ta if ta == ta and ta > 0 else float("nan"),
+        "final_reward": {"async": tail_mean(ra, "reward_mean"), "sync": tail_mean(rs, "reward_mean")},
+        "final_accuracy": {"async": tail_mean(ra, "accuracy"), "sync": tail_mean(rs, "accuracy")},
+        "wall_s": {"async": sa["wall_s"], "sync": ss["wall_s"]},
+        "eval": {m: {"accuracy": (s["eval_accuracy_before"], s["eval_accuracy_after"]), "reward": (s["eval_reward_before"], s["eval_reward_after"])} for m, s in [("async", sa), ("sync", ss)]},
+        "dropped_stale": {"async": sa["dropped"].get("stale", 0), "sync": ss["dropped"].get("stale", 0)},
+        "generated_groups": {"async": sa["generated_groups"], "sync": ss["generated_groups"]},
+        "gen_idle_fraction": {"async": sa["gen_idle_fraction"], "sync": ss["gen_idle_fraction"]},
+        "stage_us_per_token": {"sync": {"gen": 1e6 * g_sync, "train": 1e6 * t_sync}, "async": {"gen": 1e6 * g_async, "train": 1e6 * t_async}},
+        "swap_stall_us": {m: {"p50": 1e6 * s["swap_stall_p50_s"], "p99": 1e6 * s["swap_stall_p99_s"], "max": 1e6 * s["swap_stall_max_s"], "swaps": s["swaps"]} for m, s in [("async", sa), ("sync", ss)]},
+        "staleness": {"async": staleness_text(sa), "sync": staleness_text(ss)},
+    }
+    return res
+
+
+def report(r):
+    a, s = "async", "sync"
+    lines = [
+        f"### `{r['task']}`, {r['steps']} steps",
+        "",
+        "| | async | sync | async/sync |",
+        "|---|---|---|---|",
+        f"| trained tokens/s | {r['trained_tokens_per_s'][a]:.0f} | {r['trained_tokens_per_s'][s]:.0f} | **{r['throughput_ratio']:.2f}×** |",
+        f"| wall time (s) | {r['wall_s'][a]:.1f} | {r['wall_s'][s]:.1f} | |",
+        f"| time to reward {r['target_reward']:.3f} (s) | {r['time_to_target_s'][a]:.1f} | {r['time_to_target_s'][s]:.1f} | **{r['time_to_target_ratio']:.2f}× shorter** |",
+        f"| final reward (last {WINDOW} steps) | {r['final_reward'][a]:.3f} | {r['final_reward'][s]:.3f} | |",
+        f"| final accuracy (last {WINDOW} steps) | {100 * r['final_accuracy'][a]:.1f}% | {100 * r['final_accuracy'][s]:.1f}% | |",
+        f"| generator idle | {100 * r['gen_idle_fraction'][a]:.0f}% | {100 * r['gen_idle_fraction'][s]:.0f}% | |",
+        f"| held-out greedy reward, before → after | {r['eval'][a]['reward'][0]:.3f} → {r['eval'][a]['reward'][1]:.3f} | {r['eval'][s]['reward'][0]:.3f} → {r['eval'][s]['reward'][1]:.3f} | |",
+        f"| held-out greedy accuracy, before → after | {100 * r['eval'][a]['accuracy'][0]:.1f}% → {100 * r['eval'][a]['accuracy'][1]:.1f}% | {100 * r['eval'][s]['accuracy'][0]:.1f}% → {100 * r['eval'][s]['accuracy'][1]:.1f}% | |",
+        f"| groups generated / dropped as stale | {r['generated_groups'][a]} / {r['dropped_stale'][a]} | {r['generated_groups'][s]} / {r['dropped_stale'][s]} | |",
+        f"| generation / training busy time per token (µs) | {r['stage_us_per_token'][a]['gen']:.0f} / {r['stage_us_per_token'][a]['train']:.0f} | {r['stage_us_per_token'][s]['gen']:.0f} / {r['stage_us_per_token'][s]['train']:.0f} | |",
+        f"| swap stall p50 / p99 (µs), swaps | {r['swap_stall_us'][a]['p50']:.1f} / {r['swap_stall_us'][a]['p99']:.1f}, {r['swap_stall_us'][a]['swaps']} | {r['swap_stall_us'][s]['p50']:.1f} / {r['swap_stall_us'][s]['p99']:.1f}, {r['swap_stall_us'][s]['swaps']} | |",
+        f"| staleness of trained groups | {r['staleness'][a]} | {r['staleness'][s]} | |",
+        "",
+        f"Ceiling for async/sync throughput on this machine: **{r['ceiling_ratio']:.2f}×** "
+        f"(sync generation + training time per token / the slower async stage's time per token); achieved "
+        f"{r['throughput_ratio']:.2f}× = {100 * r['of_ceiling']:.0f}% of it.",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--tasks", default="sort,longsort")
+    p.add_argument("--out", default=None, help="where runs and results.json go (default: a temp dir)")
+    p.add_argument("--bin", default=None, help="rlstream binary (default: build target/release/rlstream)")
+    p.add_argument("extra", nargs="*", help="more `rlstream run` flags, after --")
+    args = p.parse_args()
+    binary = args.bin
+    if binary is None:
+        sh(["cargo", "build", "--release", "--quiet"])
+        binary = os.path.join(ROOT, "target", "release", "rlstream")
+    out = args.out or tempfile.mkdtemp(prefix="rlstream-bench-")
+    os.makedirs(out, exist_ok=True)
+    print(f"runs in {out}; {os.cpu_count()} CPUs", file=sys.stderr)
+    results = [bench(binary, t, args.steps, out, args.extra) for t in args.tasks.split(",")]
+    with open(os.path.join(out, "results.json"), "w") as f:
+        json.dump(results, f, indent=2)
+    for r in results:
+        print(report(r))
+    print(f"results: {os.path.join(out, 'results.json')}")
+
+
+if __name__ == "__main__":
+    main()

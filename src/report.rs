@@ -311,7 +311,7 @@ mod tests {
         assert_eq!(moving_average(&[1.0, 3.0, 5.0], 2), vec![1.0, 2.0, 4.0]);
         assert_eq!(ticks(10.0), vec![0.0, 2.0, 4.0, 6.0, 8.0, 10.0]);
         assert_eq!(ticks(0.0), vec![0.0]);
-        assert_eq!(ticks(37.0).last().copied(), Some(35.0));
+        assert_eq!(ticks(37.0), vec![0.0, 10.0, 20.0, 30.0]);
     }
 
     #[test]

@@ -165,17 +165,18 @@ async fn held_entries_are_not_claimed_while_the_consumer_polls(bus: SharedBus, n
         .await
         .unwrap();
     // The trainer's pattern: take an entry, keep polling, ack much later than claim_idle.
-    let mut c = Consumer::<Prompt>::join(bus.clone(), &stream, "g", "holder", &dead, opts(100, 2))
+    let mut c = Consumer::<Prompt>::join(bus.clone(), &stream, "g", "holder", &dead, opts(400, 2))
         .await
         .unwrap();
     let first = c.poll().await.unwrap();
     assert_eq!(first.len(), 1);
     let held = first[0].id;
-    for _ in 0..12 {
-        tokio::time::sleep(Duration::from_millis(40)).await;
+    // 8 × 150 ms: three times claim_idle, so an entry nobody refreshed would be claimed.
+    for _ in 0..8 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(c.poll().await.unwrap().is_empty(), "a held entry came back");
         let other = bus
-            .claim_idle(&stream, "g", "other", Duration::from_millis(100), 10)
+            .claim_idle(&stream, "g", "other", Duration::from_millis(400), 10)
             .await
             .unwrap();
         assert!(other.is_empty(), "claimed from a live holder: {other:?}");

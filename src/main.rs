@@ -346,9 +346,10 @@ async fn shutdown_signal() {
     tracing::info!("stopping: finishing the work in hand");
 }
 
-/// Loads the config (file, environment, common flags), the topology and the bus.
-async fn setup(common: &Common) -> Result<(Config, Topology, SharedBus)> {
-    let mut cfg = Config::load(common.config.as_deref())?;
+/// The config over `base` (then file, environment, common flags), the metrics listener if
+/// asked for, and the topology (before any namespace is applied).
+fn load_common(common: &Common, base: &Config) -> Result<(Config, Topology)> {
+    let mut cfg = Config::load_over(base, common.config.as_deref())?;
     apply!(cfg.redis => common.redis.clone().map(Some::<String>),
            cfg.namespace => common.namespace.clone().map(Some::<String>),
            cfg.topology => common.topology.clone().map(Some::<PathBuf>),
@@ -357,10 +358,16 @@ async fn setup(common: &Common) -> Result<(Config, Topology, SharedBus)> {
         rlstream::metrics::install(addr)?;
         tracing::info!("serving metrics at http://{addr}/metrics");
     }
-    let mut topo = match &cfg.topology {
+    let topo = match &cfg.topology {
         Some(p) => Topology::load(p)?,
         None => Topology::default(),
     };
+    Ok((cfg, topo))
+}
+
+/// Loads the config (file, environment, common flags), the topology and the bus.
+async fn setup(common: &Common) -> Result<(Config, Topology, SharedBus)> {
+    let (cfg, mut topo) = load_common(common, &Config::default())?;
     if let Some(ns) = &cfg.namespace {
         topo = topo.with_namespace(ns)?;
     }
@@ -546,24 +553,11 @@ async fn dispatch(command: Command) -> Result<()> {
 }
 
 async fn run_command(a: RunArgs) -> Result<()> {
-    let c = &a.common;
-    let mut cfg = Config::load_over(&run::defaults(a.task), c.config.as_deref())?;
-    apply!(cfg.redis => c.redis.clone().map(Some::<String>),
-           cfg.namespace => c.namespace.clone().map(Some::<String>),
-           cfg.topology => c.topology.clone().map(Some::<PathBuf>),
-           cfg.metrics_addr => c.metrics_addr.clone().map(Some::<String>),
-           cfg.train.steps => a.steps, cfg.train.lr => a.lr, cfg.train.groups_per_step => a.groups_per_step,
+    let (mut cfg, mut topo) = load_common(&a.common, &run::defaults(a.task))?;
+    apply!(cfg.train.steps => a.steps, cfg.train.lr => a.lr, cfg.train.groups_per_step => a.groups_per_step,
            cfg.train.max_lag => a.max_lag, cfg.train.loss => a.loss,
            cfg.generator.group_size => a.group_size, cfg.generator.max_batch => a.max_batch,
            cfg.generator.max_new_tokens => a.max_new_tokens, cfg.generator.temperature => a.temperature);
-    if let Some(addr) = &cfg.metrics_addr {
-        rlstream::metrics::install(addr)?;
-        tracing::info!("serving metrics at http://{addr}/metrics");
-    }
-    let mut topo = match &cfg.topology {
-        Some(p) => Topology::load(p)?,
-        None => Topology::default(),
-    };
     let bus: SharedBus = match &cfg.redis {
         Some(url) => {
             // A fresh namespace per run unless one is given: a run never mixes with

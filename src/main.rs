@@ -34,7 +34,7 @@ struct Common {
     /// TOML config file (sections [feed], [gen], [score], [train]).
     #[arg(long)]
     config: Option<PathBuf>,
-    /// Redis URL [default: redis://127.0.0.1:6379].
+    /// Redis URL [default: redis://127.0.0.1:6379; `run` uses its embedded bus unless given].
     #[arg(long)]
     redis: Option<String>,
     /// Key prefix of every stream [default: the topology's, `rl`].
@@ -232,20 +232,29 @@ struct RunArgs {
     layers: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
+    /// Trainer learning rate [default: 1e-3].
     #[arg(long)]
     lr: Option<f64>,
+    /// Completions per prompt [default: 8].
     #[arg(long)]
     group_size: Option<usize>,
+    /// Groups per optimizer step [default: 8].
     #[arg(long)]
     groups_per_step: Option<usize>,
+    /// Groups more than this many versions old are dropped; the generator runs at most this
+    /// many steps ahead [default: 4].
     #[arg(long)]
     max_lag: Option<u64>,
+    /// Most sequences decoded together [default: 64].
     #[arg(long)]
     max_batch: Option<usize>,
+    /// Most tokens per completion [default: the task's longest answer + 2].
     #[arg(long)]
     max_new_tokens: Option<u32>,
+    /// Sampling temperature [default: 1].
     #[arg(long)]
     temperature: Option<f32>,
+    /// Objective [default: ppo].
     #[arg(long, value_enum)]
     loss: Option<LossKind>,
     /// Progress as log lines even on a terminal.

@@ -232,7 +232,7 @@ struct RunArgs {
     layers: usize,
     #[arg(long, default_value_t = 0)]
     seed: u64,
-    /// Trainer learning rate [default: 1e-3].
+    /// Trainer learning rate [default: 5e-4].
     #[arg(long)]
     lr: Option<f64>,
     /// Completions per prompt [default: 8].

@@ -156,7 +156,7 @@ pub fn defaults(task: BuiltinTask) -> Config {
     c.generator.max_new_tokens = task.max_answer_tokens() + 2;
     c.generator.max_batch = 64;
     c.train.groups_per_step = 8;
-    c.train.lr = 1e-3;
+    c.train.lr = 5e-4;
     c.train.max_lag = 4;
     c.train.steps = 200;
     c.train.checkpoint_every = 50;

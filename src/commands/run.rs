@@ -25,7 +25,7 @@ use crate::model::{InferBackend, Policy};
 use crate::report::{self, ReportFiles, StepRow};
 use crate::stages::generate::{self as gen_stage, GenSummary};
 use crate::stages::train::{self, StepStats, TrainSummary};
-use crate::stages::{StageError, feed, score};
+use crate::stages::{StageError, feed, score, waiting};
 use crate::tasks::{self, BuiltinTask};
 use crate::weights::{LocalWeights, ModelSlot, Transport};
 use serde::Serialize;
@@ -167,22 +167,12 @@ pub fn defaults(task: BuiltinTask) -> Config {
 /// groups not yet delivered to the trainer (lag; the trainer keeps what it trained pending
 /// until its checkpoint).
 async fn queue_depths(bus: &SharedBus, topo: &Topology) -> [u64; 3] {
-    let mut out = [0; 3];
-    for (i, (stream, group, count_pending)) in [
-        ("prompts", "gen", true),
-        ("rollouts", "score", true),
-        ("scored", "train", false),
+    let bus = bus.as_ref();
+    [
+        waiting(bus, topo, "prompts", "gen", true).await,
+        waiting(bus, topo, "rollouts", "score", true).await,
+        waiting(bus, topo, "scored", "train", false).await,
     ]
-    .into_iter()
-    .enumerate()
-    {
-        if let Ok(s) = bus.stats(&topo.key(stream)).await
-            && let Some(g) = s.groups.iter().find(|g| g.name == group)
-        {
-            out[i] = g.lag.unwrap_or(0) + if count_pending { g.pending } else { 0 };
-        }
-    }
-    out
 }
 
 /// Completes once `stop` is set (or its sender is gone).

@@ -222,17 +222,8 @@ fn decode_loop(
 /// Work started but not trained, in groups, from the downstream streams' XINFO (see the
 /// module doc for what is counted).
 async fn downstream_backlog(bus: &dyn Bus, topo: &Topology) -> u64 {
-    let mut total = 0;
-    for (stream, group, count_pending) in [("rollouts", "score", true), ("scored", "train", false)]
-    {
-        if let Ok(s) = bus.stats(&topo.key(stream)).await {
-            let g = s.groups.iter().find(|g| g.name == group);
-            total += g.map_or(s.length, |g| {
-                g.lag.unwrap_or(0) + if count_pending { g.pending } else { 0 }
-            });
-        }
-    }
-    total
+    super::waiting(bus, topo, "rollouts", "score", true).await
+        + super::waiting(bus, topo, "scored", "train", false).await
 }
 
 /// Runs the generator on the model in `slot` until `shutdown`; new versions arrive through

@@ -8,7 +8,7 @@ pub mod generate;
 pub mod score;
 pub mod train;
 
-use crate::bus::BusError;
+use crate::bus::{Bus, BusError, Topology};
 use crate::model::ModelError;
 use crate::schema::CodecError;
 use crate::weights::WeightsError;
@@ -29,4 +29,25 @@ pub enum StageError {
     Dataset(#[from] crate::tasks::DatasetError),
     #[error("{0}")]
     Other(String),
+}
+
+/// Entries of `stream` that `group` has not finished, from XINFO: not yet delivered (lag),
+/// plus delivered but unacked when `count_pending`; the whole stream while the group does
+/// not exist yet. 0 when the stream cannot be read (the callers only pace with it).
+pub async fn waiting(
+    bus: &dyn Bus,
+    topo: &Topology,
+    stream: &str,
+    group: &str,
+    count_pending: bool,
+) -> u64 {
+    let Ok(s) = bus.stats(&topo.key(stream)).await else {
+        return 0;
+    };
+    s.groups
+        .iter()
+        .find(|g| g.name == group)
+        .map_or(s.length, |g| {
+            g.lag.unwrap_or(0) + if count_pending { g.pending } else { 0 }
+        })
 }

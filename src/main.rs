@@ -140,6 +140,22 @@ enum Command {
     },
     /// Sample from a Hugging Face checkpoint (Llama/Qwen2 family).
     Generate(GenerateArgs),
+    /// A running pipeline at a glance, from Redis alone: each stream's length, pending and
+    /// lag per group, consumers and their idle time, every process's version and
+    /// throughput, the trainer's last step, the newest weights and dead letters.
+    Status {
+        #[command(flatten)]
+        common: Common,
+        /// Redraw every SECS seconds (default 2) until Ctrl-C.
+        #[arg(long, value_name = "SECS", num_args = 0..=1, default_missing_value = "2")]
+        watch: Option<f64>,
+        /// Seconds of events that throughput and the process list cover.
+        #[arg(long, default_value_t = 30.0)]
+        window: f64,
+        /// Print the snapshot as JSON (one object per refresh with --watch).
+        #[arg(long)]
+        json: bool,
+    },
     /// Check a stream topology file and print the keys, groups and policy it resolves to.
     Streams {
         #[arg(long, env = "RLSTREAM_TOPOLOGY")]
@@ -374,8 +390,9 @@ fn load_common(common: &Common, base: &Config) -> Result<(Config, Topology)> {
     Ok((cfg, topo))
 }
 
-/// Loads the config (file, environment, common flags), the topology and the bus.
-async fn setup(common: &Common) -> Result<(Config, Topology, SharedBus)> {
+/// Loads the config (file, environment, common flags), the topology and the bus; with
+/// metrics on, `stage` also exports the streams' length, pending and lag.
+async fn setup(common: &Common, stage: &'static str) -> Result<(Config, Topology, SharedBus)> {
     let (cfg, mut topo) = load_common(common, &Config::default())?;
     if let Some(ns) = &cfg.namespace {
         topo = topo.with_namespace(ns)?;
@@ -385,6 +402,9 @@ async fn setup(common: &Common) -> Result<(Config, Topology, SharedBus)> {
         .clone()
         .unwrap_or_else(|| "redis://127.0.0.1:6379".into());
     let bus: SharedBus = Arc::new(RedisBus::connect(&url).await?);
+    if cfg.metrics_addr.is_some() {
+        rlstream::metrics::watch_streams(bus.clone(), topo.clone(), stage);
+    }
     Ok((cfg, topo, bus))
 }
 
@@ -400,7 +420,7 @@ async fn dispatch(command: Command) -> Result<()> {
             shuffle,
             seed,
         } => {
-            let (mut cfg, topo, bus) = setup(&common).await?;
+            let (mut cfg, topo, bus) = setup(&common, "feed").await?;
             apply!(cfg.feed.task => task.map(Some), cfg.feed.dataset => dataset.map(Some),
                    cfg.feed.count => count, cfg.feed.epochs => epochs, cfg.feed.seed => seed);
             cfg.feed.shuffle |= shuffle;
@@ -421,7 +441,7 @@ async fn dispatch(command: Command) -> Result<()> {
             seed,
             name,
         } => {
-            let (mut cfg, topo, bus) = setup(&common).await?;
+            let (mut cfg, topo, bus) = setup(&common, "gen").await?;
             let g = &mut cfg.generator;
             apply!(g.model => model.map(Some), g.group_size => group_size, g.max_new_tokens => max_new_tokens,
                    g.temperature => temperature, g.top_k => top_k, g.top_p => top_p, g.max_batch => max_batch,
@@ -454,7 +474,7 @@ async fn dispatch(command: Command) -> Result<()> {
             tokenizer,
             name,
         } => {
-            let (mut cfg, topo, bus) = setup(&common).await?;
+            let (mut cfg, topo, bus) = setup(&common, "score").await?;
             let c = &mut cfg.score;
             apply!(c.advantage => advantage, c.scorer_cmd => scorer_cmd.map(Some),
                    c.tokenizer => tokenizer.map(Some), c.name => name);
@@ -471,7 +491,7 @@ async fn dispatch(command: Command) -> Result<()> {
             );
         }
         Command::Train(a) => {
-            let (mut cfg, topo, bus) = setup(&a.common).await?;
+            let (mut cfg, topo, bus) = setup(&a.common, "train").await?;
             let t = &mut cfg.train;
             apply!(t.model => a.model.map(Some), t.loss => a.loss, t.lr => a.lr, t.groups_per_step => a.groups_per_step,
                    t.max_lag => a.max_lag, t.publish_every => a.publish_every, t.keep_versions => a.keep_versions,
@@ -496,6 +516,12 @@ async fn dispatch(command: Command) -> Result<()> {
                 s.steps, s.version, s.trained_groups, s.dropped
             );
         }
+        Command::Status {
+            common,
+            watch,
+            window,
+            json,
+        } => status_command(&common, watch, window, json).await?,
         Command::Sft {
             task,
             out,
@@ -590,6 +616,9 @@ async fn run_command(a: RunArgs) -> Result<()> {
             Arc::new(MemoryBus::new())
         }
     };
+    if cfg.metrics_addr.is_some() {
+        rlstream::metrics::watch_streams(bus.clone(), topo.clone(), "run");
+    }
     let out = a.out.clone().unwrap_or_else(|| run::default_out(a.task));
     let opts = RunOptions {
         task: a.task,
@@ -671,5 +700,50 @@ fn inspect(kind: Kind, file: PathBuf) -> Result<()> {
     checked.with_context(|| format!("{} is not a valid message", file.display()))?;
     let json = msgpack_to_json(&bytes).map_err(anyhow::Error::msg)?;
     println!("{}", serde_json::to_string_pretty(&json)?);
+    Ok(())
+}
+
+async fn status_command(
+    common: &Common,
+    watch: Option<f64>,
+    window: f64,
+    json: bool,
+) -> Result<()> {
+    use rlstream::commands::status;
+    use std::io::IsTerminal;
+    if !(window.is_finite() && window > 0.0) {
+        bail!("--window must be a positive number of seconds, got {window}");
+    }
+    if let Some(every) = watch
+        && !(every.is_finite() && every >= 0.1)
+    {
+        bail!("--watch takes a refresh interval of at least 0.1 s, got {every}");
+    }
+    let (cfg, topo, bus) = setup(common, "status").await?;
+    let name = status::redact_url(cfg.redis.as_deref().unwrap_or("redis://127.0.0.1:6379"));
+    let window = std::time::Duration::from_secs_f64(window);
+    let clear = watch.is_some() && !json && std::io::stdout().is_terminal();
+    let stop = shutdown_signal();
+    tokio::pin!(stop);
+    loop {
+        let snapshot = status::collect(bus.as_ref(), &topo, &name, window).await?;
+        if json {
+            println!("{}", serde_json::to_string(&snapshot)?);
+        } else {
+            if clear {
+                // Clear the screen and home the cursor: a live view, not a scroll.
+                print!("\x1b[2J\x1b[H");
+            }
+            print!("{}", status::render(&snapshot));
+            if watch.is_some() && !clear {
+                println!();
+            }
+        }
+        let Some(every) = watch else { break };
+        tokio::select! {
+            _ = &mut stop => break,
+            _ = tokio::time::sleep(std::time::Duration::from_secs_f64(every)) => {}
+        }
+    }
     Ok(())
 }

@@ -1,22 +1,43 @@
-//! Telemetry in one place: every metric name, its unit and description, and the Prometheus
-//! exporter. Stages record through the helpers here so names never drift.
+//! Telemetry in one place: every metric name, its unit and description, the histogram
+//! buckets, and the Prometheus exporter. Stages record through the helpers here so names
+//! never drift; `grafana/dashboards/rlstream.json` queries exactly these names (a test scrapes
+//! real stages and checks every name the dashboard uses).
 //!
-//! Naming follows Prometheus: `rlstream_` prefix, base units, `_total` for counters.
+//! Naming follows Prometheus: `rlstream_` prefix, base units (seconds, bytes), `_total` for
+//! counters. Stream names in labels are full keys (`rl:prompts`), so several namespaces on one
+//! Redis stay apart.
 
-use metrics::{counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram};
+use crate::bus::{SharedBus, Topology};
+use metrics::{
+    Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
+};
 use metrics_exporter_prometheus::{Matcher, PrometheusBuilder};
 use std::net::SocketAddr;
+use std::time::Duration;
 
 pub const TOKENS_TOTAL: &str = "rlstream_tokens_total";
 pub const SAMPLES_TOTAL: &str = "rlstream_samples_total";
 pub const SAMPLES_DROPPED_TOTAL: &str = "rlstream_samples_dropped_total";
 pub const ERRORS_TOTAL: &str = "rlstream_errors_total";
+pub const DEAD_LETTERS_TOTAL: &str = "rlstream_dead_letters_total";
+pub const CLAIMED_TOTAL: &str = "rlstream_entries_claimed_total";
 pub const POLICY_VERSION: &str = "rlstream_policy_version";
 pub const SAMPLE_STALENESS_VERSIONS: &str = "rlstream_sample_staleness_versions";
 pub const WEIGHT_SWAP_STALL_SECONDS: &str = "rlstream_weight_swap_stall_seconds";
+pub const WEIGHT_SYNC_SECONDS: &str = "rlstream_weight_sync_seconds";
 pub const TRAIN_STEP_SECONDS: &str = "rlstream_train_step_seconds";
-pub const TRAIN_WAIT_SECONDS_TOTAL: &str = "rlstream_train_wait_seconds_total";
+/// A histogram: its `_sum` is the total wait, so `rate(..._sum)` is the fraction of time
+/// the trainer waits for data. (A fractional-seconds `_total` counter is not expressible
+/// with integer counters, and a gauge may not carry the `_total` suffix.)
+pub const TRAIN_WAIT_SECONDS: &str = "rlstream_train_wait_seconds";
+pub const SCORE_SECONDS: &str = "rlstream_score_seconds";
+pub const STREAM_LENGTH: &str = "rlstream_stream_length";
+pub const STREAM_PENDING: &str = "rlstream_stream_pending";
+pub const STREAM_LAG: &str = "rlstream_stream_lag";
+pub const STREAM_CONSUMERS: &str = "rlstream_stream_consumers";
 pub const REWARD_MEAN: &str = "rlstream_reward_mean";
+pub const ACCURACY: &str = "rlstream_accuracy";
+pub const LOSS: &str = "rlstream_loss";
 pub const IS_ESS: &str = "rlstream_is_ess";
 pub const CLIP_FRACTION: &str = "rlstream_clip_fraction";
 pub const KL: &str = "rlstream_kl";
@@ -24,99 +45,150 @@ pub const ENTROPY: &str = "rlstream_entropy";
 pub const GRAD_NORM: &str = "rlstream_grad_norm";
 pub const BUILD_INFO: &str = "rlstream_build_info";
 
+/// The commit the binary was built from (`git rev-parse --short=12 HEAD` at build time, or
+/// `RLSTREAM_GIT_SHA`, or `unknown` outside a checkout).
+pub const GIT_SHA: &str = env!("RLSTREAM_GIT_SHA");
+
 /// Buckets of the staleness histogram, in versions.
-const STALENESS_BUCKETS: [f64; 9] = [0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0];
+const STALENESS_BUCKETS: &[f64] = &[0.0, 1.0, 2.0, 3.0, 4.0, 6.0, 8.0, 16.0, 32.0];
 /// Buckets of the swap stall, in seconds: microseconds expected.
-const STALL_BUCKETS: [f64; 8] = [1e-6, 5e-6, 2e-5, 1e-4, 5e-4, 2e-3, 1e-2, 1e-1];
-/// Buckets of the train step time, in seconds.
-const STEP_BUCKETS: [f64; 9] = [0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0];
+const STALL_BUCKETS: &[f64] = &[1e-6, 5e-6, 2e-5, 1e-4, 5e-4, 2e-3, 1e-2, 1e-1];
+/// Buckets of a weight publish or fetch-and-build: milliseconds (tiny models) to a minute.
+const SYNC_BUCKETS: &[f64] = &[1e-3, 5e-3, 0.02, 0.1, 0.5, 2.0, 10.0, 60.0];
+/// Buckets of the train step time and the trainer's wait, in seconds.
+const STEP_BUCKETS: &[f64] = &[1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0, 100.0];
+/// Buckets of scoring one group: built-in verifiers take microseconds, external scorers
+/// up to seconds.
+const SCORE_BUCKETS: &[f64] = &[1e-5, 1e-4, 1e-3, 0.01, 0.1, 1.0, 10.0];
+
+/// Every histogram with its buckets (the exporter emits summaries for histograms without).
+const HISTOGRAMS: &[(&str, &[f64])] = &[
+    (SAMPLE_STALENESS_VERSIONS, STALENESS_BUCKETS),
+    (WEIGHT_SWAP_STALL_SECONDS, STALL_BUCKETS),
+    (WEIGHT_SYNC_SECONDS, SYNC_BUCKETS),
+    (TRAIN_STEP_SECONDS, STEP_BUCKETS),
+    (TRAIN_WAIT_SECONDS, STEP_BUCKETS),
+    (SCORE_SECONDS, SCORE_BUCKETS),
+];
+
+/// How often stream length, pending and lag are read from XINFO.
+pub const STREAM_POLL: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
     #[error("--metrics-addr `{0}` is not an address (expected HOST:PORT, e.g. 127.0.0.1:9100)")]
     BadAddr(String),
-    #[error("cannot serve metrics on {addr}: {reason}")]
+    #[error(
+        "cannot serve metrics on {addr}: {reason} (is another process using the port? pick another --metrics-addr)"
+    )]
     Install { addr: String, reason: String },
 }
 
 /// Serves `/metrics` on `addr` (needs a tokio runtime) and describes every metric.
+/// Bind to a loopback address unless Prometheus scrapes from another machine: the
+/// endpoint has no authentication.
 pub fn install(addr: &str) -> Result<(), MetricsError> {
     let socket: SocketAddr = addr
         .parse()
         .map_err(|_| MetricsError::BadAddr(addr.to_string()))?;
-    let bucket_err = |e: metrics_exporter_prometheus::BuildError| MetricsError::Install {
+    let install_err = |reason: String| MetricsError::Install {
         addr: addr.to_string(),
-        reason: e.to_string(),
+        reason,
     };
-    PrometheusBuilder::new()
-        .with_http_listener(socket)
-        .set_buckets_for_metric(
-            Matcher::Full(SAMPLE_STALENESS_VERSIONS.into()),
-            &STALENESS_BUCKETS,
-        )
-        .map_err(bucket_err)?
-        .set_buckets_for_metric(
-            Matcher::Full(WEIGHT_SWAP_STALL_SECONDS.into()),
-            &STALL_BUCKETS,
-        )
-        .map_err(bucket_err)?
-        .set_buckets_for_metric(Matcher::Full(TRAIN_STEP_SECONDS.into()), &STEP_BUCKETS)
-        .map_err(bucket_err)?
-        .install()
-        .map_err(|e| MetricsError::Install {
-            addr: addr.to_string(),
-            reason: e.to_string(),
-        })?;
+    let mut builder = PrometheusBuilder::new().with_http_listener(socket);
+    for &(name, buckets) in HISTOGRAMS {
+        builder = builder
+            .set_buckets_for_metric(Matcher::Full(name.into()), buckets)
+            .map_err(|e| install_err(e.to_string()))?;
+    }
+    builder.install().map_err(|e| install_err(e.to_string()))?;
     describe();
-    gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION")).set(1.0);
+    gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION"), "git_sha" => GIT_SHA).set(1.0);
     Ok(())
 }
 
 fn describe() {
     describe_counter!(
         TOKENS_TOTAL,
-        metrics::Unit::Count,
-        "Tokens processed, by stage and kind (generated, trained)."
+        Unit::Count,
+        "Tokens processed, by stage and kind (generated, scored, trained)."
     );
     describe_counter!(
         SAMPLES_TOTAL,
-        metrics::Unit::Count,
-        "Completions processed, by stage."
+        Unit::Count,
+        "Prompts fed (stage feed) and completions processed (gen, score, train)."
     );
     describe_counter!(
         SAMPLES_DROPPED_TOTAL,
-        metrics::Unit::Count,
-        "Groups the trainer dropped, by reason."
+        Unit::Count,
+        "Completions the trainer dropped, by reason (stale, duplicate, empty)."
     );
     describe_counter!(
         ERRORS_TOTAL,
-        metrics::Unit::Count,
-        "Errors, by stage and kind."
+        Unit::Count,
+        "Errors a stage survived, by stage and kind."
+    );
+    describe_counter!(
+        DEAD_LETTERS_TOTAL,
+        Unit::Count,
+        "Entries moved to the dead-letter stream, by source stream, group and reason."
+    );
+    describe_counter!(
+        CLAIMED_TOTAL,
+        Unit::Count,
+        "Entries claimed from consumers that left them pending too long (crashed or stuck)."
     );
     describe_gauge!(POLICY_VERSION, "Policy version a stage holds.");
     describe_histogram!(
         SAMPLE_STALENESS_VERSIONS,
-        "Versions between a group's oldest token and the trainer."
+        "Versions between a trained group's oldest token and the trainer."
     );
     describe_histogram!(
         WEIGHT_SWAP_STALL_SECONDS,
-        metrics::Unit::Seconds,
-        "Decode-loop time to pick up new weights."
+        Unit::Seconds,
+        "Decode-loop time to pick up new weights between two forward passes."
+    );
+    describe_histogram!(
+        WEIGHT_SYNC_SECONDS,
+        Unit::Seconds,
+        "Time to move one weight version: publish (stage train) or fetch, verify and build (stage gen)."
     );
     describe_histogram!(
         TRAIN_STEP_SECONDS,
-        metrics::Unit::Seconds,
+        Unit::Seconds,
         "Time of one optimizer step."
     );
+    describe_histogram!(
+        TRAIN_WAIT_SECONDS,
+        Unit::Seconds,
+        "Time the trainer waited for data before each step."
+    );
+    describe_histogram!(SCORE_SECONDS, Unit::Seconds, "Time to score one group.");
+    describe_gauge!(STREAM_LENGTH, Unit::Count, "Entries in a stream (XINFO).");
     describe_gauge!(
-        TRAIN_WAIT_SECONDS_TOTAL,
-        metrics::Unit::Seconds,
-        "Time the trainer waited for data."
+        STREAM_PENDING,
+        Unit::Count,
+        "Entries delivered to a consumer group and not yet acked."
+    );
+    describe_gauge!(
+        STREAM_LAG,
+        Unit::Count,
+        "Entries in a stream not yet delivered to a consumer group."
+    );
+    describe_gauge!(
+        STREAM_CONSUMERS,
+        Unit::Count,
+        "Consumers registered in a consumer group."
     );
     describe_gauge!(REWARD_MEAN, "Mean reward of the last training batch.");
     describe_gauge!(
+        ACCURACY,
+        "Fraction of the last training batch's completions with full reward."
+    );
+    describe_gauge!(LOSS, "Loss of the last training step.");
+    describe_gauge!(
         IS_ESS,
-        "Effective sample size of the importance weights (1 = on-policy)."
+        "Effective sample size of the importance weights, normalised (1 = on-policy)."
     );
     describe_gauge!(CLIP_FRACTION, "Fraction of tokens whose ratio was clipped.");
     describe_gauge!(
@@ -125,7 +197,15 @@ fn describe() {
     );
     describe_gauge!(ENTROPY, "Mean negative log-prob of sampled tokens.");
     describe_gauge!(GRAD_NORM, "Global gradient norm before clipping.");
-    describe_gauge!(BUILD_INFO, "Always 1; labels carry the version.");
+    describe_gauge!(
+        BUILD_INFO,
+        "Always 1; the labels carry the version and git commit."
+    );
+}
+
+/// The feeder published prompts.
+pub fn fed(prompts: u64) {
+    counter!(SAMPLES_TOTAL, "stage" => "feed").increment(prompts);
 }
 
 /// A generator published groups.
@@ -140,14 +220,39 @@ pub fn swapped(version: u64, stall_s: f64) {
     histogram!(WEIGHT_SWAP_STALL_SECONDS).record(stall_s);
 }
 
-/// A scorer scored samples.
-pub fn scored(samples: u64) {
+/// A stage holds `version` (at start, before any swap or step).
+pub fn holds(stage: &'static str, version: u64) {
+    gauge!(POLICY_VERSION, "stage" => stage).set(version as f64);
+}
+
+/// One weight version moved: published by the trainer or fetched and built by a generator.
+pub fn weight_sync(stage: &'static str, seconds: f64) {
+    histogram!(WEIGHT_SYNC_SECONDS, "stage" => stage).record(seconds);
+}
+
+/// A scorer scored one group.
+pub fn scored(samples: u64, tokens: u64, seconds: f64) {
     counter!(SAMPLES_TOTAL, "stage" => "score").increment(samples);
+    counter!(TOKENS_TOTAL, "stage" => "score", "kind" => "scored").increment(tokens);
+    histogram!(SCORE_SECONDS).record(seconds);
 }
 
 /// A stage hit an error it survived.
 pub fn error(stage: &'static str, kind: &'static str) {
     counter!(ERRORS_TOTAL, "stage" => stage, "kind" => kind).increment(1);
+}
+
+/// A consumer moved entries to the dead-letter stream.
+pub fn dead_lettered(stream: &str, group: &str, reason: &str, n: u64) {
+    counter!(DEAD_LETTERS_TOTAL, "stream" => stream.to_string(), "group" => group.to_string(),
+        "reason" => reason.to_string())
+    .increment(n);
+}
+
+/// A consumer claimed entries another consumer left pending.
+pub fn claimed(stream: &str, group: &str, n: u64) {
+    counter!(CLAIMED_TOTAL, "stream" => stream.to_string(), "group" => group.to_string())
+        .increment(n);
 }
 
 /// The trainer dropped a group.
@@ -156,21 +261,65 @@ pub fn dropped(reason: &str, samples: u64) {
         .increment(samples);
 }
 
-/// The trainer took a step.
+/// The trainer took a step (or skipped one: `s.skipped`).
 pub fn trained(s: &crate::stages::train::StepStats, samples: u64) {
+    histogram!(TRAIN_WAIT_SECONDS).record(s.wait_s);
+    histogram!(TRAIN_STEP_SECONDS).record(s.step_s);
+    if s.skipped {
+        error("train", "nonfinite_step");
+        return;
+    }
     counter!(SAMPLES_TOTAL, "stage" => "train").increment(samples);
     counter!(TOKENS_TOTAL, "stage" => "train", "kind" => "trained").increment(s.tokens as u64);
     gauge!(POLICY_VERSION, "stage" => "train").set(s.version as f64);
-    histogram!(TRAIN_STEP_SECONDS).record(s.step_s);
-    // Fractional seconds: a monotonically increasing gauge (metrics counters are integers).
-    gauge!(TRAIN_WAIT_SECONDS_TOTAL).increment(s.wait_s);
     for &lag in &s.staleness {
         histogram!(SAMPLE_STALENESS_VERSIONS).record(lag as f64);
     }
     gauge!(REWARD_MEAN).set(s.reward_mean);
+    gauge!(ACCURACY).set(s.accuracy);
+    gauge!(LOSS).set(s.loss);
     gauge!(IS_ESS).set(s.ess);
     gauge!(CLIP_FRACTION).set(s.clip_fraction);
     gauge!(KL).set(s.mismatch_kl);
     gauge!(ENTROPY).set(s.entropy);
     gauge!(GRAD_NORM).set(s.grad_norm);
+}
+
+/// Reads length, pending, lag and consumers of every stream in `topo` every
+/// [`STREAM_POLL`] into gauges, until the task is aborted. A read that fails is counted
+/// (`errors_total{kind="xinfo"}`) and retried next round; the gauges keep their last value.
+pub fn watch_streams(
+    bus: SharedBus,
+    topo: Topology,
+    stage: &'static str,
+) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(STREAM_POLL);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            for name in topo.streams.keys() {
+                let key = topo.key(name);
+                match bus.stats(&key).await {
+                    Ok(s) => {
+                        gauge!(STREAM_LENGTH, "stream" => key.clone()).set(s.length as f64);
+                        for g in &s.groups {
+                            let labels = [("stream", key.clone()), ("group", g.name.clone())];
+                            gauge!(STREAM_PENDING, &labels).set(g.pending as f64);
+                            // Redis cannot always tell the lag (after deletions inside
+                            // the undelivered range): then the gauge keeps its last value.
+                            if let Some(lag) = g.lag {
+                                gauge!(STREAM_LAG, &labels).set(lag as f64);
+                            }
+                            gauge!(STREAM_CONSUMERS, &labels).set(g.consumers.len() as f64);
+                        }
+                    }
+                    Err(e) => {
+                        error(stage, "xinfo");
+                        tracing::debug!(stream = %key, error = %e, "stream metrics: read failed");
+                    }
+                }
+            }
+        }
+    })
 }

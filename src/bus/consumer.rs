@@ -176,6 +176,7 @@ impl<M: Message> Consumer<M> {
                 .await?;
             if !claimed.is_empty() {
                 self.counts.claimed += claimed.len() as u64;
+                crate::metrics::claimed(&self.stream, &self.group, claimed.len() as u64);
                 tracing::info!(stream = %self.stream, group = %self.group, consumer = %self.name,
                     n = claimed.len(), "claimed entries left idle by another consumer");
                 return self.admit(claimed).await;
@@ -283,7 +284,7 @@ impl<M: Message> Consumer<M> {
         self.send_dead(vec![letter]).await
     }
 
-    fn letter(&self, e: &Entry, reason: &str, error: String) -> (DeadLetterRecord, String) {
+    fn letter(&self, e: &Entry, reason: &str, error: String) -> Letter {
         let letter = DeadLetter {
             schema: SchemaVersion::CURRENT,
             source_stream: self.stream.clone(),
@@ -298,24 +299,25 @@ impl<M: Message> Consumer<M> {
         };
         // A DeadLetter has no fallible fields; encoding cannot fail short of a serde bug.
         let bytes = schema::encode(&letter).unwrap_or_default();
-        (
-            DeadLetterRecord {
+        Letter {
+            record: DeadLetterRecord {
                 entry_id: e.id,
                 letter: Bytes::from(bytes),
             },
+            reason: reason.to_string(),
             error,
-        )
+        }
     }
 
-    async fn send_dead(&mut self, dead: Vec<(DeadLetterRecord, String)>) -> BusResult<()> {
+    async fn send_dead(&mut self, dead: Vec<Letter>) -> BusResult<()> {
         if dead.is_empty() {
             return Ok(());
         }
-        for (rec, error) in &dead {
-            tracing::warn!(stream = %self.stream, id = %rec.entry_id, dead = %self.dead_stream,
-                error = %error, "entry moved to the dead-letter stream");
+        for l in &dead {
+            tracing::warn!(stream = %self.stream, id = %l.record.entry_id, dead = %self.dead_stream,
+                reason = %l.reason, error = %l.error, "entry moved to the dead-letter stream");
         }
-        let records: Vec<DeadLetterRecord> = dead.into_iter().map(|(r, _)| r).collect();
+        let records: Vec<DeadLetterRecord> = dead.iter().map(|l| l.record.clone()).collect();
         for r in &records {
             self.held.remove(&r.entry_id);
         }
@@ -323,6 +325,16 @@ impl<M: Message> Consumer<M> {
             .dead_letter(&self.stream, &self.group, &self.dead_stream, &records)
             .await?;
         self.counts.dead_lettered += records.len() as u64;
+        for l in &dead {
+            crate::metrics::dead_lettered(&self.stream, &self.group, &l.reason, 1);
+        }
         Ok(())
     }
+}
+
+/// A dead letter on its way out, with its reason and error for the log and the counter.
+struct Letter {
+    record: DeadLetterRecord,
+    reason: String,
+    error: String,
 }

@@ -4,3 +4,4 @@
 pub mod generate;
 pub mod run;
 pub mod sft;
+pub mod status;

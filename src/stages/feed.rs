@@ -81,6 +81,7 @@ pub async fn publish(
         .collect::<Result<Vec<_>, _>>()?;
     bus.publish(&topo.key("prompts"), &payloads, topo.max_len("prompts"))
         .await?;
+    crate::metrics::fed(payloads.len() as u64);
     Ok(payloads.len() as u64)
 }
 

@@ -268,6 +268,7 @@ pub async fn run(
                     Ok(None) => backoff = Duration::from_millis(100),
                     Err(e) => {
                         tracing::warn!(error = %e, "weights follower: retrying");
+                        crate::metrics::error("gen", "bus");
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(Duration::from_secs(5));
                     }
@@ -323,6 +324,7 @@ pub async fn run(
                     }
                     Err(e) if e.is_retryable() => {
                         tracing::warn!(error = %e, "reading prompts: retrying");
+                        crate::metrics::error("gen", "bus");
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(Duration::from_secs(5));
                         continue;
@@ -335,6 +337,7 @@ pub async fn run(
                         None => match tokenizer.encode(&d.message.text) {
                             Ok(t) => t,
                             Err(e) => {
+                                crate::metrics::error("gen", "tokenize");
                                 consumer.reject(&d, "tokenize", &e.to_string()).await?;
                                 continue;
                             }
@@ -373,6 +376,9 @@ pub async fn run(
     let mut reader_result: Option<Result<(), StageError>> = None;
     // The publishing loop; on any error the decode thread and the reader are still stopped
     // below, so nothing keeps running after the stage returns.
+    let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, "gen", &cfg.name);
+    let mut tick = tokio::time::interval(super::HEARTBEAT_EVERY);
+    crate::metrics::holds("gen", slot.load().version);
     let outcome: Result<(), StageError> = async {
         loop {
             let first = tokio::select! {
@@ -387,6 +393,15 @@ pub async fn run(
                     let r = r.unwrap_or_else(|e| Err(StageError::Other(format!("prompt reader: {e}"))));
                     reader_result = Some(r);
                     stop.store(true, Ordering::Relaxed);
+                    continue;
+                }
+                _ = tick.tick() => {
+                    let fields = [
+                        ("groups", summary.groups as f64),
+                        ("tokens", summary.tokens as f64),
+                        ("in_flight", in_flight.load(Ordering::Relaxed) as f64),
+                    ];
+                    heartbeat.beat(slot.load().version, &fields).await;
                     continue;
                 }
                 f = done_rx.recv() => f,

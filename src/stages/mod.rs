@@ -51,3 +51,68 @@ pub async fn waiting(
             g.lag.unwrap_or(0) + if count_pending { g.pending } else { 0 }
         })
 }
+
+/// How often a stage writes a `heartbeat` event.
+pub const HEARTBEAT_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// Writes `heartbeat` events (stage, consumer name, policy version, running counts) to the
+/// events stream at most every [`HEARTBEAT_EVERY`]: `rlstream status` reads them to show each
+/// process's version, liveness and throughput. A failed write is counted and logged, never
+/// fatal: liveness reporting must not stop the work.
+pub struct Heartbeat {
+    bus: crate::bus::SharedBus,
+    stream: String,
+    max_len: Option<u64>,
+    stage: &'static str,
+    source: String,
+    last: Option<std::time::Instant>,
+}
+
+impl Heartbeat {
+    pub fn new(
+        bus: crate::bus::SharedBus,
+        topo: &Topology,
+        stage: &'static str,
+        source: &str,
+    ) -> Self {
+        Heartbeat {
+            bus,
+            stream: topo.key("events"),
+            max_len: topo.max_len("events"),
+            stage,
+            source: source.to_string(),
+            last: None,
+        }
+    }
+
+    /// Writes a heartbeat if one is due.
+    pub async fn beat(&mut self, version: u64, fields: &[(&str, f64)]) {
+        if self.last.is_some_and(|t| t.elapsed() < HEARTBEAT_EVERY) {
+            return;
+        }
+        self.last = Some(std::time::Instant::now());
+        let event = crate::schema::Event {
+            schema: crate::schema::SchemaVersion::CURRENT,
+            kind: "heartbeat".into(),
+            stage: self.stage.into(),
+            source: self.source.clone(),
+            version,
+            fields: fields.iter().map(|&(k, v)| (k.to_string(), v)).collect(),
+            text: None,
+            time_us: crate::schema::now_us(),
+        };
+        let written = match crate::schema::encode(&event) {
+            Ok(b) => self
+                .bus
+                .publish(&self.stream, &[bytes::Bytes::from(b)], self.max_len)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+            Err(e) => Err(e.to_string()),
+        };
+        if let Err(e) = written {
+            crate::metrics::error(self.stage, "heartbeat");
+            tracing::warn!(error = %e, "cannot write a heartbeat event");
+        }
+    }
+}

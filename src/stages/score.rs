@@ -11,7 +11,7 @@ use crate::tasks;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use std::future::Future;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 /// How rewards become advantages within a group.
@@ -266,8 +266,15 @@ pub async fn run(
     let out_stream = topo.key("scored");
     let max_len = topo.max_len("scored");
     let mut summary = ScoreSummary::default();
+    let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, "score", &cfg.name);
     tokio::pin!(shutdown);
     loop {
+        let fields = [
+            ("groups", summary.scored as f64),
+            ("samples", summary.samples as f64),
+            ("failed", summary.failed as f64),
+        ];
+        heartbeat.beat(0, &fields).await;
         let batch = tokio::select! {
             biased;
             _ = &mut shutdown => break,
@@ -276,12 +283,17 @@ pub async fn run(
         let mut out = Vec::with_capacity(batch.len());
         let mut done = Vec::with_capacity(batch.len());
         for d in &batch {
+            let began = Instant::now();
             match scorer.rewards(&d.message).await {
                 Ok(rewards) => {
                     let adv = advantages(&rewards, cfg.advantage);
                     summary.reward_sum += rewards.iter().map(|&r| f64::from(r)).sum::<f64>();
                     summary.samples += rewards.len() as u64;
-                    crate::metrics::scored(rewards.len() as u64);
+                    crate::metrics::scored(
+                        rewards.len() as u64,
+                        d.message.completion_tokens() as u64,
+                        began.elapsed().as_secs_f64(),
+                    );
                     let scored = ScoredGroup {
                         schema: SchemaVersion::CURRENT,
                         rollout: d.message.clone(),

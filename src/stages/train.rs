@@ -437,6 +437,7 @@ impl Trainer {
 
 /// Publishes the trainer's current weights in the form the transport takes.
 async fn publish_weights(trainer: &Trainer, publisher: &mut Publisher) -> Result<(), StageError> {
+    let began = Instant::now();
     let payload = tokio::task::block_in_place(|| {
         if publisher.in_process() {
             Ok::<_, ModelError>(Payload::Tensors(trainer.model.valid().to_tensors()))
@@ -447,6 +448,7 @@ async fn publish_weights(trainer: &Trainer, publisher: &mut Publisher) -> Result
     publisher
         .publish_payload(trainer.state.version, trainer.state.step, payload)
         .await?;
+    crate::metrics::weight_sync("train", began.elapsed().as_secs_f64());
     Ok(())
 }
 
@@ -566,11 +568,19 @@ pub async fn run(
     let mut unacked: Vec<EntryId> = Vec::new();
     let mut waiting = Instant::now();
     let mut last_checkpoint = trainer.state.step;
+    let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, "train", &cfg.name);
+    crate::metrics::holds("train", trainer.state.version);
     tokio::pin!(shutdown);
     'outer: loop {
         if cfg.steps > 0 && trainer.state.step >= cfg.steps {
             break;
         }
+        let fields = [
+            ("step", trainer.state.step as f64),
+            ("trained_groups", trainer.state.trained_groups as f64),
+            ("buffered_groups", buffer.len() as f64),
+        ];
+        heartbeat.beat(trainer.state.version, &fields).await;
         let batch = tokio::select! {
             biased;
             _ = &mut shutdown => break 'outer,
@@ -640,6 +650,9 @@ pub async fn run(
                     .dropped
                     .entry("nonfinite".to_string())
                     .or_default() += groups.len() as u64;
+                for g in &groups {
+                    crate::metrics::dropped("nonfinite", g.rollout.samples.len() as u64);
+                }
             }
             tracing::info!(
                 step = stats.step,

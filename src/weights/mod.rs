@@ -348,13 +348,28 @@ where
         if a.version <= current {
             return Ok(None);
         }
+        let began = std::time::Instant::now();
+        let swapped = self.sync(a, current).await?;
+        if swapped.is_some() {
+            crate::metrics::weight_sync("gen", began.elapsed().as_secs_f64());
+        }
+        Ok(swapped)
+    }
+
+    /// Fetches, verifies and builds the announced version and swaps it in; a corrupt or
+    /// unreadable version is rejected (counted) and `current` kept.
+    async fn sync(
+        &mut self,
+        a: WeightsAnnounce,
+        current: u64,
+    ) -> Result<Option<u64>, WeightsError> {
         if a.format == IN_PROCESS_FORMAT {
             let local = match &self.transport {
                 Transport::InProcess(local) => local.get(a.version),
                 Transport::Bus => None,
             };
             let Some(tensors) = local else {
-                self.rejected += 1;
+                self.reject();
                 tracing::error!(
                     version = a.version,
                     "weights were handed over in another process's memory and cannot be read \
@@ -364,7 +379,7 @@ where
             };
             let found = tensors_checksum(&tensors);
             if found != a.checksum {
-                self.rejected += 1;
+                self.reject();
                 let e = WeightsError::Checksum {
                     version: a.version,
                     expected: a.checksum.clone(),
@@ -387,7 +402,7 @@ where
                 | WeightsError::MissingChunk { .. }
                 | WeightsError::Format { .. }),
             ) => {
-                self.rejected += 1;
+                self.reject();
                 tracing::error!(version = a.version, error = %e, "rejected new weights; keeping version {current}");
                 return Ok(None);
             }
@@ -397,6 +412,11 @@ where
             Policy::<B>::from_bytes(cfg, &blob, dev)
         })
         .await
+    }
+
+    fn reject(&mut self) {
+        self.rejected += 1;
+        crate::metrics::error("gen", "weights_rejected");
     }
 
     /// Builds a version off the async threads and swaps it in; a version that does not fit
@@ -417,7 +437,7 @@ where
                 Ok(Some(version))
             }
             Err(e) => {
-                self.rejected += 1;
+                self.reject();
                 tracing::error!(version, error = %e, "new weights do not fit the model; keeping version {current}");
                 Ok(None)
             }

@@ -43,7 +43,8 @@ struct Common {
     /// Stream topology file [default: the shipped streams/default.toml].
     #[arg(long)]
     topology: Option<PathBuf>,
-    /// Serve Prometheus metrics at http://ADDR/metrics (e.g. 127.0.0.1:9100).
+    /// Serve Prometheus metrics at http://ADDR/metrics: a port (loopback, e.g. 9101) or
+    /// HOST:PORT (e.g. 0.0.0.0:9101 for a Prometheus on another machine). Off unless given.
     #[arg(long)]
     metrics_addr: Option<String>,
 }
@@ -380,8 +381,8 @@ fn load_common(common: &Common, base: &Config) -> Result<(Config, Topology)> {
            cfg.topology => common.topology.clone().map(Some::<PathBuf>),
            cfg.metrics_addr => common.metrics_addr.clone().map(Some::<String>));
     if let Some(addr) = &cfg.metrics_addr {
-        rlstream::metrics::install(addr)?;
-        tracing::info!("serving metrics at http://{addr}/metrics");
+        let served = rlstream::metrics::install(addr)?;
+        tracing::info!("serving metrics at http://{served}/metrics");
     }
     let topo = match &cfg.topology {
         Some(p) => Topology::load(p)?,

@@ -76,7 +76,9 @@ pub const STREAM_POLL: Duration = Duration::from_secs(2);
 
 #[derive(Debug, thiserror::Error)]
 pub enum MetricsError {
-    #[error("--metrics-addr `{0}` is not an address (expected HOST:PORT, e.g. 127.0.0.1:9100)")]
+    #[error(
+        "--metrics-addr `{0}` is not an address (expected PORT for loopback, or HOST:PORT, e.g. 9101 or 0.0.0.0:9101)"
+    )]
     BadAddr(String),
     #[error(
         "cannot serve metrics on {addr}: {reason} (is another process using the port? pick another --metrics-addr)"
@@ -84,13 +86,22 @@ pub enum MetricsError {
     Install { addr: String, reason: String },
 }
 
-/// Serves `/metrics` on `addr` (needs a tokio runtime) and describes every metric.
-/// Bind to a loopback address unless Prometheus scrapes from another machine: the
-/// endpoint has no authentication.
-pub fn install(addr: &str) -> Result<(), MetricsError> {
-    let socket: SocketAddr = addr
-        .parse()
-        .map_err(|_| MetricsError::BadAddr(addr.to_string()))?;
+/// `PORT` or `:PORT` (loopback), or `HOST:PORT`.
+pub fn parse_addr(addr: &str) -> Result<SocketAddr, MetricsError> {
+    let bad = || MetricsError::BadAddr(addr.to_string());
+    let port_only = addr.strip_prefix(':').unwrap_or(addr);
+    if !port_only.is_empty() && port_only.bytes().all(|b| b.is_ascii_digit()) {
+        let port: u16 = port_only.parse().map_err(|_| bad())?;
+        return Ok(SocketAddr::from(([127, 0, 0, 1], port)));
+    }
+    addr.parse().map_err(|_| bad())
+}
+
+/// Serves `/metrics` on `addr` (needs a tokio runtime) and describes every metric; returns
+/// the address served. A bare port binds loopback: the endpoint has no authentication, so
+/// bind another interface only for a Prometheus on another machine.
+pub fn install(addr: &str) -> Result<SocketAddr, MetricsError> {
+    let socket = parse_addr(addr)?;
     let install_err = |reason: String| MetricsError::Install {
         addr: addr.to_string(),
         reason,
@@ -104,7 +115,7 @@ pub fn install(addr: &str) -> Result<(), MetricsError> {
     builder.install().map_err(|e| install_err(e.to_string()))?;
     describe();
     gauge!(BUILD_INFO, "version" => env!("CARGO_PKG_VERSION"), "git_sha" => GIT_SHA).set(1.0);
-    Ok(())
+    Ok(socket)
 }
 
 fn describe() {
@@ -203,6 +214,36 @@ fn describe() {
     );
 }
 
+/// Errors each stage can count, by kind; see [`started`].
+const ERROR_KINDS: &[(&str, &[&str])] = &[
+    ("gen", &["bus", "tokenize", "weights_rejected"]),
+    ("score", &["scorer"]),
+    ("train", &["nonfinite_step"]),
+];
+/// Why the trainer drops groups.
+const DROP_REASONS: &[&str] = &["stale", "duplicate", "nonfinite"];
+
+/// A stage started: its error and drop counters start at 0, so `rate()` and the dashboard
+/// see the series before the first error (an absent series reads as "no data", not 0).
+pub fn started(stage: &'static str) {
+    for &(s, kinds) in ERROR_KINDS {
+        if s == stage {
+            for &kind in kinds {
+                error_n(stage, kind, 0);
+            }
+        }
+    }
+    if stage == "train" {
+        for &reason in DROP_REASONS {
+            dropped(reason, 0);
+        }
+    }
+}
+
+pub(crate) fn error_n(stage: &'static str, kind: &'static str, n: u64) {
+    counter!(ERRORS_TOTAL, "stage" => stage, "kind" => kind).increment(n);
+}
+
 /// The feeder published prompts.
 pub fn fed(prompts: u64) {
     counter!(SAMPLES_TOTAL, "stage" => "feed").increment(prompts);
@@ -239,7 +280,7 @@ pub fn scored(samples: u64, tokens: u64, seconds: f64) {
 
 /// A stage hit an error it survived.
 pub fn error(stage: &'static str, kind: &'static str) {
-    counter!(ERRORS_TOTAL, "stage" => stage, "kind" => kind).increment(1);
+    error_n(stage, kind, 1);
 }
 
 /// A consumer moved entries to the dead-letter stream.
@@ -293,6 +334,7 @@ pub fn watch_streams(
     topo: Topology,
     stage: &'static str,
 ) -> tokio::task::JoinHandle<()> {
+    error_n(stage, "xinfo", 0);
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(STREAM_POLL);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -322,4 +364,22 @@ pub fn watch_streams(
             }
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_bare_port_binds_loopback() {
+        let addr = |s: &str| parse_addr(s).map(|a| a.to_string());
+        assert_eq!(addr("9101").ok().as_deref(), Some("127.0.0.1:9101"));
+        assert_eq!(addr(":9101").ok().as_deref(), Some("127.0.0.1:9101"));
+        assert_eq!(addr("0.0.0.0:9101").ok().as_deref(), Some("0.0.0.0:9101"));
+        assert_eq!(addr("[::1]:9101").ok().as_deref(), Some("[::1]:9101"));
+        for bad in ["", "99999", "localhost", "host:port"] {
+            let e = parse_addr(bad).expect_err(bad).to_string();
+            assert!(e.contains("expected PORT"), "{e}");
+        }
+    }
 }

@@ -5,11 +5,11 @@
 
 mod common;
 
+use common::{free_addr, interrupt, metric, run_ok, scrape, spawn};
+
 use rlstream::bus::{EntryId, RangeBound, SharedBus};
 use rlstream::schema::{self, Event, Prompt, RolloutGroup};
 use std::collections::{HashMap, HashSet};
-use std::path::Path;
-use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
 const WORDS: [&str; 8] = [
@@ -20,61 +20,6 @@ const GROUPS_PER_STEP: usize = 8;
 /// At 1e-3 the reward rose and then fell back within 80 steps in some runs; 5e-4 climbed
 /// steadily in every run measured.
 const LR: &str = "5e-4";
-
-fn bin() -> Command {
-    Command::new(env!("CARGO_BIN_EXE_rlstream"))
-}
-
-fn run_ok(args: &[&str]) -> String {
-    let out = bin().args(args).output().expect("run rlstream");
-    assert!(
-        out.status.success(),
-        "rlstream {args:?} failed:\n{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).into_owned()
-}
-
-fn spawn(args: &[String], log: &Path) -> Child {
-    let err = std::fs::File::create(log).expect("log file");
-    bin()
-        .args(args)
-        .stdout(Stdio::piped())
-        .stderr(err)
-        .spawn()
-        .expect("spawn rlstream")
-}
-
-/// SIGINT (Ctrl-C), then wait for a clean exit.
-fn interrupt(child: Child, name: &str, log: &Path) -> Output {
-    let _ = Command::new("kill")
-        .arg("-INT")
-        .arg(child.id().to_string())
-        .status();
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let mut child = child;
-    loop {
-        if child.try_wait().expect("wait").is_some() {
-            break;
-        }
-        if Instant::now() > deadline {
-            let _ = child.kill();
-            panic!(
-                "{name} did not stop on SIGINT:\n{}",
-                std::fs::read_to_string(log).unwrap_or_default()
-            );
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    let out = child.wait_with_output().expect("output");
-    assert!(
-        out.status.success(),
-        "{name} exited with {:?}:\n{}",
-        out.status,
-        std::fs::read_to_string(log).unwrap_or_default()
-    );
-    out
-}
 
 async fn all<M: schema::Message>(bus: &SharedBus, stream: &str) -> Vec<(EntryId, M)> {
     bus.range(stream, RangeBound::Open, RangeBound::Open, 1_000_000)
@@ -393,32 +338,4 @@ async fn pending(ns: &str, stream: &str, group: &str) -> HashSet<EntryId> {
     rows.into_iter()
         .filter_map(|(id, ..)| id.parse().ok())
         .collect()
-}
-
-/// A loopback address with a port nothing listens on.
-fn free_addr() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    l.local_addr().unwrap().to_string()
-}
-
-/// GET /metrics over plain HTTP.
-fn scrape(addr: &str) -> String {
-    use std::io::{Read, Write};
-    let mut s = std::net::TcpStream::connect(addr).expect("metrics listener");
-    write!(
-        s,
-        "GET /metrics HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n"
-    )
-    .unwrap();
-    let mut body = String::new();
-    s.read_to_string(&mut body).unwrap();
-    body
-}
-
-/// The value of one sample line (`name{labels} value`).
-fn metric(scrape: &str, series: &str) -> f64 {
-    scrape
-        .lines()
-        .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
-        .unwrap_or_else(|| panic!("no {series} in:\n{scrape}"))
 }

@@ -99,6 +99,7 @@ impl<M: Message> Consumer<M> {
     ) -> BusResult<Self> {
         let (stream, group) = (stream.into(), group.into());
         bus.create_group(&stream, &group, opts.start).await?;
+        crate::metrics::claimed(&stream, &group, 0);
         Ok(Consumer {
             bus,
             stream,

@@ -379,7 +379,7 @@ pub fn render(s: &Status) -> String {
     } else {
         let _ = writeln!(
             o,
-            "{:<6} {:<28} {:>8}  {:>10}  THROUGHPUT (last {})",
+            "{:<6} {:<28} {:>8}  {:>16}  THROUGHPUT (last {})",
             "STAGE",
             "PROCESS",
             "VERSION",
@@ -402,7 +402,7 @@ pub fn render(s: &Status) -> String {
             };
             let _ = writeln!(
                 o,
-                "{:<6} {:<28} {version:>8}  {seen:>10}  {rate}",
+                "{:<6} {:<28} {version:>8}  {seen:>16}  {rate}",
                 p.stage, p.source
             );
         }

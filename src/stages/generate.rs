@@ -378,6 +378,7 @@ pub async fn run(
     // below, so nothing keeps running after the stage returns.
     let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, "gen", &cfg.name);
     let mut tick = tokio::time::interval(super::HEARTBEAT_EVERY);
+    crate::metrics::started("gen");
     crate::metrics::holds("gen", slot.load().version);
     let outcome: Result<(), StageError> = async {
         loop {

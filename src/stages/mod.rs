@@ -75,6 +75,7 @@ impl Heartbeat {
         stage: &'static str,
         source: &str,
     ) -> Self {
+        crate::metrics::error_n(stage, "heartbeat", 0);
         Heartbeat {
             bus,
             stream: topo.key("events"),

@@ -266,6 +266,7 @@ pub async fn run(
     let out_stream = topo.key("scored");
     let max_len = topo.max_len("scored");
     let mut summary = ScoreSummary::default();
+    crate::metrics::started("score");
     let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, "score", &cfg.name);
     tokio::pin!(shutdown);
     loop {

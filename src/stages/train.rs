@@ -569,6 +569,7 @@ pub async fn run(
     let mut waiting = Instant::now();
     let mut last_checkpoint = trainer.state.step;
     let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, "train", &cfg.name);
+    crate::metrics::started("train");
     crate::metrics::holds("train", trainer.state.version);
     tokio::pin!(shutdown);
     'outer: loop {

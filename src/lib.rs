@@ -12,9 +12,12 @@
 //! - [`weights`]: weight publication and the generator's follower.
 //! - [`config`]: the config file / environment / flag precedence.
 //! - [`metrics`]: every metric name and the Prometheus exporter.
-//! - [`commands`]: user commands other than the stages (`run`, `generate`, `sft`).
+//! - [`archive`] and [`retention`]: stream archives (dump, load) and safe trimming.
+//! - [`commands`]: user commands other than the stages (`run`, `status`, `replay`,
+//!   `generate`, `sft`).
 //! - [`display`] and [`report`]: progress bars or log lines, and the run report.
 
+pub mod archive;
 pub mod bus;
 pub mod commands;
 pub mod config;
@@ -22,6 +25,7 @@ pub mod display;
 pub mod metrics;
 pub mod model;
 pub mod report;
+pub mod retention;
 pub mod schema;
 pub mod stages;
 pub mod tasks;

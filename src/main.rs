@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use rlstream::bus::{MemoryBus, RedisBus, SharedBus, Topology};
+use rlstream::bus::{MemoryBus, RangeBound, RedisBus, SharedBus, Topology};
 use rlstream::commands::generate::{self, GenerateOptions};
 use rlstream::commands::run::{self, RunOptions};
 use rlstream::commands::sft::{self, SftOptions};
@@ -157,6 +157,60 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Read any range of a stream, from Redis or an archive, as JSON lines, a table or
+    /// text with per-token versions and log-probs; with --train, re-run training from a
+    /// checkpoint over the recorded scored entries and compare each step with the run.
+    Replay(ReplayArgs),
+    /// Write stream ranges to an archive file (gzip; keeps entry ids and message bytes).
+    Dump {
+        #[command(flatten)]
+        common: Common,
+        /// Stream to archive (repeatable) [default: every stream of the topology].
+        #[arg(long = "stream")]
+        streams: Vec<String>,
+        /// First entry: an id (MS-SEQ), epoch ms, a UTC time (2026-11-29T16:30:00Z) or a
+        /// time ago (-10m) [default: the start].
+        #[arg(long, allow_hyphen_values = true)]
+        from: Option<String>,
+        /// Last entry (inclusive), in the same forms [default: the end].
+        #[arg(long, allow_hyphen_values = true)]
+        to: Option<String>,
+        /// The archive to write (refused if it exists).
+        #[arg(long)]
+        out: PathBuf,
+    },
+    /// Write an archive back into Redis under --namespace, keeping entry ids. Refuses
+    /// streams that already hold newer entries.
+    Load {
+        #[command(flatten)]
+        common: Common,
+        /// The archive (written by `rlstream dump` or `rlstream trim --archive`).
+        file: PathBuf,
+        /// Load only this stream (repeatable) [default: all in the archive].
+        #[arg(long = "stream")]
+        streams: Vec<String>,
+    },
+    /// Remove old entries from a stream, never one a consumer group has not finished;
+    /// with --archive, write them to a file first.
+    Trim {
+        #[command(flatten)]
+        common: Common,
+        #[arg(long)]
+        stream: String,
+        /// Keep the newest N entries.
+        #[arg(
+            long,
+            conflicts_with = "older_than",
+            required_unless_present = "older_than"
+        )]
+        keep_last: Option<u64>,
+        /// Remove entries older than this (90s, 30m, 12h, 7d).
+        #[arg(long)]
+        older_than: Option<String>,
+        /// Archive the removed entries here first (nothing is removed if that fails).
+        #[arg(long)]
+        archive: Option<PathBuf>,
+    },
     /// Check a stream topology file and print the keys, groups and policy it resolves to.
     Streams {
         #[arg(long, env = "RLSTREAM_TOPOLOGY")]
@@ -280,6 +334,55 @@ struct RunArgs {
 }
 
 #[derive(Args)]
+struct ReplayArgs {
+    #[command(flatten)]
+    common: Common,
+    /// Read this archive instead of Redis.
+    #[arg(long)]
+    archive: Option<PathBuf>,
+    /// prompts | rollouts | scored | weights | dead | events.
+    #[arg(long, default_value = "scored")]
+    stream: String,
+    /// First entry: an id (MS-SEQ), epoch ms, a UTC time (2026-11-29T16:30:00Z) or a time
+    /// ago (-10m) [default: the start].
+    #[arg(long, allow_hyphen_values = true)]
+    from: Option<String>,
+    /// Last entry (inclusive), in the same forms [default: the end].
+    #[arg(long, allow_hyphen_values = true)]
+    to: Option<String>,
+    /// Print at most N entries.
+    #[arg(long)]
+    count: Option<usize>,
+    /// Only groups (and their prompts and dead letters) whose id contains this.
+    #[arg(long)]
+    group_id: Option<String>,
+    /// Only rollouts/scored groups at least this many versions behind the newest weights
+    /// announced when they were written.
+    #[arg(long)]
+    min_staleness: Option<u64>,
+    /// Only scored groups whose mean reward passes this test: <0.5, <=0.2, >0.9, =1.
+    #[arg(long, allow_hyphen_values = true)]
+    reward: Option<rlstream::commands::replay::RewardFilter>,
+    /// json (one object per line), table, or text (detokenised, per-token version and
+    /// log-prob).
+    #[arg(long, value_enum, default_value_t = rlstream::commands::replay::Format::Json)]
+    format: rlstream::commands::replay::Format,
+    /// Model directory whose tokenizer decodes `text` [default: the built-in characters].
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
+    /// Re-run training from --checkpoint over the scored entries in the range and compare
+    /// each step's loss, grad norm and reward with the recorded run.
+    #[arg(long, requires = "checkpoint")]
+    train: bool,
+    /// A trainer checkpoint directory (step-*) to start the re-run from.
+    #[arg(long)]
+    checkpoint: Option<PathBuf>,
+    /// With --train: stop after this many steps.
+    #[arg(long)]
+    steps: Option<u64>,
+}
+
+#[derive(Args)]
 struct GenerateArgs {
     /// Model directory: config.json, model.safetensors (or a sharded index), tokenizer.
     #[arg(long)]
@@ -330,9 +433,10 @@ macro_rules! apply {
 
 fn main() -> Result<()> {
     let cli = Cli::parse();
-    // `run` shows its own progress: stage logs below warnings would flood the display.
+    // `run` shows its own progress, and `replay` prints entries and steps on stdout: stage
+    // logs below warnings would flood them.
     let default_filter = match cli.command {
-        Command::Run(_) => "warn",
+        Command::Run(_) | Command::Replay(_) => "warn",
         _ => "info",
     };
     tracing_subscriber::fmt()
@@ -523,6 +627,108 @@ async fn dispatch(command: Command) -> Result<()> {
             window,
             json,
         } => status_command(&common, watch, window, json).await?,
+        Command::Replay(a) => replay_command(a).await?,
+        Command::Dump {
+            common,
+            streams,
+            from,
+            to,
+            out,
+        } => {
+            use rlstream::commands::replay::parse_point;
+            if out.exists() {
+                bail!("{} exists: dump never overwrites an archive", out.display());
+            }
+            let (_, topo, bus) = setup(&common, "dump").await?;
+            let streams = if streams.is_empty() {
+                topo.streams.keys().cloned().collect()
+            } else {
+                streams
+            };
+            for s in &streams {
+                if !topo.streams.contains_key(s) {
+                    bail!(
+                        "--stream {s} is not in the topology ({})",
+                        topo.streams.keys().cloned().collect::<Vec<_>>().join(", ")
+                    );
+                }
+            }
+            let from = from
+                .as_deref()
+                .map(parse_point)
+                .transpose()?
+                .map_or(RangeBound::Open, RangeBound::Inclusive);
+            let to = to
+                .as_deref()
+                .map(parse_point)
+                .transpose()?
+                .map_or(RangeBound::Open, RangeBound::Inclusive);
+            let bar = counter_bar("dumping");
+            let moved =
+                rlstream::archive::dump(bus.as_ref(), &topo, &streams, from, to, &out, |s, n| {
+                    bar.set_message(s.to_string());
+                    bar.set_position(n);
+                })
+                .await?;
+            bar.finish_and_clear();
+            println!("{}", moved_line("dumped", &moved, &out));
+        }
+        Command::Load {
+            common,
+            file,
+            streams,
+        } => {
+            let (_, topo, bus) = setup(&common, "load").await?;
+            let only = (!streams.is_empty()).then_some(streams.as_slice());
+            let bar = counter_bar("loading");
+            let moved = rlstream::archive::load(bus.as_ref(), &topo, &file, only, |s, n| {
+                bar.set_message(s.to_string());
+                bar.set_position(n);
+            })
+            .await?;
+            bar.finish_and_clear();
+            println!(
+                "{} into namespace {}",
+                moved_line("loaded", &moved, &file),
+                topo.namespace
+            );
+        }
+        Command::Trim {
+            common,
+            stream,
+            keep_last,
+            older_than,
+            archive,
+        } => {
+            use rlstream::retention::{self, Keep};
+            let keep = match (keep_last, older_than) {
+                (Some(0), _) => bail!("--keep-last 0 would remove everything; use a positive N"),
+                (Some(n), _) => Keep::Last(n),
+                (None, Some(d)) => Keep::Newer(parse_duration(&d)?),
+                (None, None) => bail!("trim needs --keep-last N or --older-than DURATION"),
+            };
+            if let Some(a) = &archive
+                && a.exists()
+            {
+                bail!("{} exists: trim never overwrites an archive", a.display());
+            }
+            let (_, topo, bus) = setup(&common, "trim").await?;
+            if !topo.streams.contains_key(&stream) {
+                bail!("--stream {stream} is not in the topology");
+            }
+            let r = retention::trim(bus.as_ref(), &topo, &stream, keep, archive.as_deref()).await?;
+            let mut line = format!("removed {} entries from {}", r.removed, r.stream);
+            if let Some(cut) = &r.cut {
+                line += &format!(" (below {cut})");
+            }
+            if let Some(a) = &archive {
+                line += &format!("; archived {} to {}", r.archived, a.display());
+            }
+            if let Some((group, id)) = &r.held_back_by {
+                line += &format!("; stopped at {id}, which group `{group}` has not finished");
+            }
+            println!("{line}");
+        }
         Command::Sft {
             task,
             out,
@@ -747,4 +953,150 @@ async fn status_command(
         }
     }
     Ok(())
+}
+
+/// A spinner with a running count on a terminal (hidden otherwise).
+fn counter_bar(verb: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new_spinner();
+    if let Ok(style) = indicatif::ProgressStyle::with_template(&format!(
+        "{{spinner}} {verb} {{msg}}: {{pos}} entries"
+    )) {
+        bar.set_style(style);
+    }
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    bar
+}
+
+fn moved_line(verb: &str, m: &rlstream::archive::Moved, path: &std::path::Path) -> String {
+    let per: Vec<String> = m.streams.iter().map(|(s, n)| format!("{s} {n}")).collect();
+    format!(
+        "{verb} {} entries ({}) {} {}",
+        m.entries,
+        per.join(", "),
+        if verb == "dumped" { "to" } else { "from" },
+        path.display()
+    )
+}
+
+/// `90s`, `30m`, `12h`, `7d`.
+fn parse_duration(s: &str) -> Result<std::time::Duration> {
+    let (num, unit) = s.split_at(s.len().saturating_sub(1));
+    let n: f64 = num
+        .parse()
+        .map_err(|_| anyhow::anyhow!("`{s}` is not a duration like 90s, 30m, 12h or 7d"))?;
+    let secs = match unit {
+        "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        "d" => n * 86_400.0,
+        _ => bail!("`{s}` is not a duration like 90s, 30m, 12h or 7d"),
+    };
+    if !(secs.is_finite() && secs > 0.0) {
+        bail!("`{s}`: the duration must be positive");
+    }
+    Ok(std::time::Duration::from_secs_f64(secs))
+}
+
+async fn replay_command(a: ReplayArgs) -> Result<()> {
+    use rlstream::commands::replay::{self, ReadOptions, RetrainOptions, Source, parse_point};
+    let source = match &a.archive {
+        Some(path) => Source::Archive(path.clone()),
+        None => {
+            let (_, topo, bus) = setup(&a.common, "replay").await?;
+            Source::Bus { bus, topo }
+        }
+    };
+    let from = a
+        .from
+        .as_deref()
+        .map(parse_point)
+        .transpose()?
+        .map_or(RangeBound::Open, RangeBound::Inclusive);
+    let to =
+        a.to.as_deref()
+            .map(parse_point)
+            .transpose()?
+            .map_or(RangeBound::Open, RangeBound::Inclusive);
+    if a.train {
+        let Some(checkpoint) = a.checkpoint.clone() else {
+            bail!("--train needs --checkpoint DIR (a step-* directory the trainer wrote)");
+        };
+        let scratch = tempfile_dir()?;
+        let opts = RetrainOptions {
+            checkpoint,
+            from,
+            to,
+            steps: a.steps,
+            scratch: scratch.clone(),
+        };
+        println!(
+            "{:>6} {:>12} {:>12} {:>8} {:>7}  recorded run",
+            "step", "loss", "grad_norm", "reward", "groups"
+        );
+        let result = replay::retrain(&source, &opts, |s| {
+            let rec = match (s.recorded, s.identical) {
+                (Some(_), Some(true)) => "identical".to_string(),
+                (Some((l, g, r)), _) => {
+                    format!("DIFFERS: loss {l:.6} grad_norm {g:.6} reward {r:.4}")
+                }
+                (None, _) => "not recorded".to_string(),
+            };
+            println!(
+                "{:>6} {:>12.6} {:>12.6} {:>8.4} {:>7}  {rec}",
+                s.step, s.loss, s.grad_norm, s.reward_mean, s.groups
+            );
+        })
+        .await;
+        let _ = std::fs::remove_dir_all(&scratch);
+        let s = result?;
+        let mut line = format!(
+            "re-ran {} steps from checkpoint step {}; {} of {} recorded steps bit-identical",
+            s.steps.len(),
+            s.start_step,
+            s.identical,
+            s.compared
+        );
+        if let Some(d) = s.first_divergence {
+            line += &format!("; first divergence at step {d}");
+        }
+        if !s.dropped.is_empty() {
+            line += &format!("; dropped {:?}", s.dropped);
+        }
+        println!("{line}");
+        return Ok(());
+    }
+    let tokenizer = match &a.tokenizer {
+        Some(dir) => Some(rlstream::model::tokenizer::Tokenizer::load(dir)?),
+        None => None,
+    };
+    let opts = ReadOptions {
+        stream: a.stream,
+        from,
+        to,
+        count: a.count,
+        group_id: a.group_id,
+        min_staleness: a.min_staleness,
+        reward: a.reward,
+        format: a.format,
+        tokenizer,
+    };
+    let stdout = std::io::stdout();
+    let mut out = std::io::BufWriter::new(stdout.lock());
+    replay::read(&source, &opts, &mut out).await?;
+    use std::io::Write as _;
+    let _ = out.flush();
+    Ok(())
+}
+
+/// A fresh scratch directory under the system temp dir (removed by the caller).
+fn tempfile_dir() -> Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!(
+        "rlstream-replay-{}-{}",
+        std::process::id(),
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos())
+    ));
+    std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
+    Ok(dir)
 }

@@ -513,6 +513,72 @@ async fn reading_a_missing_group_is_a_clear_error(bus: SharedBus, ns: &str) {
     assert!(err.to_string().contains("nogroup"), "{err}");
 }
 
+async fn append_keeps_ids_and_refuses_to_go_back(bus: SharedBus, ns: &str) {
+    let s = format!("{ns}:restore");
+    let entries: Vec<(EntryId, Bytes)> = (1..=3)
+        .map(|i| (EntryId::new(1_000 + i, i), Bytes::from(format!("p{i}"))))
+        .collect();
+    bus.append(&s, &entries).await.unwrap();
+    let read = bus
+        .range(&s, RangeBound::Open, RangeBound::Open, 10)
+        .await
+        .unwrap();
+    let got: Vec<(EntryId, Bytes)> = read.into_iter().map(|e| (e.id, e.payload)).collect();
+    assert_eq!(got, entries);
+    let err = bus
+        .append(&s, &[(EntryId::new(1_002, 0), Bytes::from_static(b"old"))])
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("XADD"), "{err}");
+    // New entries go after the restored ones.
+    let next = bus.publish(&s, &payloads(1), None).await.unwrap();
+    assert!(next[0] > EntryId::new(1_003, 3));
+}
+
+async fn trim_before_removes_only_older_entries(bus: SharedBus, ns: &str) {
+    let s = format!("{ns}:trim");
+    let entries: Vec<(EntryId, Bytes)> = (1..=5)
+        .map(|i| (EntryId::new(i, 0), Bytes::from(format!("p{i}"))))
+        .collect();
+    bus.append(&s, &entries).await.unwrap();
+    assert_eq!(bus.trim_before(&s, EntryId::new(3, 0)).await.unwrap(), 2);
+    let left: Vec<EntryId> = bus
+        .range(&s, RangeBound::Open, RangeBound::Open, 10)
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|e| e.id)
+        .collect();
+    assert_eq!(
+        left,
+        vec![EntryId::new(3, 0), EntryId::new(4, 0), EntryId::new(5, 0)]
+    );
+    assert_eq!(bus.trim_before(&s, EntryId::new(3, 0)).await.unwrap(), 0);
+    assert_eq!(
+        bus.trim_before(&format!("{ns}:none"), EntryId::new(9, 0))
+            .await
+            .unwrap(),
+        0
+    );
+}
+
+async fn oldest_pending_follows_acks(bus: SharedBus, ns: &str) {
+    let s = format!("{ns}:pend");
+    bus.create_group(&s, "g", GroupStart::Beginning)
+        .await
+        .unwrap();
+    assert_eq!(bus.oldest_pending(&s, "g").await.unwrap(), None);
+    let ids = bus.publish(&s, &payloads(3), None).await.unwrap();
+    bus.read_group(&s, "g", "c", ReadFrom::New, 3, None)
+        .await
+        .unwrap();
+    assert_eq!(bus.oldest_pending(&s, "g").await.unwrap(), Some(ids[0]));
+    bus.ack(&s, "g", &ids[..2]).await.unwrap();
+    assert_eq!(bus.oldest_pending(&s, "g").await.unwrap(), Some(ids[2]));
+    let err = bus.oldest_pending(&s, "missing").await.unwrap_err();
+    assert!(matches!(err, BusError::NoGroup { .. }), "{err}");
+}
+
 macro_rules! conformance {
     ($($case:ident),* $(,)?) => {
         mod memory {
@@ -555,6 +621,9 @@ conformance!(
     max_len_trims_as_it_publishes,
     blobs_round_trip_and_delete,
     reading_a_missing_group_is_a_clear_error,
+    append_keeps_ids_and_refuses_to_go_back,
+    trim_before_removes_only_older_entries,
+    oldest_pending_follows_acks,
 );
 
 #[tokio::test]

@@ -446,6 +446,49 @@ impl Bus for MemoryBus {
         })
     }
 
+    async fn append(&self, stream: &str, entries: &[(EntryId, Bytes)]) -> BusResult<()> {
+        {
+            let mut st = self.lock();
+            let s = st.streams.entry(stream.to_string()).or_default();
+            for (id, payload) in entries {
+                if *id <= s.last_id {
+                    return Err(BusError::Protocol {
+                        op: "XADD",
+                        key: stream.to_string(),
+                        detail: format!(
+                            "entry id {id} is not above the stream's last id {}",
+                            s.last_id
+                        ),
+                    });
+                }
+                s.entries.insert(*id, payload.clone());
+                s.last_id = *id;
+            }
+        }
+        self.appended.notify_waiters();
+        Ok(())
+    }
+
+    async fn trim_before(&self, stream: &str, min_id: EntryId) -> BusResult<u64> {
+        let mut st = self.lock();
+        let Some(s) = st.streams.get_mut(stream) else {
+            return Ok(0);
+        };
+        let kept = s.entries.split_off(&min_id);
+        let removed = s.entries.len() as u64;
+        s.entries = kept;
+        Ok(removed)
+    }
+
+    async fn oldest_pending(&self, stream: &str, group: &str) -> BusResult<Option<EntryId>> {
+        let st = self.lock();
+        let Some(s) = st.streams.get(stream) else {
+            return Err(no_group(stream, group));
+        };
+        let g = s.groups.get(group).ok_or_else(|| no_group(stream, group))?;
+        Ok(g.pending.keys().next().copied())
+    }
+
     async fn put_blobs(&self, blobs: &[(String, Bytes)]) -> BusResult<()> {
         let mut st = self.lock();
         for (k, v) in blobs {

@@ -172,6 +172,17 @@ pub trait Bus: Send + Sync + 'static {
     /// Length, pending and lag.
     async fn stats(&self, stream: &str) -> BusResult<StreamStats>;
 
+    /// Appends entries under the given ids, in order (restoring an archive). Every id must
+    /// be above the stream's last id; an error names the first that is not.
+    async fn append(&self, stream: &str, entries: &[(EntryId, Bytes)]) -> BusResult<()>;
+
+    /// Removes every entry with an id below `min_id` (`XTRIM MINID =`); returns how many.
+    /// Callers decide what is safe to remove (see `crate::retention`).
+    async fn trim_before(&self, stream: &str, min_id: EntryId) -> BusResult<u64>;
+
+    /// The smallest id pending (delivered, not acked) in `group`, if any (`XPENDING`).
+    async fn oldest_pending(&self, stream: &str, group: &str) -> BusResult<Option<EntryId>>;
+
     /// Writes blobs in one pipelined batch.
     async fn put_blobs(&self, blobs: &[(String, Bytes)]) -> BusResult<()>;
 

@@ -620,6 +620,47 @@ impl Bus for RedisBus {
         Ok(parse_entries(&reply, 1))
     }
 
+    async fn append(&self, stream: &str, entries: &[(EntryId, Bytes)]) -> BusResult<()> {
+        if entries.is_empty() {
+            return Ok(());
+        }
+        let mut pipe = redis::pipe();
+        for (id, payload) in entries {
+            pipe.cmd("XADD")
+                .arg(stream)
+                .arg(id.to_string())
+                .arg(PAYLOAD_FIELD)
+                .arg(payload.as_ref());
+        }
+        self.query_pipe("XADD", stream, &pipe).await?;
+        Ok(())
+    }
+
+    async fn trim_before(&self, stream: &str, min_id: EntryId) -> BusResult<u64> {
+        self.query(
+            "XTRIM",
+            stream,
+            redis::cmd("XTRIM")
+                .arg(stream)
+                .arg("MINID")
+                .arg("=")
+                .arg(min_id.to_string()),
+        )
+        .await
+    }
+
+    async fn oldest_pending(&self, stream: &str, group: &str) -> BusResult<Option<EntryId>> {
+        // Summary form: [count, smallest id, greatest id, [[consumer, count], ...]].
+        let reply: Value = self
+            .query(
+                "XPENDING",
+                &format!("{stream} {group}"),
+                redis::cmd("XPENDING").arg(stream).arg(group),
+            )
+            .await?;
+        Ok(as_array(&reply).get(1).and_then(parse_id))
+    }
+
     async fn stats(&self, stream: &str) -> BusResult<StreamStats> {
         let reply: BusResult<Value> = self
             .query(

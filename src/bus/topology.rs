@@ -47,6 +47,26 @@ pub struct StreamSpec {
     /// What the stream carries, for humans.
     #[serde(default)]
     pub description: String,
+    /// Standing retention, applied by the stages as they run: keep the newest N entries.
+    /// Like `rlstream trim`, it never removes an entry a consumer group has not finished.
+    #[serde(default)]
+    pub trim_keep_last: Option<u64>,
+    /// Standing retention: remove entries older than this many seconds (never unfinished
+    /// ones).
+    #[serde(default)]
+    pub trim_older_than_s: Option<u64>,
+}
+
+impl StreamSpec {
+    /// The standing trim policy, if any.
+    pub fn trim_policy(&self) -> Option<crate::retention::Keep> {
+        use crate::retention::Keep;
+        match (self.trim_keep_last, self.trim_older_than_s) {
+            (Some(n), _) => Some(Keep::Last(n)),
+            (None, Some(s)) => Some(Keep::Newer(std::time::Duration::from_secs(s))),
+            (None, None) => None,
+        }
+    }
 }
 
 fn default_block_ms() -> u64 {
@@ -137,6 +157,16 @@ impl Topology {
             if name.is_empty() || name.contains(char::is_whitespace) {
                 return Err(format!(
                     "stream name `{name}` must be non-empty, without spaces"
+                ));
+            }
+            if spec.trim_keep_last.is_some() && spec.trim_older_than_s.is_some() {
+                return Err(format!(
+                    "`streams.{name}` sets both trim_keep_last and trim_older_than_s: pick one"
+                ));
+            }
+            if spec.trim_keep_last == Some(0) || spec.trim_older_than_s == Some(0) {
+                return Err(format!(
+                    "`streams.{name}`: a trim policy of 0 would remove everything (omit it to keep all)"
                 ));
             }
             if spec.max_len == Some(0) {

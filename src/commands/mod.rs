@@ -2,6 +2,7 @@
 //! `main.rs`) and writes its result to a writer, so tests call them directly.
 
 pub mod generate;
+pub mod replay;
 pub mod run;
 pub mod sft;
 pub mod status;

@@ -324,7 +324,7 @@ fn seconds(s: f64) -> String {
 /// The snapshot as a terminal table.
 pub fn render(s: &Status) -> String {
     let mut o = String::new();
-    let when = chrono_free_utc(s.time_us);
+    let when = utc(s.time_us);
     let _ = writeln!(
         o,
         "rlstream status  {}  namespace {}  {when}",
@@ -469,7 +469,7 @@ pub fn render(s: &Status) -> String {
 }
 
 /// `YYYY-MM-DD HH:MM:SS UTC` from microseconds since the epoch (civil-from-days).
-fn chrono_free_utc(time_us: u64) -> String {
+pub fn utc(time_us: u64) -> String {
     let secs = time_us / 1_000_000;
     let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
     let z = days + 719_468;
@@ -510,12 +510,9 @@ mod tests {
 
     #[test]
     fn utc_dates() {
-        assert_eq!(chrono_free_utc(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(utc(0), "1970-01-01 00:00:00 UTC");
         // 2024-02-29 12:34:56 UTC (a leap day).
-        assert_eq!(
-            chrono_free_utc(1_709_210_096_000_000),
-            "2024-02-29 12:34:56 UTC"
-        );
+        assert_eq!(utc(1_709_210_096_000_000), "2024-02-29 12:34:56 UTC");
     }
 
     fn event(

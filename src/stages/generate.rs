@@ -379,6 +379,7 @@ pub async fn run(
     let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, "gen", &cfg.name);
     let mut tick = tokio::time::interval(super::HEARTBEAT_EVERY);
     crate::metrics::started("gen");
+    let _retention = crate::retention::spawn_standing(bus.clone(), topo, &["prompts"], "gen");
     crate::metrics::holds("gen", slot.load().version);
     let outcome: Result<(), StageError> = async {
         loop {

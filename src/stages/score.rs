@@ -267,6 +267,7 @@ pub async fn run(
     let max_len = topo.max_len("scored");
     let mut summary = ScoreSummary::default();
     crate::metrics::started("score");
+    let _retention = crate::retention::spawn_standing(bus.clone(), topo, &["rollouts"], "score");
     let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, "score", &cfg.name);
     tokio::pin!(shutdown);
     loop {

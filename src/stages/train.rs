@@ -512,6 +512,50 @@ async fn publish_step_event(
     Ok(())
 }
 
+/// Makes `checkpoint` (one `step-*` directory) the newest checkpoint of a fresh checkpoint
+/// root `root` (copying its files), and returns the training config it was written with,
+/// pointed at `root`: a trainer started on it resumes exactly where that checkpoint was
+/// taken, and the trainer state saved in it. Used to re-run training offline
+/// (`rlstream replay --train`).
+pub fn stage_checkpoint(
+    checkpoint: &Path,
+    root: &Path,
+) -> Result<(TrainConfig, TrainerState), StageError> {
+    let shown = checkpoint.display();
+    let err = |what: &str, e: &dyn std::fmt::Display| {
+        StageError::Other(format!("checkpoint {shown}: {what}: {e}"))
+    };
+    for file in [STATE_FILE, CONFIG_FILE] {
+        if !checkpoint.join(file).exists() {
+            return Err(StageError::Other(format!(
+                "{shown} is not a trainer checkpoint (no {file}); pass a step-* directory from --checkpoint-dir"
+            )));
+        }
+    }
+    let text =
+        std::fs::read_to_string(checkpoint.join(CONFIG_FILE)).map_err(|e| err(CONFIG_FILE, &e))?;
+    let mut cfg: TrainConfig = toml::from_str(&text).map_err(|e| err(CONFIG_FILE, &e))?;
+    let state =
+        std::fs::read_to_string(checkpoint.join(STATE_FILE)).map_err(|e| err(STATE_FILE, &e))?;
+    let state: TrainerState = serde_json::from_str(&state).map_err(|e| err(STATE_FILE, &e))?;
+    let name = checkpoint
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .ok_or_else(|| StageError::Other(format!("{shown}: not a directory name")))?;
+    let dest = root.join(&name);
+    std::fs::create_dir_all(&dest).map_err(|e| err("copy", &e))?;
+    for entry in std::fs::read_dir(checkpoint).map_err(|e| err("read", &e))? {
+        let entry = entry.map_err(|e| err("read", &e))?;
+        if entry.file_type().map_err(|e| err("read", &e))?.is_file() {
+            std::fs::copy(entry.path(), dest.join(entry.file_name()))
+                .map_err(|e| err("copy", &e))?;
+        }
+    }
+    std::fs::write(root.join(LATEST), &name).map_err(|e| err("copy", &e))?;
+    cfg.checkpoint_dir = root.to_path_buf();
+    Ok((cfg, state))
+}
+
 /// The newest complete checkpoint under `root`, if any.
 pub fn latest_checkpoint(root: &Path) -> Option<PathBuf> {
     let name = std::fs::read_to_string(root.join(LATEST)).ok()?;
@@ -570,6 +614,12 @@ pub async fn run(
     let mut last_checkpoint = trainer.state.step;
     let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, "train", &cfg.name);
     crate::metrics::started("train");
+    let _retention = crate::retention::spawn_standing(
+        bus.clone(),
+        topo,
+        &["scored", "weights", "events", topo.dead_letter.as_str()],
+        "train",
+    );
     crate::metrics::holds("train", trainer.state.version);
     tokio::pin!(shutdown);
     'outer: loop {

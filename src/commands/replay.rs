@@ -1,0 +1,744 @@
+//! `rlstream replay`: read any range of any stream, from Redis or from an archive, filter
+//! it, and print it as JSON lines, a table or detokenised text; and `replay --train`:
+//! re-run the trainer from a checkpoint over recorded scored entries and compare every step
+//! with the recorded run, bit for bit.
+
+use crate::archive::{self, ArchiveError};
+use crate::bus::{EntryId, MemoryBus, RangeBound, SharedBus, Topology};
+use crate::model::tokenizer::Tokenizer;
+use crate::schema::json::msgpack_to_json;
+use crate::schema::{
+    self, DeadLetter, Event, Prompt, RolloutGroup, Sample, ScoredGroup, WeightsAnnounce,
+};
+use crate::stages::{StageError, train};
+use crate::weights::{LocalWeights, Transport};
+use serde_json::{Value as Json, json};
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+/// Streams replay knows how to decode.
+pub const STREAMS: [&str; 6] = ["prompts", "rollouts", "scored", "weights", "dead", "events"];
+
+/// Where recorded entries come from.
+pub enum Source {
+    Bus { bus: SharedBus, topo: Topology },
+    Archive(PathBuf),
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReplayError {
+    #[error(transparent)]
+    Archive(#[from] ArchiveError),
+    #[error(transparent)]
+    Bus(#[from] crate::bus::BusError),
+    #[error(transparent)]
+    Stage(#[from] StageError),
+    #[error("{0}")]
+    Usage(String),
+}
+
+impl Source {
+    /// Entries of `stream` between the bounds, in id order, at most `limit` (archives are
+    /// read to the end so their trailer is checked). `visit` returns false to stop.
+    pub async fn each(
+        &self,
+        stream: &str,
+        from: RangeBound,
+        to: RangeBound,
+        mut visit: impl FnMut(EntryId, &[u8]) -> bool,
+    ) -> Result<(), ReplayError> {
+        match self {
+            Source::Bus { bus, topo } => {
+                let key = topo.key(stream);
+                let mut start = from;
+                loop {
+                    let page = bus.range(&key, start, to, 1000).await?;
+                    for e in &page {
+                        if !visit(e.id, &e.payload) {
+                            return Ok(());
+                        }
+                    }
+                    match page.last() {
+                        Some(last) if page.len() == 1000 => start = RangeBound::Exclusive(last.id),
+                        _ => return Ok(()),
+                    }
+                }
+            }
+            Source::Archive(path) => {
+                let reader = archive::Reader::open(path)?;
+                if !reader.header().streams.iter().any(|s| s == stream) {
+                    return Err(ArchiveError::NoStream(stream.to_string()).into());
+                }
+                let mut open = true;
+                for e in reader {
+                    let e = e?;
+                    if open && e.stream == stream && within(e.id, from, to) {
+                        open = visit(e.id, &e.payload);
+                    }
+                }
+                Ok(())
+            }
+        }
+    }
+}
+
+fn within(id: EntryId, from: RangeBound, to: RangeBound) -> bool {
+    let lower = match from {
+        RangeBound::Open => true,
+        RangeBound::Inclusive(b) => id >= b,
+        RangeBound::Exclusive(b) => id > b,
+    };
+    let upper = match to {
+        RangeBound::Open => true,
+        RangeBound::Inclusive(b) => id <= b,
+        RangeBound::Exclusive(b) => id < b,
+    };
+    lower && upper
+}
+
+/// Days since 1970-01-01 of a civil date (proleptic Gregorian).
+fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = y.div_euclid(400);
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + d - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    era * 146_097 + doe - 719_468
+}
+
+/// `--from`/`--to`: an entry id (`MS-SEQ`), milliseconds since the epoch (`MS`), a UTC time
+/// (`2026-11-29T16:30:00Z`, seconds optional), or a time ago (`-90s`, `-10m`, `-2h`,
+/// `-1d`). Times become the first id at that millisecond.
+pub fn parse_point(s: &str) -> Result<EntryId, ReplayError> {
+    let bad = || {
+        ReplayError::Usage(format!(
+            "`{s}` is not an entry id (MS-SEQ), epoch milliseconds, a UTC time (2026-11-29T16:30:00Z) or a time ago (-10m)"
+        ))
+    };
+    if let Ok(id) = s.parse::<EntryId>() {
+        return Ok(id);
+    }
+    if let Ok(ms) = s.parse::<u64>() {
+        return Ok(EntryId::new(ms, 0));
+    }
+    if let Some(ago) = s.strip_prefix('-') {
+        let (num, unit) = ago.split_at(ago.len().saturating_sub(1));
+        let n: f64 = num.parse().map_err(|_| bad())?;
+        let secs = match unit {
+            "s" => n,
+            "m" => n * 60.0,
+            "h" => n * 3600.0,
+            "d" => n * 86_400.0,
+            _ => return Err(bad()),
+        };
+        if !(secs.is_finite() && secs >= 0.0) {
+            return Err(bad());
+        }
+        let now_ms = schema::now_us() / 1000;
+        return Ok(EntryId::new(
+            now_ms.saturating_sub((secs * 1000.0) as u64),
+            0,
+        ));
+    }
+    let t = s.strip_suffix('Z').ok_or_else(bad)?;
+    let (date, time) = t.split_once('T').ok_or_else(bad)?;
+    let num = |x: &str| x.parse::<i64>().map_err(|_| bad());
+    let d: Vec<&str> = date.split('-').collect();
+    let hms: Vec<&str> = time.split(':').collect();
+    if d.len() != 3 || !(2..=3).contains(&hms.len()) {
+        return Err(bad());
+    }
+    let (y, mo, da) = (num(d[0])?, num(d[1])?, num(d[2])?);
+    let (h, mi) = (num(hms[0])?, num(hms[1])?);
+    let sec: f64 = match hms.get(2) {
+        Some(x) => x.parse().map_err(|_| bad())?,
+        None => 0.0,
+    };
+    if !(1..=12).contains(&mo)
+        || !(1..=31).contains(&da)
+        || h > 23
+        || mi > 59
+        || !(0.0..61.0).contains(&sec)
+    {
+        return Err(bad());
+    }
+    let days = days_from_civil(y, mo, da);
+    let ms = (days * 86_400 + h * 3600 + mi * 60) * 1000 + (sec * 1000.0) as i64;
+    u64::try_from(ms)
+        .map(|ms| EntryId::new(ms, 0))
+        .map_err(|_| bad())
+}
+
+/// A comparison on the mean reward of a group (`--reward '<0.5'`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RewardFilter {
+    op: Cmp,
+    value: f64,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq)]
+enum Cmp {
+    Lt,
+    Le,
+    Gt,
+    Ge,
+    Eq,
+}
+
+impl std::str::FromStr for RewardFilter {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let s = s.trim();
+        let (op, rest) = if let Some(r) = s.strip_prefix("<=") {
+            (Cmp::Le, r)
+        } else if let Some(r) = s.strip_prefix(">=") {
+            (Cmp::Ge, r)
+        } else if let Some(r) = s.strip_prefix('<') {
+            (Cmp::Lt, r)
+        } else if let Some(r) = s.strip_prefix('>') {
+            (Cmp::Gt, r)
+        } else if let Some(r) = s.strip_prefix('=') {
+            (Cmp::Eq, r)
+        } else {
+            (Cmp::Eq, s)
+        };
+        let value: f64 = rest
+            .trim()
+            .parse()
+            .map_err(|_| format!("`{s}` is not a reward test like <0.5, >=0.9 or =1"))?;
+        Ok(RewardFilter { op, value })
+    }
+}
+
+impl RewardFilter {
+    fn keeps(&self, r: f64) -> bool {
+        match self.op {
+            Cmp::Lt => r < self.value,
+            Cmp::Le => r <= self.value,
+            Cmp::Gt => r > self.value,
+            Cmp::Ge => r >= self.value,
+            Cmp::Eq => r == self.value,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Format {
+    /// One JSON object per line (for jq).
+    Json,
+    /// One readable line per entry.
+    Table,
+    /// Prompts and completions as text, with each token's policy version and log-prob.
+    Text,
+}
+
+pub struct ReadOptions {
+    pub stream: String,
+    pub from: RangeBound,
+    pub to: RangeBound,
+    pub count: Option<usize>,
+    /// Keeps groups (and prompts, dead letters of them) whose id contains this.
+    pub group_id: Option<String>,
+    /// Keeps rollouts and scored groups at least this many versions behind the newest
+    /// weights announced when they were written.
+    pub min_staleness: Option<u64>,
+    pub reward: Option<RewardFilter>,
+    pub format: Format,
+    /// Decodes completions for `text` (default: the built-in character tokenizer).
+    pub tokenizer: Option<Tokenizer>,
+}
+
+/// What one entry is, decoded enough to filter and print.
+enum Decoded {
+    Prompt(Prompt),
+    Rollout(RolloutGroup),
+    Scored(ScoredGroup),
+    Weights(WeightsAnnounce),
+    Dead(DeadLetter),
+    Event(Event),
+    Undecodable(String),
+}
+
+fn decode(stream: &str, payload: &[u8]) -> Decoded {
+    fn d<M: schema::Message>(p: &[u8], f: fn(M) -> Decoded) -> Decoded {
+        match schema::decode::<M>(p) {
+            Ok(m) => f(m),
+            Err(e) => Decoded::Undecodable(e.to_string()),
+        }
+    }
+    match stream {
+        "prompts" => d(payload, Decoded::Prompt),
+        "rollouts" => d(payload, Decoded::Rollout),
+        "scored" => d(payload, Decoded::Scored),
+        "weights" => d(payload, Decoded::Weights),
+        "dead" => d(payload, Decoded::Dead),
+        _ => d(payload, Decoded::Event),
+    }
+}
+
+fn stream_of_key(key: &str) -> &str {
+    key.rsplit_once(':').map_or(key, |(_, s)| s)
+}
+
+/// The group a message is about, for `--group-id`.
+fn group_of(m: &Decoded) -> Option<String> {
+    match m {
+        Decoded::Prompt(p) => Some(p.prompt_id.clone()),
+        Decoded::Rollout(g) => Some(g.group_id.clone()),
+        Decoded::Scored(g) => Some(g.rollout.group_id.clone()),
+        Decoded::Dead(d) => group_of(&decode(stream_of_key(&d.source_stream), &d.payload)),
+        _ => None,
+    }
+}
+
+fn rollout_of(m: &Decoded) -> Option<&RolloutGroup> {
+    match m {
+        Decoded::Rollout(g) => Some(g),
+        Decoded::Scored(g) => Some(&g.rollout),
+        _ => None,
+    }
+}
+
+fn mean(xs: &[f32]) -> f64 {
+    if xs.is_empty() {
+        return 0.0;
+    }
+    xs.iter().map(|&x| f64::from(x)).sum::<f64>() / xs.len() as f64
+}
+
+fn time_of(id: EntryId) -> String {
+    crate::commands::status::utc(id.ms * 1000)
+}
+
+/// Newest announced weights version at each announce id, for staleness.
+async fn announces(source: &Source) -> Result<Vec<(EntryId, u64)>, ReplayError> {
+    let mut out = Vec::new();
+    source
+        .each("weights", RangeBound::Open, RangeBound::Open, |id, p| {
+            if let Ok(a) = schema::decode::<WeightsAnnounce>(p) {
+                out.push((id, a.version));
+            }
+            true
+        })
+        .await?;
+    Ok(out)
+}
+
+fn version_at(announces: &[(EntryId, u64)], id: EntryId) -> Option<u64> {
+    let i = announces.partition_point(|(a, _)| *a <= id);
+    i.checked_sub(1).map(|i| announces[i].1)
+}
+
+/// Prints matching entries to `out`; returns how many were printed.
+pub async fn read(
+    source: &Source,
+    opts: &ReadOptions,
+    out: &mut dyn std::io::Write,
+) -> Result<u64, ReplayError> {
+    if !STREAMS.contains(&opts.stream.as_str()) {
+        return Err(ReplayError::Usage(format!(
+            "--stream {} is not one of {}",
+            opts.stream,
+            STREAMS.join(", ")
+        )));
+    }
+    let announced = match opts.min_staleness {
+        Some(_) => {
+            let a = announces(source).await?;
+            if a.is_empty() {
+                return Err(ReplayError::Usage(
+                    "--min-staleness needs the weights stream (announces) in the source".into(),
+                ));
+            }
+            a
+        }
+        None => Vec::new(),
+    };
+    let char_tok = Tokenizer::Char(crate::tasks::char_tokenizer());
+    let tok = opts.tokenizer.as_ref().unwrap_or(&char_tok);
+    let mut shown = 0u64;
+    let mut failed: Option<std::io::Error> = None;
+    source
+        .each(&opts.stream, opts.from, opts.to, |id, payload| {
+            let m = decode(&opts.stream, payload);
+            if let Some(want) = &opts.group_id
+                && !group_of(&m).is_some_and(|g| g.contains(want.as_str()))
+            {
+                return true;
+            }
+            if let Some(f) = &opts.reward {
+                let Decoded::Scored(g) = &m else { return true };
+                if !f.keeps(mean(&g.rewards)) {
+                    return true;
+                }
+            }
+            if let Some(min) = opts.min_staleness {
+                let Some(g) = rollout_of(&m) else { return true };
+                let newest = version_at(&announced, id).unwrap_or(0);
+                let lag = newest.saturating_sub(g.oldest_version().unwrap_or(newest));
+                if lag < min {
+                    return true;
+                }
+            }
+            let text = match opts.format {
+                Format::Json => json_line(&opts.stream, id, payload, &m).to_string() + "\n",
+                Format::Table => table_line(id, &m) + "\n",
+                Format::Text => text_block(id, &m, tok),
+            };
+            if let Err(e) = out.write_all(text.as_bytes()) {
+                failed = Some(e);
+                return false;
+            }
+            shown += 1;
+            opts.count.is_none_or(|c| shown < c as u64)
+        })
+        .await?;
+    match failed {
+        // A closed pipe (`| head`) ends the listing; it is not an error.
+        Some(e) if e.kind() != std::io::ErrorKind::BrokenPipe => {
+            Err(ReplayError::Usage(format!("cannot write: {e}")))
+        }
+        _ => Ok(shown),
+    }
+}
+
+fn json_line(stream: &str, id: EntryId, payload: &[u8], m: &Decoded) -> Json {
+    let message = msgpack_to_json(payload).unwrap_or_else(|e| json!({ "undecodable": e }));
+    let mut line = json!({
+        "stream": stream,
+        "id": id.to_string(),
+        "time": time_of(id),
+        "message": message,
+    });
+    if let Decoded::Dead(d) = m {
+        // The original bytes, decoded where they still decode, and always as hex.
+        line["original"] = msgpack_to_json(&d.payload).unwrap_or(Json::Null);
+        line["original_hex"] = Json::String(d.payload.iter().map(|b| format!("{b:02x}")).collect());
+    }
+    if let Decoded::Undecodable(e) = m {
+        line["error"] = Json::String(e.clone());
+    }
+    line
+}
+
+fn table_line(id: EntryId, m: &Decoded) -> String {
+    let head = format!("{id:<20} {}", time_of(id));
+    let body = match m {
+        Decoded::Prompt(p) => format!("prompt {} task {} {:?}", p.prompt_id, p.task, p.text),
+        Decoded::Rollout(g) => rollout_summary(g),
+        Decoded::Scored(s) => format!(
+            "{}  reward mean {:.3} [{}]",
+            rollout_summary(&s.rollout),
+            mean(&s.rewards),
+            s.rewards
+                .iter()
+                .map(|r| format!("{r:.2}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        ),
+        Decoded::Weights(a) => format!(
+            "weights v{} step {} {} {} bytes in {} chunks, checksum {}",
+            a.version, a.step, a.format, a.bytes, a.chunks, a.checksum
+        ),
+        Decoded::Dead(d) => format!(
+            "dead letter from {} {} (group {}, consumer {}, {} deliveries): {}: {} [{} bytes]",
+            d.source_stream,
+            d.source_id,
+            d.group,
+            d.consumer,
+            d.deliveries,
+            d.reason,
+            d.error,
+            d.payload.len()
+        ),
+        Decoded::Event(e) => {
+            let fields: Vec<String> = e
+                .fields
+                .iter()
+                .map(|(k, v)| format!("{k}={v:.4}"))
+                .collect();
+            format!(
+                "{} {} {} v{} {}",
+                e.kind,
+                e.stage,
+                e.source,
+                e.version,
+                fields.join(" ")
+            )
+        }
+        Decoded::Undecodable(err) => format!("undecodable: {err}"),
+    };
+    format!("{head}  {body}")
+}
+
+fn rollout_summary(g: &RolloutGroup) -> String {
+    let versions: std::collections::BTreeSet<u64> = g
+        .samples
+        .iter()
+        .flat_map(|s| s.versions.iter().map(|v| v.version))
+        .collect();
+    format!(
+        "group {} task {} {} samples {} tokens versions {:?} by {}",
+        g.group_id,
+        g.task,
+        g.samples.len(),
+        g.completion_tokens(),
+        versions,
+        g.gen_id
+    )
+}
+
+fn tokens_line(s: &Sample, tok: &Tokenizer) -> String {
+    let mut o = String::new();
+    for (i, (&t, &lp)) in s.tokens.iter().zip(s.logprobs.iter()).enumerate() {
+        // Tokens without text (end of sequence, special tokens) show as their id.
+        let piece = tok
+            .decode(&[t])
+            .ok()
+            .filter(|p| !p.is_empty())
+            .unwrap_or_else(|| format!("<{t}>"));
+        let _ = write!(o, "{piece:?}(v{} {lp:.2}) ", s.version_at(i));
+    }
+    o.trim_end().to_string()
+}
+
+fn text_block(id: EntryId, m: &Decoded, tok: &Tokenizer) -> String {
+    let (g, rewards) = match m {
+        Decoded::Rollout(g) => (g, None),
+        Decoded::Scored(s) => (&s.rollout, Some(&s.rewards)),
+        other => return table_line(id, other) + "\n",
+    };
+    let mut o = String::new();
+    let prompt = tok
+        .decode(&g.prompt_tokens)
+        .unwrap_or_else(|e| format!("<{e}>"));
+    let _ = writeln!(
+        o,
+        "== {id} {}  group {}  task {}",
+        time_of(id),
+        g.group_id,
+        g.task
+    );
+    let _ = writeln!(o, "prompt: {prompt:?}");
+    for (i, s) in g.samples.iter().enumerate() {
+        let text = tok.decode(&s.tokens).unwrap_or_else(|e| format!("<{e}>"));
+        let reward = rewards
+            .and_then(|r| r.get(i))
+            .map_or(String::new(), |r| format!(" reward {r:.2}"));
+        let _ = writeln!(o, "  [{i}]{reward} {:?} {text:?}", s.finish);
+        let _ = writeln!(o, "      {}", tokens_line(s, tok));
+    }
+    o
+}
+
+/// What `replay --train` re-runs.
+pub struct RetrainOptions {
+    /// One checkpoint directory (`step-*`, as the trainer writes under --checkpoint-dir).
+    pub checkpoint: PathBuf,
+    pub from: RangeBound,
+    pub to: RangeBound,
+    /// Stop after this many steps past the checkpoint (default: until the entries run out).
+    pub steps: Option<u64>,
+    /// Where the replaying trainer keeps its own checkpoints (a temporary directory).
+    pub scratch: PathBuf,
+}
+
+/// One re-run step beside the recorded one.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct RetrainStep {
+    pub step: u64,
+    pub version: u64,
+    pub loss: f64,
+    pub grad_norm: f64,
+    pub reward_mean: f64,
+    pub groups: usize,
+    /// The recorded (loss, grad_norm, reward_mean) of this step, if the source has it.
+    pub recorded: Option<(f64, f64, f64)>,
+    /// All three bit-identical to the recording.
+    pub identical: Option<bool>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
+pub struct RetrainSummary {
+    pub start_step: u64,
+    pub steps: Vec<RetrainStep>,
+    pub compared: u64,
+    pub identical: u64,
+    /// The first step that differs from the recording.
+    pub first_divergence: Option<u64>,
+    pub dropped: BTreeMap<String, u64>,
+}
+
+/// Re-runs training from `opts.checkpoint` over the scored entries of `source` between the
+/// bounds, with the trainer's own code and batching (the same drop rules, the same
+/// `groups_per_step`, the config the checkpoint was written with), and compares each step
+/// with the step events recorded in the source.
+pub async fn retrain(
+    source: &Source,
+    opts: &RetrainOptions,
+    mut on_step: impl FnMut(&RetrainStep),
+) -> Result<RetrainSummary, ReplayError> {
+    let (mut cfg, state) = train::stage_checkpoint(&opts.checkpoint, &opts.scratch)?;
+    let start_step = state.step;
+    cfg.steps = opts.steps.map_or(0, |n| start_step + n);
+    // Checkpoints of the re-run are not needed; the final one still lands in the scratch dir.
+    cfg.checkpoint_every = u64::MAX;
+    cfg.name = "replay".into();
+
+    let mut recorded: BTreeMap<u64, (f64, f64, f64)> = BTreeMap::new();
+    let events = source
+        .each("events", RangeBound::Open, RangeBound::Open, |_, p| {
+            if let Ok(e) = schema::decode::<Event>(p)
+                && e.kind == "step"
+                && e.stage == "train"
+            {
+                let f = |k: &str| e.fields.get(k).copied().unwrap_or(f64::NAN);
+                recorded.insert(
+                    f("step") as u64,
+                    (f("loss"), f("grad_norm"), f("reward_mean")),
+                );
+            }
+            true
+        })
+        .await;
+    if let Err(ReplayError::Archive(ArchiveError::NoStream(_))) = events {
+        tracing::warn!("the archive has no events stream: nothing to compare with");
+    } else {
+        events?;
+    }
+
+    let bus: SharedBus = Arc::new(MemoryBus::new());
+    let topo = Topology {
+        block_ms: 20,
+        ..Topology::default()
+    };
+    let key = topo.key("scored");
+    let mut batch: Vec<(EntryId, bytes::Bytes)> = Vec::new();
+    source
+        .each("scored", opts.from, opts.to, |id, p| {
+            batch.push((id, bytes::Bytes::copy_from_slice(p)));
+            true
+        })
+        .await?;
+    if batch.is_empty() {
+        return Err(ReplayError::Usage(
+            "no scored entries in the range: nothing to train on".into(),
+        ));
+    }
+    bus.append(&key, &batch).await?;
+
+    // Stop once the trainer has been handed every entry: the steps those make possible are
+    // taken before it looks at the stop signal again.
+    let done = {
+        let (bus, topo) = (bus.clone(), topo.clone());
+        async move {
+            loop {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                let s = bus.stats(&topo.key("scored")).await;
+                if let Ok(s) = s
+                    && s.groups
+                        .iter()
+                        .any(|g| g.name == "train" && g.lag == Some(0))
+                {
+                    return;
+                }
+            }
+        }
+    };
+    let mut summary = RetrainSummary {
+        start_step,
+        ..RetrainSummary::default()
+    };
+    let outcome = train::run(
+        &cfg,
+        bus,
+        &topo,
+        Transport::InProcess(LocalWeights::default()),
+        done,
+        |s| {
+            let rec = recorded.get(&s.step).copied();
+            let identical = rec.map(|(l, g, r)| {
+                l.to_bits() == s.loss.to_bits()
+                    && g.to_bits() == s.grad_norm.to_bits()
+                    && r.to_bits() == s.reward_mean.to_bits()
+            });
+            let step = RetrainStep {
+                step: s.step,
+                version: s.version,
+                loss: s.loss,
+                grad_norm: s.grad_norm,
+                reward_mean: s.reward_mean,
+                groups: s.groups,
+                recorded: rec,
+                identical,
+            };
+            on_step(&step);
+            summary.steps.push(step);
+        },
+    )
+    .await?;
+    summary.dropped = outcome.dropped;
+    for s in &summary.steps {
+        if let Some(same) = s.identical {
+            summary.compared += 1;
+            if same {
+                summary.identical += 1;
+            } else if summary.first_divergence.is_none() {
+                summary.first_divergence = Some(s.step);
+            }
+        }
+    }
+    Ok(summary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn points_parse_as_ids_times_and_ages() {
+        let p = |s: &str| parse_point(s).map_err(|e| e.to_string());
+        assert_eq!(p("1764433812345-7"), Ok(EntryId::new(1_764_433_812_345, 7)));
+        assert_eq!(p("1764433812345"), Ok(EntryId::new(1_764_433_812_345, 0)));
+        assert_eq!(p("1970-01-01T00:00:00Z"), Ok(EntryId::new(0, 0)));
+        assert_eq!(
+            p("2024-02-29T12:34:56Z"),
+            Ok(EntryId::new(1_709_210_096_000, 0))
+        );
+        assert_eq!(
+            p("2024-02-29T12:34Z"),
+            Ok(EntryId::new(1_709_210_040_000, 0))
+        );
+        let now = schema::now_us() / 1000;
+        let ago = parse_point("-10m").expect("ago").ms;
+        assert!(
+            (now - 600_000..=now - 599_000).contains(&ago),
+            "{ago} vs {now}"
+        );
+        for bad in [
+            "yesterday",
+            "-10x",
+            "2024-13-01T00:00:00Z",
+            "2024-02-29 12:34:56",
+            "--5m",
+        ] {
+            let e = p(bad).expect_err(bad);
+            assert!(e.contains("is not an entry id"), "{e}");
+        }
+    }
+
+    #[test]
+    fn reward_tests_parse() {
+        let f = |s: &str| s.parse::<RewardFilter>();
+        assert!(f("<0.5").is_ok_and(|r| r.keeps(0.4) && !r.keeps(0.5)));
+        assert!(f("<=0.5").is_ok_and(|r| r.keeps(0.5)));
+        assert!(f(">0.9").is_ok_and(|r| r.keeps(1.0) && !r.keeps(0.9)));
+        assert!(f(">= 1").is_ok_and(|r| r.keeps(1.0)));
+        assert!(f("1").is_ok_and(|r| r.keeps(1.0) && !r.keeps(0.99)));
+        assert!(f("<x").is_err() && f("").is_err());
+    }
+}

@@ -978,23 +978,12 @@ fn moved_line(verb: &str, m: &rlstream::archive::Moved, path: &std::path::Path) 
     )
 }
 
-/// `90s`, `30m`, `12h`, `7d`.
+/// `--older-than`: `90s`, `30m`, `12h`, `7d`, positive.
 fn parse_duration(s: &str) -> Result<std::time::Duration> {
-    let (num, unit) = s.split_at(s.len().saturating_sub(1));
-    let n: f64 = num
-        .parse()
-        .map_err(|_| anyhow::anyhow!("`{s}` is not a duration like 90s, 30m, 12h or 7d"))?;
-    let secs = match unit {
-        "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        "d" => n * 86_400.0,
-        _ => bail!("`{s}` is not a duration like 90s, 30m, 12h or 7d"),
-    };
-    if !(secs.is_finite() && secs > 0.0) {
-        bail!("`{s}`: the duration must be positive");
+    match rlstream::commands::replay::parse_duration(s) {
+        Some(d) if !d.is_zero() => Ok(d),
+        _ => bail!("`{s}` is not a positive duration like 90s, 30m, 12h or 7d"),
     }
-    Ok(std::time::Duration::from_secs_f64(secs))
 }
 
 async fn replay_command(a: ReplayArgs) -> Result<()> {

@@ -230,6 +230,32 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn stages_apply_the_standing_policy() {
+        let text = crate::bus::topology::DEFAULT_TOPOLOGY.replacen(
+            "max_len = 100000",
+            "max_len = 100000\ntrim_keep_last = 3",
+            1,
+        );
+        let topo = Topology::parse(&text, "test").expect("topology");
+        let bus = MemoryBus::shared();
+        let key = topo.key("events");
+        stream_of(&bus, &key, 10).await;
+        let shared: SharedBus = bus.clone();
+        // No policy on the stream asked for: no task.
+        assert!(spawn_standing(shared.clone(), &topo, &["prompts"], "train").is_none());
+        let task = spawn_standing(shared, &topo, &["events", "prompts"], "train").expect("task");
+        // The first round runs at once.
+        for _ in 0..100 {
+            if bus.stats(&key).await.expect("stats").length == 3 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        assert_eq!(bus.stats(&key).await.expect("stats").length, 3);
+        drop(task);
+    }
+
+    #[tokio::test]
     async fn undelivered_entries_are_never_trimmed_and_archive_first() {
         let bus = MemoryBus::new();
         let topo = Topology::default();

@@ -250,6 +250,31 @@ mod tests {
     }
 
     #[test]
+    fn trim_policies_parse_and_conflicts_are_refused() {
+        use crate::retention::Keep;
+        let t = Topology::parse(
+            &shipped_with(
+                "groups = [\"train\"]",
+                "groups = [\"train\"]\ntrim_keep_last = 500",
+            ),
+            "test",
+        )
+        .expect("valid");
+        assert_eq!(t.streams["scored"].trim_policy(), Some(Keep::Last(500)));
+        assert_eq!(t.streams["prompts"].trim_policy(), None);
+        let e = err(&shipped_with(
+            "groups = [\"train\"]",
+            "groups = [\"train\"]\ntrim_keep_last = 5\ntrim_older_than_s = 60",
+        ));
+        assert!(e.contains("pick one"), "{e}");
+        let e = err(&shipped_with(
+            "groups = [\"train\"]",
+            "groups = [\"train\"]\ntrim_older_than_s = 0",
+        ));
+        assert!(e.contains("remove everything"), "{e}");
+    }
+
+    #[test]
     fn unknown_key_is_named() {
         let e = err(&shipped_with(
             "max_deliveries =",

@@ -110,6 +110,20 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
+/// `90s`, `30m`, `12h`, `7d`: a number (fractions allowed) and a unit.
+pub fn parse_duration(s: &str) -> Option<Duration> {
+    let (num, unit) = s.split_at(s.len().saturating_sub(1));
+    let n: f64 = num.parse().ok()?;
+    let secs = match unit {
+        "s" => n,
+        "m" => n * 60.0,
+        "h" => n * 3600.0,
+        "d" => n * 86_400.0,
+        _ => return None,
+    };
+    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs))
+}
+
 /// `--from`/`--to`: an entry id (`MS-SEQ`), milliseconds since the epoch (`MS`), a UTC time
 /// (`2026-11-29T16:30:00Z`, seconds optional), or a time ago (`-90s`, `-10m`, `-2h`,
 /// `-1d`). Times become the first id at that millisecond.
@@ -126,21 +140,10 @@ pub fn parse_point(s: &str) -> Result<EntryId, ReplayError> {
         return Ok(EntryId::new(ms, 0));
     }
     if let Some(ago) = s.strip_prefix('-') {
-        let (num, unit) = ago.split_at(ago.len().saturating_sub(1));
-        let n: f64 = num.parse().map_err(|_| bad())?;
-        let secs = match unit {
-            "s" => n,
-            "m" => n * 60.0,
-            "h" => n * 3600.0,
-            "d" => n * 86_400.0,
-            _ => return Err(bad()),
-        };
-        if !(secs.is_finite() && secs >= 0.0) {
-            return Err(bad());
-        }
+        let ago = parse_duration(ago).ok_or_else(bad)?;
         let now_ms = schema::now_us() / 1000;
         return Ok(EntryId::new(
-            now_ms.saturating_sub((secs * 1000.0) as u64),
+            now_ms.saturating_sub(ago.as_millis() as u64),
             0,
         ));
     }

@@ -41,6 +41,9 @@ fn invalid(key: &str, reason: impl Into<String>) -> ConfigError {
 pub struct Config {
     /// Redis URL (`redis://`, `rediss://` for TLS, `redis://user:pass@host` for ACL users).
     pub redis: Option<String>,
+    /// How long, in seconds, a stage keeps retrying while Redis is unreachable (a restart,
+    /// a network blip) before it stops with an error [default: 300].
+    pub redis_patience_s: Option<u64>,
     /// Key prefix; overrides the topology's.
     pub namespace: Option<String>,
     /// Stream topology file; the shipped default when absent.

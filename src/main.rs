@@ -2,7 +2,7 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use rlstream::bus::{MemoryBus, RangeBound, RedisBus, SharedBus, Topology};
+use rlstream::bus::{MemoryBus, RangeBound, RedisBus, Resilient, SharedBus, Topology};
 use rlstream::commands::generate::{self, GenerateOptions};
 use rlstream::commands::run::{self, RunOptions};
 use rlstream::commands::sft::{self, SftOptions};
@@ -495,6 +495,14 @@ fn load_common(common: &Common, base: &Config) -> Result<(Config, Topology)> {
     Ok((cfg, topo))
 }
 
+/// Redis, with retries through outages for `redis_patience_s` (see [`Resilient`]). A
+/// Redis that cannot be reached at start is an error at once.
+async fn connect_redis(url: &str, cfg: &Config) -> Result<SharedBus> {
+    let patience = std::time::Duration::from_secs(cfg.redis_patience_s.unwrap_or(300));
+    let redis: SharedBus = Arc::new(RedisBus::connect(url).await?);
+    Ok(Arc::new(Resilient::new(redis, patience)))
+}
+
 /// Loads the config (file, environment, common flags), the topology and the bus; with
 /// metrics on, `stage` also exports the streams' length, pending and lag.
 async fn setup(common: &Common, stage: &'static str) -> Result<(Config, Topology, SharedBus)> {
@@ -506,7 +514,7 @@ async fn setup(common: &Common, stage: &'static str) -> Result<(Config, Topology
         .redis
         .clone()
         .unwrap_or_else(|| "redis://127.0.0.1:6379".into());
-    let bus: SharedBus = Arc::new(RedisBus::connect(&url).await?);
+    let bus = connect_redis(&url, &cfg).await?;
     if cfg.metrics_addr.is_some() {
         rlstream::metrics::watch_streams(bus.clone(), topo.clone(), stage);
     }
@@ -814,7 +822,7 @@ async fn run_command(a: RunArgs) -> Result<()> {
             });
             topo = topo.with_namespace(&ns)?;
             eprintln!("using Redis at {url}, namespace {ns}");
-            Arc::new(RedisBus::connect(url).await?)
+            connect_redis(url, &cfg).await?
         }
         None => {
             if let Some(ns) = &cfg.namespace {
@@ -927,7 +935,7 @@ async fn status_command(
         bail!("--watch takes a refresh interval of at least 0.1 s, got {every}");
     }
     let (cfg, topo, bus) = setup(common, "status").await?;
-    let name = status::redact_url(cfg.redis.as_deref().unwrap_or("redis://127.0.0.1:6379"));
+    let name = rlstream::bus::redact_url(cfg.redis.as_deref().unwrap_or("redis://127.0.0.1:6379"));
     let window = std::time::Duration::from_secs_f64(window);
     let clear = watch.is_some() && !json && std::io::stdout().is_terminal();
     let stop = shutdown_signal();

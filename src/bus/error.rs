@@ -19,6 +19,14 @@ pub enum BusError {
         #[source]
         source: redis::RedisError,
     },
+    #[error(
+        "Redis at {url} refused the credentials: {source}. Give them in the URL: redis://USER:PASSWORD@HOST:PORT for an ACL user, redis://:PASSWORD@HOST:PORT for requirepass"
+    )]
+    Auth {
+        url: String,
+        #[source]
+        source: redis::RedisError,
+    },
     #[error("bad Redis URL `{url}`: {source}")]
     BadUrl {
         url: String,

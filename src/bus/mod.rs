@@ -15,13 +15,15 @@ mod entry;
 mod error;
 mod memory;
 mod redis;
+mod resilient;
 pub mod topology;
 
 pub use consumer::{Consumer, ConsumerOptions, Delivery};
 pub use entry::{Entry, EntryId, RangeBound};
 pub use error::{BusError, BusResult, RetryHint};
 pub use memory::MemoryBus;
-pub use redis::{RedisBus, RedisOptions};
+pub use redis::{RedisBus, RedisOptions, redact_url};
+pub use resilient::Resilient;
 pub use topology::{StreamSpec, Topology, TopologyError};
 
 use async_trait::async_trait;

@@ -70,7 +70,7 @@ impl RedisBus {
 
     pub async fn connect_with(url: &str, opts: RedisOptions) -> BusResult<Self> {
         let client = Client::open(url).map_err(|source| BusError::BadUrl {
-            url: redact(url),
+            url: redact_url(url),
             source,
         })?;
         let config = ConnectionManagerConfig::new()
@@ -81,12 +81,9 @@ impl RedisBus {
         let shared = client
             .get_connection_manager_with_config(config)
             .await
-            .map_err(|source| BusError::Unreachable {
-                url: redact(url),
-                source,
-            })?;
+            .map_err(|source| unreachable(url, source))?;
         let bus = RedisBus {
-            url: redact(url),
+            url: redact_url(url),
             client,
             shared,
             blocking_pool: Mutex::new(Vec::new()),
@@ -95,10 +92,7 @@ impl RedisBus {
         bus.query::<String>("PING", "", &mut redis::cmd("PING"))
             .await
             .map_err(|e| match e {
-                BusError::Redis { source, .. } => BusError::Unreachable {
-                    url: bus.url.clone(),
-                    source,
-                },
+                BusError::Redis { source, .. } => unreachable(url, source),
                 other => other,
             })?;
         Ok(bus)
@@ -274,7 +268,20 @@ fn redis_err(op: &'static str, key: &str, source: redis::RedisError) -> BusError
 }
 
 /// Removes the password from `redis://user:pass@host`.
-fn redact(url: &str) -> String {
+/// A failed connection: refused credentials get their own message (the server is there).
+fn unreachable(url: &str, source: redis::RedisError) -> BusError {
+    let url = redact_url(url);
+    if source.kind() == redis::ErrorKind::AuthenticationFailed
+        || matches!(source.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM"))
+    {
+        BusError::Auth { url, source }
+    } else {
+        BusError::Unreachable { url, source }
+    }
+}
+
+/// `url` without its password, for logs and errors (`redis://user:***@host:6379`).
+pub fn redact_url(url: &str) -> String {
     match (url.find("://"), url.rfind('@')) {
         (Some(scheme), Some(at)) if at > scheme => {
             let auth = &url[scheme + 3..at];
@@ -735,10 +742,13 @@ mod tests {
     #[test]
     fn passwords_are_redacted() {
         assert_eq!(
-            redact("redis://u:secret@h:6379/0"),
+            redact_url("redis://u:secret@h:6379/0"),
             "redis://u:***@h:6379/0"
         );
-        assert_eq!(redact("redis://:secret@h"), "redis://:***@h");
-        assert_eq!(redact("redis://127.0.0.1:6379"), "redis://127.0.0.1:6379");
+        assert_eq!(redact_url("redis://:secret@h"), "redis://:***@h");
+        assert_eq!(
+            redact_url("redis://127.0.0.1:6379"),
+            "redis://127.0.0.1:6379"
+        );
     }
 }

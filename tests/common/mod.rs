@@ -127,8 +127,9 @@ pub fn run_ok(args: &[&str]) -> String {
 pub struct Proc(Option<Child>);
 
 impl Proc {
-    pub fn id(&self) -> u32 {
-        self.0.as_ref().map_or(0, Child::id)
+    /// The exit status, if the process has exited.
+    pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
+        self.0.as_mut().and_then(|c| c.try_wait().ok().flatten())
     }
 }
 
@@ -222,4 +223,48 @@ pub fn metric(scrape: &str, series: &str) -> f64 {
         .lines()
         .find_map(|l| l.strip_prefix(series).and_then(|v| v.trim().parse().ok()))
         .unwrap_or_else(|| panic!("no {series} in:\n{scrape}"))
+}
+
+/// A loopback port nothing listens on.
+pub fn free_port() -> u16 {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").expect("bind");
+    l.local_addr().expect("addr").port()
+}
+
+/// A redis-server child; killed on drop.
+pub struct Redis(Child);
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+/// redis-server on `port` with AOF (`appendfsync always`) in `dir`, plus `extra` arguments;
+/// waits until it accepts connections.
+pub fn start_redis(dir: &Path, port: u16, extra: &[&str]) -> Redis {
+    let child = Command::new("redis-server")
+        .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
+        .args([
+            "--appendonly",
+            "yes",
+            "--appendfsync",
+            "always",
+            "--save",
+            "",
+        ])
+        .arg("--dir")
+        .arg(dir)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server is needed (.ci/run installs it)");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "redis-server did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Redis(child)
 }

@@ -117,3 +117,82 @@ async fn resumes_from_checkpoint_without_training_twice() {
         "all acked after the checkpoints"
     );
 }
+
+/// A trainer that died after publishing versions past its last checkpoint resumes above
+/// them: versions on the weights stream never go backwards, and the lost steps' groups are
+/// trained again in the surviving line (they were never acked).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn versions_continue_above_what_a_crashed_trainer_published() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = PolicyConfig::tiny(Architecture::Llama, 32);
+    let model = Policy::<InferBackend>::random(&cfg, 4, &Default::default()).unwrap();
+    model.save_hf(&dir.path().join("model")).unwrap();
+    let bus: SharedBus = Arc::new(MemoryBus::new());
+    let topo = Topology {
+        block_ms: 50,
+        ..Topology::default()
+    };
+    let payloads: Vec<Bytes> = (0..16)
+        .map(|i| Bytes::from(schema::encode(&scored(&model, i)).unwrap()))
+        .collect();
+    bus.publish(&topo.key("scored"), &payloads, None)
+        .await
+        .unwrap();
+    let tc = TrainConfig {
+        model: Some(dir.path().join("model")),
+        groups_per_step: 4,
+        checkpoint_every: 2,
+        checkpoint_dir: dir.path().join("ckpt"),
+        max_lag: 100,
+        steps: 3,
+        ..TrainConfig::default()
+    };
+    let never = || std::future::pending::<()>();
+    train::run(&tc, bus.clone(), &topo, Transport::Bus, never(), |_| {})
+        .await
+        .unwrap();
+    // The crash: step 3 was published, but its checkpoint never happened.
+    let ckpt = dir.path().join("ckpt");
+    std::fs::remove_dir_all(ckpt.join("step-00000003")).unwrap();
+    std::fs::write(ckpt.join("latest"), "step-00000002").unwrap();
+    let scored_key = topo.key("scored");
+    let stats = bus.stats(&scored_key).await.unwrap();
+    assert_eq!(stats.groups[0].pending, 0);
+
+    // Step 3's groups were acked by the clean stop above; a crash would have left them
+    // unacked. Offer them again (same group ids): the resumed trainer must train them.
+    bus.publish(&scored_key, &payloads[8..12], None)
+        .await
+        .unwrap();
+    let again = TrainConfig {
+        steps: 4,
+        ..tc.clone()
+    };
+    let resumed = train::run(&again, bus.clone(), &topo, Transport::Bus, never(), |_| {})
+        .await
+        .unwrap();
+    let announced: Vec<u64> = bus
+        .range(
+            &topo.key("weights"),
+            rlstream::bus::RangeBound::Open,
+            rlstream::bus::RangeBound::Open,
+            100,
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| {
+            schema::decode::<schema::WeightsAnnounce>(&e.payload)
+                .unwrap()
+                .version
+        })
+        .collect();
+    assert!(
+        announced.windows(2).all(|w| w[1] >= w[0]),
+        "versions went backwards: {announced:?}"
+    );
+    // 1, 2, 3 from the first run; the resumed checkpoint (step 2) republished as 4, then
+    // steps 3 and 4 of the surviving line as 5 and 6.
+    assert_eq!(announced, vec![1, 2, 3, 4, 5, 6]);
+    assert_eq!((resumed.steps, resumed.version), (4, 6));
+}

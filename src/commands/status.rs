@@ -117,9 +117,8 @@ async fn newest<M: schema::Message>(
     stream: &str,
     last: Option<EntryId>,
 ) -> Option<M> {
-    let last = last?;
     let entries = bus
-        .range(stream, RangeBound::Inclusive(last), RangeBound::Open, 1)
+        .range(stream, RangeBound::Inclusive(last?), RangeBound::Open, 1)
         .await
         .ok()?;
     schema::decode(&entries.first()?.payload).ok()

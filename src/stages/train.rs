@@ -601,6 +601,21 @@ pub async fn run(
         opts,
     )
     .await?;
+    // A trainer that died after its last checkpoint may have published versions whose
+    // steps are now lost; generators hold them and ignore anything not newer. Number on
+    // from above them, so versions never go backwards and generators take the resumed
+    // weights at once.
+    if let Some(newest) = crate::weights::newest_announce(bus.as_ref(), topo).await?
+        && newest.version > trainer.state.version
+    {
+        tracing::warn!(
+            checkpoint_version = trainer.state.version,
+            published = newest.version,
+            "versions past the checkpoint were published before a restart; continuing at {}",
+            newest.version + 1
+        );
+        trainer.state.version = newest.version + 1;
+    }
     if trainer.state.version > 0 {
         // Resumed: publish the checkpoint's weights so generators that start from the
         // initial model (or whose weights stream was trimmed) catch up instead of producing

@@ -16,7 +16,7 @@
 //! protocol is the same: the announce still goes on the weights stream, with the format
 //! [`IN_PROCESS_FORMAT`], and the follower still decides from it what to swap in.
 
-use crate::bus::{BusError, EntryId, SharedBus, Topology};
+use crate::bus::{BusError, EntryId, RangeBound, SharedBus, Topology};
 use crate::model::hf::{BLOB_FORMAT, TensorMap, checksum, tensors_checksum};
 use crate::model::{ModelError, Policy, PolicyConfig};
 use crate::schema::{self, CodecError, SchemaVersion, WeightsAnnounce, WeightsKind};
@@ -234,6 +234,24 @@ impl Publisher {
         }
         Ok(announce)
     }
+}
+
+/// The newest weights announce on the weights stream, if any. The last entry is the newest:
+/// versions only go up (see `stages::train::run` on resume).
+pub async fn newest_announce(
+    bus: &dyn crate::bus::Bus,
+    topo: &Topology,
+) -> Result<Option<WeightsAnnounce>, WeightsError> {
+    let stream = topo.key("weights");
+    let Some(last) = bus.stats(&stream).await?.last_id else {
+        return Ok(None);
+    };
+    let entries = bus
+        .range(&stream, RangeBound::Inclusive(last), RangeBound::Open, 1)
+        .await?;
+    Ok(entries
+        .first()
+        .and_then(|e| schema::decode::<WeightsAnnounce>(&e.payload).ok()))
 }
 
 /// Fetches and verifies the blob of an announce.

@@ -240,7 +240,7 @@ async fn four_processes_learn_together() {
     let dropped_set: HashSet<&String> = dropped.iter().map(|(g, _)| g).collect();
     let prompts = all::<Prompt>(&bus, &format!("{ns}:prompts")).await;
     assert_eq!(prompts.len(), total);
-    let in_flight = pending_groups(&bus, &ns, &prompts).await;
+    let in_flight = common::pending_groups(&bus, &ns, &prompts).await;
     let mut counts: HashMap<&str, usize> = HashMap::new();
     for (id, p) in &prompts {
         let group = format!("{}@{}", p.prompt_id, id);
@@ -261,81 +261,4 @@ async fn four_processes_learn_together() {
     );
     assert!(counts["trained"] >= total / 2, "{counts:?}");
     common::drop_namespace(&ns).await;
-}
-
-/// Group ids (and prompt entry ids) of work still pending anywhere in the pipeline.
-async fn pending_groups(
-    bus: &SharedBus,
-    ns: &str,
-    prompts: &[(EntryId, Prompt)],
-) -> HashSet<String> {
-    let mut out = HashSet::new();
-    // Prompts not delivered to the generators, or delivered and not acked.
-    let stats = bus.stats(&format!("{ns}:prompts")).await.unwrap();
-    let g = stats.groups.iter().find(|g| g.name == "gen").unwrap();
-    let mut pending_ids: HashSet<EntryId> = HashSet::new();
-    for (stream, group) in [
-        ("prompts", "gen"),
-        ("rollouts", "score"),
-        ("scored", "train"),
-    ] {
-        pending_ids.extend(pending(ns, stream, group).await);
-    }
-    for (id, _) in prompts {
-        if *id > g.last_delivered || pending_ids.contains(id) {
-            out.insert(id.to_string());
-        }
-    }
-    // Rollouts not yet scored and scored groups not yet acked by the trainer.
-    for (stream, group) in [("rollouts", "score"), ("scored", "train")] {
-        let s = bus.stats(&format!("{ns}:{stream}")).await.unwrap();
-        let last = s
-            .groups
-            .iter()
-            .find(|x| x.name == group)
-            .map(|x| x.last_delivered)
-            .unwrap_or_default();
-        for e in bus
-            .range(
-                &format!("{ns}:{stream}"),
-                RangeBound::Open,
-                RangeBound::Open,
-                1_000_000,
-            )
-            .await
-            .unwrap()
-        {
-            if e.id > last || pending_ids.contains(&e.id) {
-                let group_id = match stream {
-                    "rollouts" => schema::decode::<RolloutGroup>(&e.payload).unwrap().group_id,
-                    _ => {
-                        schema::decode::<rlstream::schema::ScoredGroup>(&e.payload)
-                            .unwrap()
-                            .rollout
-                            .group_id
-                    }
-                };
-                out.insert(group_id);
-            }
-        }
-    }
-    out
-}
-
-/// Entry ids pending in a consumer group (XPENDING).
-async fn pending(ns: &str, stream: &str, group: &str) -> HashSet<EntryId> {
-    let client = redis::Client::open(common::redis_url()).unwrap();
-    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
-    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
-        .arg(format!("{ns}:{stream}"))
-        .arg(group)
-        .arg("-")
-        .arg("+")
-        .arg(1_000_000)
-        .query_async(&mut conn)
-        .await
-        .unwrap_or_default();
-    rows.into_iter()
-        .filter_map(|(id, ..)| id.parse().ok())
-        .collect()
 }

@@ -1,11 +1,14 @@
 //! Helpers shared by the integration tests: a real Redis on loopback and unique namespaces.
 #![allow(dead_code)]
 
-use rlstream::bus::{RedisBus, SharedBus};
+use rlstream::bus::{EntryId, RangeBound, RedisBus, SharedBus};
 use rlstream::model::sampler::{Generator, Request};
 use rlstream::model::{InferBackend, Policy};
-use rlstream::schema::{RolloutGroup, Sample, SamplingParams, SchemaVersion, ScoredGroup};
+use rlstream::schema::{
+    self as schema_mod, Prompt, RolloutGroup, Sample, SamplingParams, SchemaVersion, ScoredGroup,
+};
 use rlstream::stages::score::{AdvantageKind, advantages};
+use std::collections::HashSet;
 use std::path::Path;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Arc;
@@ -127,6 +130,14 @@ pub fn run_ok(args: &[&str]) -> String {
 pub struct Proc(Option<Child>);
 
 impl Proc {
+    /// SIGKILL, and reap.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.0.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
     /// The exit status, if the process has exited.
     pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
         self.0.as_mut().and_then(|c| c.try_wait().ok().flatten())
@@ -267,4 +278,85 @@ pub fn start_redis(dir: &Path, port: u16, extra: &[&str]) -> Redis {
         std::thread::sleep(Duration::from_millis(50));
     }
     Redis(child)
+}
+
+/// Group ids (and prompt entry ids) of work still pending anywhere in the pipeline.
+pub async fn pending_groups(
+    bus: &SharedBus,
+    ns: &str,
+    prompts: &[(EntryId, Prompt)],
+) -> HashSet<String> {
+    let mut out = HashSet::new();
+    // Prompts not delivered to the generators, or delivered and not acked.
+    let stats = bus.stats(&format!("{ns}:prompts")).await.unwrap();
+    let g = stats.groups.iter().find(|g| g.name == "gen").unwrap();
+    let mut pending_ids: HashSet<EntryId> = HashSet::new();
+    for (stream, group) in [
+        ("prompts", "gen"),
+        ("rollouts", "score"),
+        ("scored", "train"),
+    ] {
+        pending_ids.extend(pending(ns, stream, group).await);
+    }
+    for (id, _) in prompts {
+        if *id > g.last_delivered || pending_ids.contains(id) {
+            out.insert(id.to_string());
+        }
+    }
+    // Rollouts not yet scored and scored groups not yet acked by the trainer.
+    for (stream, group) in [("rollouts", "score"), ("scored", "train")] {
+        let s = bus.stats(&format!("{ns}:{stream}")).await.unwrap();
+        let last = s
+            .groups
+            .iter()
+            .find(|x| x.name == group)
+            .map(|x| x.last_delivered)
+            .unwrap_or_default();
+        for e in bus
+            .range(
+                &format!("{ns}:{stream}"),
+                RangeBound::Open,
+                RangeBound::Open,
+                1_000_000,
+            )
+            .await
+            .unwrap()
+        {
+            if e.id > last || pending_ids.contains(&e.id) {
+                let group_id = match stream {
+                    "rollouts" => {
+                        schema_mod::decode::<RolloutGroup>(&e.payload)
+                            .unwrap()
+                            .group_id
+                    }
+                    _ => {
+                        schema_mod::decode::<ScoredGroup>(&e.payload)
+                            .unwrap()
+                            .rollout
+                            .group_id
+                    }
+                };
+                out.insert(group_id);
+            }
+        }
+    }
+    out
+}
+
+/// Entry ids pending in a consumer group (XPENDING).
+pub async fn pending(ns: &str, stream: &str, group: &str) -> HashSet<EntryId> {
+    let client = redis::Client::open(redis_url()).unwrap();
+    let mut conn = client.get_multiplexed_async_connection().await.unwrap();
+    let rows: Vec<(String, String, u64, u64)> = redis::cmd("XPENDING")
+        .arg(format!("{ns}:{stream}"))
+        .arg(group)
+        .arg("-")
+        .arg("+")
+        .arg(1_000_000)
+        .query_async(&mut conn)
+        .await
+        .unwrap_or_default();
+    rows.into_iter()
+        .filter_map(|(id, ..)| id.parse().ok())
+        .collect()
 }

@@ -169,7 +169,7 @@ async fn kill_any_stage_lose_nothing() {
     let seed: u64 = std::env::var("RLSTREAM_CHAOS_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
-        .unwrap_or(0x5EED_C4A0_5);
+        .unwrap_or(0x0005_EEDC_4A05);
     eprintln!("chaos seed {seed} (RLSTREAM_CHAOS_SEED={seed} repeats the schedule)");
     let mut rng = Rng(seed.max(1));
     let dir = tempfile::tempdir().expect("tmp");

@@ -1,11 +1,12 @@
-//! Redis AUTH through the URL, against a real redis-server started with `requirepass`:
+//! Redis AUTH and ACL users through the URL, against real redis-servers started with
+//! `requirepass` and with the shipped ACL file:
 //! the right password works for stages and tools, a wrong or missing one stops them at once
 //! with a message that says how to give credentials, and the password never appears in
 //! output.
 
 mod common;
 
-use common::{bin, free_port, start_redis};
+use common::{bin, free_port, interrupt, spawn, start_redis};
 
 #[test]
 fn credentials_come_from_the_url() {
@@ -51,4 +52,98 @@ fn credentials_come_from_the_url() {
         assert!(err.contains("redis://:PASSWORD@HOST:PORT"), "{why}: {err}");
         assert!(!err.contains("s3cret-pw"), "{why}: {err}");
     }
+}
+
+/// The shipped ACL (`ops/users.acl.example`): each stage, as its own user, runs the
+/// pipeline; a stage cannot write another stage's stream, and the error says so.
+#[test]
+fn each_stage_runs_under_its_acl_user_and_no_further() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let acl = std::fs::read_to_string(concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/ops/users.acl.example"
+    ))
+    .expect("ops/users.acl.example")
+    .replace("CHANGE-ME-", "pw-");
+    let acl_path = dir.path().join("users.acl");
+    std::fs::write(&acl_path, acl).expect("write acl");
+    let port = free_port();
+    let _redis = start_redis(
+        dir.path(),
+        port,
+        &["--aclfile", acl_path.to_str().expect("utf-8")],
+    );
+    let url = |user: &str| format!("redis://{user}:pw-{user}@127.0.0.1:{port}");
+    let model = dir.path().join("model");
+    let m = model.to_str().expect("utf-8");
+    let ok = |args: &[&str]| {
+        let out = bin().args(args).output().expect("run");
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    ok(&["sft", "--task", "sort", "--out", m, "--steps", "20"]);
+    ok(&[
+        "feed",
+        "--redis",
+        &url("feed"),
+        "--task",
+        "sort",
+        "--count",
+        "200",
+    ]);
+    let log = |n: &str| dir.path().join(format!("{n}.log"));
+    let generator = spawn(
+        &[
+            "gen",
+            "--redis",
+            &url("gen"),
+            "--model",
+            m,
+            "--max-new-tokens",
+            "9",
+        ]
+        .map(str::to_string),
+        &log("gen"),
+    );
+    let score = spawn(
+        &["score", "--redis", &url("score")].map(str::to_string),
+        &log("score"),
+    );
+    let ckpt = dir.path().join("ckpt");
+    let trained = ok(&[
+        "train",
+        "--redis",
+        &url("train"),
+        "--model",
+        m,
+        "--steps",
+        "3",
+        "--checkpoint-dir",
+        ckpt.to_str().expect("utf-8"),
+    ]);
+    assert!(trained.starts_with("trained 3 steps"), "{trained}");
+    interrupt(generator, "gen", &log("gen"));
+    interrupt(score, "score", &log("score"));
+    let status = ok(&["status", "--redis", &url("watch")]);
+    assert!(status.contains("rl:scored"), "{status}");
+    // The read-only user cannot write a stream.
+    let out = bin()
+        .args([
+            "feed",
+            "--redis",
+            &url("watch"),
+            "--task",
+            "sort",
+            "--count",
+            "1",
+        ])
+        .output()
+        .expect("run");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "the watch user fed prompts");
+    assert!(err.contains("no permissions"), "{err}");
 }

@@ -76,3 +76,33 @@ fn a_step_raises_good_completions_and_lowers_bad_ones() {
         );
     }
 }
+
+/// A group whose advantages are not finite (only reachable by building messages by hand:
+/// the decoder refuses them) makes the loss NaN: the step is skipped and the weights stay.
+#[test]
+fn a_nan_loss_skips_the_step_and_keeps_the_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = PolicyConfig::tiny(Architecture::Llama, 32);
+    let model = Policy::<InferBackend>::random(&cfg, 8, &Default::default()).unwrap();
+    model.save_hf(&dir.path().join("model")).unwrap();
+    let mut g = group(&model);
+    g.advantages[3] = f32::NAN;
+    let tc = TrainConfig {
+        model: Some(dir.path().join("model")),
+        lr: 1e-2,
+        checkpoint_dir: dir.path().join("ckpt"),
+        ..TrainConfig::default()
+    };
+    let mut trainer = Trainer::start(&tc).unwrap();
+    let before = trainer.weights_blob().unwrap();
+    let stats = trainer.step(&[&g]);
+    assert!(stats.skipped, "{stats:?}");
+    assert!(!stats.loss.is_finite());
+    assert_eq!(trainer.weights_blob().unwrap(), before, "weights changed");
+    assert_eq!((trainer.state.version, trainer.state.step), (0, 0));
+    // A good group afterwards trains normally.
+    let good = group(&model);
+    let stats = trainer.step(&[&good]);
+    assert!(!stats.skipped && stats.loss.is_finite());
+    assert_eq!(trainer.state.version, 1);
+}

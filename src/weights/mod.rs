@@ -96,7 +96,24 @@ pub enum WeightsError {
     },
     #[error("weights version {version}: format `{format}` is not {BLOB_FORMAT}")]
     Format { version: u64, format: String },
+    #[error(
+        "weights version {version}: announced {bytes} bytes in {chunks} chunks, which no real model has (limits: {MAX_WEIGHTS_BYTES} bytes, {MAX_CHUNKS} chunks); not fetched"
+    )]
+    Implausible {
+        version: u64,
+        bytes: u64,
+        chunks: u32,
+    },
 }
+
+/// Largest weights blob a follower fetches (1 TiB): an announce claiming more is refused
+/// before anything is allocated, so a hostile or corrupt announce cannot exhaust memory.
+pub const MAX_WEIGHTS_BYTES: u64 = 1 << 40;
+/// Most chunks a follower fetches.
+pub const MAX_CHUNKS: u32 = 1 << 20;
+/// Most bytes reserved up front while assembling a blob (it grows past this as chunks
+/// arrive).
+const PREALLOC_LIMIT: u64 = 256 << 20;
 
 /// Writes versions to the bus.
 pub struct Publisher {
@@ -266,11 +283,19 @@ pub async fn fetch(
             format: a.format.clone(),
         });
     }
+    if a.bytes > MAX_WEIGHTS_BYTES || a.chunks > MAX_CHUNKS || u64::from(a.chunks) > a.bytes.max(1)
+    {
+        return Err(WeightsError::Implausible {
+            version: a.version,
+            bytes: a.bytes,
+            chunks: a.chunks,
+        });
+    }
     let keys: Vec<String> = (0..a.chunks)
         .map(|c| topo.weights_chunk_key(a.version, c))
         .collect();
     let parts = bus.get_blobs(&keys).await?;
-    let mut blob = Vec::with_capacity(a.bytes as usize);
+    let mut blob = Vec::with_capacity(a.bytes.min(PREALLOC_LIMIT) as usize);
     for (i, p) in parts.into_iter().enumerate() {
         let p = p.ok_or(WeightsError::MissingChunk {
             version: a.version,
@@ -418,7 +443,8 @@ where
                 e @ (WeightsError::Checksum { .. }
                 | WeightsError::Size { .. }
                 | WeightsError::MissingChunk { .. }
-                | WeightsError::Format { .. }),
+                | WeightsError::Format { .. }
+                | WeightsError::Implausible { .. }),
             ) => {
                 self.reject();
                 tracing::error!(version = a.version, error = %e, "rejected new weights; keeping version {current}");

@@ -255,7 +255,9 @@ impl Drop for Redis {
 /// redis-server on `port` with AOF (`appendfsync always`) in `dir`, plus `extra` arguments;
 /// waits until it accepts connections.
 pub fn start_redis(dir: &Path, port: u16, extra: &[&str]) -> Redis {
-    let child = Command::new("redis-server")
+    let log_path = dir.join(format!("redis-{port}.log"));
+    let log = std::fs::File::create(&log_path).expect("redis log");
+    let mut child = Command::new("redis-server")
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args([
             "--appendonly",
@@ -268,12 +270,18 @@ pub fn start_redis(dir: &Path, port: u16, extra: &[&str]) -> Redis {
         .arg("--dir")
         .arg(dir)
         .args(extra)
-        .stdout(Stdio::null())
+        .stdout(log)
         .stderr(Stdio::null())
         .spawn()
         .expect("redis-server is needed (.ci/run installs it)");
     let deadline = Instant::now() + Duration::from_secs(20);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        if let Ok(Some(status)) = child.try_wait() {
+            panic!(
+                "redis-server exited ({status}):\n{}",
+                std::fs::read_to_string(&log_path).unwrap_or_default()
+            );
+        }
         assert!(Instant::now() < deadline, "redis-server did not start");
         std::thread::sleep(Duration::from_millis(50));
     }

@@ -1,0 +1,157 @@
+//! Bad input at a running stage (the real `score` binary on a real Redis): a malformed
+//! MessagePack entry, a newer schema major version, a log-prob/token length mismatch, a
+//! NaN log-prob and a message over the topology's size limit. Each goes to the dead-letter
+//! stream with its reason, the original bytes and where it came from, and is counted in
+//! `rlstream_dead_letters_total`; the good groups before and after are scored, and the
+//! stage keeps running.
+
+mod common;
+
+use bytes::Bytes;
+use common::{free_addr, interrupt, scrape, spawn};
+use rlstream::bus::RangeBound;
+use rlstream::schema::{self, DeadLetter, RolloutGroup, SchemaVersion, examples};
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+fn encoded(g: &RolloutGroup) -> Bytes {
+    Bytes::from(schema::encode(g).expect("encode"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scorer_dead_letters_each_bad_message_and_keeps_going() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let ns = common::unique_ns("badinput");
+    let url = common::redis_url();
+    let topology = dir.path().join("topology.toml");
+    std::fs::write(
+        &topology,
+        rlstream::bus::topology::DEFAULT_TOPOLOGY
+            .replace("max_message_bytes = 67108864", "max_message_bytes = 65536")
+            .replace("block_ms = 1000", "block_ms = 200"),
+    )
+    .expect("topology");
+    let good = |id: &str| {
+        let mut g = examples::rollout_group(4, 6, 32, 0);
+        g.group_id = id.to_string();
+        g
+    };
+    let mut newer = good("newer");
+    newer.schema = SchemaVersion { major: 2, minor: 0 };
+    let mut short = good("short");
+    short.samples[1].logprobs.0.pop();
+    let mut nan = good("nan");
+    nan.samples[0].logprobs.0[2] = f32::NAN;
+    let mut huge = good("huge");
+    huge.meta.insert("padding".into(), "x".repeat(100_000));
+    let entries = vec![
+        encoded(&good("first")),
+        Bytes::from_static(b"\x92\xc1\xc1 not msgpack"),
+        encoded(&newer),
+        encoded(&short),
+        encoded(&nan),
+        encoded(&huge),
+        encoded(&good("last")),
+    ];
+    let bus = common::redis_bus().await;
+    bus.publish(&format!("{ns}:rollouts"), &entries, None)
+        .await
+        .expect("publish");
+
+    let metrics = free_addr();
+    let log = dir.path().join("score.log");
+    let score = spawn(
+        &[
+            "score",
+            "--redis",
+            &url,
+            "--namespace",
+            &ns,
+            "--topology",
+            topology.to_str().expect("utf-8"),
+            "--metrics-addr",
+            &metrics,
+        ]
+        .map(str::to_string),
+        &log,
+    );
+    let deadline = Instant::now() + Duration::from_secs(60);
+    loop {
+        let scored = bus
+            .stats(&format!("{ns}:scored"))
+            .await
+            .expect("stats")
+            .length;
+        let dead = bus
+            .stats(&format!("{ns}:dead"))
+            .await
+            .expect("stats")
+            .length;
+        if scored == 2 && dead == 5 {
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "scored {scored}, dead {dead}:\n{}",
+            std::fs::read_to_string(&log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let letters: Vec<DeadLetter> = bus
+        .range(
+            &format!("{ns}:dead"),
+            RangeBound::Open,
+            RangeBound::Open,
+            100,
+        )
+        .await
+        .expect("range")
+        .iter()
+        .map(|e| schema::decode::<DeadLetter>(&e.payload).expect("a dead letter"))
+        .collect();
+    let mut reasons = Vec::new();
+    for (letter, original) in letters.iter().zip(&entries[1..6]) {
+        assert_eq!(letter.source_stream, format!("{ns}:rollouts"));
+        assert_eq!(
+            (letter.group.as_str(), letter.consumer.as_str()),
+            ("score", "score-0")
+        );
+        assert_eq!(&letter.payload[..], &original[..], "original bytes kept");
+        assert!(!letter.error.is_empty());
+        reasons.push(letter.reason.clone());
+    }
+    let errors: Vec<&str> = letters.iter().map(|l| l.error.as_str()).collect();
+    for (i, want) in [
+        (1, "schema"),
+        (2, "expected 6 values, found 5"),
+        (3, "NaN is not finite"),
+        (4, "65536"),
+    ] {
+        assert!(errors[i].contains(want), "letter {i}: {}", errors[i]);
+    }
+    // Counted by reason.
+    let text = scrape(&metrics);
+    let mut counted: BTreeMap<String, f64> = BTreeMap::new();
+    for line in text
+        .lines()
+        .filter(|l| l.starts_with("rlstream_dead_letters_total{"))
+    {
+        if let (Some(start), Some((_, v))) = (line.find("reason=\""), line.rsplit_once(' ')) {
+            let reason = line[start + 8..].split('"').next().unwrap_or_default();
+            *counted.entry(reason.to_string()).or_default() += v.parse::<f64>().unwrap_or(0.0);
+        }
+    }
+    let mut expected: BTreeMap<String, f64> = BTreeMap::new();
+    for r in &reasons {
+        *expected.entry(r.clone()).or_default() += 1.0;
+    }
+    assert_eq!(counted, expected, "{text}");
+    // Still running, and stops cleanly.
+    let out = interrupt(score, "score", &log);
+    assert!(
+        String::from_utf8_lossy(&out.stdout).starts_with("scored 2 groups"),
+        "{}",
+        String::from_utf8_lossy(&out.stdout)
+    );
+    common::drop_namespace(&ns).await;
+}

@@ -136,3 +136,50 @@ async fn in_process_transport_hands_over_tensors_under_the_same_protocol() {
     assert_eq!(other.rejected, 1);
     assert_eq!(other_slot.load().version, 0);
 }
+
+/// A version with a valid checksum but the wrong shapes (a model of another width), and an
+/// announce that claims an impossible size: both rejected, the generator keeps version 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn wrong_shapes_and_implausible_announces_are_rejected() {
+    let bus: SharedBus = Arc::new(MemoryBus::new());
+    let topo = Topology::default();
+    let slot = fresh_slot();
+    let mut f = follower(&bus, &slot, Transport::Bus);
+    let mut publisher = Publisher::new(bus.clone(), topo.clone(), 4);
+    let v1 = policy(1);
+    publisher
+        .publish(1, 1, &v1.to_bytes().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(f.poll(WAIT).await.unwrap(), Some(1));
+
+    let wider =
+        Policy::<InferBackend>::random(&task_config(32, 1), 2, &Default::default()).unwrap();
+    publisher
+        .publish(2, 2, &wider.to_bytes().unwrap())
+        .await
+        .unwrap();
+    assert_eq!(f.poll(WAIT).await.unwrap(), None);
+    assert_eq!(f.rejected, 1);
+
+    let mut huge = rlstream::schema::examples::weights_announce();
+    huge.version = 3;
+    huge.format = "safetensors-f32".into();
+    huge.bytes = u64::MAX;
+    huge.chunks = u32::MAX;
+    bus.publish(
+        &topo.key("weights"),
+        &[Bytes::from(schema::encode(&huge).unwrap())],
+        None,
+    )
+    .await
+    .unwrap();
+    assert_eq!(f.poll(WAIT).await.unwrap(), None);
+    assert_eq!(f.rejected, 2);
+    assert_eq!(slot.load().version, 1);
+    assert_eq!(slot.load().policy.to_tensors(), v1.to_tensors());
+    let err = rlstream::weights::fetch(&bus, &topo, &huge)
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("which no real model has"), "{err}");
+}

@@ -6,7 +6,7 @@
 
 mod common;
 
-use common::{bin, free_port, interrupt, spawn, start_redis};
+use common::{bin, free_port, interrupt, run_ok, spawn, start_redis};
 
 #[test]
 fn credentials_come_from_the_url() {
@@ -76,17 +76,8 @@ fn each_stage_runs_under_its_acl_user_and_no_further() {
     let url = |user: &str| format!("redis://{user}:pw-{user}@127.0.0.1:{port}");
     let model = dir.path().join("model");
     let m = model.to_str().expect("utf-8");
-    let ok = |args: &[&str]| {
-        let out = bin().args(args).output().expect("run");
-        assert!(
-            out.status.success(),
-            "{args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        String::from_utf8_lossy(&out.stdout).into_owned()
-    };
-    ok(&["sft", "--task", "sort", "--out", m, "--steps", "20"]);
-    ok(&[
+    run_ok(&["sft", "--task", "sort", "--out", m, "--steps", "20"]);
+    run_ok(&[
         "feed",
         "--redis",
         &url("feed"),
@@ -114,7 +105,7 @@ fn each_stage_runs_under_its_acl_user_and_no_further() {
         &log("score"),
     );
     let ckpt = dir.path().join("ckpt");
-    let trained = ok(&[
+    let trained = run_ok(&[
         "train",
         "--redis",
         &url("train"),
@@ -128,7 +119,7 @@ fn each_stage_runs_under_its_acl_user_and_no_further() {
     assert!(trained.starts_with("trained 3 steps"), "{trained}");
     interrupt(generator, "gen", &log("gen"));
     interrupt(score, "score", &log("score"));
-    let status = ok(&["status", "--redis", &url("watch")]);
+    let status = run_ok(&["status", "--redis", &url("watch")]);
     assert!(status.contains("rl:scored"), "{status}");
     // The read-only user cannot write a stream.
     let out = bin()

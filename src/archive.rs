@@ -30,8 +30,8 @@ use xxhash_rust::xxh3::Xxh3;
 
 pub const FORMAT: &str = "rlstream-archive";
 pub const VERSION: u32 = 1;
-/// Entries read from or written to the bus per round trip.
-const PAGE: usize = 1000;
+/// Entries written to the bus per round trip by [`load`].
+const PAGE: usize = crate::bus::SCAN_PAGE;
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Header {
@@ -321,20 +321,22 @@ pub async fn dump(
     let mut w = Writer::new(BufWriter::new(file), streams, &shown)?;
     let mut moved = Moved::default();
     for name in streams {
-        let key = topo.key(name);
-        let mut start = from;
         let mut n = 0u64;
-        loop {
-            let page = bus.range(&key, start, to, PAGE).await?;
-            for e in &page {
-                w.write(name, e.id, &e.payload)?;
+        let mut failed = None;
+        crate::bus::scan(bus, &topo.key(name), from, to, |page| {
+            for e in page {
+                if let Err(err) = w.write(name, e.id, &e.payload) {
+                    failed = Some(err);
+                    return false;
+                }
             }
             n += page.len() as u64;
             progress(name, moved.entries + n);
-            match page.last() {
-                Some(last) if page.len() == PAGE => start = RangeBound::Exclusive(last.id),
-                _ => break,
-            }
+            true
+        })
+        .await?;
+        if let Some(err) = failed {
+            return Err(err);
         }
         moved.streams.push((name.clone(), n));
         moved.entries += n;

@@ -643,7 +643,6 @@ async fn dispatch(command: Command) -> Result<()> {
             to,
             out,
         } => {
-            use rlstream::commands::replay::parse_point;
             if out.exists() {
                 bail!("{} exists: dump never overwrites an archive", out.display());
             }
@@ -661,16 +660,8 @@ async fn dispatch(command: Command) -> Result<()> {
                     );
                 }
             }
-            let from = from
-                .as_deref()
-                .map(parse_point)
-                .transpose()?
-                .map_or(RangeBound::Open, RangeBound::Inclusive);
-            let to = to
-                .as_deref()
-                .map(parse_point)
-                .transpose()?
-                .map_or(RangeBound::Open, RangeBound::Inclusive);
+            let from = point_bound(from.as_deref())?;
+            let to = point_bound(to.as_deref())?;
             let bar = counter_bar("dumping");
             let moved =
                 rlstream::archive::dump(bus.as_ref(), &topo, &streams, from, to, &out, |s, n| {
@@ -995,7 +986,7 @@ fn parse_duration(s: &str) -> Result<std::time::Duration> {
 }
 
 async fn replay_command(a: ReplayArgs) -> Result<()> {
-    use rlstream::commands::replay::{self, ReadOptions, RetrainOptions, Source, parse_point};
+    use rlstream::commands::replay::{self, ReadOptions, RetrainOptions, Source};
     let source = match &a.archive {
         Some(path) => Source::Archive(path.clone()),
         None => {
@@ -1003,17 +994,8 @@ async fn replay_command(a: ReplayArgs) -> Result<()> {
             Source::Bus { bus, topo }
         }
     };
-    let from = a
-        .from
-        .as_deref()
-        .map(parse_point)
-        .transpose()?
-        .map_or(RangeBound::Open, RangeBound::Inclusive);
-    let to =
-        a.to.as_deref()
-            .map(parse_point)
-            .transpose()?
-            .map_or(RangeBound::Open, RangeBound::Inclusive);
+    let from = point_bound(a.from.as_deref())?;
+    let to = point_bound(a.to.as_deref())?;
     if a.train {
         let Some(checkpoint) = a.checkpoint.clone() else {
             bail!("--train needs --checkpoint DIR (a step-* directory the trainer wrote)");
@@ -1096,4 +1078,13 @@ fn tempfile_dir() -> Result<PathBuf> {
     ));
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     Ok(dir)
+}
+
+/// `--from` / `--to`: an inclusive bound at an id or time (see `replay::parse_point`), or
+/// open when not given.
+fn point_bound(point: Option<&str>) -> Result<RangeBound> {
+    Ok(point
+        .map(rlstream::commands::replay::parse_point)
+        .transpose()?
+        .map_or(RangeBound::Open, RangeBound::Inclusive))
 }

@@ -72,18 +72,25 @@ async fn target(bus: &dyn Bus, key: &str, keep: Keep) -> Result<Option<EntryId>,
             }
             // Walk to the (len − n)-th entry: the first one kept.
             let mut skip = len - n;
-            let mut start = RangeBound::Open;
-            loop {
-                let page = bus.range(key, start, RangeBound::Open, 1000).await?;
-                let Some(last) = page.last() else {
-                    return Ok(None);
-                };
-                if (page.len() as u64) > skip {
-                    return Ok(Some(page[skip as usize].id));
-                }
-                skip -= page.len() as u64;
-                start = RangeBound::Exclusive(last.id);
-            }
+            let mut first_kept = None;
+            crate::bus::scan(
+                bus,
+                key,
+                RangeBound::Open,
+                RangeBound::Open,
+                |page| match page.get(skip as usize) {
+                    Some(e) => {
+                        first_kept = Some(e.id);
+                        false
+                    }
+                    None => {
+                        skip -= page.len() as u64;
+                        true
+                    }
+                },
+            )
+            .await?;
+            Ok(first_kept)
         }
     }
 }

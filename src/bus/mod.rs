@@ -85,6 +85,31 @@ pub struct DeadLetterRecord {
     pub letter: Bytes,
 }
 
+/// Entries read per round trip by [`scan`].
+pub const SCAN_PAGE: usize = 1000;
+
+/// Reads `stream` between the bounds in id order, a page of [`SCAN_PAGE`] entries per round
+/// trip, handing each page to `visit` until it returns false or the range ends.
+pub async fn scan(
+    bus: &dyn Bus,
+    stream: &str,
+    from: RangeBound,
+    to: RangeBound,
+    mut visit: impl FnMut(&[Entry]) -> bool,
+) -> BusResult<()> {
+    let mut start = from;
+    loop {
+        let page = bus.range(stream, start, to, SCAN_PAGE).await?;
+        if !visit(&page) {
+            return Ok(());
+        }
+        match page.last() {
+            Some(last) if page.len() == SCAN_PAGE => start = RangeBound::Exclusive(last.id),
+            _ => return Ok(()),
+        }
+    }
+}
+
 /// The shared handle stages hold.
 pub type SharedBus = Arc<dyn Bus>;
 

@@ -52,20 +52,11 @@ impl Source {
     ) -> Result<(), ReplayError> {
         match self {
             Source::Bus { bus, topo } => {
-                let key = topo.key(stream);
-                let mut start = from;
-                loop {
-                    let page = bus.range(&key, start, to, 1000).await?;
-                    for e in &page {
-                        if !visit(e.id, &e.payload) {
-                            return Ok(());
-                        }
-                    }
-                    match page.last() {
-                        Some(last) if page.len() == 1000 => start = RangeBound::Exclusive(last.id),
-                        _ => return Ok(()),
-                    }
-                }
+                crate::bus::scan(bus.as_ref(), &topo.key(stream), from, to, |page| {
+                    page.iter().all(|e| visit(e.id, &e.payload))
+                })
+                .await?;
+                Ok(())
             }
             Source::Archive(path) => {
                 let reader = archive::Reader::open(path)?;

@@ -44,6 +44,13 @@ pub struct Config {
     /// How long, in seconds, a stage keeps retrying while Redis is unreachable (a restart,
     /// a network blip) before it stops with an error [default: 300].
     pub redis_patience_s: Option<u64>,
+    /// PEM file of the CA that signed the Redis server's certificate (`rediss://` URLs);
+    /// without it the system's trusted roots (or `SSL_CERT_FILE`) are used.
+    pub redis_tls_ca: Option<PathBuf>,
+    /// PEM client certificate, for a Redis with `tls-auth-clients yes`.
+    pub redis_tls_cert: Option<PathBuf>,
+    /// PEM private key of `redis_tls_cert`.
+    pub redis_tls_key: Option<PathBuf>,
     /// Key prefix; overrides the topology's.
     pub namespace: Option<String>,
     /// Stream topology file; the shipped default when absent.

@@ -2,7 +2,9 @@
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand, ValueEnum};
-use rlstream::bus::{MemoryBus, RangeBound, RedisBus, Resilient, SharedBus, Topology};
+use rlstream::bus::{
+    MemoryBus, RangeBound, RedisBus, RedisOptions, Resilient, SharedBus, TlsFiles, Topology,
+};
 use rlstream::commands::generate::{self, GenerateOptions};
 use rlstream::commands::run::{self, RunOptions};
 use rlstream::commands::sft::{self, SftOptions};
@@ -37,6 +39,15 @@ struct Common {
     /// Redis URL [default: redis://127.0.0.1:6379; `run` uses its embedded bus unless given].
     #[arg(long)]
     redis: Option<String>,
+    /// PEM CA certificate of a `rediss://` server [default: the system's trusted roots].
+    #[arg(long, value_name = "FILE")]
+    redis_tls_ca: Option<PathBuf>,
+    /// PEM client certificate, for a Redis with `tls-auth-clients yes` (with --redis-tls-key).
+    #[arg(long, value_name = "FILE")]
+    redis_tls_cert: Option<PathBuf>,
+    /// PEM private key of --redis-tls-cert.
+    #[arg(long, value_name = "FILE")]
+    redis_tls_key: Option<PathBuf>,
     /// Key prefix of every stream [default: the topology's, `rl`].
     #[arg(long)]
     namespace: Option<String>,
@@ -481,6 +492,9 @@ async fn shutdown_signal() {
 fn load_common(common: &Common, base: &Config) -> Result<(Config, Topology)> {
     let mut cfg = Config::load_over(base, common.config.as_deref())?;
     apply!(cfg.redis => common.redis.clone().map(Some::<String>),
+           cfg.redis_tls_ca => common.redis_tls_ca.clone().map(Some::<PathBuf>),
+           cfg.redis_tls_cert => common.redis_tls_cert.clone().map(Some::<PathBuf>),
+           cfg.redis_tls_key => common.redis_tls_key.clone().map(Some::<PathBuf>),
            cfg.namespace => common.namespace.clone().map(Some::<String>),
            cfg.topology => common.topology.clone().map(Some::<PathBuf>),
            cfg.metrics_addr => common.metrics_addr.clone().map(Some::<String>));
@@ -499,7 +513,15 @@ fn load_common(common: &Common, base: &Config) -> Result<(Config, Topology)> {
 /// Redis that cannot be reached at start is an error at once.
 async fn connect_redis(url: &str, cfg: &Config) -> Result<SharedBus> {
     let patience = std::time::Duration::from_secs(cfg.redis_patience_s.unwrap_or(300));
-    let redis: SharedBus = Arc::new(RedisBus::connect(url).await?);
+    let opts = RedisOptions {
+        tls: TlsFiles {
+            ca: cfg.redis_tls_ca.clone(),
+            cert: cfg.redis_tls_cert.clone(),
+            key: cfg.redis_tls_key.clone(),
+        },
+        ..RedisOptions::default()
+    };
+    let redis: SharedBus = Arc::new(RedisBus::connect_with(url, opts).await?);
     Ok(Arc::new(Resilient::new(redis, patience)))
 }
 

@@ -603,6 +603,25 @@ macro_rules! conformance {
                 }
             )*
         }
+        /// The same cases on a redis-server that speaks only TLS and asks for a client
+        /// certificate.
+        mod redis_tls {
+            use super::*;
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $case() {
+                    let server = common::start_tls_redis(true);
+                    let opts = rlstream::bus::RedisOptions {
+                        tls: server.pki.client_files(),
+                        ..Default::default()
+                    };
+                    let bus = rlstream::bus::RedisBus::connect_with(&server.url, opts)
+                        .await
+                        .expect("TLS redis");
+                    super::$case(Arc::new(bus), "tls").await;
+                }
+            )*
+        }
     };
 }
 

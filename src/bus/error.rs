@@ -12,7 +12,7 @@ pub enum RetryHint {
 #[derive(Debug, thiserror::Error)]
 pub enum BusError {
     #[error(
-        "cannot reach Redis at {url}: {source}. Is redis-server running there? (start one with `redis-server`, or pass --redis URL)"
+        "cannot reach Redis at {url}: {source}. Is redis-server running there? (start one with `redis-server`, or pass --redis URL; rediss:// if it speaks TLS)"
     )]
     Unreachable {
         url: String,
@@ -27,6 +27,8 @@ pub enum BusError {
         #[source]
         source: redis::RedisError,
     },
+    #[error("TLS to Redis at {url}: {reason}")]
+    Tls { url: String, reason: String },
     #[error("bad Redis URL `{url}`: {source}")]
     BadUrl {
         url: String,

@@ -22,7 +22,7 @@ pub use consumer::{Consumer, ConsumerOptions, Delivery};
 pub use entry::{Entry, EntryId, RangeBound};
 pub use error::{BusError, BusResult, RetryHint};
 pub use memory::MemoryBus;
-pub use redis::{RedisBus, RedisOptions, redact_url};
+pub use redis::{RedisBus, RedisOptions, TlsFiles, redact_url};
 pub use resilient::Resilient;
 pub use topology::{StreamSpec, Topology, TopologyError};
 

@@ -15,8 +15,11 @@ use super::{
 use async_trait::async_trait;
 use bytes::Bytes;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
-use redis::{AsyncConnectionConfig, Client, Cmd, Pipeline, Value};
+use redis::{
+    AsyncConnectionConfig, Client, ClientTlsConfig, Cmd, Pipeline, TlsCertificates, Value,
+};
 use std::collections::HashMap;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 use tokio::sync::Mutex;
 
@@ -40,6 +43,27 @@ pub struct RedisOptions {
     pub reconnect_retries: usize,
     /// Longest wait between reconnect attempts.
     pub max_backoff: Duration,
+    /// Certificates for a `rediss://` URL.
+    pub tls: TlsFiles,
+}
+
+/// PEM files for TLS to Redis (`rediss://`). Without `ca`, the server's certificate must
+/// chain to a root this machine trusts (the system store, or `SSL_CERT_FILE`); `cert` and
+/// `key` together are the client certificate for a server with `tls-auth-clients yes`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsFiles {
+    /// CA certificate(s) that signed the server's certificate.
+    pub ca: Option<PathBuf>,
+    /// Client certificate (chain).
+    pub cert: Option<PathBuf>,
+    /// The client certificate's private key.
+    pub key: Option<PathBuf>,
+}
+
+impl TlsFiles {
+    pub fn is_empty(&self) -> bool {
+        self.ca.is_none() && self.cert.is_none() && self.key.is_none()
+    }
 }
 
 impl Default for RedisOptions {
@@ -49,6 +73,7 @@ impl Default for RedisOptions {
             connect_timeout: Duration::from_secs(3),
             reconnect_retries: 4,
             max_backoff: Duration::from_secs(2),
+            tls: TlsFiles::default(),
         }
     }
 }
@@ -69,10 +94,7 @@ impl RedisBus {
     }
 
     pub async fn connect_with(url: &str, opts: RedisOptions) -> BusResult<Self> {
-        let client = Client::open(url).map_err(|source| BusError::BadUrl {
-            url: redact_url(url),
-            source,
-        })?;
+        let client = open_client(url, &opts.tls)?;
         let config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(opts.response_timeout))
             .set_connection_timeout(Some(opts.connect_timeout))
@@ -269,14 +291,122 @@ fn redis_err(op: &'static str, key: &str, source: redis::RedisError) -> BusError
 
 /// Removes the password from `redis://user:pass@host`.
 /// A failed connection: refused credentials get their own message (the server is there).
+/// The client for `url`: plain for `redis://`, TLS with `tls`'s certificates for `rediss://`.
+fn open_client(url: &str, tls: &TlsFiles) -> BusResult<Client> {
+    let tls_err = |reason: String| BusError::Tls {
+        url: redact_url(url),
+        reason,
+    };
+    let is_tls = url.starts_with("rediss://");
+    if !is_tls && !tls.is_empty() {
+        return Err(tls_err(
+            "TLS certificates were given (--redis-tls-ca/--redis-tls-cert/--redis-tls-key) \
+             but the URL is not rediss://; use rediss://HOST:PORT for a TLS port"
+                .into(),
+        ));
+    }
+    if is_tls {
+        // One crypto provider for every TLS connection of the process. An error means one is
+        // installed already, which is as good.
+        let _ = rustls::crypto::ring::default_provider().install_default();
+    }
+    if tls.is_empty() {
+        return Client::open(url).map_err(|source| BusError::BadUrl {
+            url: redact_url(url),
+            source,
+        });
+    }
+    let read = |what: &str, path: &Path| {
+        std::fs::read(path)
+            .map_err(|e| tls_err(format!("cannot read the {what} {}: {e}", path.display())))
+    };
+    let root_cert = match &tls.ca {
+        Some(path) => {
+            let pem = read("CA certificate", path)?;
+            if !pem_has_certificate(&pem) {
+                return Err(tls_err(format!(
+                    "{} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+                    path.display()
+                )));
+            }
+            Some(pem)
+        }
+        None => None,
+    };
+    let client_tls = match (&tls.cert, &tls.key) {
+        (Some(cert), Some(key)) => Some(ClientTlsConfig {
+            client_cert: read("client certificate", cert)?,
+            client_key: read("client key", key)?,
+        }),
+        (None, None) => None,
+        _ => {
+            return Err(tls_err(
+                "a client certificate needs its key: give both --redis-tls-cert and --redis-tls-key"
+                    .into(),
+            ));
+        }
+    };
+    Client::build_with_tls(
+        url,
+        TlsCertificates {
+            client_tls,
+            root_cert,
+        },
+    )
+    .map_err(|source| tls_err(source.to_string()))
+}
+
+fn pem_has_certificate(pem: &[u8]) -> bool {
+    use rustls::pki_types::CertificateDer;
+    use rustls::pki_types::pem::PemObject;
+    CertificateDer::pem_slice_iter(pem).any(|c| c.is_ok())
+}
+
+/// The error for a failed first contact: refused credentials, a failed TLS handshake (with
+/// what to do about it), or an unreachable server.
 fn unreachable(url: &str, source: redis::RedisError) -> BusError {
-    let url = redact_url(url);
+    let redacted = redact_url(url);
     if source.kind() == redis::ErrorKind::AuthenticationFailed
         || matches!(source.code(), Some("NOAUTH" | "WRONGPASS" | "NOPERM"))
     {
-        BusError::Auth { url, source }
-    } else {
-        BusError::Unreachable { url, source }
+        return BusError::Auth {
+            url: redacted,
+            source,
+        };
+    }
+    if url.starts_with("rediss://") {
+        let text = source.to_string();
+        let hint = if text.contains("UnknownIssuer") {
+            Some(
+                "the server's certificate is not signed by a CA this machine trusts: give that CA with --redis-tls-ca FILE",
+            )
+        } else if text.contains("NotValidForName") {
+            Some(
+                "the server's certificate does not name the host in the URL: connect by a name the certificate lists",
+            )
+        } else if text.contains("CertificateRequired") || text.contains("certificate required") {
+            Some(
+                "the server asks for a client certificate: give --redis-tls-cert FILE and --redis-tls-key FILE",
+            )
+        } else if text.contains("InvalidContentType") || text.contains("corrupt message") {
+            Some("the server does not speak TLS on that port: use redis:// for a plain port")
+        } else if text.contains("certificate") || text.contains("Certificate") {
+            Some(
+                "the TLS handshake failed on a certificate: check --redis-tls-ca, --redis-tls-cert and --redis-tls-key",
+            )
+        } else {
+            None
+        };
+        if let Some(hint) = hint {
+            return BusError::Tls {
+                url: redacted,
+                reason: format!("{text}. {hint}"),
+            };
+        }
+    }
+    BusError::Unreachable {
+        url: redacted,
+        source,
     }
 }
 

@@ -9,7 +9,7 @@ use rlstream::schema::{
 };
 use rlstream::stages::score::{AdvantageKind, advantages};
 use std::collections::HashSet;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -286,6 +286,107 @@ pub fn start_redis(dir: &Path, port: u16, extra: &[&str]) -> Redis {
         std::thread::sleep(Duration::from_millis(50));
     }
     Redis(child)
+}
+
+/// PEM files of a test PKI in one directory: a CA, a server certificate for 127.0.0.1
+/// and localhost, and a client certificate, each signed by the CA.
+pub struct TestPki {
+    pub ca: PathBuf,
+    pub server_cert: PathBuf,
+    pub server_key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+}
+
+impl TestPki {
+    pub fn create(dir: &Path) -> TestPki {
+        use rcgen::{
+            BasicConstraints, CertificateParams, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer,
+            KeyPair, KeyUsagePurpose,
+        };
+        let write = |name: &str, pem: String| {
+            let path = dir.join(name);
+            std::fs::write(&path, pem).expect("write pem");
+            path
+        };
+        let mut ca = CertificateParams::new(Vec::<String>::new()).expect("ca params");
+        ca.distinguished_name
+            .push(DnType::CommonName, "rlstream test CA");
+        ca.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+        let ca_key = KeyPair::generate().expect("ca key");
+        let ca_pem = ca.self_signed(&ca_key).expect("ca cert").pem();
+        let issuer = Issuer::new(ca, ca_key);
+        let leaf = |names: Vec<String>, usage: ExtendedKeyUsagePurpose| {
+            let mut p = CertificateParams::new(names).expect("params");
+            p.distinguished_name
+                .push(DnType::CommonName, "rlstream test");
+            p.extended_key_usages = vec![usage];
+            let key = KeyPair::generate().expect("key");
+            let cert = p.signed_by(&key, &issuer).expect("sign");
+            (cert.pem(), key.serialize_pem())
+        };
+        let (server_cert, server_key) = leaf(
+            vec!["127.0.0.1".into(), "localhost".into()],
+            ExtendedKeyUsagePurpose::ServerAuth,
+        );
+        let (client_cert, client_key) = leaf(vec![], ExtendedKeyUsagePurpose::ClientAuth);
+        TestPki {
+            ca: write("ca.pem", ca_pem),
+            server_cert: write("server.pem", server_cert),
+            server_key: write("server.key", server_key),
+            client_cert: write("client.pem", client_cert),
+            client_key: write("client.key", client_key),
+        }
+    }
+
+    /// The client side, as the bus takes it.
+    pub fn client_files(&self) -> rlstream::bus::TlsFiles {
+        rlstream::bus::TlsFiles {
+            ca: Some(self.ca.clone()),
+            cert: Some(self.client_cert.clone()),
+            key: Some(self.client_key.clone()),
+        }
+    }
+}
+
+/// A redis-server that speaks only TLS, on a spare port, with its PKI; `auth_clients`
+/// makes it ask for a client certificate (`tls-auth-clients yes`).
+pub struct TlsRedis {
+    pub url: String,
+    pub pki: TestPki,
+    _redis: Redis,
+    _dir: tempfile::TempDir,
+}
+
+pub fn start_tls_redis(auth_clients: bool) -> TlsRedis {
+    let dir = tempfile::tempdir().expect("tmp");
+    let pki = TestPki::create(dir.path());
+    let port = free_port();
+    let path = |p: &Path| p.to_str().expect("utf-8").to_string();
+    let port_s = port.to_string();
+    let args = [
+        "--port".to_string(),
+        "0".into(),
+        "--tls-port".into(),
+        port_s,
+        "--tls-cert-file".into(),
+        path(&pki.server_cert),
+        "--tls-key-file".into(),
+        path(&pki.server_key),
+        "--tls-ca-cert-file".into(),
+        path(&pki.ca),
+        "--tls-auth-clients".into(),
+        if auth_clients { "yes" } else { "no" }.into(),
+    ];
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let redis = start_redis(dir.path(), port, &args);
+    TlsRedis {
+        url: format!("rediss://127.0.0.1:{port}"),
+        pki,
+        _redis: redis,
+        _dir: dir,
+    }
 }
 
 /// Group ids (and prompt entry ids) of work still pending anywhere in the pipeline.

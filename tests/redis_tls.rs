@@ -108,6 +108,36 @@ fn each_tls_mistake_stops_with_what_to_give() {
         "{err}"
     );
 
+    // A client key that is not the certificate's.
+    let server_key = s(&pki.server_key);
+    let err = refused(
+        url,
+        &[
+            "--redis-tls-ca",
+            ca,
+            "--redis-tls-cert",
+            cert,
+            "--redis-tls-key",
+            server_key,
+        ],
+    );
+    assert!(err.contains("the private key of --redis-tls-cert"), "{err}");
+
+    // A host name the server's certificate does not hold.
+    let by_name = url.replace("127.0.0.1", "localhost");
+    let err = refused(
+        &by_name,
+        &[
+            "--redis-tls-ca",
+            ca,
+            "--redis-tls-cert",
+            cert,
+            "--redis-tls-key",
+            key,
+        ],
+    );
+    assert!(err.contains("does not name the host"), "{err}");
+
     // Certificates with a plain URL.
     let plain = url.replace("rediss://", "redis://");
     let err = refused(&plain, &["--redis-tls-ca", ca]);
@@ -125,7 +155,7 @@ fn each_tls_mistake_stops_with_what_to_give() {
     assert!(err.contains("rediss:// if it speaks TLS"), "{err}");
     let plain_port = common::redis_url().replace("redis://", "rediss://");
     let err = refused(&plain_port, &["--redis-tls-ca", ca]);
-    assert!(err.contains("does not speak TLS on that port"), "{err}");
+    assert!(err.contains("use redis://"), "{err}");
 
     // With everything given, the same command works.
     let ok = run_ok(&[

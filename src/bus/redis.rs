@@ -95,6 +95,29 @@ impl RedisBus {
 
     pub async fn connect_with(url: &str, opts: RedisOptions) -> BusResult<Self> {
         let client = open_client(url, &opts.tls)?;
+        // One connection first, without the shared connection's reconnect attempts: a wrong
+        // URL, password or certificate fails here at once. It then serves blocking reads.
+        let first = client
+            .get_multiplexed_async_connection_with_config(&blocking_config(opts.connect_timeout))
+            .await
+            .map_err(|source| unreachable(url, source))?;
+        let mut probe = first.clone();
+        match tokio::time::timeout(
+            opts.response_timeout,
+            redis::cmd("PING").query_async::<String>(&mut probe),
+        )
+        .await
+        {
+            Ok(Ok(_)) => {}
+            Ok(Err(source)) => return Err(unreachable(url, source)),
+            Err(_) => {
+                return Err(BusError::Timeout {
+                    op: "PING",
+                    key: String::new(),
+                    timeout_ms: opts.response_timeout.as_millis() as u64,
+                });
+            }
+        }
         let config = ConnectionManagerConfig::new()
             .set_response_timeout(Some(opts.response_timeout))
             .set_connection_timeout(Some(opts.connect_timeout))
@@ -104,20 +127,13 @@ impl RedisBus {
             .get_connection_manager_with_config(config)
             .await
             .map_err(|source| unreachable(url, source))?;
-        let bus = RedisBus {
+        Ok(RedisBus {
             url: redact_url(url),
             client,
             shared,
-            blocking_pool: Mutex::new(Vec::new()),
+            blocking_pool: Mutex::new(vec![first]),
             connect_timeout: opts.connect_timeout,
-        };
-        bus.query::<String>("PING", "", &mut redis::cmd("PING"))
-            .await
-            .map_err(|e| match e {
-                BusError::Redis { source, .. } => unreachable(url, source),
-                other => other,
-            })?;
-        Ok(bus)
+        })
     }
 
     /// The URL with any password removed, for logs.
@@ -160,15 +176,13 @@ impl RedisBus {
         let pooled = self.blocking_pool.lock().await.pop();
         let mut conn = match pooled {
             Some(c) => c,
-            None => {
-                let config = AsyncConnectionConfig::new()
-                    .set_response_timeout(None)
-                    .set_connection_timeout(Some(self.connect_timeout));
-                self.client
-                    .get_multiplexed_async_connection_with_config(&config)
-                    .await
-                    .map_err(|source| redis_err(op, key, source))?
-            }
+            None => self
+                .client
+                .get_multiplexed_async_connection_with_config(&blocking_config(
+                    self.connect_timeout,
+                ))
+                .await
+                .map_err(|source| redis_err(op, key, source))?,
         };
         let limit = block.unwrap_or_default() + BLOCK_GRACE;
         match tokio::time::timeout(limit, cmd.query_async::<Value>(&mut conn)).await {
@@ -291,6 +305,13 @@ fn redis_err(op: &'static str, key: &str, source: redis::RedisError) -> BusError
 
 /// Removes the password from `redis://user:pass@host`.
 /// A failed connection: refused credentials get their own message (the server is there).
+/// A connection for blocking reads: no response timeout of its own (the caller bounds it).
+fn blocking_config(connect_timeout: Duration) -> AsyncConnectionConfig {
+    AsyncConnectionConfig::new()
+        .set_response_timeout(None)
+        .set_connection_timeout(Some(connect_timeout))
+}
+
 /// The client for `url`: plain for `redis://`, TLS with `tls`'s certificates for `rediss://`.
 fn open_client(url: &str, tls: &TlsFiles) -> BusResult<Client> {
     let tls_err = |reason: String| BusError::Tls {
@@ -320,22 +341,24 @@ fn open_client(url: &str, tls: &TlsFiles) -> BusResult<Client> {
         std::fs::read(path)
             .map_err(|e| tls_err(format!("cannot read the {what} {}: {e}", path.display())))
     };
-    let root_cert = match &tls.ca {
-        Some(path) => {
-            let pem = read("CA certificate", path)?;
-            if !pem_has_certificate(&pem) {
-                return Err(tls_err(format!(
-                    "{} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
-                    path.display()
-                )));
-            }
-            Some(pem)
+    let read_certs = |what: &str, path: &Path| {
+        let pem = read(what, path)?;
+        if pem_has_certificate(&pem) {
+            Ok(pem)
+        } else {
+            Err(tls_err(format!(
+                "the {what} {} holds no PEM certificate (-----BEGIN CERTIFICATE-----)",
+                path.display()
+            )))
         }
+    };
+    let root_cert = match &tls.ca {
+        Some(path) => Some(read_certs("CA certificate", path)?),
         None => None,
     };
     let client_tls = match (&tls.cert, &tls.key) {
         (Some(cert), Some(key)) => Some(ClientTlsConfig {
-            client_cert: read("client certificate", cert)?,
+            client_cert: read_certs("client certificate", cert)?,
             client_key: read("client key", key)?,
         }),
         (None, None) => None,
@@ -376,11 +399,13 @@ fn unreachable(url: &str, source: redis::RedisError) -> BusError {
     }
     if url.starts_with("rediss://") {
         let text = source.to_string();
-        let hint = if text.contains("UnknownIssuer") {
+        let hint = if source.kind() == redis::ErrorKind::InvalidClientConfig {
+            Some("check that --redis-tls-key is the private key of --redis-tls-cert")
+        } else if text.contains("UnknownIssuer") {
             Some(
                 "the server's certificate is not signed by a CA this machine trusts: give that CA with --redis-tls-ca FILE",
             )
-        } else if text.contains("NotValidForName") {
+        } else if text.contains("not valid for name") || text.contains("NotValidForName") {
             Some(
                 "the server's certificate does not name the host in the URL: connect by a name the certificate lists",
             )
@@ -390,6 +415,9 @@ fn unreachable(url: &str, source: redis::RedisError) -> BusError {
             )
         } else if text.contains("InvalidContentType") || text.contains("corrupt message") {
             Some("the server does not speak TLS on that port: use redis:// for a plain port")
+        } else if source.is_timeout() {
+            // A plain Redis reads a ClientHello as an unfinished command and never answers.
+            Some("no TLS handshake answer: if that port is a plain (non-TLS) Redis, use redis://")
         } else if text.contains("certificate") || text.contains("Certificate") {
             Some(
                 "the TLS handshake failed on a certificate: check --redis-tls-ca, --redis-tls-cert and --redis-tls-key",

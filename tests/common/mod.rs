@@ -289,7 +289,8 @@ pub fn start_redis(dir: &Path, port: u16, extra: &[&str]) -> Redis {
 }
 
 /// PEM files of a test PKI in one directory: a CA, a server certificate for 127.0.0.1
-/// and localhost, and a client certificate, each signed by the CA.
+/// (only: `localhost` is a name it does not hold), and a client certificate, each signed
+/// by the CA.
 pub struct TestPki {
     pub ca: PathBuf,
     pub server_cert: PathBuf,
@@ -327,7 +328,7 @@ impl TestPki {
             (cert.pem(), key.serialize_pem())
         };
         let (server_cert, server_key) = leaf(
-            vec!["127.0.0.1".into(), "localhost".into()],
+            vec!["127.0.0.1".into()],
             ExtendedKeyUsagePurpose::ServerAuth,
         );
         let (client_cert, client_key) = leaf(vec![], ExtendedKeyUsagePurpose::ClientAuth);

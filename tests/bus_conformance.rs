@@ -446,6 +446,56 @@ async fn own_pending_entries_come_back_after_restart(bus: SharedBus, ns: &str) {
     assert_eq!(next[0].message.prompt_id, "p-3");
 }
 
+/// A restarted consumer that holds everything it reads (the trainer, until its next
+/// checkpoint) and had more pending than one batch: it pages through all of them once,
+/// then goes on to new entries. (Re-reading from the start would hand it the same first
+/// batch forever.)
+async fn a_holder_pages_through_more_own_pending_than_a_batch(bus: SharedBus, ns: &str) {
+    let (stream, dead) = (format!("{ns}:s"), format!("{ns}:dead"));
+    let payloads: Vec<Bytes> = (0..20).map(prompt_bytes).collect();
+    bus.publish(&stream, &payloads, None).await.unwrap();
+    let join = || {
+        Consumer::<Prompt>::join(
+            bus.clone(),
+            &stream,
+            "g",
+            "trainer-0",
+            &dead,
+            opts(60_000, 5),
+        )
+    };
+    let mut before = join().await.unwrap();
+    let mut held = 0;
+    for _ in 0..10 {
+        held += before.poll().await.unwrap().len();
+    }
+    assert_eq!(held, 20);
+    drop(before);
+    let mut after = join().await.unwrap();
+    let mut again = Vec::new();
+    for _ in 0..10 {
+        again.extend(
+            after
+                .poll()
+                .await
+                .unwrap()
+                .into_iter()
+                .map(|d| d.message.prompt_id),
+        );
+    }
+    let expected: Vec<String> = (0..20).map(|i| format!("p-{i}")).collect();
+    assert_eq!(again, expected);
+    bus.publish(&stream, &[prompt_bytes(20)], None)
+        .await
+        .unwrap();
+    let mut next = Vec::new();
+    for _ in 0..5 {
+        next.extend(after.poll().await.unwrap());
+    }
+    assert_eq!(next.len(), 1);
+    assert_eq!(next[0].message.prompt_id, "p-20");
+}
+
 async fn stats_report_length_pending_and_lag(bus: SharedBus, ns: &str) {
     let stream = format!("{ns}:s");
     bus.create_group(&stream, "g", GroupStart::Beginning)
@@ -636,6 +686,7 @@ conformance!(
     range_reads_are_ordered,
     blocking_reads_wake_on_publish_and_time_out_cleanly,
     own_pending_entries_come_back_after_restart,
+    a_holder_pages_through_more_own_pending_than_a_batch,
     stats_report_length_pending_and_lag,
     max_len_trims_as_it_publishes,
     blobs_round_trip_and_delete,

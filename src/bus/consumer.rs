@@ -74,8 +74,11 @@ pub struct Consumer<M> {
     dead_stream: String,
     opts: ConsumerOptions,
     last_claim: Option<Instant>,
-    /// After a restart, this consumer's own pending entries are re-read first.
+    /// After a restart, this consumer's own pending entries are re-read first, a batch at
+    /// a time from after the last one re-read (the trainer holds them all until its next
+    /// checkpoint, so reading from the start again would return the same batch forever).
     resume_pending: bool,
+    resume_after: EntryId,
     /// Entries handed out and not yet acked, failed or dead-lettered. XAUTOCLAIM cannot
     /// exclude the claiming consumer, so a stage that holds entries longer than
     /// `claim_idle` (the trainer, until its checkpoint) would otherwise claim its own work
@@ -109,6 +112,7 @@ impl<M: Message> Consumer<M> {
             opts,
             last_claim: None,
             resume_pending: true,
+            resume_after: EntryId::ZERO,
             held: HashSet::new(),
             last_touch: None,
             counts: ConsumerCounts::default(),
@@ -138,13 +142,18 @@ impl<M: Message> Consumer<M> {
                     &self.stream,
                     &self.group,
                     &self.name,
-                    ReadFrom::OwnPending,
+                    ReadFrom::OwnPending {
+                        after: self.resume_after,
+                    },
                     self.opts.batch,
                     None,
                 )
                 .await?;
             if own.len() < self.opts.batch {
                 self.resume_pending = false;
+            }
+            if let Some(last) = own.last() {
+                self.resume_after = last.id;
             }
             if !own.is_empty() {
                 return self.admit(own).await;

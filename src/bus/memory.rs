@@ -193,9 +193,9 @@ impl Bus for MemoryBus {
                 let now = Instant::now();
                 g.consumers.insert(consumer.to_string(), now);
                 let out: Vec<Entry> = match from {
-                    ReadFrom::OwnPending => g
+                    ReadFrom::OwnPending { after } => g
                         .pending
-                        .iter_mut()
+                        .range_mut((Bound::Excluded(after), Bound::Unbounded))
                         .filter(|(_, p)| p.consumer == consumer)
                         .filter_map(|(id, p)| {
                             let payload = entries.get(id)?.clone();
@@ -238,7 +238,8 @@ impl Bus for MemoryBus {
                             .collect()
                     }
                 };
-                if !out.is_empty() || from == ReadFrom::OwnPending || block.is_none() {
+                if !out.is_empty() || matches!(from, ReadFrom::OwnPending { .. }) || block.is_none()
+                {
                     return Ok(out);
                 }
             }

@@ -45,8 +45,10 @@ pub enum GroupStart {
 pub enum ReadFrom {
     /// Entries never delivered to this group (`>`).
     New,
-    /// Entries already delivered to this consumer and not yet acked (after a restart).
-    OwnPending,
+    /// Entries already delivered to this consumer and not yet acked (after a restart), with
+    /// ids above `after` ([`EntryId::ZERO`] for all): a consumer that holds what it read
+    /// pages through them by passing the last id it got.
+    OwnPending { after: EntryId },
 }
 
 /// Length, pending and lag of one stream, from XINFO.

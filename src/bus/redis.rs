@@ -27,8 +27,6 @@ use tokio::sync::Mutex;
 pub const PAYLOAD_FIELD: &str = "d";
 /// `XREADGROUP` id meaning "entries never delivered to this group".
 const NEW_ENTRIES: &str = ">";
-/// `XREADGROUP` id meaning "this consumer's pending entries, from the start".
-const OWN_PENDING: &str = "0";
 /// Extra time a blocking read may take beyond its `BLOCK` before it is abandoned.
 pub const BLOCK_GRACE: Duration = Duration::from_secs(5);
 
@@ -635,8 +633,8 @@ impl Bus for RedisBus {
                 };
                 Ok(parse_read_reply(&reply, 1))
             }
-            ReadFrom::OwnPending => {
-                cmd.arg("STREAMS").arg(stream).arg(OWN_PENDING);
+            ReadFrom::OwnPending { after } => {
+                cmd.arg("STREAMS").arg(stream).arg(after.to_string());
                 let reply: Value = self.query("XREADGROUP", &key, &mut cmd).await?;
                 let mut entries = parse_read_reply(&reply, 1);
                 self.delivery_counts(stream, group, consumer, &mut entries)

@@ -3,13 +3,15 @@
 //! NaN log-prob and a message over the topology's size limit. Each goes to the dead-letter
 //! stream with its reason, the original bytes and where it came from, and is counted in
 //! `rlstream_dead_letters_total`; the good groups before and after are scored, and the
-//! stage keeps running.
+//! stage keeps running. The real `train` binary does the same with non-finite rewards and
+//! advantages, and trains the good groups around them.
 
 mod common;
 
 use bytes::Bytes;
-use common::{free_addr, interrupt, scrape, spawn};
+use common::{free_addr, interrupt, run_ok, scrape, spawn};
 use rlstream::bus::RangeBound;
+use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
 use rlstream::schema::{self, DeadLetter, RolloutGroup, SchemaVersion, examples};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -153,5 +155,98 @@ async fn a_scorer_dead_letters_each_bad_message_and_keeps_going() {
         "{}",
         String::from_utf8_lossy(&out.stdout)
     );
+    common::drop_namespace(&ns).await;
+}
+
+/// Scored groups with a NaN reward, an infinite reward and a NaN advantage among eight good
+/// ones, handed to the real trainer: each bad group is dead-lettered with its reason and its
+/// bytes before it reaches a step, the eight good ones are trained in two steps, and
+/// nothing is left pending.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trainer_dead_letters_non_finite_rewards_and_trains_the_rest() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let d = dir.path();
+    let ns = common::unique_ns("badtrain");
+    let cfg = PolicyConfig::tiny(Architecture::Llama, 32);
+    let model = Policy::<InferBackend>::random(&cfg, 4, &Default::default()).expect("model");
+    let model_dir = d.join("model");
+    model.save_hf(&model_dir).expect("save");
+    let good = |i: u64| {
+        common::sampled_group(
+            &model,
+            &format!("g{i}"),
+            vec![(i % 20) as u32 + 1, 3],
+            4,
+            i,
+            vec![1.0, 0.0, 0.5, 0.25],
+        )
+    };
+    let mut nan_reward = good(100);
+    nan_reward.rewards[1] = f32::NAN;
+    let mut inf_reward = good(101);
+    inf_reward.rewards[0] = f32::INFINITY;
+    let mut nan_advantage = good(102);
+    nan_advantage.advantages[2] = f32::NAN;
+    let bad = [
+        (nan_reward, "rewards[1]: NaN is not finite"),
+        (inf_reward, "rewards[0]: inf is not finite"),
+        (nan_advantage, "advantages[2]: NaN is not finite"),
+    ];
+    let bytes = |g: &schema::ScoredGroup| Bytes::from(schema::encode(g).expect("encode"));
+    let mut entries: Vec<Bytes> = (0..8).map(|i| bytes(&good(i))).collect();
+    for (k, (g, _)) in bad.iter().enumerate() {
+        entries.insert(2 + 3 * k, bytes(g));
+    }
+    let bus = common::redis_bus().await;
+    let scored = format!("{ns}:scored");
+    bus.publish(&scored, &entries, None).await.expect("publish");
+
+    let ckpt = d.join("ckpt");
+    let out = run_ok(&[
+        "train",
+        "--redis",
+        &common::redis_url(),
+        "--namespace",
+        &ns,
+        "--model",
+        model_dir.to_str().expect("utf-8"),
+        "--steps",
+        "2",
+        "--groups-per-step",
+        "4",
+        "--max-lag",
+        "1000",
+        "--checkpoint-dir",
+        ckpt.to_str().expect("utf-8"),
+    ]);
+    assert!(out.starts_with("trained 2 steps"), "{out}");
+
+    let letters: Vec<DeadLetter> = bus
+        .range(
+            &format!("{ns}:dead"),
+            RangeBound::Open,
+            RangeBound::Open,
+            100,
+        )
+        .await
+        .expect("range")
+        .iter()
+        .map(|e| schema::decode::<DeadLetter>(&e.payload).expect("a dead letter"))
+        .collect();
+    assert_eq!(letters.len(), bad.len(), "{letters:?}");
+    for (letter, (g, want)) in letters.iter().zip(&bad) {
+        assert_eq!(letter.source_stream, scored);
+        assert_eq!(letter.group, "train");
+        assert!(letter.error.contains(want), "{}", letter.error);
+        assert_eq!(&letter.payload[..], &bytes(g)[..], "original bytes kept");
+    }
+    // Every entry was trained, or dead-lettered, and acked.
+    let stats = bus.stats(&scored).await.expect("stats");
+    let train = stats
+        .groups
+        .iter()
+        .find(|g| g.name == "train")
+        .expect("train group");
+    assert_eq!((train.pending, train.lag), (0, Some(0)), "{stats:?}");
     common::drop_namespace(&ns).await;
 }

@@ -10,7 +10,7 @@ mod common;
 
 use bytes::Bytes;
 use common::{free_addr, interrupt, run_ok, scrape, spawn};
-use rlstream::bus::RangeBound;
+use rlstream::bus::{RangeBound, SharedBus};
 use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
 use rlstream::schema::{self, DeadLetter, RolloutGroup, SchemaVersion, examples};
 use std::collections::BTreeMap;
@@ -18,6 +18,20 @@ use std::time::{Duration, Instant};
 
 fn encoded(g: &RolloutGroup) -> Bytes {
     Bytes::from(schema::encode(g).expect("encode"))
+}
+
+async fn dead_letters(bus: &SharedBus, ns: &str) -> Vec<DeadLetter> {
+    bus.range(
+        &format!("{ns}:dead"),
+        RangeBound::Open,
+        RangeBound::Open,
+        100,
+    )
+    .await
+    .expect("range")
+    .iter()
+    .map(|e| schema::decode::<DeadLetter>(&e.payload).expect("a dead letter"))
+    .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -99,18 +113,7 @@ async fn a_scorer_dead_letters_each_bad_message_and_keeps_going() {
         );
         tokio::time::sleep(Duration::from_millis(100)).await;
     }
-    let letters: Vec<DeadLetter> = bus
-        .range(
-            &format!("{ns}:dead"),
-            RangeBound::Open,
-            RangeBound::Open,
-            100,
-        )
-        .await
-        .expect("range")
-        .iter()
-        .map(|e| schema::decode::<DeadLetter>(&e.payload).expect("a dead letter"))
-        .collect();
+    let letters = dead_letters(&bus, &ns).await;
     let mut reasons = Vec::new();
     for (letter, original) in letters.iter().zip(&entries[1..6]) {
         assert_eq!(letter.source_stream, format!("{ns}:rollouts"));
@@ -221,18 +224,7 @@ async fn a_trainer_dead_letters_non_finite_rewards_and_trains_the_rest() {
     ]);
     assert!(out.starts_with("trained 2 steps"), "{out}");
 
-    let letters: Vec<DeadLetter> = bus
-        .range(
-            &format!("{ns}:dead"),
-            RangeBound::Open,
-            RangeBound::Open,
-            100,
-        )
-        .await
-        .expect("range")
-        .iter()
-        .map(|e| schema::decode::<DeadLetter>(&e.payload).expect("a dead letter"))
-        .collect();
+    let letters = dead_letters(&bus, &ns).await;
     assert_eq!(letters.len(), bad.len(), "{letters:?}");
     for (letter, (g, want)) in letters.iter().zip(&bad) {
         assert_eq!(letter.source_stream, scored);

@@ -92,6 +92,14 @@ fn each_tls_mistake_stops_with_what_to_give() {
     let dir = tempfile::tempdir().expect("tmp");
     let url = redis.url.as_str();
     let (ca, cert, key) = (s(&pki.ca), s(&pki.client_cert), s(&pki.client_key));
+    let all = [
+        "--redis-tls-ca",
+        ca,
+        "--redis-tls-cert",
+        cert,
+        "--redis-tls-key",
+        key,
+    ];
 
     // The server's CA is not among the system's roots.
     let err = refused(url, &[]);
@@ -109,33 +117,14 @@ fn each_tls_mistake_stops_with_what_to_give() {
     );
 
     // A client key that is not the certificate's.
-    let server_key = s(&pki.server_key);
-    let err = refused(
-        url,
-        &[
-            "--redis-tls-ca",
-            ca,
-            "--redis-tls-cert",
-            cert,
-            "--redis-tls-key",
-            server_key,
-        ],
-    );
+    let mut wrong_key = all;
+    wrong_key[5] = s(&pki.server_key);
+    let err = refused(url, &wrong_key);
     assert!(err.contains("the private key of --redis-tls-cert"), "{err}");
 
     // A host name the server's certificate does not hold.
     let by_name = url.replace("127.0.0.1", "localhost");
-    let err = refused(
-        &by_name,
-        &[
-            "--redis-tls-ca",
-            ca,
-            "--redis-tls-cert",
-            cert,
-            "--redis-tls-key",
-            key,
-        ],
-    );
+    let err = refused(&by_name, &all);
     assert!(err.contains("does not name the host"), "{err}");
 
     // Certificates with a plain URL.
@@ -158,21 +147,9 @@ fn each_tls_mistake_stops_with_what_to_give() {
     assert!(err.contains("use redis://"), "{err}");
 
     // With everything given, the same command works.
-    let ok = run_ok(&[
-        "feed",
-        "--redis",
-        url,
-        "--task",
-        "add",
-        "--count",
-        "1",
-        "--redis-tls-ca",
-        ca,
-        "--redis-tls-cert",
-        cert,
-        "--redis-tls-key",
-        key,
-    ]);
+    let mut feed = vec!["feed", "--redis", url, "--task", "add", "--count", "1"];
+    feed.extend(all);
+    let ok = run_ok(&feed);
     assert!(ok.starts_with("fed 1 prompts"), "{ok}");
 }
 

@@ -270,6 +270,7 @@ impl Config {
         };
         let mut table = base;
         merge(&mut table, file);
+        let mut overrides = Vec::new();
         for (k, v) in env {
             let Some(rest) = k.strip_prefix(ENV_PREFIX) else {
                 continue;
@@ -280,10 +281,15 @@ impl Config {
                 origin: format!("environment variable {k}"),
                 message: reason,
             })?;
+            overrides.push(k);
         }
-        let origin = path.map_or("(defaults and environment)".to_string(), |p| {
-            p.display().to_string()
-        });
+        // A value that does not fit may come from the file or from an override: name both.
+        let origin = match (path, overrides.is_empty()) {
+            (Some(p), true) => p.display().to_string(),
+            (Some(p), false) => format!("{} with {}", p.display(), overrides.join(", ")),
+            (None, true) => "(defaults)".to_string(),
+            (None, false) => format!("(defaults with {})", overrides.join(", ")),
+        };
         toml::Value::Table(table)
             .try_into()
             .map_err(|e: toml::de::Error| ConfigError::Parse {

@@ -242,3 +242,66 @@ async fn a_trainer_dead_letters_non_finite_rewards_and_trains_the_rest() {
     assert_eq!((train.pending, train.lag), (0, Some(0)), "{stats:?}");
     common::drop_namespace(&ns).await;
 }
+
+/// A bad config (misspelt key, impossible value, wrong type, broken TOML, a bad
+/// environment override, a missing file) stops a stage before it touches Redis, with a
+/// message that names the file and the key, and no panic.
+#[test]
+fn a_bad_config_stops_a_stage_and_names_the_key() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let file = |name: &str, text: &str| {
+        let path = dir.path().join(name);
+        std::fs::write(&path, text).expect("write config");
+        path.to_str().expect("utf-8").to_string()
+    };
+    let cases = [
+        (
+            file("typo.toml", "[gen]\ngroup_sise = 4\n"),
+            None,
+            vec!["unknown field `group_sise`", "in `gen`"],
+        ),
+        (
+            file("zero.toml", "[train]\ngroups_per_step = 0\n"),
+            None,
+            vec!["`train`", "must be at least 1"],
+        ),
+        (
+            file("type.toml", "redis = 5\n"),
+            None,
+            vec!["type.toml", "expected a string", "in `redis`"],
+        ),
+        (
+            file("broken.toml", "[train\n"),
+            None,
+            vec!["broken.toml", "TOML parse error at line 1"],
+        ),
+        (
+            file("empty.toml", ""),
+            Some(("RLSTREAM__TRAIN__LR", "fast")),
+            vec!["empty.toml with RLSTREAM__TRAIN__LR", "in `train.lr`"],
+        ),
+        (
+            dir.path()
+                .join("missing.toml")
+                .to_str()
+                .expect("utf-8")
+                .to_string(),
+            None,
+            vec!["cannot read config", "missing.toml"],
+        ),
+    ];
+    for (config, env, wants) in cases {
+        let mut cmd = common::bin();
+        cmd.args(["train", "--config", &config, "--steps", "1"]);
+        if let Some((k, v)) = env {
+            cmd.env(k, v);
+        }
+        let out = cmd.output().expect("run");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{config}: accepted");
+        assert!(!err.contains("panicked"), "{config}: {err}");
+        for want in wants {
+            assert!(err.contains(want), "{config}: no `{want}` in {err}");
+        }
+    }
+}

@@ -127,6 +127,10 @@ fn each_tls_mistake_stops_with_what_to_give() {
     let err = refused(&by_name, &all);
     assert!(err.contains("does not name the host"), "{err}");
 
+    // Skipping verification is not offered.
+    let err = refused(&format!("{url}/#insecure"), &all);
+    assert!(err.contains("drop #insecure"), "{err}");
+
     // Certificates with a plain URL.
     let plain = url.replace("rediss://", "redis://");
     let err = refused(&plain, &["--redis-tls-ca", ca]);

@@ -397,7 +397,11 @@ fn unreachable(url: &str, source: redis::RedisError) -> BusError {
     }
     if url.starts_with("rediss://") {
         let text = source.to_string();
-        let hint = if source.kind() == redis::ErrorKind::InvalidClientConfig {
+        let hint = if text.contains("insecure") {
+            Some(
+                "rlstream always verifies the server's certificate: drop #insecure from the URL and give the server's CA with --redis-tls-ca FILE",
+            )
+        } else if text.contains("KeyMismatch") || text.contains("keys may not be consistent") {
             Some("check that --redis-tls-key is the private key of --redis-tls-cert")
         } else if text.contains("UnknownIssuer") {
             Some(

@@ -301,8 +301,6 @@ fn redis_err(op: &'static str, key: &str, source: redis::RedisError) -> BusError
     }
 }
 
-/// Removes the password from `redis://user:pass@host`.
-/// A failed connection: refused credentials get their own message (the server is there).
 /// A connection for blocking reads: no response timeout of its own (the caller bounds it).
 fn blocking_config(connect_timeout: Duration) -> AsyncConnectionConfig {
     AsyncConnectionConfig::new()

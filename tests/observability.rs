@@ -387,17 +387,7 @@ async fn stages_export_what_the_dashboard_shows() {
     let deadline = Instant::now() + Duration::from_secs(150);
     let (rate, up) = loop {
         tokio::time::sleep(Duration::from_millis(500)).await;
-        let logs = || {
-            ["gen", "score", "train", "prometheus"]
-                .iter()
-                .map(|n| {
-                    format!(
-                        "--- {n}\n{}",
-                        std::fs::read_to_string(log(n)).unwrap_or_default()
-                    )
-                })
-                .collect::<String>()
-        };
+        let logs = || common::read_logs(&["gen", "score", "train", "prometheus"], log);
         assert!(Instant::now() < deadline, "no flow in time:\n{}", logs());
         let trained = if std::net::TcpStream::connect(&addrs["train"]).is_ok() {
             parse(scrape(&addrs["train"])).sum("rlstream_policy_version{stage=\"train\"}")

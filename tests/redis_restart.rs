@@ -70,17 +70,7 @@ async fn stages_survive_a_redis_restart() {
         ]),
         &log("train"),
     );
-    let logs = || {
-        ["gen", "score", "train"]
-            .iter()
-            .map(|n| {
-                format!(
-                    "--- {n}\n{}",
-                    std::fs::read_to_string(log(n)).unwrap_or_default()
-                )
-            })
-            .collect::<String>()
-    };
+    let logs = || common::read_logs(&["gen", "score", "train"], log);
 
     // Kill Redis once the trainer is a few steps in, keep it down for 2 s, restart it.
     let deadline = Instant::now() + Duration::from_secs(120);

@@ -6,25 +6,30 @@
 
 mod common;
 
-use common::{bin, run_ok, start_tls_redis};
+use common::{TestPki, bin, run_ok, start_tls_redis};
 use std::path::Path;
 
 fn s(p: &Path) -> &str {
     p.to_str().expect("utf-8 path")
 }
 
-#[test]
-fn the_pipeline_runs_over_tls_with_client_certificates() {
-    let redis = start_tls_redis(true);
-    let pki = &redis.pki;
-    let tls = [
+/// The CA and the client certificate and key, as flags.
+fn client_flags(pki: &TestPki) -> [&str; 6] {
+    [
         "--redis-tls-ca",
         s(&pki.ca),
         "--redis-tls-cert",
         s(&pki.client_cert),
         "--redis-tls-key",
         s(&pki.client_key),
-    ];
+    ]
+}
+
+#[test]
+fn the_pipeline_runs_over_tls_with_client_certificates() {
+    let redis = start_tls_redis(true);
+    let pki = &redis.pki;
+    let tls = client_flags(pki);
 
     let mut feed = vec![
         "feed", "--redis", &redis.url, "--task", "add", "--count", "5",
@@ -92,14 +97,7 @@ fn each_tls_mistake_stops_with_what_to_give() {
     let dir = tempfile::tempdir().expect("tmp");
     let url = redis.url.as_str();
     let (ca, cert, key) = (s(&pki.ca), s(&pki.client_cert), s(&pki.client_key));
-    let all = [
-        "--redis-tls-ca",
-        ca,
-        "--redis-tls-cert",
-        cert,
-        "--redis-tls-key",
-        key,
-    ];
+    let all = client_flags(pki);
 
     // The server's CA is not among the system's roots.
     let err = refused(url, &[]);

@@ -12,6 +12,25 @@ use rlstream::stages::train;
 use rlstream::weights::Transport;
 use std::sync::Arc;
 
+/// The versions on the weights stream, in order.
+async fn announced_versions(bus: &SharedBus, topo: &Topology) -> Vec<u64> {
+    bus.range(
+        &topo.key("weights"),
+        rlstream::bus::RangeBound::Open,
+        rlstream::bus::RangeBound::Open,
+        100,
+    )
+    .await
+    .unwrap()
+    .iter()
+    .map(|e| {
+        schema::decode::<schema::WeightsAnnounce>(&e.payload)
+            .unwrap()
+            .version
+    })
+    .collect()
+}
+
 fn scored(model: &Policy<InferBackend>, i: u64) -> ScoredGroup {
     let rewards: Vec<f32> = (0..4).map(|k| ((i + k) % 2) as f32).collect();
     common::sampled_group(
@@ -85,22 +104,7 @@ async fn resumes_from_checkpoint_without_training_twice() {
     );
     assert_eq!(second.history.len(), 1, "only the new step ran");
     // On resume the checkpoint's weights are published again, so generators catch up.
-    let announced: Vec<u64> = bus
-        .range(
-            &topo.key("weights"),
-            rlstream::bus::RangeBound::Open,
-            rlstream::bus::RangeBound::Open,
-            100,
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|e| {
-            schema::decode::<schema::WeightsAnnounce>(&e.payload)
-                .unwrap()
-                .version
-        })
-        .collect();
+    let announced = announced_versions(&bus, &topo).await;
     assert_eq!(announced, vec![1, 2, 2, 3]);
     let resumed = train::Trainer::start(&again).unwrap();
     assert_ne!(
@@ -171,22 +175,7 @@ async fn versions_continue_above_what_a_crashed_trainer_published() {
     let resumed = train::run(&again, bus.clone(), &topo, Transport::Bus, never(), |_| {})
         .await
         .unwrap();
-    let announced: Vec<u64> = bus
-        .range(
-            &topo.key("weights"),
-            rlstream::bus::RangeBound::Open,
-            rlstream::bus::RangeBound::Open,
-            100,
-        )
-        .await
-        .unwrap()
-        .iter()
-        .map(|e| {
-            schema::decode::<schema::WeightsAnnounce>(&e.payload)
-                .unwrap()
-                .version
-        })
-        .collect();
+    let announced = announced_versions(&bus, &topo).await;
     assert!(
         announced.windows(2).all(|w| w[1] >= w[0]),
         "versions went backwards: {announced:?}"

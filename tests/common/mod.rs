@@ -165,6 +165,19 @@ pub fn spawn(args: &[String], log: &Path) -> Proc {
     ))
 }
 
+/// Each named log in full, headed `--- NAME`, for a failure message.
+pub fn read_logs(names: &[&str], path: impl Fn(&str) -> PathBuf) -> String {
+    names
+        .iter()
+        .map(|n| {
+            format!(
+                "--- {n}\n{}",
+                std::fs::read_to_string(path(n)).unwrap_or_default()
+            )
+        })
+        .collect()
+}
+
 /// SIGINT (Ctrl-C), then wait for a clean exit.
 pub fn interrupt(mut proc: Proc, name: &str, log: &Path) -> Output {
     let child = proc.0.take().expect("a running process");

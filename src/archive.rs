@@ -299,6 +299,23 @@ pub struct Moved {
     pub entries: u64,
 }
 
+impl Moved {
+    /// `dumped 12 entries (scored 10, events 2) to FILE`: `verb`, then `prep` and `path`.
+    pub fn line(&self, verb: &str, prep: &str, path: &Path) -> String {
+        let per: Vec<String> = self
+            .streams
+            .iter()
+            .map(|(s, n)| format!("{s} {n}"))
+            .collect();
+        format!(
+            "{verb} {} entries ({}) {prep} {}",
+            self.entries,
+            per.join(", "),
+            path.display()
+        )
+    }
+}
+
 /// Writes the entries of `streams` (names without namespace) between `from` and `to` to
 /// `path`: first to `path.partial`, renamed into place once complete, so a crash never
 /// leaves a file that looks finished. `progress` sees the running entry count.

@@ -1,18 +1,28 @@
 //! Configuration of every command: one TOML file with a section per stage.
 //!
-//! Precedence, lowest to highest: the file (`--config FILE`), then environment variables
-//! `RLSTREAM__{SECTION}__{KEY}` (e.g. `RLSTREAM__GEN__GROUP_SIZE=8`, top-level keys as
-//! `RLSTREAM__REDIS`), then command-line flags. Unknown keys and impossible values are
-//! refused with the key named. The resolved config is saved beside each checkpoint.
+//! Precedence, lowest to highest, in one merge ([`Config::resolve`]): the command's own
+//! defaults (a layer: `rlstream run` has some), the file (`--config FILE`), environment
+//! variables `RLSTREAM__{SECTION}__{KEY}` (e.g. `RLSTREAM__GEN__GROUP_SIZE=8`, top-level keys
+//! as `RLSTREAM__REDIS`), then command-line flags. Each setting is defined once, next to the
+//! stage that reads it, with its default and doc line (see [`crate::settings`]); the flags
+//! are made from those definitions. Unknown keys and impossible values are refused with the
+//! key named. The resolved config is saved beside each checkpoint.
 
-use crate::stages::score::AdvantageKind;
-use crate::stages::train::LossKind;
+use crate::settings::InvalidSetting;
 use crate::tasks::BuiltinTask;
-use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
+
+pub use crate::stages::feed::{FeedArgs, FeedConfig};
+pub use crate::stages::generate::{GenArgs, GenConfig};
+pub use crate::stages::policy::{PolicyArgs, PolicySettings};
+pub use crate::stages::score::{ScoreArgs, ScoreConfig};
+pub use crate::stages::train::{TrainArgs, TrainConfig};
 
 /// Prefix of environment overrides.
 pub const ENV_PREFIX: &str = "RLSTREAM__";
+
+/// The Redis a stage connects to when none is configured.
+pub const DEFAULT_REDIS: &str = "redis://127.0.0.1:6379";
 
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -24,235 +34,88 @@ pub enum ConfigError {
     },
     #[error("config {origin}: {message}")]
     Parse { origin: String, message: String },
-    #[error("config: `{key}` {reason}")]
-    Invalid { key: String, reason: String },
+    #[error(transparent)]
+    Invalid(#[from] InvalidSetting),
 }
 
-fn invalid(key: &str, reason: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        key: key.to_string(),
-        reason: reason.into(),
+crate::settings! {
+    /// The whole file: the connection settings at the top level, a section per stage.
+    pub struct Config, flags CommonArgs, section "" {
+        /// Redis URL (redis://, rediss:// for TLS, redis://user:pass@host for ACL users); redis://127.0.0.1:6379 when absent, and `run` uses its embedded bus unless given.
+        #[arg(value_name = "URL")]
+        pub redis: Option<String> = None,
+        /// Seconds a stage keeps retrying while Redis is unreachable (a restart, a network blip) before it stops with an error.
+        #[arg(value_name = "SECS")]
+        pub redis_patience_s: u64 = 300,
+        /// PEM CA certificate of a rediss:// server; the system's trusted roots (or SSL_CERT_FILE) when absent.
+        #[arg(value_name = "FILE")]
+        pub redis_tls_ca: Option<PathBuf> = None,
+        /// PEM client certificate, for a Redis with `tls-auth-clients yes` (with --redis-tls-key).
+        #[arg(value_name = "FILE")]
+        pub redis_tls_cert: Option<PathBuf> = None,
+        /// PEM private key of --redis-tls-cert.
+        #[arg(value_name = "FILE")]
+        pub redis_tls_key: Option<PathBuf> = None,
+        /// Key prefix of every stream; overrides the topology's (`rl`).
+        pub namespace: Option<String> = None,
+        /// Stream topology file; the shipped streams/default.toml when absent.
+        #[arg(value_name = "FILE")]
+        pub topology: Option<PathBuf> = None,
+        /// Serve Prometheus metrics at http://ADDR/metrics: a port (loopback, e.g. 9101) or HOST:PORT (e.g. 0.0.0.0:9101); off when absent.
+        #[arg(value_name = "ADDR")]
+        pub metrics_addr: Option<String> = None,
+    }
+    sections {
+        /// `[feed]`: where prompts come from.
+        pub feed: FeedConfig,
+        /// `[policy]`: what the generators and the trainer agree on.
+        pub policy: PolicySettings,
+        /// `[gen]` (`gen` is reserved in Rust 2024).
+        #[serde(rename = "gen")]
+        pub generator: GenConfig,
+        /// `[score]`.
+        pub score: ScoreConfig,
+        /// `[train]`.
+        pub train: TrainConfig,
+        /// `[run]`: the one-process pipeline's own settings.
+        pub run: RunConfig,
     }
 }
 
-/// The whole file.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct Config {
-    /// Redis URL (`redis://`, `rediss://` for TLS, `redis://user:pass@host` for ACL users).
-    pub redis: Option<String>,
-    /// How long, in seconds, a stage keeps retrying while Redis is unreachable (a restart,
-    /// a network blip) before it stops with an error [default: 300].
-    pub redis_patience_s: Option<u64>,
-    /// PEM file of the CA that signed the Redis server's certificate (`rediss://` URLs);
-    /// without it the system's trusted roots (or `SSL_CERT_FILE`) are used.
-    pub redis_tls_ca: Option<PathBuf>,
-    /// PEM client certificate, for a Redis with `tls-auth-clients yes`.
-    pub redis_tls_cert: Option<PathBuf>,
-    /// PEM private key of `redis_tls_cert`.
-    pub redis_tls_key: Option<PathBuf>,
-    /// Key prefix; overrides the topology's.
-    pub namespace: Option<String>,
-    /// Stream topology file; the shipped default when absent.
-    pub topology: Option<PathBuf>,
-    /// Address of the Prometheus `/metrics` listener (loopback by default).
-    pub metrics_addr: Option<String>,
-    pub feed: FeedConfig,
-    /// The `[gen]` section (`gen` is reserved in Rust 2024).
-    #[serde(rename = "gen")]
-    pub generator: GenConfig,
-    pub score: ScoreConfig,
-    pub train: TrainConfig,
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct FeedConfig {
-    /// Built-in task to generate prompts from.
-    pub task: Option<BuiltinTask>,
-    /// JSONL dataset instead of a built-in task.
-    pub dataset: Option<PathBuf>,
-    /// Prompts to feed from a built-in task.
-    pub count: u64,
-    /// Passes over a dataset.
-    pub epochs: u32,
-    /// Shuffle dataset order each epoch (seeded).
-    pub shuffle: bool,
-    pub seed: u64,
-}
-
-impl Default for FeedConfig {
-    fn default() -> Self {
-        FeedConfig {
-            task: None,
-            dataset: None,
-            count: 1000,
-            epochs: 1,
-            shuffle: false,
-            seed: 0,
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct GenConfig {
-    /// Hugging Face model directory of the initial policy.
-    pub model: Option<PathBuf>,
-    /// Completions per prompt (G).
-    pub group_size: usize,
-    pub max_new_tokens: u32,
-    pub temperature: f32,
-    /// 0 disables.
-    pub top_k: u32,
-    /// 1.0 disables.
-    pub top_p: f32,
-    /// Most sequences decoded together.
-    pub max_batch: usize,
-    /// Staleness bound shared with the trainer (versions).
-    pub max_lag: u64,
-    /// Groups per optimizer step, shared with the trainer (for the in-flight bound).
-    pub groups_per_step: usize,
-    pub seed: u64,
-    /// Consumer name; unique per generator process.
-    pub name: String,
-}
-
-impl Default for GenConfig {
-    fn default() -> Self {
-        GenConfig {
-            model: None,
-            group_size: 8,
-            max_new_tokens: 16,
-            temperature: 1.0,
-            top_k: 0,
-            top_p: 1.0,
-            max_batch: 64,
-            max_lag: 4,
-            groups_per_step: 8,
-            seed: 0,
-            name: "gen-0".into(),
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct ScoreConfig {
-    pub advantage: AdvantageKind,
-    /// External scorer speaking JSON lines on stdin/stdout (run without a shell).
-    pub scorer_cmd: Option<String>,
-    /// Seconds an external scorer may take per group.
-    pub scorer_timeout_s: f64,
-    /// Model directory whose tokenizer decodes completions; the built-in character
-    /// tokenizer when absent.
-    pub tokenizer: Option<PathBuf>,
-    pub name: String,
-}
-
-impl Default for ScoreConfig {
-    fn default() -> Self {
-        ScoreConfig {
-            advantage: AdvantageKind::Grpo,
-            scorer_cmd: None,
-            scorer_timeout_s: 30.0,
-            tokenizer: None,
-            name: "score-0".into(),
-        }
-    }
-}
-
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
-pub struct TrainConfig {
-    /// Hugging Face model directory of the initial policy.
-    pub model: Option<PathBuf>,
-    pub loss: LossKind,
-    pub lr: f64,
-    pub weight_decay: f64,
-    /// Gradient clipping by global norm.
-    pub max_grad_norm: f32,
-    /// PPO clip range below and above 1.
-    pub clip_eps: f32,
-    pub clip_eps_high: f32,
-    /// Truncation of the importance weight (tis) and cap of the ratio (reinforce).
-    pub is_cap: f32,
-    /// KL penalty to the initial policy (0 disables).
-    pub kl_coef: f32,
-    /// Scored groups per optimizer step.
-    pub groups_per_step: usize,
-    /// Groups whose oldest token is more than this many versions old are dropped.
-    pub max_lag: u64,
-    /// Publish weights every this many steps.
-    pub publish_every: u64,
-    /// Versions of weights kept in Redis.
-    pub keep_versions: usize,
-    /// Checkpoint every this many steps (entries are acked only after a checkpoint).
-    pub checkpoint_every: u64,
-    /// Where checkpoints go.
-    pub checkpoint_dir: PathBuf,
-    /// Stop after this many steps (0 runs until stopped).
-    pub steps: u64,
-    /// Sampling temperature the generators use (the trainer's log-probs must match it).
-    pub temperature: f32,
-    pub seed: u64,
-    pub name: String,
-}
-
-impl Default for TrainConfig {
-    fn default() -> Self {
-        TrainConfig {
-            model: None,
-            loss: LossKind::Ppo,
-            lr: 1e-4,
-            weight_decay: 0.0,
-            max_grad_norm: 1.0,
-            clip_eps: 0.2,
-            clip_eps_high: 0.28,
-            is_cap: 2.0,
-            kl_coef: 0.0,
-            groups_per_step: 8,
-            max_lag: 4,
-            publish_every: 1,
-            keep_versions: 3,
-            checkpoint_every: 10,
-            checkpoint_dir: PathBuf::from("checkpoints"),
-            steps: 0,
-            temperature: 1.0,
-            seed: 0,
-            name: "train-0".into(),
-        }
+crate::settings! {
+    /// The `[run]` section: what `rlstream run` does beyond the stages.
+    pub struct RunConfig, flags RunArgs, section "run" {
+        /// Built-in task to learn.
+        pub task: BuiltinTask = BuiltinTask::Sort,
+        /// The synchronous baseline: generate a batch, score it, train on it, publish, repeat.
+        #[arg(num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+        pub sync: bool = false,
+        /// Run directory for the warm-start model, checkpoints and report; runs/TASK-UNIXTIME when absent.
+        #[arg(value_name = "DIR")]
+        pub out: Option<PathBuf> = None,
+        /// Where the learning curve and per-step metrics go; OUT/report when absent.
+        #[arg(value_name = "DIR")]
+        pub report: Option<PathBuf> = None,
+        /// Warm-start (supervised) steps: enough to learn the answer format, little enough to leave RL something to learn.
+        pub sft_steps: u64 = 100,
+        /// Width of the warm-start model.
+        pub hidden: usize = 64,
+        /// Layers of the warm-start model.
+        pub layers: usize = 2,
+        /// Progress as log lines even on a terminal.
+        #[arg(num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+        pub plain: bool = false,
     }
 }
 
 impl Config {
-    /// File (if any), then environment. Flags are applied by the caller afterwards.
-    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
-        Self::load_with_env(path, std::env::vars())
-    }
-
-    /// Like [`Config::load`], over `base` instead of the stage defaults: a command whose
-    /// defaults differ (`rlstream run`) passes them here, and the file and environment still
-    /// override them.
-    pub fn load_over(base: &Config, path: Option<&Path>) -> Result<Self, ConfigError> {
-        let base = toml::Table::try_from(base).map_err(|e| ConfigError::Parse {
-            origin: "(command defaults)".into(),
-            message: e.to_string(),
-        })?;
-        Self::load_layers(base, path, std::env::vars())
-    }
-
-    pub fn load_with_env(
-        path: Option<&Path>,
-        env: impl Iterator<Item = (String, String)>,
-    ) -> Result<Self, ConfigError> {
-        Self::load_layers(toml::Table::new(), path, env)
-    }
-
-    fn load_layers(
+    /// Merges the layers, lowest first: `base` (a command's own defaults), the file at
+    /// `path`, the `RLSTREAM__*` variables of `env`, then `flags`.
+    pub fn resolve(
         base: toml::Table,
         path: Option<&Path>,
         env: impl Iterator<Item = (String, String)>,
+        flags: toml::Table,
     ) -> Result<Self, ConfigError> {
         let file = match path {
             Some(p) => {
@@ -283,6 +146,7 @@ impl Config {
             })?;
             overrides.push(k);
         }
+        merge(&mut table, flags);
         // A value that does not fit may come from the file or from an override: name both.
         let origin = match (path, overrides.is_empty()) {
             (Some(p), true) => p.display().to_string(),
@@ -298,67 +162,27 @@ impl Config {
             })
     }
 
+    /// File (if any), then the process environment; no flags, no command defaults.
+    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
+        Self::resolve(
+            toml::Table::new(),
+            path,
+            std::env::vars(),
+            toml::Table::new(),
+        )
+    }
+
+    /// The Redis URL to connect to.
+    pub fn redis_url(&self) -> &str {
+        self.redis.as_deref().unwrap_or(DEFAULT_REDIS)
+    }
+
     /// Checks values the types cannot: ranges and combinations.
-    pub fn validate(&self) -> Result<(), ConfigError> {
-        let g = &self.generator;
-        if g.group_size == 0 {
-            return Err(invalid("gen.group_size", "must be at least 1"));
-        }
-        if g.max_new_tokens == 0 {
-            return Err(invalid("gen.max_new_tokens", "must be at least 1"));
-        }
-        if !(g.temperature.is_finite() && g.temperature > 0.0) {
-            return Err(invalid(
-                "gen.temperature",
-                "must be > 0 for RL (greedy samples carry no log-probs)",
-            ));
-        }
-        if !(g.top_p > 0.0 && g.top_p <= 1.0) {
-            return Err(invalid("gen.top_p", "must be in (0, 1]"));
-        }
-        if g.max_batch < g.group_size {
-            return Err(invalid(
-                "gen.max_batch",
-                format!("must be at least gen.group_size ({})", g.group_size),
-            ));
-        }
-        if g.groups_per_step == 0 {
-            return Err(invalid("gen.groups_per_step", "must be at least 1"));
-        }
-        if !(self.score.scorer_timeout_s.is_finite() && self.score.scorer_timeout_s > 0.0) {
-            return Err(invalid("score.scorer_timeout_s", "must be > 0"));
-        }
-        let t = &self.train;
-        if !(t.lr.is_finite() && t.lr > 0.0) {
-            return Err(invalid("train.lr", "must be > 0"));
-        }
-        for (k, v) in [
-            ("train.clip_eps", t.clip_eps),
-            ("train.clip_eps_high", t.clip_eps_high),
-        ] {
-            if !(v.is_finite() && v > 0.0 && v < 1.0) {
-                return Err(invalid(k, "must be in (0, 1)"));
-            }
-        }
-        if !(t.is_cap.is_finite() && t.is_cap >= 1.0) {
-            return Err(invalid("train.is_cap", "must be >= 1"));
-        }
-        if !(t.max_grad_norm.is_finite() && t.max_grad_norm > 0.0) {
-            return Err(invalid("train.max_grad_norm", "must be > 0"));
-        }
-        if t.groups_per_step == 0
-            || t.publish_every == 0
-            || t.checkpoint_every == 0
-            || t.keep_versions == 0
-        {
-            return Err(invalid(
-                "train",
-                "groups_per_step, publish_every, checkpoint_every and keep_versions must be at least 1",
-            ));
-        }
-        if !(t.temperature.is_finite() && t.temperature > 0.0) {
-            return Err(invalid("train.temperature", "must be > 0"));
-        }
+    pub fn validate(&self) -> Result<(), InvalidSetting> {
+        self.policy.validate()?;
+        self.generator.validate()?;
+        self.score.validate()?;
+        self.train.validate()?;
         Ok(())
     }
 }
@@ -408,21 +232,6 @@ fn insert(table: &mut toml::Table, path: &[String], value: toml::Value) -> Resul
 mod tests {
     use super::*;
 
-    #[test]
-    fn command_defaults_sit_under_the_file() {
-        let dir = tempfile::tempdir().unwrap();
-        let path = dir.path().join("c.toml");
-        std::fs::write(&path, "[train]\nlr = 0.5\n").unwrap();
-        let mut base = Config::default();
-        base.train.lr = 0.25;
-        base.train.steps = 7;
-        base.generator.model = Some(PathBuf::from("m"));
-        let c = Config::load_over(&base, Some(&path)).unwrap();
-        assert_eq!((c.train.lr, c.train.steps), (0.5, 7));
-        assert_eq!(c.generator.model, Some(PathBuf::from("m")));
-        assert_eq!(Config::load_over(&base, None).unwrap().train.lr, 0.25);
-    }
-
     fn env(pairs: &[(&str, &str)]) -> impl Iterator<Item = (String, String)> {
         pairs
             .iter()
@@ -431,27 +240,54 @@ mod tests {
             .into_iter()
     }
 
+    fn none() -> toml::Table {
+        toml::Table::new()
+    }
+
     #[test]
-    fn file_then_environment() {
+    fn command_defaults_sit_under_the_file() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("c.toml");
+        std::fs::write(&path, "[train]\nlr = 0.5\n").unwrap();
+        let base: toml::Table = "[train]\nlr = 0.25\nsteps = 7\n[policy]\nmodel = \"m\"\n"
+            .parse()
+            .unwrap();
+        let c = Config::resolve(base.clone(), Some(&path), env(&[]), none()).unwrap();
+        assert_eq!((c.train.lr, c.train.steps), (0.5, 7));
+        assert_eq!(c.policy.model, Some(PathBuf::from("m")));
+        let c = Config::resolve(base, None, env(&[]), none()).unwrap();
+        assert_eq!(c.train.lr, 0.25);
+    }
+
+    #[test]
+    fn file_then_environment_then_flags() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("rl.toml");
         std::fs::write(
             &path,
-            "namespace = \"exp1\"\n[gen]\ngroup_size = 4\ntemperature = 0.7\n",
+            "namespace = \"exp1\"\n[gen]\ngroup_size = 4\nmax_batch = 16\n[policy]\ntemperature = 0.7\n",
         )
         .unwrap();
-        let c = Config::load_with_env(
+        let flags = GenArgs {
+            max_batch: Some(32),
+            ..GenArgs::default()
+        };
+        let c = Config::resolve(
+            none(),
             Some(&path),
             env(&[
                 ("RLSTREAM__GEN__GROUP_SIZE", "6"),
+                ("RLSTREAM__GEN__MAX_BATCH", "24"),
                 ("RLSTREAM__REDIS", "redis://h:1"),
                 ("HOME", "/x"),
             ]),
+            flags.layer(),
         )
         .unwrap();
         assert_eq!(c.namespace.as_deref(), Some("exp1"));
         assert_eq!(c.generator.group_size, 6, "environment beats the file");
-        assert_eq!(c.generator.temperature, 0.7);
+        assert_eq!(c.generator.max_batch, 32, "a flag beats the environment");
+        assert_eq!(c.policy.temperature, 0.7);
         assert_eq!(c.redis.as_deref(), Some("redis://h:1"));
         assert_eq!(c.train, TrainConfig::default());
         c.validate().unwrap();
@@ -462,13 +298,18 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("rl.toml");
         std::fs::write(&path, "[gen]\ngroup_sise = 4\n").unwrap();
-        let e = Config::load_with_env(Some(&path), env(&[]))
+        let e = Config::resolve(none(), Some(&path), env(&[]), none())
             .unwrap_err()
             .to_string();
         assert!(e.contains("group_sise"), "{e}");
-        let e = Config::load_with_env(None, env(&[("RLSTREAM__TRAIN__LOSS", "adam")]))
-            .unwrap_err()
-            .to_string();
+        let e = Config::resolve(
+            none(),
+            None,
+            env(&[("RLSTREAM__TRAIN__LOSS", "adam")]),
+            none(),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("adam"), "{e}");
         let mut c = Config::default();
         c.train.clip_eps = 1.5;

@@ -19,6 +19,7 @@
 
 pub mod archive;
 pub mod bus;
+pub mod cli;
 pub mod commands;
 pub mod config;
 pub mod display;
@@ -26,7 +27,10 @@ pub mod metrics;
 pub mod model;
 pub mod report;
 pub mod retention;
+pub mod roles;
 pub mod schema;
+pub mod settings;
 pub mod stages;
 pub mod tasks;
+pub mod time;
 pub mod weights;

@@ -7,7 +7,6 @@
 //! counters. Stream names in labels are full keys (`rl:prompts`), so several namespaces on one
 //! Redis stay apart.
 
-use crate::bus::{SharedBus, Topology};
 use metrics::{
     Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
@@ -300,70 +299,6 @@ pub fn claimed(stream: &str, group: &str, n: u64) {
 pub fn dropped(reason: &str, samples: u64) {
     counter!(SAMPLES_DROPPED_TOTAL, "stage" => "train", "reason" => reason.to_string())
         .increment(samples);
-}
-
-/// The trainer took a step (or skipped one: `s.skipped`).
-pub fn trained(s: &crate::stages::train::StepStats, samples: u64) {
-    histogram!(TRAIN_WAIT_SECONDS).record(s.wait_s);
-    histogram!(TRAIN_STEP_SECONDS).record(s.step_s);
-    if s.skipped {
-        error("train", "nonfinite_step");
-        return;
-    }
-    counter!(SAMPLES_TOTAL, "stage" => "train").increment(samples);
-    counter!(TOKENS_TOTAL, "stage" => "train", "kind" => "trained").increment(s.tokens as u64);
-    gauge!(POLICY_VERSION, "stage" => "train").set(s.version as f64);
-    for &lag in &s.staleness {
-        histogram!(SAMPLE_STALENESS_VERSIONS).record(lag as f64);
-    }
-    gauge!(REWARD_MEAN).set(s.reward_mean);
-    gauge!(ACCURACY).set(s.accuracy);
-    gauge!(LOSS).set(s.loss);
-    gauge!(IS_ESS).set(s.ess);
-    gauge!(CLIP_FRACTION).set(s.clip_fraction);
-    gauge!(KL).set(s.mismatch_kl);
-    gauge!(ENTROPY).set(s.entropy);
-    gauge!(GRAD_NORM).set(s.grad_norm);
-}
-
-/// Reads length, pending, lag and consumers of every stream in `topo` every
-/// [`STREAM_POLL`] into gauges, until the task is aborted. A read that fails is counted
-/// (`errors_total{kind="xinfo"}`) and retried next round; the gauges keep their last value.
-pub fn watch_streams(
-    bus: SharedBus,
-    topo: Topology,
-    stage: &'static str,
-) -> tokio::task::JoinHandle<()> {
-    error_n(stage, "xinfo", 0);
-    tokio::spawn(async move {
-        let mut tick = tokio::time::interval(STREAM_POLL);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        loop {
-            tick.tick().await;
-            for name in topo.streams.keys() {
-                let key = topo.key(name);
-                match bus.stats(&key).await {
-                    Ok(s) => {
-                        gauge!(STREAM_LENGTH, "stream" => key.clone()).set(s.length as f64);
-                        for g in &s.groups {
-                            let labels = [("stream", key.clone()), ("group", g.name.clone())];
-                            gauge!(STREAM_PENDING, &labels).set(g.pending as f64);
-                            // Redis cannot always tell the lag (after deletions inside
-                            // the undelivered range): then the gauge keeps its last value.
-                            if let Some(lag) = g.lag {
-                                gauge!(STREAM_LAG, &labels).set(lag as f64);
-                            }
-                            gauge!(STREAM_CONSUMERS, &labels).set(g.consumers.len() as f64);
-                        }
-                    }
-                    Err(e) => {
-                        error(stage, "xinfo");
-                        tracing::debug!(stream = %key, error = %e, "stream metrics: read failed");
-                    }
-                }
-            }
-        }
-    })
 }
 
 #[cfg(test)]

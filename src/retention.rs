@@ -8,6 +8,7 @@
 //! makes the stages run it as they go ([`spawn_standing`]).
 
 use crate::archive::{self, ArchiveError};
+pub use crate::bus::Keep;
 use crate::bus::{Bus, EntryId, RangeBound, SharedBus, Topology};
 use serde::Serialize;
 use std::path::Path;
@@ -15,15 +16,6 @@ use std::time::Duration;
 
 /// How often stages apply the standing policy.
 pub const STANDING_EVERY: Duration = Duration::from_secs(60);
-
-/// What to keep.
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub enum Keep {
-    /// The newest N entries.
-    Last(u64),
-    /// Entries newer than this (by entry id time).
-    Newer(Duration),
-}
 
 /// What a trim did.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -36,6 +28,23 @@ pub struct TrimReport {
     pub held_back_by: Option<(String, String)>,
     /// Entries written to the archive before removal.
     pub archived: u64,
+}
+
+impl TrimReport {
+    /// The one-line human summary; `archive` is where the removed entries went, if anywhere.
+    pub fn line(&self, archive: Option<&std::path::Path>) -> String {
+        let mut line = format!("removed {} entries from {}", self.removed, self.stream);
+        if let Some(cut) = &self.cut {
+            line += &format!(" (below {cut})");
+        }
+        if let Some(a) = archive {
+            line += &format!("; archived {} to {}", self.archived, a.display());
+        }
+        if let Some((group, id)) = &self.held_back_by {
+            line += &format!("; stopped at {id}, which group `{group}` has not finished");
+        }
+        line
+    }
 }
 
 /// The lowest id any group still needs: its oldest pending entry or its first undelivered

@@ -9,10 +9,11 @@ use common::run_ok;
 use rlstream::archive;
 use rlstream::bus::{MemoryBus, RangeBound, SharedBus, Topology};
 use rlstream::commands::replay::{self, RetrainOptions, Source};
-use rlstream::config::TrainConfig;
+use rlstream::config::{PolicySettings, TrainConfig};
 use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
 use rlstream::schema::{self, ScoredGroup};
 use rlstream::stages::train;
+use rlstream::stages::train::TrainerSettings;
 use rlstream::weights::Transport;
 use std::path::Path;
 use std::sync::Arc;
@@ -75,15 +76,20 @@ async fn archives_round_trip_and_retraining_reproduces_the_run() {
     bus.publish(&topo.key("scored"), &payloads, None)
         .await
         .expect("publish");
-    let tc = TrainConfig {
-        model: Some(d.join("model")),
-        groups_per_step: 4,
-        checkpoint_every: 2,
-        checkpoint_dir: d.join("ckpt"),
-        lr: 1e-3,
-        max_lag: 1000,
-        steps: 6,
-        ..TrainConfig::default()
+    let tc = TrainerSettings {
+        policy: PolicySettings {
+            model: Some(d.join("model")),
+            groups_per_step: 4,
+            max_lag: 1000,
+            ..PolicySettings::default()
+        },
+        train: TrainConfig {
+            checkpoint_every: 2,
+            checkpoint_dir: d.join("ckpt"),
+            lr: 1e-3,
+            steps: 6,
+            ..TrainConfig::default()
+        },
     };
     let original = train::run(
         &tc,
@@ -158,13 +164,11 @@ async fn archives_round_trip_and_retraining_reproduces_the_run() {
             topo: Topology::default().with_namespace(&ns).expect("ns"),
         },
     ] {
-        let scratch = tempfile::tempdir().expect("tmp");
         let opts = RetrainOptions {
             checkpoint: ck.clone(),
             from: RangeBound::Open,
             to: RangeBound::Open,
             steps: None,
-            scratch: scratch.path().to_path_buf(),
         };
         let s = replay::retrain(&source, &opts, |_| {})
             .await

@@ -5,10 +5,11 @@ mod common;
 
 use bytes::Bytes;
 use rlstream::bus::{MemoryBus, SharedBus, Topology};
-use rlstream::config::TrainConfig;
+use rlstream::config::{PolicySettings, TrainConfig};
 use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
 use rlstream::schema::{self, ScoredGroup};
 use rlstream::stages::train;
+use rlstream::stages::train::TrainerSettings;
 use rlstream::weights::Transport;
 use std::sync::Arc;
 
@@ -63,14 +64,19 @@ async fn resumes_from_checkpoint_without_training_twice() {
         .await
         .unwrap();
 
-    let tc = TrainConfig {
-        model: Some(dir.path().join("model")),
-        groups_per_step: 4,
-        checkpoint_every: 1,
-        checkpoint_dir: dir.path().join("ckpt"),
-        lr: 1e-3,
-        steps: 2,
-        ..TrainConfig::default()
+    let tc = TrainerSettings {
+        policy: PolicySettings {
+            model: Some(dir.path().join("model")),
+            groups_per_step: 4,
+            ..PolicySettings::default()
+        },
+        train: TrainConfig {
+            checkpoint_every: 1,
+            checkpoint_dir: dir.path().join("ckpt"),
+            lr: 1e-3,
+            steps: 2,
+            ..TrainConfig::default()
+        },
     };
     let never = std::future::pending::<()>();
     let first = train::run(&tc, bus.clone(), &topo, Transport::Bus, never, |_| {})
@@ -84,8 +90,11 @@ async fn resumes_from_checkpoint_without_training_twice() {
     let weights_v2 = train::Trainer::start(&tc).unwrap().weights_blob().unwrap();
 
     // A restart continues at version 2 and trains the remaining 4 groups.
-    let again = TrainConfig {
-        steps: 3,
+    let again = TrainerSettings {
+        train: TrainConfig {
+            steps: 3,
+            ..tc.train.clone()
+        },
         ..tc.clone()
     };
     let second = train::run(
@@ -142,14 +151,19 @@ async fn versions_continue_above_what_a_crashed_trainer_published() {
     bus.publish(&topo.key("scored"), &payloads, None)
         .await
         .unwrap();
-    let tc = TrainConfig {
-        model: Some(dir.path().join("model")),
-        groups_per_step: 4,
-        checkpoint_every: 2,
-        checkpoint_dir: dir.path().join("ckpt"),
-        max_lag: 100,
-        steps: 3,
-        ..TrainConfig::default()
+    let tc = TrainerSettings {
+        policy: PolicySettings {
+            model: Some(dir.path().join("model")),
+            groups_per_step: 4,
+            max_lag: 100,
+            ..PolicySettings::default()
+        },
+        train: TrainConfig {
+            checkpoint_every: 2,
+            checkpoint_dir: dir.path().join("ckpt"),
+            steps: 3,
+            ..TrainConfig::default()
+        },
     };
     let never = || std::future::pending::<()>();
     train::run(&tc, bus.clone(), &topo, Transport::Bus, never(), |_| {})
@@ -168,8 +182,11 @@ async fn versions_continue_above_what_a_crashed_trainer_published() {
     bus.publish(&scored_key, &payloads[8..12], None)
         .await
         .unwrap();
-    let again = TrainConfig {
-        steps: 4,
+    let again = TrainerSettings {
+        train: TrainConfig {
+            steps: 4,
+            ..tc.train.clone()
+        },
         ..tc.clone()
     };
     let resumed = train::run(&again, bus.clone(), &topo, Transport::Bus, never(), |_| {})

@@ -3,10 +3,11 @@
 
 mod common;
 
-use rlstream::config::TrainConfig;
+use rlstream::config::{PolicySettings, TrainConfig};
 use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
 use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
 use rlstream::schema::ScoredGroup;
+use rlstream::stages::train::TrainerSettings;
 use rlstream::stages::train::{LossKind, Trainer};
 
 fn group(model: &Policy<InferBackend>) -> ScoredGroup {
@@ -40,12 +41,17 @@ fn a_step_raises_good_completions_and_lowers_bad_ones() {
     let g = group(&model);
     let before = seq_logprobs(&model, &g);
     for loss in [LossKind::Ppo, LossKind::Tis, LossKind::Reinforce] {
-        let tc = TrainConfig {
-            model: Some(dir.path().join("model")),
-            loss,
-            lr: 1e-2,
-            checkpoint_dir: dir.path().join(format!("ckpt-{loss:?}")),
-            ..TrainConfig::default()
+        let tc = TrainerSettings {
+            policy: PolicySettings {
+                model: Some(dir.path().join("model")),
+                ..PolicySettings::default()
+            },
+            train: TrainConfig {
+                loss,
+                lr: 1e-2,
+                checkpoint_dir: dir.path().join(format!("ckpt-{loss:?}")),
+                ..TrainConfig::default()
+            },
         };
         let mut trainer = Trainer::start(&tc).unwrap();
         let stats = trainer.step(&[&g]);
@@ -87,11 +93,16 @@ fn a_nan_loss_skips_the_step_and_keeps_the_weights() {
     model.save_hf(&dir.path().join("model")).unwrap();
     let mut g = group(&model);
     g.advantages[3] = f32::NAN;
-    let tc = TrainConfig {
-        model: Some(dir.path().join("model")),
-        lr: 1e-2,
-        checkpoint_dir: dir.path().join("ckpt"),
-        ..TrainConfig::default()
+    let tc = TrainerSettings {
+        policy: PolicySettings {
+            model: Some(dir.path().join("model")),
+            ..PolicySettings::default()
+        },
+        train: TrainConfig {
+            lr: 1e-2,
+            checkpoint_dir: dir.path().join("ckpt"),
+            ..TrainConfig::default()
+        },
     };
     let mut trainer = Trainer::start(&tc).unwrap();
     let before = trainer.weights_blob().unwrap();

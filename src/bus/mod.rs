@@ -17,6 +17,7 @@ mod memory;
 mod redis;
 mod resilient;
 pub mod topology;
+mod watch;
 
 pub use consumer::{Consumer, ConsumerOptions, Delivery};
 pub use entry::{Entry, EntryId, RangeBound};
@@ -24,7 +25,8 @@ pub use error::{BusError, BusResult, RetryHint};
 pub use memory::MemoryBus;
 pub use redis::{RedisBus, RedisOptions, TlsFiles, redact_url};
 pub use resilient::Resilient;
-pub use topology::{StreamSpec, Topology, TopologyError};
+pub use topology::{Keep, StreamSpec, Topology, TopologyError};
+pub use watch::watch_streams;
 
 use async_trait::async_trait;
 use bytes::Bytes;

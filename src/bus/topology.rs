@@ -59,8 +59,7 @@ pub struct StreamSpec {
 
 impl StreamSpec {
     /// The standing trim policy, if any.
-    pub fn trim_policy(&self) -> Option<crate::retention::Keep> {
-        use crate::retention::Keep;
+    pub fn trim_policy(&self) -> Option<Keep> {
         match (self.trim_keep_last, self.trim_older_than_s) {
             (Some(n), _) => Some(Keep::Last(n)),
             (None, Some(s)) => Some(Keep::Newer(std::time::Duration::from_secs(s))),
@@ -201,6 +200,51 @@ impl Topology {
         format!("{}:{}", self.namespace, name)
     }
 
+    /// The stream names of `wanted` after checking each is in the topology; every stream
+    /// when `wanted` is empty.
+    pub fn select(&self, wanted: &[String]) -> Result<Vec<String>, TopologyError> {
+        if wanted.is_empty() {
+            return Ok(self.streams.keys().cloned().collect());
+        }
+        for s in wanted {
+            if !self.streams.contains_key(s) {
+                return Err(TopologyError::Invalid {
+                    origin: "--stream".into(),
+                    problem: format!(
+                        "{s} is not in the topology ({})",
+                        self.streams.keys().cloned().collect::<Vec<_>>().join(", ")
+                    ),
+                });
+            }
+        }
+        Ok(wanted.to_vec())
+    }
+
+    /// What the topology resolves to, for people: the policy, then each stream's key,
+    /// groups and retention.
+    pub fn describe(&self) -> String {
+        let mut out = format!(
+            "namespace {}: claim_idle {} ms, max_deliveries {}, max_message_bytes {}, dead letters to {}\n",
+            self.namespace,
+            self.claim_idle_ms,
+            self.max_deliveries,
+            self.max_message_bytes,
+            self.dead_key()
+        );
+        for (name, spec) in &self.streams {
+            let retention = spec
+                .max_len
+                .map_or("unbounded".to_string(), |n| format!("~{n} entries"));
+            out += &format!(
+                "  {:<16} groups [{}], {retention}  {}\n",
+                self.key(name),
+                spec.groups.join(", "),
+                spec.description
+            );
+        }
+        out
+    }
+
     /// Key of the dead-letter stream.
     pub fn dead_key(&self) -> String {
         self.key(&self.dead_letter)
@@ -223,6 +267,32 @@ impl Topology {
             block: Duration::from_millis(self.block_ms),
             max_message_bytes: self.max_message_bytes,
             ..ConsumerOptions::default()
+        }
+    }
+}
+
+/// What a standing or one-off trim keeps of a stream.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub enum Keep {
+    /// The newest N entries.
+    Last(u64),
+    /// Entries newer than this (by entry id time).
+    Newer(Duration),
+}
+
+impl Keep {
+    /// From `rlstream trim`'s flags: `--keep-last N` (positive) or `--older-than 90s|30m|12h|7d`.
+    pub fn from_flags(keep_last: Option<u64>, older_than: Option<&str>) -> Result<Keep, String> {
+        match (keep_last, older_than) {
+            (Some(0), _) => Err("--keep-last 0 would remove everything; use a positive N".into()),
+            (Some(n), _) => Ok(Keep::Last(n)),
+            (None, Some(d)) => match crate::time::parse_duration(d) {
+                Some(d) if !d.is_zero() => Ok(Keep::Newer(d)),
+                _ => Err(format!(
+                    "`{d}` is not a positive duration like 90s, 30m, 12h or 7d"
+                )),
+            },
+            (None, None) => Err("trim needs --keep-last N or --older-than DURATION".into()),
         }
     }
 }
@@ -251,7 +321,6 @@ mod tests {
 
     #[test]
     fn trim_policies_parse_and_conflicts_are_refused() {
-        use crate::retention::Keep;
         let t = Topology::parse(
             &shipped_with(
                 "groups = [\"train\"]",

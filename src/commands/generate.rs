@@ -9,21 +9,38 @@ use crate::schema::{FinishReason, SamplingParams};
 use std::io::Write;
 use std::path::PathBuf;
 
-#[derive(Debug, Clone)]
+/// What to sample: these are also the command's flags.
+#[derive(Debug, Clone, clap::Args)]
 pub struct GenerateOptions {
-    /// Hugging Face model directory (config.json, model.safetensors, tokenizer).
+    /// Model directory: config.json, model.safetensors (or a sharded index), tokenizer.
+    #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
-    /// Prompt as text (needs a tokenizer in the model directory).
+    /// Prompt text (encoded with the model's tokenizer).
+    #[arg(long, conflicts_with = "prompt_ids")]
     pub prompt: Option<String>,
-    /// Prompt as token ids.
+    /// Prompt token ids, comma-separated.
+    #[arg(long, value_delimiter = ',')]
     pub prompt_ids: Option<Vec<u32>>,
+    /// Most tokens per completion.
+    #[arg(long, default_value_t = 32)]
     pub max_new_tokens: u32,
+    /// Softmax temperature; 0 is greedy.
+    #[arg(long, default_value_t = 1.0)]
     pub temperature: f32,
+    /// Keep the k most likely tokens; 0 disables.
+    #[arg(long, default_value_t = 0)]
     pub top_k: u32,
+    /// Keep the smallest set of tokens with this much probability; 1 disables.
+    #[arg(long, default_value_t = 1.0)]
     pub top_p: f32,
+    /// Sampling seed.
+    #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Completions to sample.
+    #[arg(long, default_value_t = 1)]
     pub n: usize,
+    /// Print token ids and log-probs as JSON.
+    #[arg(long)]
     pub json: bool,
 }
 

@@ -101,20 +101,6 @@ fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
     era * 146_097 + doe - 719_468
 }
 
-/// `90s`, `30m`, `12h`, `7d`: a number (fractions allowed) and a unit.
-pub fn parse_duration(s: &str) -> Option<Duration> {
-    let (num, unit) = s.split_at(s.len().saturating_sub(1));
-    let n: f64 = num.parse().ok()?;
-    let secs = match unit {
-        "s" => n,
-        "m" => n * 60.0,
-        "h" => n * 3600.0,
-        "d" => n * 86_400.0,
-        _ => return None,
-    };
-    (secs.is_finite() && secs >= 0.0).then(|| Duration::from_secs_f64(secs))
-}
-
 /// `--from`/`--to`: an entry id (`MS-SEQ`), milliseconds since the epoch (`MS`), a UTC time
 /// (`2026-11-29T16:30:00Z`, seconds optional), or a time ago (`-90s`, `-10m`, `-2h`,
 /// `-1d`). Times become the first id at that millisecond.
@@ -131,7 +117,7 @@ pub fn parse_point(s: &str) -> Result<EntryId, ReplayError> {
         return Ok(EntryId::new(ms, 0));
     }
     if let Some(ago) = s.strip_prefix('-') {
-        let ago = parse_duration(ago).ok_or_else(bad)?;
+        let ago = crate::time::parse_duration(ago).ok_or_else(bad)?;
         let now_ms = schema::now_us() / 1000;
         return Ok(EntryId::new(
             now_ms.saturating_sub(ago.as_millis() as u64),
@@ -537,8 +523,14 @@ pub struct RetrainOptions {
     pub to: RangeBound,
     /// Stop after this many steps past the checkpoint (default: until the entries run out).
     pub steps: Option<u64>,
-    /// Where the replaying trainer keeps its own checkpoints (a temporary directory).
-    pub scratch: PathBuf,
+}
+
+/// The header of the step table `replay --train` prints, over [`RetrainStep::row`]s.
+pub fn retrain_header() -> String {
+    format!(
+        "{:>6} {:>12} {:>12} {:>8} {:>7}  recorded run",
+        "step", "loss", "grad_norm", "reward", "groups"
+    )
 }
 
 /// One re-run step beside the recorded one.
@@ -556,6 +548,21 @@ pub struct RetrainStep {
     pub identical: Option<bool>,
 }
 
+impl RetrainStep {
+    /// The step as a row under [`RETRAIN_HEADER`].
+    pub fn row(&self) -> String {
+        let rec = match (self.recorded, self.identical) {
+            (Some(_), Some(true)) => "identical".to_string(),
+            (Some((l, g, r)), _) => format!("DIFFERS: loss {l:.6} grad_norm {g:.6} reward {r:.4}"),
+            (None, _) => "not recorded".to_string(),
+        };
+        format!(
+            "{:>6} {:>12.6} {:>12.6} {:>8.4} {:>7}  {rec}",
+            self.step, self.loss, self.grad_norm, self.reward_mean, self.groups
+        )
+    }
+}
+
 #[derive(Debug, Clone, Default, PartialEq, serde::Serialize)]
 pub struct RetrainSummary {
     pub start_step: u64,
@@ -567,6 +574,26 @@ pub struct RetrainSummary {
     pub dropped: BTreeMap<String, u64>,
 }
 
+impl RetrainSummary {
+    /// The one-line summary of a re-run.
+    pub fn line(&self) -> String {
+        let mut line = format!(
+            "re-ran {} steps from checkpoint step {}; {} of {} recorded steps bit-identical",
+            self.steps.len(),
+            self.start_step,
+            self.identical,
+            self.compared
+        );
+        if let Some(d) = self.first_divergence {
+            line += &format!("; first divergence at step {d}");
+        }
+        if !self.dropped.is_empty() {
+            line += &format!("; dropped {:?}", self.dropped);
+        }
+        line
+    }
+}
+
 /// Re-runs training from `opts.checkpoint` over the scored entries of `source` between the
 /// bounds, with the trainer's own code and batching (the same drop rules, the same
 /// `groups_per_step`, the config the checkpoint was written with), and compares each step
@@ -576,12 +603,17 @@ pub async fn retrain(
     opts: &RetrainOptions,
     mut on_step: impl FnMut(&RetrainStep),
 ) -> Result<RetrainSummary, ReplayError> {
-    let (mut cfg, state) = train::stage_checkpoint(&opts.checkpoint, &opts.scratch)?;
+    // The replaying trainer keeps its own checkpoints in a directory removed afterwards.
+    let scratch = tempfile::Builder::new()
+        .prefix("rlstream-replay-")
+        .tempdir()
+        .map_err(|e| ReplayError::Usage(format!("cannot create a scratch directory: {e}")))?;
+    let (mut cfg, state) = train::stage_checkpoint(&opts.checkpoint, scratch.path())?;
     let start_step = state.step;
-    cfg.steps = opts.steps.map_or(0, |n| start_step + n);
+    cfg.train.steps = opts.steps.map_or(0, |n| start_step + n);
     // Checkpoints of the re-run are not needed; the final one still lands in the scratch dir.
-    cfg.checkpoint_every = u64::MAX;
-    cfg.name = "replay".into();
+    cfg.train.checkpoint_every = u64::MAX;
+    cfg.train.name = "replay".into();
 
     let mut recorded: BTreeMap<u64, (f64, f64, f64)> = BTreeMap::new();
     let events = source

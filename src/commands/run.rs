@@ -151,17 +151,33 @@ pub struct RunOutcome {
 /// The defaults `rlstream run` puts under the config file: a small model that learns a
 /// built-in task in minutes on a CPU.
 pub fn defaults(task: BuiltinTask) -> Config {
-    let mut c = Config::default();
-    c.generator.group_size = 8;
-    c.generator.max_new_tokens = task.max_answer_tokens() + 2;
-    c.generator.max_batch = 64;
-    c.train.groups_per_step = 8;
-    c.train.lr = 5e-4;
-    c.train.max_lag = 4;
-    c.train.steps = 200;
-    c.train.checkpoint_every = 50;
-    c
+    // The layer is made of known keys and values, so it always resolves.
+    Config::resolve(
+        defaults_layer(task),
+        None,
+        std::iter::empty(),
+        toml::Table::new(),
+    )
+    .unwrap_or_default()
 }
+
+/// `run`'s own defaults, as a config layer under the file, the environment and the flags:
+/// a quick run that learns in a couple of minutes on two cores.
+pub fn defaults_layer(task: BuiltinTask) -> toml::Table {
+    let mut layer: toml::Table = RUN_DEFAULTS
+        .parse()
+        .expect("the shipped run defaults are valid TOML");
+    let gen_section = toml::Table::from_iter([(
+        "max_new_tokens".to_string(),
+        toml::Value::Integer(i64::from(task.max_answer_tokens() + 2)),
+    )]);
+    layer.insert("gen".into(), toml::Value::Table(gen_section));
+    layer
+}
+
+/// `run`'s defaults that do not depend on the task (`gen.max_new_tokens` is the task's
+/// longest answer + 2).
+pub const RUN_DEFAULTS: &str = "[train]\nlr = 5e-4\nsteps = 200\ncheckpoint_every = 50\n";
 
 /// Work waiting for each stage: prompts and rollouts not yet finished (lag + pending), scored
 /// groups not yet delivered to the trainer (lag; the trainer keeps what it trained pending
@@ -317,15 +333,10 @@ pub async fn run(
         .map_err(|e| StageError::Other(format!("cannot create {}: {e}", opts.out.display())))?;
     let (model_dir, warm_start_s) = prepare_model(opts)?;
 
-    // One model, one task, shared settings: the generator follows the trainer's.
-    cfg.generator.model = Some(model_dir.clone());
-    cfg.generator.max_lag = cfg.train.max_lag;
-    cfg.generator.groups_per_step = cfg.train.groups_per_step;
-    cfg.generator.seed = opts.seed;
-    cfg.train.model = Some(model_dir.clone());
+    // One model and one task for every stage.
+    cfg.policy.model = Some(model_dir.clone());
+    cfg.policy.seed = opts.seed;
     cfg.train.checkpoint_dir = checkpoints;
-    cfg.train.temperature = cfg.generator.temperature;
-    cfg.train.seed = opts.seed;
     cfg.feed.task = Some(opts.task);
     cfg.feed.seed = opts.seed;
     if opts.sync {
@@ -360,7 +371,10 @@ pub async fn run(
         };
     let train_task = {
         let (c, bus, topo, t, rx) = (
-            cfg.train.clone(),
+            train::TrainerSettings {
+                policy: cfg.policy.clone(),
+                train: cfg.train.clone(),
+            },
             bus.clone(),
             topo.clone(),
             transport.clone(),
@@ -395,7 +409,7 @@ pub async fn run(
     };
     let gen_task = {
         let (c, bus, topo, slot, t, rx) = (
-            cfg.generator.clone(),
+            (cfg.policy.clone(), cfg.generator.clone()),
             bus.clone(),
             topo.clone(),
             slot.clone(),
@@ -403,7 +417,7 @@ pub async fn run(
             stop_rx.clone(),
         );
         spawn_stage(Box::pin(async move {
-            gen_stage::run(&c, bus, &topo, slot, t, stopped(rx))
+            gen_stage::run(&c.0, &c.1, bus, &topo, slot, t, stopped(rx))
                 .await
                 .map(StageResult::Gen)
         }))
@@ -411,7 +425,7 @@ pub async fn run(
     let feed_task = {
         let (bus, topo, slot, rx) = (bus.clone(), topo.clone(), slot.clone(), stop_rx.clone());
         let (task, seed, per_step, sync) =
-            (opts.task, opts.seed, cfg.train.groups_per_step, opts.sync);
+            (opts.task, opts.seed, cfg.policy.groups_per_step, opts.sync);
         spawn_stage(Box::pin(async move {
             feeder(task, seed, per_step, sync, bus, topo, slot, progress_rx, rx)
                 .await
@@ -639,4 +653,15 @@ pub fn default_out(task: BuiltinTask) -> PathBuf {
         .duration_since(std::time::UNIX_EPOCH)
         .map_or(0, |d| d.as_secs());
     Path::new("runs").join(format!("{}-{secs}", task.name()))
+}
+
+/// A namespace of its own for a run on Redis, so that a run never mixes with another's
+/// streams: `run-` and the time in milliseconds.
+pub fn fresh_namespace() -> String {
+    format!(
+        "run-{}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_millis())
+    )
 }

@@ -13,34 +13,28 @@ use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use std::path::PathBuf;
 use std::time::Instant;
 
-#[derive(Debug, Clone)]
-pub struct SftOptions {
-    pub task: BuiltinTask,
-    pub out: PathBuf,
-    pub steps: u64,
-    pub batch: usize,
-    pub lr: f64,
-    pub seed: u64,
-    /// Width of the model (hidden size); layers, heads and MLP follow.
-    pub hidden: usize,
-    pub layers: usize,
-    /// Prompts held out for the accuracy report.
-    pub eval: usize,
-}
-
-impl Default for SftOptions {
-    fn default() -> Self {
-        SftOptions {
-            task: BuiltinTask::Add,
-            out: PathBuf::from("runs/sft"),
-            steps: 300,
-            batch: 32,
-            lr: 3e-3,
-            seed: 0,
-            hidden: 64,
-            layers: 2,
-            eval: 64,
-        }
+crate::settings! {
+    /// A warm start: these are also the flags of `rlstream sft`.
+    pub struct SftOptions, flags SftArgs, section "sft" {
+        /// Built-in task whose answers to learn.
+        pub task: BuiltinTask = BuiltinTask::Add,
+        /// Directory the Hugging Face checkpoint is written to.
+        #[arg(value_name = "DIR")]
+        pub out: PathBuf = PathBuf::from("runs/sft"),
+        /// Optimizer steps.
+        pub steps: u64 = 300,
+        /// Sequences per step.
+        pub batch: usize = 32,
+        /// Learning rate (AdamW).
+        pub lr: f64 = 3e-3,
+        /// Seed of the model's initialisation and of the training prompts.
+        pub seed: u64 = 0,
+        /// Width of the model (hidden size); heads and MLP follow.
+        pub hidden: usize = 64,
+        /// Layers of the model.
+        pub layers: usize = 2,
+        /// Prompts held out for the accuracy report.
+        pub eval: usize = 64,
     }
 }
 

@@ -5,6 +5,7 @@
 
 pub mod feed;
 pub mod generate;
+pub mod policy;
 pub mod score;
 pub mod train;
 
@@ -24,7 +25,7 @@ pub enum StageError {
     #[error(transparent)]
     Weights(#[from] WeightsError),
     #[error(transparent)]
-    Config(#[from] crate::config::ConfigError),
+    Config(#[from] crate::settings::InvalidSetting),
     #[error(transparent)]
     Dataset(#[from] crate::tasks::DatasetError),
     #[error("{0}")]

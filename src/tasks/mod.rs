@@ -55,6 +55,8 @@ pub enum BuiltinTask {
     Longsort,
 }
 
+crate::enum_setting!(BuiltinTask);
+
 impl BuiltinTask {
     pub const ALL: [BuiltinTask; 4] = [
         BuiltinTask::Add,

@@ -19,9 +19,12 @@
 //! after training on them, and it takes at most `groups_per_step` it has not trained. The
 //! trainer drops groups older than `max_lag` versions; this bound keeps it from having to.
 
+mod config;
+pub use config::*;
+
 use super::StageError;
+use super::policy::PolicySettings;
 use crate::bus::{Bus, Consumer, ConsumerOptions, Delivery, EntryId, SharedBus, Topology};
-use crate::config::GenConfig;
 use crate::model::hf::load_hf;
 use crate::model::sampler::{Completion, Generator, Request};
 use crate::model::tokenizer::Tokenizer;
@@ -119,6 +122,7 @@ fn assemble(gen_id: &str, p: Pending) -> RolloutGroup {
 
 /// The decode loop; runs on its own thread until `stop` is set and nothing is admitted.
 fn decode_loop(
+    policy: PolicySettings,
     cfg: GenConfig,
     slot: ModelSlot<InferBackend>,
     admit: mpsc::Receiver<Admit>,
@@ -161,12 +165,12 @@ fn decode_loop(
                 break;
             };
             let params = SamplingParams {
-                temperature: cfg.temperature,
+                temperature: policy.temperature,
                 top_k: cfg.top_k,
                 top_p: cfg.top_p,
                 max_new_tokens: cfg.max_new_tokens,
                 stop_tokens: current.policy.config().eos_token_id.into_iter().collect(),
-                seed: cfg.seed ^ a.entry.ms.rotate_left(17) ^ a.entry.seq,
+                seed: policy.seed ^ a.entry.ms.rotate_left(17) ^ a.entry.seq,
             };
             let id = next_id;
             next_id += 1;
@@ -229,6 +233,7 @@ async fn downstream_backlog(bus: &dyn Bus, topo: &Topology) -> u64 {
 /// Runs the generator on the model in `slot` until `shutdown`; new versions arrive through
 /// `transport` ([`Transport::Bus`] unless the trainer shares this process).
 pub async fn run(
+    policy: &PolicySettings,
     cfg: &GenConfig,
     bus: SharedBus,
     topo: &Topology,
@@ -236,7 +241,7 @@ pub async fn run(
     transport: Transport,
     shutdown: impl Future<Output = ()>,
 ) -> Result<GenSummary, StageError> {
-    let tokenizer = match &cfg.model {
+    let tokenizer = match &policy.model {
         Some(dir) => Tokenizer::load(dir).unwrap_or(Tokenizer::Char(tasks::char_tokenizer())),
         None => Tokenizer::Char(tasks::char_tokenizer()),
     };
@@ -249,10 +254,10 @@ pub async fn run(
     // Prompt entries acked by the publisher, so the reader's consumer stops holding them.
     let (acked_tx, mut acked_rx) = tokio::sync::mpsc::unbounded_channel::<Vec<EntryId>>();
     let decode = {
-        let (cfg, slot, stop) = (cfg.clone(), slot.clone(), stop.clone());
+        let (policy, cfg, slot, stop) = (policy.clone(), cfg.clone(), slot.clone(), stop.clone());
         std::thread::Builder::new()
             .name(format!("{}-decode", cfg.name))
-            .spawn(move || decode_loop(cfg, slot, admit_rx, done_tx, stop))
+            .spawn(move || decode_loop(policy, cfg, slot, admit_rx, done_tx, stop))
             .map_err(|e| StageError::Other(format!("cannot start the decode thread: {e}")))?
     };
     let follower = {
@@ -277,6 +282,7 @@ pub async fn run(
             follower.rejected
         })
     };
+    let (max_lag, groups_per_step) = (policy.max_lag, policy.groups_per_step);
     let reader = {
         let (bus, topo, cfg, stop, in_flight) = (
             bus.clone(),
@@ -299,7 +305,7 @@ pub async fn run(
                 opts,
             )
             .await?;
-            let bound = (cfg.max_lag.max(1) * cfg.groups_per_step as u64) as usize;
+            let bound = (max_lag.max(1) * groups_per_step as u64) as usize;
             let local_cap = (cfg.max_batch / cfg.group_size).max(1) * 2;
             let mut backlog = 0u64;
             let mut refreshed = Instant::now() - BACKLOG_REFRESH;

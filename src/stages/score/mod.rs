@@ -2,9 +2,11 @@
 //! with the task's verifier (or an external program), computes group advantages, and
 //! publishes scored groups. A rollout is acked only after its scored group is published.
 
+mod config;
+pub use config::*;
+
 use super::StageError;
 use crate::bus::{Consumer, SharedBus, Topology};
-use crate::config::ScoreConfig;
 use crate::model::tokenizer::Tokenizer;
 use crate::schema::{self, RolloutGroup, SchemaVersion, ScoredGroup};
 use crate::tasks;
@@ -13,18 +15,6 @@ use serde::{Deserialize, Serialize};
 use std::future::Future;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-
-/// How rewards become advantages within a group.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum AdvantageKind {
-    /// (r − mean) / (std + ε): GRPO.
-    Grpo,
-    /// r − mean of the other samples: leave-one-out (RLOO).
-    Loo,
-    /// r − mean, no scaling (Dr. GRPO).
-    Nostd,
-}
 
 /// Added to the standard deviation so uniform groups get zero advantage, not NaN.
 const STD_EPS: f32 = 1e-6;

@@ -1,9 +1,11 @@
 //! `rlstream feed`: pushes prompts from a built-in task or a JSONL dataset to the prompts
 //! stream, in pipelined batches.
 
+mod config;
+pub use config::*;
+
 use super::StageError;
 use crate::bus::{SharedBus, Topology};
-use crate::config::FeedConfig;
 use crate::schema::{self, Prompt, SchemaVersion};
 use crate::tasks::{self, Dataset, TaskItem};
 use bytes::Bytes;

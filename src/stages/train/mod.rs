@@ -9,9 +9,22 @@
 //! in it, so a group published twice upstream (a scorer that crashed between publish and
 //! ack) is not trained twice either.
 
+mod config;
+pub use config::*;
+
+use super::policy::PolicySettings;
+
+/// What a trainer runs with: its own `[train]` section and the shared `[policy]` one. Saved
+/// beside each checkpoint as `train_config.toml`, in the same sections as the config file.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainerSettings {
+    pub policy: PolicySettings,
+    pub train: TrainConfig,
+}
+
 use super::StageError;
 use crate::bus::{Consumer, Delivery, EntryId, SharedBus, Topology};
-use crate::config::TrainConfig;
 use crate::model::hf::load_hf;
 use crate::model::logprobs::{ScoredSeq, completion_logprobs};
 use crate::model::{ModelError, Policy, TrainBackend};
@@ -28,18 +41,6 @@ use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::future::Future;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
-
-/// The objective.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "lowercase")]
-pub enum LossKind {
-    /// PPO clipped surrogate: −min(r·A, clip(r, 1−ε, 1+ε_high)·A).
-    Ppo,
-    /// Truncated importance sampling: −min(r, C)·A·log π, the weight without gradient.
-    Tis,
-    /// REINFORCE with the ratio capped: −min(r, C)·A.
-    Reinforce,
-}
 
 /// Group ids remembered for de-duplication.
 const REMEMBERED_GROUPS: usize = 100_000;
@@ -129,7 +130,7 @@ pub fn loss<B: AutodiffBackend>(
     model: &Policy<B>,
     reference: Option<&Policy<B::InnerBackend>>,
     groups: &[&ScoredGroup],
-    cfg: &TrainConfig,
+    cfg: &TrainerSettings,
 ) -> (Tensor<B, 1>, StepStats) {
     let device = model.device();
     let mut seqs = Vec::new();
@@ -147,7 +148,7 @@ pub fn loss<B: AutodiffBackend>(
         }
     }
     let b = seqs.len();
-    let (lp, valid) = completion_logprobs(model, &seqs, cfg.temperature);
+    let (lp, valid) = completion_logprobs(model, &seqs, cfg.policy.temperature);
     let c = lp.dims()[1];
     let mut mu = vec![0f32; b * c];
     let mut a_tok = vec![0f32; b * c];
@@ -159,17 +160,19 @@ pub fn loss<B: AutodiffBackend>(
     let a_tok = Tensor::<B, 2>::from_data(TensorData::new(a_tok, [b, c]), &device);
     let log_ratio = (lp.clone() - mu) * valid.clone();
     let ratio = log_ratio.clone().exp();
-    let per_token = match cfg.loss {
+    let per_token = match cfg.train.loss {
         LossKind::Ppo => {
             let unclipped = ratio.clone() * a_tok.clone();
             let clipped = ratio
                 .clone()
-                .clamp(1.0 - cfg.clip_eps, 1.0 + cfg.clip_eps_high)
+                .clamp(1.0 - cfg.train.clip_eps, 1.0 + cfg.train.clip_eps_high)
                 * a_tok;
             unclipped.min_pair(clipped).neg()
         }
-        LossKind::Tis => (ratio.clone().detach().clamp_max(cfg.is_cap) * a_tok * lp.clone()).neg(),
-        LossKind::Reinforce => (ratio.clone().clamp_max(cfg.is_cap) * a_tok).neg(),
+        LossKind::Tis => {
+            (ratio.clone().detach().clamp_max(cfg.train.is_cap) * a_tok * lp.clone()).neg()
+        }
+        LossKind::Reinforce => (ratio.clone().clamp_max(cfg.train.is_cap) * a_tok).neg(),
     };
     let n_tokens: f32 = host(valid.clone().sum())
         .first()
@@ -178,14 +181,14 @@ pub fn loss<B: AutodiffBackend>(
         .max(1.0);
     let mut total = (per_token * valid.clone()).sum().div_scalar(n_tokens);
     let mut ref_kl = 0.0;
-    if let (Some(reference), true) = (reference, cfg.kl_coef > 0.0) {
-        let (ref_lp, _) = completion_logprobs(reference, &seqs, cfg.temperature);
+    if let (Some(reference), true) = (reference, cfg.train.kl_coef > 0.0) {
+        let (ref_lp, _) = completion_logprobs(reference, &seqs, cfg.policy.temperature);
         let ref_lp = Tensor::<B, 2>::from_inner(ref_lp);
         let d = (ref_lp - lp.clone()) * valid.clone();
         let k3 = (d.clone().exp() - d - 1.0) * valid.clone();
         let kl = k3.sum().div_scalar(n_tokens);
         ref_kl = f64::from(host(kl.clone().detach()).first().copied().unwrap_or(0.0));
-        total = total + kl.mul_scalar(cfg.kl_coef);
+        total = total + kl.mul_scalar(cfg.train.kl_coef);
     }
     // Host-side statistics over real tokens.
     let (r, v, l) = (host(ratio.detach()), host(valid), host(lp.detach()));
@@ -200,11 +203,12 @@ pub fn loss<B: AutodiffBackend>(
         sum_r2 += ri * ri;
         n += 1.0;
         r_max = r_max.max(ri);
-        let out = match cfg.loss {
+        let out = match cfg.train.loss {
             LossKind::Ppo => {
-                ri < f64::from(1.0 - cfg.clip_eps) || ri > f64::from(1.0 + cfg.clip_eps_high)
+                ri < f64::from(1.0 - cfg.train.clip_eps)
+                    || ri > f64::from(1.0 + cfg.train.clip_eps_high)
             }
-            LossKind::Tis | LossKind::Reinforce => ri > f64::from(cfg.is_cap),
+            LossKind::Tis | LossKind::Reinforce => ri > f64::from(cfg.train.is_cap),
         };
         clipped += f64::from(u8::from(out));
         mkl += ri - 1.0 - ri.ln();
@@ -256,7 +260,7 @@ pub struct Trainer {
     pub state: TrainerState,
     /// `state.recent_groups` as a set: the duplicate check runs for every incoming group.
     trained_ids: HashSet<String>,
-    cfg: TrainConfig,
+    cfg: TrainerSettings,
 }
 
 const MODEL_RECORD: &str = "trainer_model";
@@ -268,21 +272,21 @@ const LATEST: &str = "latest";
 
 impl Trainer {
     fn optimizer(
-        cfg: &TrainConfig,
+        cfg: &TrainerSettings,
     ) -> burn::optim::adaptor::OptimizerAdaptor<
         burn::optim::AdamW,
         Policy<TrainBackend>,
         TrainBackend,
     > {
         AdamWConfig::new()
-            .with_weight_decay(cfg.weight_decay as f32)
+            .with_weight_decay(cfg.train.weight_decay as f32)
             .init()
     }
 
     /// From the newest checkpoint in `checkpoint_dir` if there is one, else from `model`.
-    pub fn start(cfg: &TrainConfig) -> Result<Self, StageError> {
+    pub fn start(cfg: &TrainerSettings) -> Result<Self, StageError> {
         let device = Default::default();
-        let (model, state, optim) = match latest_checkpoint(&cfg.checkpoint_dir) {
+        let (model, state, optim) = match latest_checkpoint(&cfg.train.checkpoint_dir) {
             Some(dir) => {
                 let model: Policy<TrainBackend> = load_hf(&dir, &device)?;
                 let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
@@ -313,7 +317,7 @@ impl Trainer {
                 (model, state, optim)
             }
             None => {
-                let dir = cfg.model.as_ref().ok_or_else(|| {
+                let dir = cfg.policy.model.as_ref().ok_or_else(|| {
                     StageError::Other(
                         "train needs --model DIR (or a checkpoint in --checkpoint-dir)".into(),
                     )
@@ -325,8 +329,8 @@ impl Trainer {
                 )
             }
         };
-        let reference = if cfg.kl_coef > 0.0 {
-            let dir = cfg.model.as_ref().ok_or_else(|| {
+        let reference = if cfg.train.kl_coef > 0.0 {
+            let dir = cfg.policy.model.as_ref().ok_or_else(|| {
                 StageError::Other("--kl-coef needs --model (the reference)".into())
             })?;
             Some(load_hf(dir, &device)?)
@@ -364,14 +368,16 @@ impl Trainer {
                 "non-finite loss or gradient: step skipped, weights kept"
             );
         } else {
-            if grad_norm > f64::from(self.cfg.max_grad_norm) {
+            if grad_norm > f64::from(self.cfg.train.max_grad_norm) {
                 let mut scale = GradScale {
                     grads: &mut grads,
-                    factor: (f64::from(self.cfg.max_grad_norm) / grad_norm) as f32,
+                    factor: (f64::from(self.cfg.train.max_grad_norm) / grad_norm) as f32,
                 };
                 self.model.visit(&mut scale);
             }
-            self.model = self.optim.step(self.cfg.lr, self.model.clone(), grads);
+            self.model = self
+                .optim
+                .step(self.cfg.train.lr, self.model.clone(), grads);
             self.state.version += 1;
             self.state.step += 1;
             self.state.trained_groups += groups.len() as u64;
@@ -400,7 +406,7 @@ impl Trainer {
 
     /// Writes a complete checkpoint, then points `latest` at it.
     pub fn checkpoint(&self) -> Result<PathBuf, StageError> {
-        let root = &self.cfg.checkpoint_dir;
+        let root = &self.cfg.train.checkpoint_dir;
         let dir = root.join(format!("step-{:08}", self.state.step));
         let io =
             |e: std::io::Error| StageError::Other(format!("checkpoint {}: {e}", dir.display()));
@@ -520,7 +526,7 @@ async fn publish_step_event(
 pub fn stage_checkpoint(
     checkpoint: &Path,
     root: &Path,
-) -> Result<(TrainConfig, TrainerState), StageError> {
+) -> Result<(TrainerSettings, TrainerState), StageError> {
     let shown = checkpoint.display();
     let err = |what: &str, e: &dyn std::fmt::Display| {
         StageError::Other(format!("checkpoint {shown}: {what}: {e}"))
@@ -534,7 +540,7 @@ pub fn stage_checkpoint(
     }
     let text =
         std::fs::read_to_string(checkpoint.join(CONFIG_FILE)).map_err(|e| err(CONFIG_FILE, &e))?;
-    let mut cfg: TrainConfig = toml::from_str(&text).map_err(|e| err(CONFIG_FILE, &e))?;
+    let mut cfg: TrainerSettings = toml::from_str(&text).map_err(|e| err(CONFIG_FILE, &e))?;
     let state =
         std::fs::read_to_string(checkpoint.join(STATE_FILE)).map_err(|e| err(STATE_FILE, &e))?;
     let state: TrainerState = serde_json::from_str(&state).map_err(|e| err(STATE_FILE, &e))?;
@@ -552,7 +558,7 @@ pub fn stage_checkpoint(
         }
     }
     std::fs::write(root.join(LATEST), &name).map_err(|e| err("copy", &e))?;
-    cfg.checkpoint_dir = root.to_path_buf();
+    cfg.train.checkpoint_dir = root.to_path_buf();
     Ok((cfg, state))
 }
 
@@ -572,11 +578,11 @@ pub struct TrainSummary {
     pub history: Vec<StepStats>,
 }
 
-/// Runs the trainer until `cfg.steps` steps (0: until shutdown). `on_step` sees each step's
+/// Runs the trainer until `cfg.train.steps` steps (0: until shutdown). `on_step` sees each step's
 /// statistics (for progress displays and reports). `transport` says how weights reach the
 /// generators ([`Transport::Bus`] unless they share this process).
 pub async fn run(
-    cfg: &TrainConfig,
+    cfg: &TrainerSettings,
     bus: SharedBus,
     topo: &Topology,
     transport: Transport,
@@ -584,19 +590,19 @@ pub async fn run(
     mut on_step: impl FnMut(&StepStats),
 ) -> Result<TrainSummary, StageError> {
     let mut trainer = tokio::task::block_in_place(|| Trainer::start(cfg))?;
-    let mut publisher =
-        Publisher::new(bus.clone(), topo.clone(), cfg.keep_versions).with_transport(transport);
+    let mut publisher = Publisher::new(bus.clone(), topo.clone(), cfg.train.keep_versions)
+        .with_transport(transport);
     // Read no more than a step's worth: what the trainer has not taken stays visible as lag
     // to the generators' in-flight bound.
     let opts = crate::bus::ConsumerOptions {
-        batch: cfg.groups_per_step,
+        batch: cfg.policy.groups_per_step,
         ..topo.consumer_options()
     };
     let mut consumer = Consumer::<ScoredGroup>::join(
         bus.clone(),
         topo.key("scored"),
         "train",
-        &cfg.name,
+        &cfg.train.name,
         topo.dead_key(),
         opts,
     )
@@ -627,7 +633,7 @@ pub async fn run(
     let mut unacked: Vec<EntryId> = Vec::new();
     let mut waiting = Instant::now();
     let mut last_checkpoint = trainer.state.step;
-    let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, "train", &cfg.name);
+    let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, "train", &cfg.train.name);
     crate::metrics::started("train");
     let _retention = crate::retention::spawn_standing(
         bus.clone(),
@@ -638,7 +644,7 @@ pub async fn run(
     crate::metrics::holds("train", trainer.state.version);
     tokio::pin!(shutdown);
     'outer: loop {
-        if cfg.steps > 0 && trainer.state.step >= cfg.steps {
+        if cfg.train.steps > 0 && trainer.state.step >= cfg.train.steps {
             break;
         }
         let fields = [
@@ -658,7 +664,7 @@ pub async fn run(
                 .rollout
                 .oldest_version()
                 .map_or(0, |v| trainer.state.version.saturating_sub(v));
-            let reason = if lag > cfg.max_lag {
+            let reason = if lag > cfg.policy.max_lag {
                 Some("stale")
             } else if trainer.seen(&g.rollout.group_id)
                 || buffer
@@ -685,17 +691,18 @@ pub async fn run(
                 d.message
                     .rollout
                     .oldest_version()
-                    .is_none_or(|v| version.saturating_sub(v) <= cfg.max_lag)
+                    .is_none_or(|v| version.saturating_sub(v) <= cfg.policy.max_lag)
             });
             buffer = fresh;
             for d in aged {
                 drop_group(&mut trainer.state, &d.message, "stale");
                 unacked.push(d.id);
             }
-            if buffer.len() < cfg.groups_per_step {
+            if buffer.len() < cfg.policy.groups_per_step {
                 break;
             }
-            let taken: Vec<Delivery<ScoredGroup>> = buffer.drain(..cfg.groups_per_step).collect();
+            let taken: Vec<Delivery<ScoredGroup>> =
+                buffer.drain(..cfg.policy.groups_per_step).collect();
             let groups: Vec<&ScoredGroup> = taken.iter().map(|d| &d.message).collect();
             let wait_s = waiting.elapsed().as_secs_f64();
             let version_before = trainer.state.version;
@@ -732,24 +739,29 @@ pub async fn run(
                 "train step"
             );
             on_step(&stats);
-            crate::metrics::trained(
+            record_step(
                 &stats,
                 groups.iter().map(|g| g.rollout.samples.len() as u64).sum(),
             );
-            publish_step_event(&bus, topo, &cfg.name, &trainer.state, &stats).await?;
+            publish_step_event(&bus, topo, &cfg.train.name, &trainer.state, &stats).await?;
             summary.history.push(stats);
             let stepped = trainer.state.version != version_before;
-            if stepped && trainer.state.version.is_multiple_of(cfg.publish_every) {
+            if stepped
+                && trainer
+                    .state
+                    .version
+                    .is_multiple_of(cfg.train.publish_every)
+            {
                 publish_weights(&trainer, &mut publisher).await?;
             }
-            if trainer.state.step - last_checkpoint >= cfg.checkpoint_every {
+            if trainer.state.step - last_checkpoint >= cfg.train.checkpoint_every {
                 tokio::task::block_in_place(|| trainer.checkpoint())?;
                 consumer.ack(&unacked).await?;
                 unacked.clear();
                 last_checkpoint = trainer.state.step;
             }
             waiting = Instant::now();
-            if cfg.steps > 0 && trainer.state.step >= cfg.steps {
+            if cfg.train.steps > 0 && trainer.state.step >= cfg.train.steps {
                 break 'outer;
             }
         }
@@ -770,4 +782,30 @@ pub async fn run(
         "train stopped"
     );
     Ok(summary)
+}
+
+/// The trainer took a step (or skipped one: `s.skipped`).
+fn record_step(s: &StepStats, samples: u64) {
+    use crate::metrics::*;
+    use ::metrics::{counter, gauge, histogram};
+    histogram!(TRAIN_WAIT_SECONDS).record(s.wait_s);
+    histogram!(TRAIN_STEP_SECONDS).record(s.step_s);
+    if s.skipped {
+        error("train", "nonfinite_step");
+        return;
+    }
+    counter!(SAMPLES_TOTAL, "stage" => "train").increment(samples);
+    counter!(TOKENS_TOTAL, "stage" => "train", "kind" => "trained").increment(s.tokens as u64);
+    gauge!(POLICY_VERSION, "stage" => "train").set(s.version as f64);
+    for &lag in &s.staleness {
+        histogram!(SAMPLE_STALENESS_VERSIONS).record(lag as f64);
+    }
+    gauge!(REWARD_MEAN).set(s.reward_mean);
+    gauge!(ACCURACY).set(s.accuracy);
+    gauge!(LOSS).set(s.loss);
+    gauge!(IS_ESS).set(s.ess);
+    gauge!(CLIP_FRACTION).set(s.clip_fraction);
+    gauge!(KL).set(s.mismatch_kl);
+    gauge!(ENTROPY).set(s.entropy);
+    gauge!(GRAD_NORM).set(s.grad_norm);
 }

@@ -1,0 +1,141 @@
+//! What the commands that talk to the bus share: the config file flag over the connection
+//! settings, resolving the layers, connecting, and the shutdown signal.
+
+use crate::bus::{RedisBus, RedisOptions, Resilient, SharedBus, TlsFiles, Topology};
+use crate::config::{CommonArgs, Config};
+use anyhow::Result;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+/// Flags every bus command takes: the config file and the connection settings.
+#[derive(clap::Args, Clone, Debug, Default)]
+pub struct StageArgs {
+    /// TOML config file (top-level connection keys; sections [feed], [policy], [gen],
+    /// [score], [train], [run]).
+    #[arg(long, value_name = "FILE")]
+    pub config: Option<PathBuf>,
+    #[command(flatten)]
+    pub common: CommonArgs,
+}
+
+impl StageArgs {
+    /// The config from `base` (a command's own defaults), the file, `env`, these flags and
+    /// then `flags` (the command's section flags, already layered).
+    pub fn resolve(
+        &self,
+        base: toml::Table,
+        env: impl Iterator<Item = (String, String)>,
+        flags: impl IntoIterator<Item = toml::Table>,
+    ) -> Result<Config> {
+        let mut layer = self.common.layer();
+        for f in flags {
+            layer.extend(f);
+        }
+        Ok(Config::resolve(base, self.config.as_deref(), env, layer)?)
+    }
+}
+
+/// The topology the config names (before any namespace), with `namespace` applied when
+/// set.
+pub fn topology(cfg: &Config) -> Result<Topology> {
+    let topo = match &cfg.topology {
+        Some(p) => Topology::load(p)?,
+        None => Topology::default(),
+    };
+    Ok(match &cfg.namespace {
+        Some(ns) => topo.with_namespace(ns)?,
+        None => topo,
+    })
+}
+
+/// Starts the metrics listener when the config asks for one.
+pub fn serve_metrics(cfg: &Config) -> Result<()> {
+    if let Some(addr) = &cfg.metrics_addr {
+        let served = crate::metrics::install(addr)?;
+        tracing::info!("serving metrics at http://{served}/metrics");
+    }
+    Ok(())
+}
+
+/// Redis, with retries through outages for `redis_patience_s` (see [`Resilient`]). A
+/// Redis that cannot be reached at start is an error at once.
+pub async fn connect_redis(url: &str, cfg: &Config) -> Result<SharedBus> {
+    let opts = RedisOptions {
+        tls: TlsFiles {
+            ca: cfg.redis_tls_ca.clone(),
+            cert: cfg.redis_tls_cert.clone(),
+            key: cfg.redis_tls_key.clone(),
+        },
+        ..RedisOptions::default()
+    };
+    let redis: SharedBus = Arc::new(RedisBus::connect_with(url, opts).await?);
+    let patience = std::time::Duration::from_secs(cfg.redis_patience_s);
+    Ok(Arc::new(Resilient::new(redis, patience)))
+}
+
+/// The metrics listener, the topology and Redis for a resolved config; with metrics on,
+/// `stage` also exports the streams' length, pending and lag.
+pub async fn connect(cfg: &Config, stage: &'static str) -> Result<(Topology, SharedBus)> {
+    serve_metrics(cfg)?;
+    let topo = topology(cfg)?;
+    let bus = connect_redis(cfg.redis_url(), cfg).await?;
+    if cfg.metrics_addr.is_some() {
+        crate::bus::watch_streams(bus.clone(), topo.clone(), stage);
+    }
+    Ok((topo, bus))
+}
+
+/// Completes on Ctrl-C or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term =
+            match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+                Ok(s) => s,
+                Err(_) => {
+                    let _ = ctrl_c.await;
+                    return;
+                }
+            };
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = ctrl_c.await;
+    tracing::info!("stopping: finishing the work in hand");
+}
+
+/// A spinner with a running count on a terminal (hidden otherwise).
+pub fn counter_bar(verb: &str) -> indicatif::ProgressBar {
+    let bar = indicatif::ProgressBar::new_spinner();
+    if let Ok(style) = indicatif::ProgressStyle::with_template(&format!(
+        "{{spinner}} {verb} {{msg}}: {{pos}} entries"
+    )) {
+        bar.set_style(style);
+    }
+    bar.enable_steady_tick(std::time::Duration::from_millis(200));
+    bar
+}
+
+/// `--from` / `--to`: an inclusive bound at an id or time (see
+/// [`crate::commands::replay::parse_point`]), or open when not given.
+pub fn point_bound(point: Option<&str>) -> Result<crate::bus::RangeBound> {
+    use crate::bus::RangeBound;
+    Ok(point
+        .map(crate::commands::replay::parse_point)
+        .transpose()?
+        .map_or(RangeBound::Open, RangeBound::Inclusive))
+}
+
+/// Topology, bus and config for a command with no settings section of its own.
+pub async fn plain_connect(
+    args: &StageArgs,
+    stage: &'static str,
+) -> Result<(Config, Topology, SharedBus)> {
+    let cfg = args.resolve(toml::Table::new(), std::env::vars(), [])?;
+    let (topo, bus) = connect(&cfg, stage).await?;
+    Ok((cfg, topo, bus))
+}

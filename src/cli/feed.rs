@@ -1,0 +1,31 @@
+//! `rlstream feed`.
+
+use super::common::{StageArgs, connect, shutdown_signal};
+use crate::config::{Config, FeedArgs};
+use anyhow::Result;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    stage: StageArgs,
+    #[command(flatten)]
+    feed: FeedArgs,
+}
+
+impl Args {
+    pub fn config(&self, env: impl Iterator<Item = (String, String)>) -> Result<Config> {
+        let cfg = self
+            .stage
+            .resolve(toml::Table::new(), env, [self.feed.layer()])?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub async fn exec(self) -> Result<()> {
+        let cfg = self.config(std::env::vars())?;
+        let (topo, bus) = connect(&cfg, "feed").await?;
+        let s = crate::stages::feed::run(&cfg.feed, bus, &topo, shutdown_signal()).await?;
+        println!("fed {} prompts to {}", s.fed, topo.key("prompts"));
+        Ok(())
+    }
+}

@@ -1,0 +1,150 @@
+//! `rlstream run`.
+
+use super::common::{StageArgs, connect_redis, serve_metrics, shutdown_signal, topology};
+use crate::bus::{MemoryBus, SharedBus};
+use crate::commands::run::{self, RunOptions};
+use crate::commands::sft::SftOptions;
+use crate::config::{Config, GenArgs, PolicyArgs, RunArgs, ScoreArgs, TrainArgs};
+use crate::display::DisplayMode;
+use crate::settings::{Section, doc_of, flag_id, with_default};
+use anyhow::Result;
+use std::sync::Arc;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    stage: StageArgs,
+    #[command(flatten)]
+    run: RunArgs,
+    #[command(flatten)]
+    policy: PolicyArgs,
+    #[command(flatten)]
+    generator: GenArgs,
+    #[command(flatten)]
+    score: ScoreArgs,
+    #[command(flatten)]
+    train: TrainArgs,
+}
+
+/// `run` as its help should read: its own defaults (a layer over the stages') in the help,
+/// and the settings `run` decides itself (consumer names, the checkpoint directory under
+/// `--out`) out of the way.
+pub fn adjust(mut cmd: clap::Command) -> clap::Command {
+    let defaults = run::defaults_layer(crate::config::RunConfig::default().task);
+    for (section, table) in &defaults {
+        let Some(table) = table.as_table() else {
+            continue;
+        };
+        for (key, value) in table {
+            let id = flag_id(section, key);
+            let shown = if (section.as_str(), key.as_str()) == ("gen", "max_new_tokens") {
+                toml::Value::String(format!(
+                    "{value} for --task sort; the task's longest answer + 2"
+                ))
+            } else {
+                value.clone()
+            };
+            cmd = cmd.mut_arg(id, |a| {
+                let doc = a.get_help().map(|h| doc_of(&h.to_string()).to_string());
+                a.help(with_default(&doc.unwrap_or_default(), Some(&shown)))
+            });
+        }
+    }
+    for section in [
+        crate::config::GenConfig::NAME,
+        crate::config::ScoreConfig::NAME,
+        crate::config::TrainConfig::NAME,
+    ] {
+        cmd = cmd.mut_arg(flag_id(section, "name"), |a| {
+            a.long(format!("{section}-name")).hide(true)
+        });
+    }
+    cmd.mut_arg(
+        flag_id(crate::config::TrainConfig::NAME, "checkpoint_dir"),
+        |a| a.hide(true),
+    )
+}
+
+impl Args {
+    fn layers(&self) -> [toml::Table; 5] {
+        [
+            self.run.layer(),
+            self.policy.layer(),
+            self.generator.layer(),
+            self.score.layer(),
+            self.train.layer(),
+        ]
+    }
+
+    pub fn config(&self, env: impl Iterator<Item = (String, String)>) -> Result<Config> {
+        let env: Vec<(String, String)> = env.collect();
+        // The task decides one default (the completion length): resolve it first.
+        let first = self.stage.resolve(
+            run::defaults_layer(crate::config::RunConfig::default().task),
+            env.iter().cloned(),
+            self.layers(),
+        )?;
+        let cfg = self.stage.resolve(
+            run::defaults_layer(first.run.task),
+            env.into_iter(),
+            self.layers(),
+        )?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub async fn exec(self) -> Result<()> {
+        let cfg = self.config(std::env::vars())?;
+        serve_metrics(&cfg)?;
+        let mut topo = topology(&cfg)?;
+        let bus: SharedBus = match &cfg.redis {
+            Some(url) => {
+                let ns = cfg.namespace.clone().unwrap_or_else(run::fresh_namespace);
+                topo = topo.with_namespace(&ns)?;
+                eprintln!("using Redis at {url}, namespace {ns}");
+                connect_redis(url, &cfg).await?
+            }
+            None => Arc::new(MemoryBus::new()),
+        };
+        if cfg.metrics_addr.is_some() {
+            crate::bus::watch_streams(bus.clone(), topo.clone(), "run");
+        }
+        let r = &cfg.run;
+        let out = r.out.clone().unwrap_or_else(|| run::default_out(r.task));
+        let opts = RunOptions {
+            task: r.task,
+            model: cfg.policy.model.clone(),
+            sft: SftOptions {
+                task: r.task,
+                out: out.join("sft"),
+                steps: r.sft_steps,
+                hidden: r.hidden,
+                layers: r.layers,
+                seed: cfg.policy.seed,
+                ..SftOptions::default()
+            },
+            out,
+            report: r.report.clone(),
+            sync: r.sync,
+            seed: cfg.policy.seed,
+            display: if r.plain {
+                DisplayMode::Log {
+                    every: std::time::Duration::from_secs(5),
+                }
+            } else {
+                DisplayMode::auto()
+            },
+        };
+        eprintln!("run directory {}", opts.out.display());
+        let outcome = run::run(&opts, cfg, bus, topo, shutdown_signal()).await?;
+        println!("{}", outcome.summary.paragraph());
+        println!(
+            "learning curve: {}\nper-step metrics: {} and {}\nsummary: {}",
+            outcome.report.svg.display(),
+            outcome.report.jsonl.display(),
+            outcome.report.csv.display(),
+            outcome.report.summary.display()
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,39 @@
+//! `rlstream score`.
+
+use super::common::{StageArgs, connect, shutdown_signal};
+use crate::config::{Config, ScoreArgs};
+use anyhow::Result;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    stage: StageArgs,
+    #[command(flatten)]
+    score: ScoreArgs,
+}
+
+impl Args {
+    pub fn config(&self, env: impl Iterator<Item = (String, String)>) -> Result<Config> {
+        let cfg = self
+            .stage
+            .resolve(toml::Table::new(), env, [self.score.layer()])?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub async fn exec(self) -> Result<()> {
+        let cfg = self.config(std::env::vars())?;
+        let (topo, bus) = connect(&cfg, "score").await?;
+        let s = crate::stages::score::run(&cfg.score, bus, &topo, shutdown_signal()).await?;
+        let mean = if s.samples > 0 {
+            s.reward_sum / s.samples as f64
+        } else {
+            0.0
+        };
+        println!(
+            "scored {} groups (reward mean {mean:.3}), {} failed",
+            s.scored, s.failed
+        );
+        Ok(())
+    }
+}

@@ -1,0 +1,50 @@
+//! `rlstream gen`.
+
+use super::common::{StageArgs, connect, shutdown_signal};
+use crate::config::{Config, GenArgs, PolicyArgs};
+use crate::stages::generate as gen_stage;
+use crate::weights::Transport;
+use anyhow::{Result, bail};
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    stage: StageArgs,
+    #[command(flatten)]
+    policy: PolicyArgs,
+    #[command(flatten)]
+    generator: GenArgs,
+}
+
+impl Args {
+    pub fn config(&self, env: impl Iterator<Item = (String, String)>) -> Result<Config> {
+        let layers = [self.policy.layer(), self.generator.layer()];
+        let cfg = self.stage.resolve(toml::Table::new(), env, layers)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub async fn exec(self) -> Result<()> {
+        let cfg = self.config(std::env::vars())?;
+        let Some(dir) = cfg.policy.model.clone() else {
+            bail!("gen needs --model DIR (a Hugging Face checkpoint, e.g. from `rlstream sft`)");
+        };
+        let (topo, bus) = connect(&cfg, "gen").await?;
+        let slot = gen_stage::initial_slot(&dir)?;
+        let s = gen_stage::run(
+            &cfg.policy,
+            &cfg.generator,
+            bus,
+            &topo,
+            slot,
+            Transport::Bus,
+            shutdown_signal(),
+        )
+        .await?;
+        println!(
+            "generated {} groups, {} tokens; {} weight swaps, final version {}",
+            s.groups, s.tokens, s.decode.swaps, s.final_version
+        );
+        Ok(())
+    }
+}

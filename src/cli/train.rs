@@ -1,0 +1,51 @@
+//! `rlstream train`.
+
+use super::common::{StageArgs, connect, shutdown_signal};
+use crate::config::{Config, PolicyArgs, TrainArgs};
+use crate::stages::train::{self, TrainerSettings};
+use crate::weights::Transport;
+use anyhow::Result;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    stage: StageArgs,
+    #[command(flatten)]
+    policy: PolicyArgs,
+    #[command(flatten)]
+    train: TrainArgs,
+}
+
+impl Args {
+    pub fn config(&self, env: impl Iterator<Item = (String, String)>) -> Result<Config> {
+        let layers = [self.policy.layer(), self.train.layer()];
+        let cfg = self.stage.resolve(toml::Table::new(), env, layers)?;
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    pub async fn exec(self) -> Result<()> {
+        let cfg = self.config(std::env::vars())?;
+        let (topo, bus) = connect(&cfg, "train").await?;
+        let settings = TrainerSettings {
+            policy: cfg.policy,
+            train: cfg.train,
+        };
+        let s = train::run(
+            &settings,
+            bus,
+            &topo,
+            Transport::Bus,
+            shutdown_signal(),
+            |_| {},
+        )
+        .await?;
+        let first = s.history.first().map_or(0.0, |h| h.reward_mean);
+        let last = s.history.last().map_or(0.0, |h| h.reward_mean);
+        println!(
+            "trained {} steps to version {} on {} groups; reward {first:.3} -> {last:.3}; dropped {:?}",
+            s.steps, s.version, s.trained_groups, s.dropped
+        );
+        Ok(())
+    }
+}

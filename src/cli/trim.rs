@@ -1,0 +1,52 @@
+//! `rlstream trim`.
+
+use super::common::{StageArgs, plain_connect};
+use crate::retention::{self, Keep};
+use anyhow::{Result, bail};
+use std::path::PathBuf;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    stage: StageArgs,
+    /// The stream to trim (a name of the topology: prompts, rollouts, scored, ...).
+    #[arg(long)]
+    stream: String,
+    /// Keep the newest N entries.
+    #[arg(
+        long,
+        conflicts_with = "older_than",
+        required_unless_present = "older_than"
+    )]
+    keep_last: Option<u64>,
+    /// Remove entries older than this (90s, 30m, 12h, 7d).
+    #[arg(long)]
+    older_than: Option<String>,
+    /// Archive the removed entries here first (nothing is removed if that fails).
+    #[arg(long)]
+    archive: Option<PathBuf>,
+}
+
+impl Args {
+    pub async fn exec(self) -> Result<()> {
+        let keep = Keep::from_flags(self.keep_last, self.older_than.as_deref())
+            .map_err(anyhow::Error::msg)?;
+        if let Some(a) = &self.archive
+            && a.exists()
+        {
+            bail!("{} exists: trim never overwrites an archive", a.display());
+        }
+        let (_, topo, bus) = plain_connect(&self.stage, "trim").await?;
+        topo.select(std::slice::from_ref(&self.stream))?;
+        let r = retention::trim(
+            bus.as_ref(),
+            &topo,
+            &self.stream,
+            keep,
+            self.archive.as_deref(),
+        )
+        .await?;
+        println!("{}", r.line(self.archive.as_deref()));
+        Ok(())
+    }
+}

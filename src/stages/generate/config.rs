@@ -1,0 +1,42 @@
+//! The `[gen]` settings.
+
+crate::settings! {
+    /// The `[gen]` section (`gen` is reserved in Rust 2024, hence the type's name).
+    pub struct GenConfig, flags GenArgs, section "gen" {
+        /// Completions per prompt (G).
+        pub group_size: usize = 8,
+        /// Most tokens per completion.
+        pub max_new_tokens: u32 = 16,
+        /// Keep the k most likely tokens when sampling; 0 disables.
+        pub top_k: u32 = 0,
+        /// Keep the smallest set of tokens with this much probability; 1 disables.
+        pub top_p: f32 = 1.0,
+        /// Most sequences decoded together.
+        pub max_batch: usize = 64,
+        /// Consumer name, unique per generator process.
+        pub name: String = "gen-0".into(),
+    }
+}
+
+impl GenConfig {
+    /// Checks values the types cannot.
+    pub fn validate(&self) -> Result<(), crate::settings::InvalidSetting> {
+        use crate::settings::invalid;
+        if self.group_size == 0 {
+            return Err(invalid("gen.group_size", "must be at least 1"));
+        }
+        if self.max_new_tokens == 0 {
+            return Err(invalid("gen.max_new_tokens", "must be at least 1"));
+        }
+        if !(self.top_p > 0.0 && self.top_p <= 1.0) {
+            return Err(invalid("gen.top_p", "must be in (0, 1]"));
+        }
+        if self.max_batch < self.group_size {
+            return Err(invalid(
+                "gen.max_batch",
+                format!("must be at least gen.group_size ({})", self.group_size),
+            ));
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,83 @@
+//! The `[train]` settings, and the objectives.
+
+use serde::{Deserialize, Serialize};
+use std::path::PathBuf;
+
+/// The objective.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum LossKind {
+    /// PPO clipped surrogate: −min(r·A, clip(r, 1−ε, 1+ε_high)·A).
+    Ppo,
+    /// Truncated importance sampling: −min(r, C)·A·log π, the weight without gradient.
+    Tis,
+    /// REINFORCE with the ratio capped: −min(r, C)·A.
+    Reinforce,
+}
+crate::enum_setting!(LossKind);
+
+crate::settings! {
+    /// The `[train]` section.
+    pub struct TrainConfig, flags TrainArgs, section "train" {
+        /// The objective.
+        pub loss: LossKind = LossKind::Ppo,
+        /// Learning rate (AdamW).
+        pub lr: f64 = 1e-4,
+        /// AdamW weight decay.
+        pub weight_decay: f64 = 0.0,
+        /// Gradient clipping by global norm.
+        pub max_grad_norm: f32 = 1.0,
+        /// PPO clip range below 1.
+        pub clip_eps: f32 = 0.2,
+        /// PPO clip range above 1.
+        pub clip_eps_high: f32 = 0.28,
+        /// Truncation of the importance weight (tis) and cap of the ratio (reinforce).
+        pub is_cap: f32 = 2.0,
+        /// KL penalty to the initial policy (0 disables).
+        pub kl_coef: f32 = 0.0,
+        /// Publish weights every this many steps.
+        pub publish_every: u64 = 1,
+        /// Versions of weights kept on the bus.
+        pub keep_versions: usize = 3,
+        /// Checkpoint every this many steps (entries are acked only after a checkpoint).
+        pub checkpoint_every: u64 = 10,
+        /// Where checkpoints go.
+        #[arg(value_name = "DIR")]
+        pub checkpoint_dir: PathBuf = PathBuf::from("checkpoints"),
+        /// Stop after this many steps (0 runs until stopped).
+        pub steps: u64 = 0,
+        /// Consumer name, unique per trainer process.
+        pub name: String = "train-0".into(),
+    }
+}
+
+impl TrainConfig {
+    /// Checks values the types cannot.
+    pub fn validate(&self) -> Result<(), crate::settings::InvalidSetting> {
+        use crate::settings::invalid;
+        if !(self.lr.is_finite() && self.lr > 0.0) {
+            return Err(invalid("train.lr", "must be > 0"));
+        }
+        for (k, v) in [
+            ("train.clip_eps", self.clip_eps),
+            ("train.clip_eps_high", self.clip_eps_high),
+        ] {
+            if !(v.is_finite() && v > 0.0 && v < 1.0) {
+                return Err(invalid(k, "must be in (0, 1)"));
+            }
+        }
+        if !(self.is_cap.is_finite() && self.is_cap >= 1.0) {
+            return Err(invalid("train.is_cap", "must be >= 1"));
+        }
+        if !(self.max_grad_norm.is_finite() && self.max_grad_norm > 0.0) {
+            return Err(invalid("train.max_grad_norm", "must be > 0"));
+        }
+        if self.publish_every == 0 || self.checkpoint_every == 0 || self.keep_versions == 0 {
+            return Err(invalid(
+                "train",
+                "publish_every, checkpoint_every and keep_versions must be at least 1",
+            ));
+        }
+        Ok(())
+    }
+}

@@ -154,6 +154,9 @@ impl Config {
             (None, true) => "(defaults)".to_string(),
             (None, false) => format!("(defaults with {})", overrides.join(", ")),
         };
+        if let Some(message) = moved_to_policy(&table) {
+            return Err(ConfigError::Parse { origin, message });
+        }
         toml::Value::Table(table)
             .try_into()
             .map_err(|e: toml::de::Error| ConfigError::Parse {
@@ -185,6 +188,27 @@ impl Config {
         self.train.validate()?;
         Ok(())
     }
+}
+
+/// A key that the generators and the trainer now share in `[policy]`, still given in
+/// `[gen]` or `[train]`: say where it went rather than only that it is unknown.
+fn moved_to_policy(table: &toml::Table) -> Option<String> {
+    use crate::settings::Section;
+    for section in [GenConfig::NAME, TrainConfig::NAME] {
+        let Some(t) = table.get(section).and_then(toml::Value::as_table) else {
+            continue;
+        };
+        for key in PolicySettings::keys() {
+            if t.contains_key(key.name) {
+                return Some(format!(
+                    "`[{section}] {k}` is now `[policy] {k}` (RLSTREAM__POLICY__{K}): the generators and the trainer share it",
+                    k = key.name,
+                    K = key.name.to_uppercase()
+                ));
+            }
+        }
+    }
+    None
 }
 
 /// An environment value as TOML if it parses as a scalar, else as a string.

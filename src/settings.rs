@@ -100,8 +100,9 @@ pub struct Key {
     pub doc: &'static str,
     /// The default, as TOML (`None` when the setting is unset by default).
     pub default: Option<toml::Value>,
-    /// A valid value different from the default, as TOML.
-    pub other: toml::Value,
+    /// Three valid values, as TOML: the first differs from the default and each from the
+    /// one before it (a precedence test sets them in turn by file, environment and flag).
+    pub others: [toml::Value; 3],
 }
 
 /// A settings section made by [`settings!`](crate::settings!).
@@ -265,10 +266,15 @@ macro_rules! settings {
                         name: stringify!($field),
                         doc: concat!($($doc),+),
                         default: $crate::settings::to_toml(&d.$field),
-                        other: $crate::settings::to_toml(
-                            &$crate::settings::Setting::other(&d.$field),
-                        )
-                        .expect("a set value serialises"),
+                        others: {
+                            use $crate::settings::Setting;
+                            let a = d.$field.other();
+                            let b = a.other();
+                            let c = b.other();
+                            [a, b, c].map(|v| {
+                                $crate::settings::to_toml(&v).expect("a set value serialises")
+                            })
+                        },
                     },
                 )*]
             }

@@ -261,9 +261,19 @@ fn a_bad_config_stops_a_stage_and_names_the_key() {
             vec!["unknown field `group_sise`", "in `gen`"],
         ),
         (
-            file("zero.toml", "[train]\ngroups_per_step = 0\n"),
+            file("zero.toml", "[train]\ncheckpoint_every = 0\n"),
             None,
             vec!["`train`", "must be at least 1"],
+        ),
+        (
+            file("zero_batch.toml", "[policy]\ngroups_per_step = 0\n"),
+            None,
+            vec!["`policy.groups_per_step`", "must be at least 1"],
+        ),
+        (
+            file("moved.toml", "[train]\nmax_lag = 2\n"),
+            None,
+            vec!["moved.toml", "`[train] max_lag` is now `[policy] max_lag`"],
         ),
         (
             file("type.toml", "redis = 5\n"),

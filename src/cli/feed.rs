@@ -17,12 +17,12 @@ impl Args {
         let cfg = self
             .stage
             .resolve(toml::Table::new(), env, [self.feed.layer()])?;
-        cfg.validate()?;
         Ok(cfg)
     }
 
     pub async fn exec(self) -> Result<()> {
         let cfg = self.config(std::env::vars())?;
+        cfg.validate()?;
         let (topo, bus) = connect(&cfg, "feed").await?;
         let s = crate::stages::feed::run(&cfg.feed, bus, &topo, shutdown_signal()).await?;
         println!("fed {} prompts to {}", s.fed, topo.key("prompts"));

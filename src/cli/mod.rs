@@ -38,7 +38,7 @@ pub struct Cli {
 pub enum Command {
     /// The whole pipeline in one process: warm start, then feed, gen, score and train on the
     /// embedded bus (or Redis with --redis), with a live display and a report.
-    Run(run::Args),
+    Run(Box<run::Args>),
     /// Push prompts from a built-in task or a JSONL dataset to the prompts stream.
     Feed(feed::Args),
     /// Generator: sample G completions per prompt, follow new weights without stopping.
@@ -93,7 +93,7 @@ impl Cli {
 
 impl Command {
     /// The settings the command would run with, from its defaults, the file, `env` and its
-    /// flags; `None` for a command without settings.
+    /// flags (not yet validated: `exec` does that); `None` for a command without settings.
     pub fn config(
         &self,
         env: impl Iterator<Item = (String, String)>,

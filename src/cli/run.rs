@@ -89,12 +89,12 @@ impl Args {
             env.into_iter(),
             self.layers(),
         )?;
-        cfg.validate()?;
         Ok(cfg)
     }
 
     pub async fn exec(self) -> Result<()> {
         let cfg = self.config(std::env::vars())?;
+        cfg.validate()?;
         serve_metrics(&cfg)?;
         let mut topo = topology(&cfg)?;
         let bus: SharedBus = match &cfg.redis {

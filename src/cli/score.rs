@@ -17,12 +17,12 @@ impl Args {
         let cfg = self
             .stage
             .resolve(toml::Table::new(), env, [self.score.layer()])?;
-        cfg.validate()?;
         Ok(cfg)
     }
 
     pub async fn exec(self) -> Result<()> {
         let cfg = self.config(std::env::vars())?;
+        cfg.validate()?;
         let (topo, bus) = connect(&cfg, "score").await?;
         let s = crate::stages::score::run(&cfg.score, bus, &topo, shutdown_signal()).await?;
         let mean = if s.samples > 0 {

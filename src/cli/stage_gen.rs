@@ -20,12 +20,12 @@ impl Args {
     pub fn config(&self, env: impl Iterator<Item = (String, String)>) -> Result<Config> {
         let layers = [self.policy.layer(), self.generator.layer()];
         let cfg = self.stage.resolve(toml::Table::new(), env, layers)?;
-        cfg.validate()?;
         Ok(cfg)
     }
 
     pub async fn exec(self) -> Result<()> {
         let cfg = self.config(std::env::vars())?;
+        cfg.validate()?;
         let Some(dir) = cfg.policy.model.clone() else {
             bail!("gen needs --model DIR (a Hugging Face checkpoint, e.g. from `rlstream sft`)");
         };

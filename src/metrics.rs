@@ -7,6 +7,7 @@
 //! counters. Stream names in labels are full keys (`rl:prompts`), so several namespaces on one
 //! Redis stay apart.
 
+use crate::roles::Stage;
 use metrics::{
     Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
@@ -214,17 +215,17 @@ fn describe() {
 }
 
 /// Errors each stage can count, by kind; see [`started`].
-const ERROR_KINDS: &[(&str, &[&str])] = &[
-    ("gen", &["bus", "tokenize", "weights_rejected"]),
-    ("score", &["scorer"]),
-    ("train", &["nonfinite_step"]),
+const ERROR_KINDS: &[(Stage, &[&str])] = &[
+    (Stage::Gen, &["bus", "tokenize", "weights_rejected"]),
+    (Stage::Score, &["scorer"]),
+    (Stage::Train, &["nonfinite_step"]),
 ];
 /// Why the trainer drops groups.
 const DROP_REASONS: &[&str] = &["stale", "duplicate", "nonfinite"];
 
 /// A stage started: its error and drop counters start at 0, so `rate()` and the dashboard
 /// see the series before the first error (an absent series reads as "no data", not 0).
-pub fn started(stage: &'static str) {
+pub fn started(stage: Stage) {
     for &(s, kinds) in ERROR_KINDS {
         if s == stage {
             for &kind in kinds {
@@ -232,53 +233,53 @@ pub fn started(stage: &'static str) {
             }
         }
     }
-    if stage == "train" {
+    if stage == Stage::Train {
         for &reason in DROP_REASONS {
             dropped(reason, 0);
         }
     }
 }
 
-pub(crate) fn error_n(stage: &'static str, kind: &'static str, n: u64) {
-    counter!(ERRORS_TOTAL, "stage" => stage, "kind" => kind).increment(n);
+pub(crate) fn error_n(stage: Stage, kind: &'static str, n: u64) {
+    counter!(ERRORS_TOTAL, "stage" => stage.as_str(), "kind" => kind).increment(n);
 }
 
 /// The feeder published prompts.
 pub fn fed(prompts: u64) {
-    counter!(SAMPLES_TOTAL, "stage" => "feed").increment(prompts);
+    counter!(SAMPLES_TOTAL, "stage" => Stage::Feed.as_str()).increment(prompts);
 }
 
 /// A generator published groups.
 pub fn generated(samples: u64, tokens: u64) {
-    counter!(SAMPLES_TOTAL, "stage" => "gen").increment(samples);
-    counter!(TOKENS_TOTAL, "stage" => "gen", "kind" => "generated").increment(tokens);
+    counter!(SAMPLES_TOTAL, "stage" => Stage::Gen.as_str()).increment(samples);
+    counter!(TOKENS_TOTAL, "stage" => Stage::Gen.as_str(), "kind" => "generated").increment(tokens);
 }
 
 /// A generator picked up new weights.
 pub fn swapped(version: u64, stall_s: f64) {
-    gauge!(POLICY_VERSION, "stage" => "gen").set(version as f64);
+    gauge!(POLICY_VERSION, "stage" => Stage::Gen.as_str()).set(version as f64);
     histogram!(WEIGHT_SWAP_STALL_SECONDS).record(stall_s);
 }
 
 /// A stage holds `version` (at start, before any swap or step).
-pub fn holds(stage: &'static str, version: u64) {
-    gauge!(POLICY_VERSION, "stage" => stage).set(version as f64);
+pub fn holds(stage: Stage, version: u64) {
+    gauge!(POLICY_VERSION, "stage" => stage.as_str()).set(version as f64);
 }
 
 /// One weight version moved: published by the trainer or fetched and built by a generator.
-pub fn weight_sync(stage: &'static str, seconds: f64) {
-    histogram!(WEIGHT_SYNC_SECONDS, "stage" => stage).record(seconds);
+pub fn weight_sync(stage: Stage, seconds: f64) {
+    histogram!(WEIGHT_SYNC_SECONDS, "stage" => stage.as_str()).record(seconds);
 }
 
 /// A scorer scored one group.
 pub fn scored(samples: u64, tokens: u64, seconds: f64) {
-    counter!(SAMPLES_TOTAL, "stage" => "score").increment(samples);
-    counter!(TOKENS_TOTAL, "stage" => "score", "kind" => "scored").increment(tokens);
+    counter!(SAMPLES_TOTAL, "stage" => Stage::Score.as_str()).increment(samples);
+    counter!(TOKENS_TOTAL, "stage" => Stage::Score.as_str(), "kind" => "scored").increment(tokens);
     histogram!(SCORE_SECONDS).record(seconds);
 }
 
 /// A stage hit an error it survived.
-pub fn error(stage: &'static str, kind: &'static str) {
+pub fn error(stage: Stage, kind: &'static str) {
     error_n(stage, kind, 1);
 }
 
@@ -297,7 +298,7 @@ pub fn claimed(stream: &str, group: &str, n: u64) {
 
 /// The trainer dropped a group.
 pub fn dropped(reason: &str, samples: u64) {
-    counter!(SAMPLES_DROPPED_TOTAL, "stage" => "train", "reason" => reason.to_string())
+    counter!(SAMPLES_DROPPED_TOTAL, "stage" => Stage::Train.as_str(), "reason" => reason.to_string())
         .increment(samples);
 }
 

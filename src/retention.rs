@@ -10,6 +10,7 @@
 use crate::archive::{self, ArchiveError};
 pub use crate::bus::Keep;
 use crate::bus::{Bus, EntryId, RangeBound, SharedBus, Topology};
+use crate::roles::Stage;
 use serde::Serialize;
 use std::path::Path;
 use std::time::Duration;
@@ -164,7 +165,7 @@ pub fn spawn_standing(
     bus: SharedBus,
     topo: &Topology,
     streams: &[&str],
-    stage: &'static str,
+    stage: Stage,
 ) -> Option<Standing> {
     let topo = topo.clone();
     let policies: Vec<(String, Keep)> = streams
@@ -203,6 +204,7 @@ pub fn spawn_standing(
 mod tests {
     use super::*;
     use crate::bus::{GroupStart, MemoryBus, ReadFrom};
+    use crate::roles::Stream;
     use bytes::Bytes;
 
     async fn stream_of(bus: &MemoryBus, key: &str, n: u64) -> Vec<EntryId> {
@@ -217,7 +219,7 @@ mod tests {
     async fn keep_last_stops_at_unfinished_work() {
         let bus = MemoryBus::new();
         let topo = Topology::default();
-        let key = topo.key("scored");
+        let key = topo.key(Stream::Scored);
         bus.create_group(&key, "train", GroupStart::Beginning)
             .await
             .expect("group");
@@ -254,12 +256,13 @@ mod tests {
         );
         let topo = Topology::parse(&text, "test").expect("topology");
         let bus = MemoryBus::shared();
-        let key = topo.key("events");
+        let key = topo.key(Stream::Events);
         stream_of(&bus, &key, 10).await;
         let shared: SharedBus = bus.clone();
         // No policy on the stream asked for: no task.
-        assert!(spawn_standing(shared.clone(), &topo, &["prompts"], "train").is_none());
-        let task = spawn_standing(shared, &topo, &["events", "prompts"], "train").expect("task");
+        assert!(spawn_standing(shared.clone(), &topo, &["prompts"], Stage::Train).is_none());
+        let task =
+            spawn_standing(shared, &topo, &["events", "prompts"], Stage::Train).expect("task");
         // The first round runs at once.
         for _ in 0..100 {
             if bus.stats(&key).await.expect("stats").length == 3 {
@@ -275,7 +278,7 @@ mod tests {
     async fn undelivered_entries_are_never_trimmed_and_archive_first() {
         let bus = MemoryBus::new();
         let topo = Topology::default();
-        let key = topo.key("prompts");
+        let key = topo.key(Stream::Prompts);
         bus.create_group(&key, "gen", GroupStart::Beginning)
             .await
             .expect("group");

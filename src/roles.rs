@@ -1,17 +1,39 @@
 //! The names every layer shares: the stages (metric labels, event sources) and the stream
 //! roles of the topology. One enum each, so a name is spelt once.
 
-/// A pipeline stage or command that reports itself in metrics and events.
+/// Who reports in metrics (the `stage` label) and events: a pipeline stage, or a command
+/// or layer that counts its own errors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum Stage {
     Feed,
     Gen,
     Score,
     Train,
+    /// `rlstream run`, the pipeline in one process.
+    Run,
+    /// The bus itself (retries through outages).
+    Bus,
+    Status,
+    Replay,
+    Dump,
+    Load,
+    Trim,
 }
 
 impl Stage {
-    pub const ALL: [Stage; 4] = [Stage::Feed, Stage::Gen, Stage::Score, Stage::Train];
+    pub const ALL: [Stage; 11] = [
+        Stage::Feed,
+        Stage::Gen,
+        Stage::Score,
+        Stage::Train,
+        Stage::Run,
+        Stage::Bus,
+        Stage::Status,
+        Stage::Replay,
+        Stage::Dump,
+        Stage::Load,
+        Stage::Trim,
+    ];
 
     /// The label value and event `stage` field.
     pub const fn as_str(self) -> &'static str {
@@ -20,7 +42,19 @@ impl Stage {
             Stage::Gen => "gen",
             Stage::Score => "score",
             Stage::Train => "train",
+            Stage::Run => "run",
+            Stage::Bus => "bus",
+            Stage::Status => "status",
+            Stage::Replay => "replay",
+            Stage::Dump => "dump",
+            Stage::Load => "load",
+            Stage::Trim => "trim",
         }
+    }
+
+    /// The stage a name (an event's `stage` field) stands for.
+    pub fn from_name(name: &str) -> Option<Stage> {
+        Stage::ALL.into_iter().find(|s| s.as_str() == name)
     }
 }
 
@@ -67,6 +101,11 @@ impl Stream {
             Stream::Dead => "dead",
             Stream::Events => "events",
         }
+    }
+
+    /// The stream a name (in the topology, or given by a user) stands for.
+    pub fn from_name(name: &str) -> Option<Stream> {
+        Stream::ALL.into_iter().find(|s| s.as_str() == name)
     }
 
     /// The stage whose consumer group reads the stream, for the streams read through one.

@@ -236,10 +236,25 @@ fn the_binary_runs_on_the_embedded_bus_and_on_redis() {
         String::from_utf8_lossy(&again.stderr)
     );
 
-    // --redis: the same command on Redis streams, starting from the model just trained.
+    // --redis: the same command on Redis streams, starting from the model just trained,
+    // with the consumer groups renamed in the topology file: the stages read through the
+    // groups the file names.
     let ns = common::unique_ns("run");
     let url = common::redis_url();
     let model = out.join("sft");
+    let renamed = [
+        ("gen", "generators"),
+        ("score", "scorers"),
+        ("train", "learners"),
+    ];
+    let mut topology = rlstream::bus::topology::DEFAULT_TOPOLOGY.to_string();
+    for (from, to) in renamed {
+        let line = format!("groups = [\"{from}\"]");
+        assert!(topology.contains(&line), "the shipped topology has {line}");
+        topology = topology.replace(&line, &format!("groups = [\"{to}\"]"));
+    }
+    let topology_file = dir.path().join("renamed.toml");
+    std::fs::write(&topology_file, topology).unwrap();
     let o = rlstream(&[
         "run",
         "--task",
@@ -254,6 +269,8 @@ fn the_binary_runs_on_the_embedded_bus_and_on_redis() {
         &url,
         "--namespace",
         &ns,
+        "--topology",
+        topology_file.to_str().unwrap(),
     ]);
     let stdout = String::from_utf8_lossy(&o.stdout);
     assert!(
@@ -267,6 +284,15 @@ fn the_binary_runs_on_the_embedded_bus_and_on_redis() {
         let bus = common::redis_bus().await;
         let scored = bus.stats(&format!("{ns}:scored")).await.unwrap();
         assert!(scored.length >= 24, "{scored:?}");
+        for (stream, group) in [
+            ("prompts", "generators"),
+            ("rollouts", "scorers"),
+            ("scored", "learners"),
+        ] {
+            let s = bus.stats(&format!("{ns}:{stream}")).await.unwrap();
+            let names: Vec<&str> = s.groups.iter().map(|g| g.name.as_str()).collect();
+            assert_eq!(names, [group], "{stream}: {s:?}");
+        }
         common::drop_namespace(&ns).await;
     });
 }

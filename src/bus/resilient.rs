@@ -11,6 +11,7 @@ use super::{
     Bus, BusResult, DeadLetterRecord, Entry, EntryId, GroupStart, RangeBound, ReadFrom, SharedBus,
     StreamStats,
 };
+use crate::roles::Stage;
 use async_trait::async_trait;
 use bytes::Bytes;
 use std::future::Future;
@@ -50,7 +51,7 @@ impl Resilient {
                         tracing::warn!(op, error = %e, "the bus is unavailable; retrying with backoff for up to {:?}", self.patience);
                     }
                     failures += 1;
-                    crate::metrics::error_n("bus", "retry", 1);
+                    crate::metrics::error_n(Stage::Bus, "retry", 1);
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                 }

@@ -3,14 +3,11 @@
 //! before any stage starts, so a typo fails at launch with the offending key named.
 
 use super::ConsumerOptions;
+use crate::roles::Stream;
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::time::Duration;
-
-/// The stream roles every pipeline needs, by name in `[streams.*]`.
-pub const REQUIRED_STREAMS: [&str; 6] =
-    ["prompts", "rollouts", "scored", "weights", "dead", "events"];
 
 /// The topology shipped in `streams/default.toml`, compiled in so the binary works anywhere.
 pub const DEFAULT_TOPOLOGY: &str = include_str!("../../streams/default.toml");
@@ -141,7 +138,7 @@ impl Topology {
                 return Err(format!("`{key}` must be greater than 0"));
             }
         }
-        for name in REQUIRED_STREAMS {
+        for name in Stream::ALL.map(Stream::as_str) {
             if !self.streams.contains_key(name) {
                 return Err(format!("missing stream `[streams.{name}]`"));
             }
@@ -182,7 +179,26 @@ impl Topology {
                 }
             }
         }
+        for stream in Stream::ALL {
+            if let (Some(stage), Some(spec)) = (stream.reader(), self.streams.get(stream.as_str()))
+                && spec.groups.is_empty()
+            {
+                return Err(format!(
+                    "`streams.{stream}.groups` is empty: name the consumer group `{stage}` reads it through"
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// The consumer group a stage reads `stream` through: the first of the stream's
+    /// `groups` (validation makes sure the streams read through a group have one). Any
+    /// further groups are for other readers.
+    pub fn group(&self, stream: Stream) -> &str {
+        self.streams
+            .get(stream.as_str())
+            .and_then(|s| s.groups.first())
+            .map_or(stream.as_str(), String::as_str)
     }
 
     /// With a different namespace (`--namespace`).
@@ -196,8 +212,8 @@ impl Topology {
     }
 
     /// Redis key of a stream by role (`prompts` → `rl:prompts`).
-    pub fn key(&self, name: &str) -> String {
-        format!("{}:{}", self.namespace, name)
+    pub fn key(&self, name: impl AsRef<str>) -> String {
+        format!("{}:{}", self.namespace, name.as_ref())
     }
 
     /// The stream names of `wanted` after checking each is in the topology; every stream
@@ -255,8 +271,8 @@ impl Topology {
         format!("{}:weights:{version}:{chunk}", self.namespace)
     }
 
-    pub fn max_len(&self, name: &str) -> Option<u64> {
-        self.streams.get(name).and_then(|s| s.max_len)
+    pub fn max_len(&self, name: impl AsRef<str>) -> Option<u64> {
+        self.streams.get(name.as_ref()).and_then(|s| s.max_len)
     }
 
     /// The delivery policy for a consumer.
@@ -313,10 +329,27 @@ mod tests {
     #[test]
     fn shipped_topology_is_valid() {
         let t = Topology::default();
-        assert_eq!(t.key("prompts"), "rl:prompts");
+        assert_eq!(t.key(Stream::Prompts), "rl:prompts");
         assert_eq!(t.dead_key(), "rl:dead");
         assert_eq!(t.streams["prompts"].groups, vec!["gen"]);
         assert_eq!(t.weights_chunk_key(7, 2), "rl:weights:7:2");
+        assert_eq!(t.group(Stream::Prompts), "gen");
+        assert_eq!(t.group(Stream::Rollouts), "score");
+        assert_eq!(t.group(Stream::Scored), "train");
+    }
+
+    #[test]
+    fn stages_read_through_the_groups_the_file_names() {
+        let text = shipped_with("groups = [\"score\"]", "groups = [\"scorers\", \"audit\"]");
+        let t = Topology::parse(&text, "test").unwrap();
+        assert_eq!(
+            t.group(Stream::Rollouts),
+            "scorers",
+            "the first group is the stage's"
+        );
+        let e = err(&shipped_with("groups = [\"train\"]", "groups = []"));
+        assert!(e.contains("`streams.scored.groups` is empty"), "{e}");
+        assert!(e.contains("`train`"), "{e}");
     }
 
     #[test]

@@ -4,16 +4,13 @@ use super::{SharedBus, Topology};
 use crate::metrics::{
     STREAM_CONSUMERS, STREAM_LAG, STREAM_LENGTH, STREAM_PENDING, STREAM_POLL, error, error_n,
 };
+use crate::roles::Stage;
 use metrics::gauge;
 
 /// Reads length, pending, lag and consumers of every stream in `topo` every
 /// [`STREAM_POLL`] into gauges, until the task is aborted. A read that fails is counted
 /// (`errors_total{kind="xinfo"}`) and retried next round; the gauges keep their last value.
-pub fn watch_streams(
-    bus: SharedBus,
-    topo: Topology,
-    stage: &'static str,
-) -> tokio::task::JoinHandle<()> {
+pub fn watch_streams(bus: SharedBus, topo: Topology, stage: Stage) -> tokio::task::JoinHandle<()> {
     error_n(stage, "xinfo", 0);
     tokio::spawn(async move {
         let mut tick = tokio::time::interval(STREAM_POLL);

@@ -3,6 +3,7 @@
 
 use crate::bus::{RedisBus, RedisOptions, Resilient, SharedBus, TlsFiles, Topology};
 use crate::config::{CommonArgs, Config};
+use crate::roles::Stage;
 use anyhow::Result;
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -75,7 +76,7 @@ pub async fn connect_redis(url: &str, cfg: &Config) -> Result<SharedBus> {
 
 /// The metrics listener, the topology and Redis for a resolved config; with metrics on,
 /// `stage` also exports the streams' length, pending and lag.
-pub async fn connect(cfg: &Config, stage: &'static str) -> Result<(Topology, SharedBus)> {
+pub async fn connect(cfg: &Config, stage: Stage) -> Result<(Topology, SharedBus)> {
     serve_metrics(cfg)?;
     let topo = topology(cfg)?;
     let bus = connect_redis(cfg.redis_url(), cfg).await?;
@@ -133,7 +134,7 @@ pub fn point_bound(point: Option<&str>) -> Result<crate::bus::RangeBound> {
 /// Topology, bus and config for a command with no settings section of its own.
 pub async fn plain_connect(
     args: &StageArgs,
-    stage: &'static str,
+    stage: Stage,
 ) -> Result<(Config, Topology, SharedBus)> {
     let cfg = args.resolve(toml::Table::new(), std::env::vars(), [])?;
     let (topo, bus) = connect(&cfg, stage).await?;

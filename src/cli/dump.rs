@@ -1,6 +1,7 @@
 //! `rlstream dump`.
 
 use super::common::{StageArgs, counter_bar, plain_connect, point_bound};
+use crate::roles::Stage;
 use anyhow::{Result, bail};
 use std::path::PathBuf;
 
@@ -31,7 +32,7 @@ impl Args {
                 self.out.display()
             );
         }
-        let (_, topo, bus) = plain_connect(&self.stage, "dump").await?;
+        let (_, topo, bus) = plain_connect(&self.stage, Stage::Dump).await?;
         let streams = topo.select(&self.streams)?;
         let from = point_bound(self.from.as_deref())?;
         let to = point_bound(self.to.as_deref())?;

@@ -2,6 +2,7 @@
 
 use super::common::{StageArgs, connect, shutdown_signal};
 use crate::config::{Config, FeedArgs};
+use crate::roles::{Stage, Stream};
 use anyhow::Result;
 
 #[derive(clap::Args)]
@@ -23,9 +24,9 @@ impl Args {
     pub async fn exec(self) -> Result<()> {
         let cfg = self.config(std::env::vars())?;
         cfg.validate()?;
-        let (topo, bus) = connect(&cfg, "feed").await?;
+        let (topo, bus) = connect(&cfg, Stage::Feed).await?;
         let s = crate::stages::feed::run(&cfg.feed, bus, &topo, shutdown_signal()).await?;
-        println!("fed {} prompts to {}", s.fed, topo.key("prompts"));
+        println!("fed {} prompts to {}", s.fed, topo.key(Stream::Prompts));
         Ok(())
     }
 }

@@ -1,6 +1,7 @@
 //! `rlstream load`.
 
 use super::common::{StageArgs, counter_bar, plain_connect};
+use crate::roles::Stage;
 use anyhow::Result;
 use std::path::PathBuf;
 
@@ -17,7 +18,7 @@ pub struct Args {
 
 impl Args {
     pub async fn exec(self) -> Result<()> {
-        let (_, topo, bus) = plain_connect(&self.stage, "load").await?;
+        let (_, topo, bus) = plain_connect(&self.stage, Stage::Load).await?;
         let only = (!self.streams.is_empty()).then_some(self.streams.as_slice());
         let bar = counter_bar("loading");
         let moved = crate::archive::load(bus.as_ref(), &topo, &self.file, only, |s, n| {

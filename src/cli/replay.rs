@@ -2,6 +2,7 @@
 
 use super::common::{StageArgs, plain_connect, point_bound};
 use crate::commands::replay::{self, Format, ReadOptions, RetrainOptions, RewardFilter, Source};
+use crate::roles::Stage;
 use anyhow::{Result, bail};
 use std::io::Write as _;
 use std::path::PathBuf;
@@ -60,7 +61,7 @@ impl Args {
         let source = match &self.archive {
             Some(path) => Source::Archive(path.clone()),
             None => {
-                let (_, topo, bus) = plain_connect(&self.stage, "replay").await?;
+                let (_, topo, bus) = plain_connect(&self.stage, Stage::Replay).await?;
                 Source::Bus { bus, topo }
             }
         };

@@ -6,6 +6,7 @@ use crate::commands::run::{self, RunOptions};
 use crate::commands::sft::SftOptions;
 use crate::config::{Config, GenArgs, PolicyArgs, RunArgs, ScoreArgs, TrainArgs};
 use crate::display::DisplayMode;
+use crate::roles::Stage;
 use crate::settings::{Section, doc_of, flag_id, with_default};
 use anyhow::Result;
 use std::sync::Arc;
@@ -107,7 +108,7 @@ impl Args {
             None => Arc::new(MemoryBus::new()),
         };
         if cfg.metrics_addr.is_some() {
-            crate::bus::watch_streams(bus.clone(), topo.clone(), "run");
+            crate::bus::watch_streams(bus.clone(), topo.clone(), Stage::Run);
         }
         let r = &cfg.run;
         let out = r.out.clone().unwrap_or_else(|| run::default_out(r.task));

@@ -2,6 +2,7 @@
 
 use super::common::{StageArgs, connect, shutdown_signal};
 use crate::config::{Config, ScoreArgs};
+use crate::roles::Stage;
 use anyhow::Result;
 
 #[derive(clap::Args)]
@@ -23,7 +24,7 @@ impl Args {
     pub async fn exec(self) -> Result<()> {
         let cfg = self.config(std::env::vars())?;
         cfg.validate()?;
-        let (topo, bus) = connect(&cfg, "score").await?;
+        let (topo, bus) = connect(&cfg, Stage::Score).await?;
         let s = crate::stages::score::run(&cfg.score, bus, &topo, shutdown_signal()).await?;
         let mean = if s.samples > 0 {
             s.reward_sum / s.samples as f64

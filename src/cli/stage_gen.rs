@@ -2,6 +2,7 @@
 
 use super::common::{StageArgs, connect, shutdown_signal};
 use crate::config::{Config, GenArgs, PolicyArgs};
+use crate::roles::Stage;
 use crate::stages::generate as gen_stage;
 use crate::weights::Transport;
 use anyhow::{Result, bail};
@@ -29,7 +30,7 @@ impl Args {
         let Some(dir) = cfg.policy.model.clone() else {
             bail!("gen needs --model DIR (a Hugging Face checkpoint, e.g. from `rlstream sft`)");
         };
-        let (topo, bus) = connect(&cfg, "gen").await?;
+        let (topo, bus) = connect(&cfg, Stage::Gen).await?;
         let slot = gen_stage::initial_slot(&dir)?;
         let s = gen_stage::run(
             &cfg.policy,

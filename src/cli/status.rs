@@ -2,6 +2,7 @@
 
 use super::common::{StageArgs, plain_connect, shutdown_signal};
 use crate::commands::status;
+use crate::roles::Stage;
 use anyhow::{Result, bail};
 use std::io::IsTerminal;
 
@@ -33,7 +34,7 @@ impl Args {
         {
             bail!("--watch takes a refresh interval of at least 0.1 s, got {every}");
         }
-        let (cfg, topo, bus) = plain_connect(&self.stage, "status").await?;
+        let (cfg, topo, bus) = plain_connect(&self.stage, Stage::Status).await?;
         let name = crate::bus::redact_url(cfg.redis_url());
         let window = std::time::Duration::from_secs_f64(self.window);
         let clear = self.watch.is_some() && !self.json && std::io::stdout().is_terminal();

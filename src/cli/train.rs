@@ -2,6 +2,7 @@
 
 use super::common::{StageArgs, connect, shutdown_signal};
 use crate::config::{Config, PolicyArgs, TrainArgs};
+use crate::roles::Stage;
 use crate::stages::train::{self, TrainerSettings};
 use crate::weights::Transport;
 use anyhow::Result;
@@ -26,7 +27,7 @@ impl Args {
     pub async fn exec(self) -> Result<()> {
         let cfg = self.config(std::env::vars())?;
         cfg.validate()?;
-        let (topo, bus) = connect(&cfg, "train").await?;
+        let (topo, bus) = connect(&cfg, Stage::Train).await?;
         let settings = TrainerSettings {
             policy: cfg.policy,
             train: cfg.train,

@@ -2,6 +2,7 @@
 
 use super::common::{StageArgs, plain_connect};
 use crate::retention::{self, Keep};
+use crate::roles::Stage;
 use anyhow::{Result, bail};
 use std::path::PathBuf;
 
@@ -36,7 +37,7 @@ impl Args {
         {
             bail!("{} exists: trim never overwrites an archive", a.display());
         }
-        let (_, topo, bus) = plain_connect(&self.stage, "trim").await?;
+        let (_, topo, bus) = plain_connect(&self.stage, Stage::Trim).await?;
         topo.select(std::slice::from_ref(&self.stream))?;
         let r = retention::trim(
             bus.as_ref(),

@@ -6,6 +6,7 @@
 use crate::archive::{self, ArchiveError};
 use crate::bus::{EntryId, MemoryBus, RangeBound, SharedBus, Topology};
 use crate::model::tokenizer::Tokenizer;
+use crate::roles::{Stage, Stream};
 use crate::schema::json::msgpack_to_json;
 use crate::schema::{
     self, DeadLetter, Event, Prompt, RolloutGroup, Sample, ScoredGroup, WeightsAnnounce,
@@ -18,9 +19,6 @@ use std::fmt::Write as _;
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
-
-/// Streams replay knows how to decode.
-pub const STREAMS: [&str; 6] = ["prompts", "rollouts", "scored", "weights", "dead", "events"];
 
 /// Where recorded entries come from.
 pub enum Source {
@@ -250,13 +248,13 @@ fn decode(stream: &str, payload: &[u8]) -> Decoded {
             Err(e) => Decoded::Undecodable(e.to_string()),
         }
     }
-    match stream {
-        "prompts" => d(payload, Decoded::Prompt),
-        "rollouts" => d(payload, Decoded::Rollout),
-        "scored" => d(payload, Decoded::Scored),
-        "weights" => d(payload, Decoded::Weights),
-        "dead" => d(payload, Decoded::Dead),
-        _ => d(payload, Decoded::Event),
+    match Stream::from_name(stream) {
+        Some(Stream::Prompts) => d(payload, Decoded::Prompt),
+        Some(Stream::Rollouts) => d(payload, Decoded::Rollout),
+        Some(Stream::Scored) => d(payload, Decoded::Scored),
+        Some(Stream::Weights) => d(payload, Decoded::Weights),
+        Some(Stream::Dead) => d(payload, Decoded::Dead),
+        Some(Stream::Events) | None => d(payload, Decoded::Event),
     }
 }
 
@@ -298,12 +296,17 @@ fn time_of(id: EntryId) -> String {
 async fn announces(source: &Source) -> Result<Vec<(EntryId, u64)>, ReplayError> {
     let mut out = Vec::new();
     source
-        .each("weights", RangeBound::Open, RangeBound::Open, |id, p| {
-            if let Ok(a) = schema::decode::<WeightsAnnounce>(p) {
-                out.push((id, a.version));
-            }
-            true
-        })
+        .each(
+            Stream::Weights.as_str(),
+            RangeBound::Open,
+            RangeBound::Open,
+            |id, p| {
+                if let Ok(a) = schema::decode::<WeightsAnnounce>(p) {
+                    out.push((id, a.version));
+                }
+                true
+            },
+        )
         .await?;
     Ok(out)
 }
@@ -319,11 +322,11 @@ pub async fn read(
     opts: &ReadOptions,
     out: &mut dyn std::io::Write,
 ) -> Result<u64, ReplayError> {
-    if !STREAMS.contains(&opts.stream.as_str()) {
+    if Stream::from_name(&opts.stream).is_none() {
         return Err(ReplayError::Usage(format!(
             "--stream {} is not one of {}",
             opts.stream,
-            STREAMS.join(", ")
+            Stream::ALL.map(Stream::as_str).join(", ")
         )));
     }
     let announced = match opts.min_staleness {
@@ -617,19 +620,24 @@ pub async fn retrain(
 
     let mut recorded: BTreeMap<u64, (f64, f64, f64)> = BTreeMap::new();
     let events = source
-        .each("events", RangeBound::Open, RangeBound::Open, |_, p| {
-            if let Ok(e) = schema::decode::<Event>(p)
-                && e.kind == "step"
-                && e.stage == "train"
-            {
-                let f = |k: &str| e.fields.get(k).copied().unwrap_or(f64::NAN);
-                recorded.insert(
-                    f("step") as u64,
-                    (f("loss"), f("grad_norm"), f("reward_mean")),
-                );
-            }
-            true
-        })
+        .each(
+            Stream::Events.as_str(),
+            RangeBound::Open,
+            RangeBound::Open,
+            |_, p| {
+                if let Ok(e) = schema::decode::<Event>(p)
+                    && e.kind == "step"
+                    && e.stage == Stage::Train.as_str()
+                {
+                    let f = |k: &str| e.fields.get(k).copied().unwrap_or(f64::NAN);
+                    recorded.insert(
+                        f("step") as u64,
+                        (f("loss"), f("grad_norm"), f("reward_mean")),
+                    );
+                }
+                true
+            },
+        )
         .await;
     if let Err(ReplayError::Archive(ArchiveError::NoStream(_))) = events {
         tracing::warn!("the archive has no events stream: nothing to compare with");
@@ -642,10 +650,10 @@ pub async fn retrain(
         block_ms: 20,
         ..Topology::default()
     };
-    let key = topo.key("scored");
+    let key = topo.key(Stream::Scored);
     let mut batch: Vec<(EntryId, bytes::Bytes)> = Vec::new();
     source
-        .each("scored", opts.from, opts.to, |id, p| {
+        .each(Stream::Scored.as_str(), opts.from, opts.to, |id, p| {
             batch.push((id, bytes::Bytes::copy_from_slice(p)));
             true
         })
@@ -664,11 +672,11 @@ pub async fn retrain(
         async move {
             loop {
                 tokio::time::sleep(Duration::from_millis(20)).await;
-                let s = bus.stats(&topo.key("scored")).await;
+                let s = bus.stats(&topo.key(Stream::Scored)).await;
                 if let Ok(s) = s
                     && s.groups
                         .iter()
-                        .any(|g| g.name == "train" && g.lag == Some(0))
+                        .any(|g| g.name == topo.group(Stream::Scored) && g.lag == Some(0))
                 {
                     return;
                 }

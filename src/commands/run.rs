@@ -23,6 +23,7 @@ use crate::model::hf::load_hf;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{InferBackend, Policy};
 use crate::report::{self, ReportFiles, StepRow};
+use crate::roles::{Stage, Stream};
 use crate::stages::generate::{self as gen_stage, GenSummary};
 use crate::stages::train::{self, StepStats, TrainSummary};
 use crate::stages::{StageError, feed, score, waiting};
@@ -185,9 +186,9 @@ pub const RUN_DEFAULTS: &str = "[train]\nlr = 5e-4\nsteps = 200\ncheckpoint_ever
 async fn queue_depths(bus: &SharedBus, topo: &Topology) -> [u64; 3] {
     let bus = bus.as_ref();
     [
-        waiting(bus, topo, "prompts", "gen", true).await,
-        waiting(bus, topo, "rollouts", "score", true).await,
-        waiting(bus, topo, "scored", "train", false).await,
+        waiting(bus, topo, Stream::Prompts, true).await,
+        waiting(bus, topo, Stream::Rollouts, true).await,
+        waiting(bus, topo, Stream::Scored, false).await,
     ]
 }
 
@@ -469,14 +470,14 @@ pub async fn run(
         let row = step_row(&s, wall_s, slot.load().version, trained_tokens, [0; 3]);
         rows.push(row);
     }
-    let join = |r: Result<Result<StageResult, StageError>, tokio::task::JoinError>, name: &str| {
+    let join = |r: Result<Result<StageResult, StageError>, tokio::task::JoinError>, name: Stage| {
         r.map_err(|e| StageError::Other(format!("{name} task: {e}")))?
     };
     // Report the first real failure; the other stages only stopped because of it.
-    let train_r = join(train_result, "train");
-    let gen_r = join(gen_task.await, "gen");
-    let score_r = join(score_task.await, "score");
-    let feed_r = join(feed_task.await, "feed");
+    let train_r = join(train_result, Stage::Train);
+    let gen_r = join(gen_task.await, Stage::Gen);
+    let score_r = join(score_task.await, Stage::Score);
+    let feed_r = join(feed_task.await, Stage::Feed);
     let train_summary: TrainSummary = match train_r? {
         StageResult::Train(t) => t,
         _ => TrainSummary::default(),

@@ -11,6 +11,7 @@
 //! [`collect`] gathers a [`Status`] (serialisable, for `--json`); [`render`] draws it.
 
 use crate::bus::{Bus, EntryId, RangeBound, Topology};
+use crate::roles::{Stage, Stream};
 use crate::schema::{self, DeadLetter, Event, WeightsAnnounce};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -210,7 +211,7 @@ pub async fn collect(
     let from_ms = (now_us / 1000).saturating_sub(window.as_millis() as u64);
     let events: Vec<Event> = bus
         .range(
-            &topo.key("events"),
+            &topo.key(Stream::Events),
             RangeBound::Inclusive(EntryId::new(from_ms, 0)),
             RangeBound::Open,
             MAX_EVENTS,
@@ -237,16 +238,17 @@ pub async fn collect(
             .filter(|e| e.kind == "heartbeat")
             .collect();
         let steps: Vec<&Event> = evs.iter().copied().filter(|e| e.kind == "step").collect();
-        let (rate, rate_unit) = match stage.as_str() {
-            "gen" => (count_rate(&beats, "tokens"), "tok/s generated"),
-            "score" => (count_rate(&beats, "groups"), "groups/s scored"),
-            "train" => (step_rate(&steps, "tokens"), "tok/s trained"),
+        let role = Stage::from_name(stage);
+        let (rate, rate_unit) = match role {
+            Some(Stage::Gen) => (count_rate(&beats, "tokens"), "tok/s generated"),
+            Some(Stage::Score) => (count_rate(&beats, "groups"), "groups/s scored"),
+            Some(Stage::Train) => (step_rate(&steps, "tokens"), "tok/s trained"),
             _ => (None, ""),
         };
-        match stage.as_str() {
-            "gen" => generated += rate.unwrap_or(0.0),
-            "score" => scored += rate.unwrap_or(0.0),
-            "train" => trained += rate.unwrap_or(0.0),
+        match role {
+            Some(Stage::Gen) => generated += rate.unwrap_or(0.0),
+            Some(Stage::Score) => scored += rate.unwrap_or(0.0),
+            Some(Stage::Train) => trained += rate.unwrap_or(0.0),
             _ => {}
         }
         let last_seen_s = age_s(now_us, last.time_us);
@@ -372,7 +374,7 @@ pub fn render(s: &Status) -> String {
             seconds(s.window_s)
         );
         for p in &s.processes {
-            let version = if p.stage == "score" {
+            let version = if p.stage == Stage::Score.as_str() {
                 "-".to_string()
             } else {
                 p.version.to_string()
@@ -513,7 +515,7 @@ mod tests {
         let bus = MemoryBus::new();
         let topo = Topology::default();
         let now = schema::now_us();
-        let ev = topo.key("events");
+        let ev = topo.key(Stream::Events);
         let events = vec![
             event(
                 "heartbeat",
@@ -565,7 +567,7 @@ mod tests {
             ),
         ];
         bus.publish(&ev, &events, None).await.expect("publish");
-        let prompts = topo.key("prompts");
+        let prompts = topo.key(Stream::Prompts);
         bus.create_group(&prompts, "gen", crate::bus::GroupStart::Beginning)
             .await
             .expect("group");

@@ -11,6 +11,7 @@ pub mod train;
 
 use crate::bus::{Bus, BusError, Topology};
 use crate::model::ModelError;
+use crate::roles::{Stage, Stream};
 use crate::schema::CodecError;
 use crate::weights::WeightsError;
 
@@ -32,16 +33,12 @@ pub enum StageError {
     Other(String),
 }
 
-/// Entries of `stream` that `group` has not finished, from XINFO: not yet delivered (lag),
-/// plus delivered but unacked when `count_pending`; the whole stream while the group does
-/// not exist yet. 0 when the stream cannot be read (the callers only pace with it).
-pub async fn waiting(
-    bus: &dyn Bus,
-    topo: &Topology,
-    stream: &str,
-    group: &str,
-    count_pending: bool,
-) -> u64 {
+/// Entries of `stream` that the group its stage reads it through has not finished, from
+/// XINFO: not yet delivered (lag), plus delivered but unacked when `count_pending`; the
+/// whole stream while the group does not exist yet. 0 when the stream cannot be read (the
+/// callers only pace with it).
+pub async fn waiting(bus: &dyn Bus, topo: &Topology, stream: Stream, count_pending: bool) -> u64 {
+    let group = topo.group(stream);
     let Ok(s) = bus.stats(&topo.key(stream)).await else {
         return 0;
     };
@@ -64,23 +61,18 @@ pub struct Heartbeat {
     bus: crate::bus::SharedBus,
     stream: String,
     max_len: Option<u64>,
-    stage: &'static str,
+    stage: Stage,
     source: String,
     last: Option<std::time::Instant>,
 }
 
 impl Heartbeat {
-    pub fn new(
-        bus: crate::bus::SharedBus,
-        topo: &Topology,
-        stage: &'static str,
-        source: &str,
-    ) -> Self {
+    pub fn new(bus: crate::bus::SharedBus, topo: &Topology, stage: Stage, source: &str) -> Self {
         crate::metrics::error_n(stage, "heartbeat", 0);
         Heartbeat {
             bus,
-            stream: topo.key("events"),
-            max_len: topo.max_len("events"),
+            stream: topo.key(Stream::Events),
+            max_len: topo.max_len(Stream::Events),
             stage,
             source: source.to_string(),
             last: None,
@@ -96,7 +88,7 @@ impl Heartbeat {
         let event = crate::schema::Event {
             schema: crate::schema::SchemaVersion::CURRENT,
             kind: "heartbeat".into(),
-            stage: self.stage.into(),
+            stage: self.stage.as_str().into(),
             source: self.source.clone(),
             version,
             fields: fields.iter().map(|&(k, v)| (k.to_string(), v)).collect(),

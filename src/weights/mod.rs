@@ -19,6 +19,7 @@
 use crate::bus::{BusError, EntryId, RangeBound, SharedBus, Topology};
 use crate::model::hf::{BLOB_FORMAT, TensorMap, checksum, tensors_checksum};
 use crate::model::{ModelError, Policy, PolicyConfig};
+use crate::roles::{Stage, Stream};
 use crate::schema::{self, CodecError, SchemaVersion, WeightsAnnounce, WeightsKind};
 use arc_swap::ArcSwap;
 use burn::tensor::backend::Backend;
@@ -189,9 +190,9 @@ impl Publisher {
 
     async fn announce(&self, announce: &WeightsAnnounce) -> Result<(), WeightsError> {
         let bytes = Bytes::from(schema::encode(announce)?);
-        let stream = self.topo.key("weights");
+        let stream = self.topo.key(Stream::Weights);
         self.bus
-            .publish(&stream, &[bytes], self.topo.max_len("weights"))
+            .publish(&stream, &[bytes], self.topo.max_len(Stream::Weights))
             .await?;
         Ok(())
     }
@@ -259,7 +260,7 @@ pub async fn newest_announce(
     bus: &dyn crate::bus::Bus,
     topo: &Topology,
 ) -> Result<Option<WeightsAnnounce>, WeightsError> {
-    let stream = topo.key("weights");
+    let stream = topo.key(Stream::Weights);
     let Some(last) = bus.stats(&stream).await?.last_id else {
         return Ok(None);
     };
@@ -366,7 +367,7 @@ where
     /// Reads announces for up to `block`; if one is newer than the current model, fetches,
     /// verifies, builds and swaps it in. Returns the version swapped in, if any.
     pub async fn poll(&mut self, block: Duration) -> Result<Option<u64>, WeightsError> {
-        let stream = self.topo.key("weights");
+        let stream = self.topo.key(Stream::Weights);
         let entries = self
             .bus
             .read_after(&stream, self.last_id, 64, Some(block))
@@ -394,7 +395,7 @@ where
         let began = std::time::Instant::now();
         let swapped = self.sync(a, current).await?;
         if swapped.is_some() {
-            crate::metrics::weight_sync("gen", began.elapsed().as_secs_f64());
+            crate::metrics::weight_sync(Stage::Gen, began.elapsed().as_secs_f64());
         }
         Ok(swapped)
     }
@@ -460,7 +461,7 @@ where
 
     fn reject(&mut self) {
         self.rejected += 1;
-        crate::metrics::error("gen", "weights_rejected");
+        crate::metrics::error(Stage::Gen, "weights_rejected");
     }
 
     /// Builds a version off the async threads and swaps it in; a version that does not fit

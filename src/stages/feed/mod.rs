@@ -6,6 +6,7 @@ pub use config::*;
 
 use super::StageError;
 use crate::bus::{SharedBus, Topology};
+use crate::roles::Stream;
 use crate::schema::{self, Prompt, SchemaVersion};
 use crate::tasks::{self, Dataset, TaskItem};
 use bytes::Bytes;
@@ -81,8 +82,12 @@ pub async fn publish(
             schema::encode(&p).map(Bytes::from)
         })
         .collect::<Result<Vec<_>, _>>()?;
-    bus.publish(&topo.key("prompts"), &payloads, topo.max_len("prompts"))
-        .await?;
+    bus.publish(
+        &topo.key(Stream::Prompts),
+        &payloads,
+        topo.max_len(Stream::Prompts),
+    )
+    .await?;
     crate::metrics::fed(payloads.len() as u64);
     Ok(payloads.len() as u64)
 }
@@ -103,6 +108,6 @@ pub async fn run(
             r = publish(&bus, topo, &task, chunk, cfg.task.is_some()) => fed += r?,
         }
     }
-    tracing::info!(fed, stream = %topo.key("prompts"), "fed prompts");
+    tracing::info!(fed, stream = %topo.key(Stream::Prompts), "fed prompts");
     Ok(FeedSummary { fed })
 }

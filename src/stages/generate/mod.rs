@@ -29,6 +29,7 @@ use crate::model::hf::load_hf;
 use crate::model::sampler::{Completion, Generator, Request};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{InferBackend, Policy};
+use crate::roles::{Stage, Stream};
 use crate::schema::{self, Prompt, RolloutGroup, Sample, SamplingParams, SchemaVersion};
 use crate::tasks;
 use crate::weights::{Follower, ModelSlot, Transport, Versioned};
@@ -226,8 +227,8 @@ fn decode_loop(
 /// Work started but not trained, in groups, from the downstream streams' XINFO (see the
 /// module doc for what is counted).
 async fn downstream_backlog(bus: &dyn Bus, topo: &Topology) -> u64 {
-    super::waiting(bus, topo, "rollouts", "score", true).await
-        + super::waiting(bus, topo, "scored", "train", false).await
+    super::waiting(bus, topo, Stream::Rollouts, true).await
+        + super::waiting(bus, topo, Stream::Scored, false).await
 }
 
 /// Runs the generator on the model in `slot` until `shutdown`; new versions arrive through
@@ -273,7 +274,7 @@ pub async fn run(
                     Ok(None) => backoff = Duration::from_millis(100),
                     Err(e) => {
                         tracing::warn!(error = %e, "weights follower: retrying");
-                        crate::metrics::error("gen", "bus");
+                        crate::metrics::error(Stage::Gen, "bus");
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(Duration::from_secs(5));
                     }
@@ -298,8 +299,8 @@ pub async fn run(
             };
             let mut consumer = Consumer::<Prompt>::join(
                 bus.clone(),
-                topo.key("prompts"),
-                "gen",
+                topo.key(Stream::Prompts),
+                topo.group(Stream::Prompts),
                 &cfg.name,
                 topo.dead_key(),
                 opts,
@@ -330,7 +331,7 @@ pub async fn run(
                     }
                     Err(e) if e.is_retryable() => {
                         tracing::warn!(error = %e, "reading prompts: retrying");
-                        crate::metrics::error("gen", "bus");
+                        crate::metrics::error(Stage::Gen, "bus");
                         tokio::time::sleep(backoff).await;
                         backoff = (backoff * 2).min(Duration::from_secs(5));
                         continue;
@@ -343,7 +344,7 @@ pub async fn run(
                         None => match tokenizer.encode(&d.message.text) {
                             Ok(t) => t,
                             Err(e) => {
-                                crate::metrics::error("gen", "tokenize");
+                                crate::metrics::error(Stage::Gen, "tokenize");
                                 consumer.reject(&d, "tokenize", &e.to_string()).await?;
                                 continue;
                             }
@@ -372,9 +373,9 @@ pub async fn run(
         })
     };
 
-    let out_stream = topo.key("rollouts");
-    let prompts = topo.key("prompts");
-    let max_len = topo.max_len("rollouts");
+    let out_stream = topo.key(Stream::Rollouts);
+    let prompts = topo.key(Stream::Prompts);
+    let max_len = topo.max_len(Stream::Rollouts);
     let mut summary = GenSummary::default();
     tokio::pin!(shutdown);
     let mut stopping = false;
@@ -382,11 +383,11 @@ pub async fn run(
     let mut reader_result: Option<Result<(), StageError>> = None;
     // The publishing loop; on any error the decode thread and the reader are still stopped
     // below, so nothing keeps running after the stage returns.
-    let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, "gen", &cfg.name);
+    let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, Stage::Gen, &cfg.name);
     let mut tick = tokio::time::interval(super::HEARTBEAT_EVERY);
-    crate::metrics::started("gen");
-    let _retention = crate::retention::spawn_standing(bus.clone(), topo, &["prompts"], "gen");
-    crate::metrics::holds("gen", slot.load().version);
+    crate::metrics::started(Stage::Gen);
+    let _retention = crate::retention::spawn_standing(bus.clone(), topo, &["prompts"], Stage::Gen);
+    crate::metrics::holds(Stage::Gen, slot.load().version);
     let outcome: Result<(), StageError> = async {
         loop {
             let first = tokio::select! {
@@ -425,7 +426,7 @@ pub async fn run(
                 .collect::<Result<Vec<_>, _>>()?;
             let entries: Vec<EntryId> = batch.iter().map(|f| f.entry).collect();
             bus.publish(&out_stream, &payloads, max_len).await?;
-            bus.ack(&prompts, "gen", &entries).await?;
+            bus.ack(&prompts, topo.group(Stream::Prompts), &entries).await?;
             let _ = acked_tx.send(entries);
             in_flight.fetch_sub(batch.len(), Ordering::Relaxed);
             let tokens: u64 = batch

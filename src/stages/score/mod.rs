@@ -8,6 +8,7 @@ pub use config::*;
 use super::StageError;
 use crate::bus::{Consumer, SharedBus, Topology};
 use crate::model::tokenizer::Tokenizer;
+use crate::roles::{Stage, Stream};
 use crate::schema::{self, RolloutGroup, SchemaVersion, ScoredGroup};
 use crate::tasks;
 use bytes::Bytes;
@@ -246,19 +247,20 @@ pub async fn run(
     let mut scorer = Scorer::new(cfg)?;
     let mut consumer = Consumer::<RolloutGroup>::join(
         bus.clone(),
-        topo.key("rollouts"),
-        "score",
+        topo.key(Stream::Rollouts),
+        topo.group(Stream::Rollouts),
         &cfg.name,
         topo.dead_key(),
         topo.consumer_options(),
     )
     .await?;
-    let out_stream = topo.key("scored");
-    let max_len = topo.max_len("scored");
+    let out_stream = topo.key(Stream::Scored);
+    let max_len = topo.max_len(Stream::Scored);
     let mut summary = ScoreSummary::default();
-    crate::metrics::started("score");
-    let _retention = crate::retention::spawn_standing(bus.clone(), topo, &["rollouts"], "score");
-    let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, "score", &cfg.name);
+    crate::metrics::started(Stage::Score);
+    let _retention =
+        crate::retention::spawn_standing(bus.clone(), topo, &["rollouts"], Stage::Score);
+    let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, Stage::Score, &cfg.name);
     tokio::pin!(shutdown);
     loop {
         let fields = [
@@ -301,7 +303,7 @@ pub async fn run(
                 }
                 Err(e) => {
                     summary.failed += 1;
-                    crate::metrics::error("score", "scorer");
+                    crate::metrics::error(Stage::Score, "scorer");
                     consumer.fail(d, &e).await?;
                 }
             }

@@ -13,6 +13,7 @@ mod config;
 pub use config::*;
 
 use super::policy::PolicySettings;
+use crate::roles::{Stage, Stream};
 
 /// What a trainer runs with: its own `[train]` section and the shared `[policy]` one. Saved
 /// beside each checkpoint as `train_config.toml`, in the same sections as the config file.
@@ -454,7 +455,7 @@ async fn publish_weights(trainer: &Trainer, publisher: &mut Publisher) -> Result
     publisher
         .publish_payload(trainer.state.version, trainer.state.step, payload)
         .await?;
-    crate::metrics::weight_sync("train", began.elapsed().as_secs_f64());
+    crate::metrics::weight_sync(Stage::Train, began.elapsed().as_secs_f64());
     Ok(())
 }
 
@@ -505,7 +506,7 @@ async fn publish_step_event(
     let event = Event {
         schema: SchemaVersion::CURRENT,
         kind: "step".into(),
-        stage: "train".into(),
+        stage: Stage::Train.as_str().into(),
         source: source.to_string(),
         version: state.version,
         fields,
@@ -513,8 +514,12 @@ async fn publish_step_event(
         time_us: schema::now_us(),
     };
     let bytes = Bytes::from(schema::encode(&event)?);
-    bus.publish(&topo.key("events"), &[bytes], topo.max_len("events"))
-        .await?;
+    bus.publish(
+        &topo.key(Stream::Events),
+        &[bytes],
+        topo.max_len(Stream::Events),
+    )
+    .await?;
     Ok(())
 }
 
@@ -600,8 +605,8 @@ pub async fn run(
     };
     let mut consumer = Consumer::<ScoredGroup>::join(
         bus.clone(),
-        topo.key("scored"),
-        "train",
+        topo.key(Stream::Scored),
+        topo.group(Stream::Scored),
         &cfg.train.name,
         topo.dead_key(),
         opts,
@@ -633,15 +638,20 @@ pub async fn run(
     let mut unacked: Vec<EntryId> = Vec::new();
     let mut waiting = Instant::now();
     let mut last_checkpoint = trainer.state.step;
-    let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, "train", &cfg.train.name);
-    crate::metrics::started("train");
+    let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, Stage::Train, &cfg.train.name);
+    crate::metrics::started(Stage::Train);
     let _retention = crate::retention::spawn_standing(
         bus.clone(),
         topo,
-        &["scored", "weights", "events", topo.dead_letter.as_str()],
-        "train",
+        &[
+            Stream::Scored.as_str(),
+            Stream::Weights.as_str(),
+            Stream::Events.as_str(),
+            topo.dead_letter.as_str(),
+        ],
+        Stage::Train,
     );
-    crate::metrics::holds("train", trainer.state.version);
+    crate::metrics::holds(Stage::Train, trainer.state.version);
     tokio::pin!(shutdown);
     'outer: loop {
         if cfg.train.steps > 0 && trainer.state.step >= cfg.train.steps {
@@ -791,12 +801,13 @@ fn record_step(s: &StepStats, samples: u64) {
     histogram!(TRAIN_WAIT_SECONDS).record(s.wait_s);
     histogram!(TRAIN_STEP_SECONDS).record(s.step_s);
     if s.skipped {
-        error("train", "nonfinite_step");
+        error(Stage::Train, "nonfinite_step");
         return;
     }
-    counter!(SAMPLES_TOTAL, "stage" => "train").increment(samples);
-    counter!(TOKENS_TOTAL, "stage" => "train", "kind" => "trained").increment(s.tokens as u64);
-    gauge!(POLICY_VERSION, "stage" => "train").set(s.version as f64);
+    counter!(SAMPLES_TOTAL, "stage" => Stage::Train.as_str()).increment(samples);
+    counter!(TOKENS_TOTAL, "stage" => Stage::Train.as_str(), "kind" => "trained")
+        .increment(s.tokens as u64);
+    gauge!(POLICY_VERSION, "stage" => Stage::Train.as_str()).set(s.version as f64);
     for &lag in &s.staleness {
         histogram!(SAMPLE_STALENESS_VERSIONS).record(lag as f64);
     }

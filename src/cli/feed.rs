@@ -15,10 +15,8 @@ pub struct Args {
 
 impl Args {
     pub fn config(&self, env: impl Iterator<Item = (String, String)>) -> Result<Config> {
-        let cfg = self
-            .stage
-            .resolve(toml::Table::new(), env, [self.feed.layer()])?;
-        Ok(cfg)
+        self.stage
+            .resolve(toml::Table::new(), env, [self.feed.layer()])
     }
 
     pub async fn exec(self) -> Result<()> {

@@ -85,12 +85,11 @@ impl Args {
             env.iter().cloned(),
             self.layers(),
         )?;
-        let cfg = self.stage.resolve(
+        self.stage.resolve(
             run::defaults_layer(first.run.task),
             env.into_iter(),
             self.layers(),
-        )?;
-        Ok(cfg)
+        )
     }
 
     pub async fn exec(self) -> Result<()> {

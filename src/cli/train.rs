@@ -19,9 +19,11 @@ pub struct Args {
 
 impl Args {
     pub fn config(&self, env: impl Iterator<Item = (String, String)>) -> Result<Config> {
-        let layers = [self.policy.layer(), self.train.layer()];
-        let cfg = self.stage.resolve(toml::Table::new(), env, layers)?;
-        Ok(cfg)
+        self.stage.resolve(
+            toml::Table::new(),
+            env,
+            [self.policy.layer(), self.train.layer()],
+        )
     }
 
     pub async fn exec(self) -> Result<()> {

@@ -1,68 +1,76 @@
 //! Run reports: the per-step metrics as JSON lines and CSV, and the learning curve as SVG
 //! (reward and accuracy against wall-clock time and against step).
 
+use crate::schema::StepRecord;
 use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
-/// One trainer step as the report records it.
+/// One row of the run report: the trainer's step record and where the run stood.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepRow {
-    pub step: u64,
+    #[serde(flatten)]
+    pub record: StepRecord,
+    #[serde(flatten)]
+    pub run: RunProgress,
+}
+
+/// Where the run stood when a step finished.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct RunProgress {
     /// Seconds since RL started.
     pub time_s: f64,
-    pub version: u64,
     /// Version the generator was decoding with when the step finished.
     pub gen_version: u64,
-    pub loss: f64,
-    pub reward_mean: f64,
-    pub accuracy: f64,
-    pub ess: f64,
-    pub clip_fraction: f64,
-    pub mismatch_kl: f64,
-    pub entropy: f64,
-    pub grad_norm: f64,
-    pub groups: usize,
-    pub tokens: usize,
     /// Trained tokens per second since RL started.
     pub trained_tokens_per_s: f64,
-    pub staleness_mean: f64,
-    pub staleness_max: u64,
-    pub step_s: f64,
-    pub wait_s: f64,
     /// Entries waiting in (or delivered but unacked from) each stream.
     pub queue_prompts: u64,
     pub queue_rollouts: u64,
     pub queue_scored: u64,
-    pub skipped: bool,
 }
 
-/// Column order of the CSV (the field order of [`StepRow`]).
-const COLUMNS: [&str; 23] = [
-    "step",
-    "time_s",
-    "version",
-    "gen_version",
-    "loss",
-    "reward_mean",
-    "accuracy",
-    "ess",
-    "clip_fraction",
-    "mismatch_kl",
-    "entropy",
-    "grad_norm",
-    "groups",
-    "tokens",
-    "trained_tokens_per_s",
-    "staleness_mean",
-    "staleness_max",
-    "step_s",
-    "wait_s",
-    "queue_prompts",
-    "queue_rollouts",
-    "queue_scored",
-    "skipped",
-];
+/// Column order of the CSV: `step` and `time_s` first, then the rest of the step record's
+/// fields and of the run's, as declared.
+pub fn columns() -> Vec<&'static str> {
+    const FIRST: [&str; 2] = ["step", "time_s"];
+    let rest = field_names::<StepRecord>()
+        .iter()
+        .chain(field_names::<RunProgress>())
+        .filter(|f| !FIRST.contains(f));
+    FIRST.into_iter().chain(rest.copied()).collect()
+}
+
+/// The fields of a struct in declaration order, as its serde derive names them (read off
+/// the `deserialize_struct` call, so the list cannot drift from the struct).
+fn field_names<T: serde::de::DeserializeOwned>() -> &'static [&'static str] {
+    use serde::de::{self, Visitor};
+    struct Names<'a>(&'a mut &'static [&'static str]);
+    impl<'de> de::Deserializer<'de> for Names<'_> {
+        type Error = de::value::Error;
+        fn deserialize_any<V: Visitor<'de>>(self, _: V) -> Result<V::Value, Self::Error> {
+            Err(de::Error::custom("field names only"))
+        }
+        fn deserialize_struct<V: Visitor<'de>>(
+            self,
+            _: &'static str,
+            fields: &'static [&'static str],
+            _: V,
+        ) -> Result<V::Value, Self::Error> {
+            *self.0 = fields;
+            Err(de::Error::custom("field names only"))
+        }
+        serde::forward_to_deserialize_any! {
+            bool i8 i16 i32 i64 i128 u8 u16 u32 u64 u128 f32 f64 char str string bytes
+            byte_buf option unit unit_struct newtype_struct seq tuple tuple_struct map enum
+            identifier ignored_any
+        }
+    }
+    let mut names: &'static [&'static str] = &[];
+    let _ = T::deserialize(Names(&mut names));
+    names
+}
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReportError {
@@ -121,13 +129,15 @@ pub fn write_report(
     Ok(files)
 }
 
-/// The rows as CSV with a header, in [`COLUMNS`] order.
+/// The rows as CSV with a header, in [`columns`] order; counts print as integers and
+/// flags as 0 or 1.
 pub fn csv(rows: &[StepRow]) -> Result<String, ReportError> {
-    let mut out = COLUMNS.join(",");
+    let columns = columns();
+    let mut out = columns.join(",");
     out.push('\n');
     for r in rows {
         let v = serde_json::to_value(r)?;
-        let cells: Vec<String> = COLUMNS
+        let cells: Vec<String> = columns
             .iter()
             .map(|c| match &v[*c] {
                 serde_json::Value::Number(n) => n.to_string(),
@@ -271,16 +281,18 @@ pub fn learning_curve_svg(rows: &[StepRow], title: &str) -> String {
         (
             "reward",
             REWARD_COLOR,
-            rows.iter().map(|r| r.reward_mean).collect::<Vec<_>>(),
+            rows.iter()
+                .map(|r| r.record.reward_mean)
+                .collect::<Vec<_>>(),
         ),
         (
             "accuracy",
             ACCURACY_COLOR,
-            rows.iter().map(|r| r.accuracy).collect::<Vec<_>>(),
+            rows.iter().map(|r| r.record.accuracy).collect::<Vec<_>>(),
         ),
     ];
-    let times: Vec<f64> = rows.iter().map(|r| r.time_s).collect();
-    let steps: Vec<f64> = rows.iter().map(|r| r.step as f64).collect();
+    let times: Vec<f64> = rows.iter().map(|r| r.run.time_s).collect();
+    let steps: Vec<f64> = rows.iter().map(|r| r.record.step as f64).collect();
     panel(&mut svg, 60.0, 50.0, &times, &series, "wall-clock time (s)");
     panel(&mut svg, 530.0, 50.0, &steps, &series, "trainer step");
     for (i, (name, color, _)) in series.iter().enumerate() {
@@ -318,25 +330,35 @@ mod tests {
     fn csv_has_a_header_and_one_line_per_row() {
         let rows = vec![
             StepRow {
-                step: 1,
-                reward_mean: 0.5,
-                skipped: true,
-                ..StepRow::default()
+                record: StepRecord {
+                    step: 1,
+                    reward_mean: 0.5,
+                    skipped: true,
+                    ..StepRecord::default()
+                },
+                run: RunProgress {
+                    queue_scored: 4,
+                    ..RunProgress::default()
+                },
             },
             StepRow::default(),
         ];
+        let columns = columns();
         let fields = serde_json::to_value(StepRow::default()).unwrap();
         let fields = fields.as_object().unwrap();
-        assert_eq!(fields.len(), COLUMNS.len());
-        assert!(COLUMNS.iter().all(|c| fields.contains_key(*c)));
+        assert_eq!(fields.len(), columns.len());
+        assert!(columns.iter().all(|c| fields.contains_key(*c)));
+        assert_eq!(columns[..3], ["step", "time_s", "version"]);
         let text = csv(&rows).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 3);
-        assert_eq!(lines[0].split(',').count(), COLUMNS.len());
-        assert!(lines[1].starts_with("1,0.0,"), "{}", lines[1]);
-        assert!(lines[1].ends_with(",1"), "{}", lines[1]);
+        assert_eq!(lines[0].split(',').count(), columns.len());
+        assert!(lines[1].starts_with("1,0.0,0,0.0,0.5,"), "{}", lines[1]);
+        assert!(lines[1].ends_with(",0,0,4"), "{}", lines[1]);
+        let skipped = columns.iter().position(|c| *c == "skipped").unwrap();
+        assert_eq!(lines[1].split(',').nth(skipped), Some("1"));
         for l in &lines[1..] {
-            assert_eq!(l.split(',').count(), COLUMNS.len(), "{l}");
+            assert_eq!(l.split(',').count(), columns.len(), "{l}");
         }
     }
 }

@@ -96,10 +96,11 @@ fn check_report(o: &RunOutcome, steps: u64) {
         .collect();
     assert_eq!(rows.len() as u64, steps);
     for (r, m) in rows.iter().zip(&o.rows) {
+        let (r, m) = (&r.record, &m.record);
         assert_eq!((r.step, r.version, r.tokens), (m.step, m.version, m.tokens));
         assert!((r.reward_mean - m.reward_mean).abs() < 1e-12);
     }
-    assert!(rows.windows(2).all(|w| w[0].time_s <= w[1].time_s));
+    assert!(rows.windows(2).all(|w| w[0].run.time_s <= w[1].run.time_s));
     let csv = std::fs::read_to_string(&o.report.csv).unwrap();
     let lines: Vec<&str> = csv.lines().collect();
     assert_eq!(lines.len() as u64, steps + 1);

@@ -9,7 +9,7 @@ use crate::model::tokenizer::Tokenizer;
 use crate::roles::{Stage, Stream};
 use crate::schema::json::msgpack_to_json;
 use crate::schema::{
-    self, DeadLetter, Event, Prompt, RolloutGroup, Sample, ScoredGroup, WeightsAnnounce,
+    self, DeadLetter, Event, Prompt, RolloutGroup, Sample, ScoredGroup, StepRecord, WeightsAnnounce,
 };
 use crate::stages::{StageError, train};
 use crate::weights::{LocalWeights, Transport};
@@ -442,7 +442,7 @@ fn table_line(id: EntryId, m: &Decoded) -> String {
             let fields: Vec<String> = e
                 .fields
                 .iter()
-                .map(|(k, v)| format!("{k}={v:.4}"))
+                .map(|(k, v)| format!("{k}={}", number(*v)))
                 .collect();
             format!(
                 "{} {} {} v{} {}",
@@ -516,6 +516,16 @@ fn text_block(id: EntryId, m: &Decoded, tok: &Tokenizer) -> String {
         let _ = writeln!(o, "      {}", tokens_line(s, tok));
     }
     o
+}
+
+/// A number as a table shows it: a whole number without decimals (`step=3`), others to
+/// four places.
+fn number(v: f64) -> String {
+    if v.fract() == 0.0 && v.abs() < 1e15 {
+        format!("{}", v as i64)
+    } else {
+        format!("{v:.4}")
+    }
 }
 
 /// What `replay --train` re-runs.
@@ -628,12 +638,9 @@ pub async fn retrain(
                 if let Ok(e) = schema::decode::<Event>(p)
                     && e.kind == "step"
                     && e.stage == Stage::Train.as_str()
+                    && let Ok(r) = StepRecord::from_fields(&e.fields)
                 {
-                    let f = |k: &str| e.fields.get(k).copied().unwrap_or(f64::NAN);
-                    recorded.insert(
-                        f("step") as u64,
-                        (f("loss"), f("grad_norm"), f("reward_mean")),
-                    );
+                    recorded.insert(r.step, (r.loss, r.grad_norm, r.reward_mean));
                 }
                 true
             },
@@ -706,7 +713,7 @@ pub async fn retrain(
                 loss: s.loss,
                 grad_norm: s.grad_norm,
                 reward_mean: s.reward_mean,
-                groups: s.groups,
+                groups: s.groups as usize,
                 recorded: rec,
                 identical,
             };

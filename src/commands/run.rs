@@ -22,10 +22,11 @@ use crate::display::{DisplayMode, Phase};
 use crate::model::hf::load_hf;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{InferBackend, Policy};
-use crate::report::{self, ReportFiles, StepRow};
+use crate::report::{self, ReportFiles, RunProgress, StepRow};
 use crate::roles::{Stage, Stream};
+use crate::schema::StepRecord;
 use crate::stages::generate::{self as gen_stage, GenSummary};
-use crate::stages::train::{self, StepStats, TrainSummary};
+use crate::stages::train::{self, TrainSummary};
 use crate::stages::{StageError, feed, score, waiting};
 use crate::tasks::{self, BuiltinTask};
 use crate::weights::{LocalWeights, ModelSlot, Transport};
@@ -355,7 +356,7 @@ pub async fn run(
     let (stop_tx, stop_rx) = watch::channel(false);
     let stop_tx = Arc::new(stop_tx);
     let (progress_tx, progress_rx) = watch::channel(Progress::default());
-    let (step_tx, mut step_rx) = mpsc::unbounded_channel::<StepStats>();
+    let (step_tx, mut step_rx) = mpsc::unbounded_channel::<StepRecord>();
     let started = Instant::now();
 
     // Every stage task stops the others when it fails, so an error anywhere ends the run.
@@ -454,10 +455,10 @@ pub async fn run(
                 stop_tx.send_replace(true);
             }
             Some(s) = step_rx.recv() => {
-                trained_tokens += s.tokens as u64;
+                trained_tokens += s.tokens;
                 let queues = queue_depths(&bus, &topo).await;
                 let row = step_row(&s, started.elapsed().as_secs_f64(), slot.load().version, trained_tokens, queues);
-                phase.update(row.step.min(total), &status_line(&row));
+                phase.update(row.record.step.min(total), &status_line(&row));
                 rows.push(row);
             }
             r = &mut train_task => break r,
@@ -466,7 +467,7 @@ pub async fn run(
     stop_tx.send_replace(true);
     let wall_s = started.elapsed().as_secs_f64();
     while let Ok(s) = step_rx.try_recv() {
-        trained_tokens += s.tokens as u64;
+        trained_tokens += s.tokens;
         let row = step_row(&s, wall_s, slot.load().version, trained_tokens, [0; 3]);
         rows.push(row);
     }
@@ -539,52 +540,34 @@ enum StageResult {
     Other,
 }
 
-fn step_row(s: &StepStats, time_s: f64, gen_version: u64, trained: u64, q: [u64; 3]) -> StepRow {
-    let staleness_mean = if s.staleness.is_empty() {
-        0.0
-    } else {
-        s.staleness.iter().sum::<u64>() as f64 / s.staleness.len() as f64
-    };
+fn step_row(s: &StepRecord, time_s: f64, gen_version: u64, trained: u64, q: [u64; 3]) -> StepRow {
     StepRow {
-        step: s.step,
-        time_s,
-        version: s.version,
-        gen_version,
-        loss: s.loss,
-        reward_mean: s.reward_mean,
-        accuracy: s.accuracy,
-        ess: s.ess,
-        clip_fraction: s.clip_fraction,
-        mismatch_kl: s.mismatch_kl,
-        entropy: s.entropy,
-        grad_norm: s.grad_norm,
-        groups: s.groups,
-        tokens: s.tokens,
-        trained_tokens_per_s: trained as f64 / time_s.max(1e-9),
-        staleness_mean,
-        staleness_max: s.staleness.iter().copied().max().unwrap_or(0),
-        step_s: s.step_s,
-        wait_s: s.wait_s,
-        queue_prompts: q[0],
-        queue_rollouts: q[1],
-        queue_scored: q[2],
-        skipped: s.skipped,
+        record: s.clone(),
+        run: RunProgress {
+            time_s,
+            gen_version,
+            trained_tokens_per_s: trained as f64 / time_s.max(1e-9),
+            queue_prompts: q[0],
+            queue_rollouts: q[1],
+            queue_scored: q[2],
+        },
     }
 }
 
 fn status_line(r: &StepRow) -> String {
+    let (s, run) = (&r.record, &r.run);
     format!(
         "v{} (gen v{}) reward {:.3} acc {:.0}% {:.0} tok/s stale {:.1}/{} queue {}/{}/{}",
-        r.version,
-        r.gen_version,
-        r.reward_mean,
-        100.0 * r.accuracy,
-        r.trained_tokens_per_s,
-        r.staleness_mean,
-        r.staleness_max,
-        r.queue_prompts,
-        r.queue_rollouts,
-        r.queue_scored
+        s.version,
+        run.gen_version,
+        s.reward_mean,
+        100.0 * s.accuracy,
+        run.trained_tokens_per_s,
+        s.staleness_mean,
+        s.staleness_max,
+        run.queue_prompts,
+        run.queue_rollouts,
+        run.queue_scored
     )
 }
 
@@ -601,8 +584,8 @@ fn summarize(
     g: &GenSummary,
     (eval_before, eval_after): ((f64, f64), (f64, f64)),
 ) -> RunSummary {
-    let (reward_start, reward_end) = start_end(rows, |r| r.reward_mean);
-    let (accuracy_start, accuracy_end) = start_end(rows, |r| r.accuracy);
+    let (reward_start, reward_end) = start_end(rows, |r| r.record.reward_mean);
+    let (accuracy_start, accuracy_end) = start_end(rows, |r| r.record.accuracy);
     let mut stalls = g.decode.swap_stalls.clone();
     stalls.sort_by(f64::total_cmp);
     let mut staleness = BTreeMap::new();

@@ -12,7 +12,7 @@
 
 use crate::bus::{Bus, EntryId, RangeBound, Topology};
 use crate::roles::{Stage, Stream};
-use crate::schema::{self, DeadLetter, Event, WeightsAnnounce};
+use crate::schema::{self, DeadLetter, Event, StepRecord, WeightsAnnounce};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
@@ -91,7 +91,7 @@ pub struct TrainerStatus {
     pub reward_mean: f64,
     pub accuracy: f64,
     pub loss: f64,
-    pub staleness_max: f64,
+    pub staleness_max: u64,
     pub steps_per_s: Option<f64>,
 }
 
@@ -264,16 +264,22 @@ pub async fn collect(
         if let Some(s) = steps.last()
             && trainer.as_ref().is_none_or(|t| t.version <= s.version)
         {
-            let f = |k: &str| s.fields.get(k).copied().unwrap_or(f64::NAN);
+            let record = match StepRecord::from_fields(&s.fields) {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(source = %source, error = %e, "unreadable step event");
+                    continue;
+                }
+            };
             trainer = Some(TrainerStatus {
                 source: source.clone(),
-                step: f("step") as u64,
+                step: record.step,
                 version: s.version,
                 last_step_s: age_s(now_us, s.time_us),
-                reward_mean: f("reward_mean"),
-                accuracy: f("accuracy"),
-                loss: f("loss"),
-                staleness_max: f("staleness_max"),
+                reward_mean: record.reward_mean,
+                accuracy: record.accuracy,
+                loss: record.loss,
+                staleness_max: record.staleness_max,
                 steps_per_s: steps.first().and_then(|first| {
                     let span = s.time_us.checked_sub(first.time_us)? as f64 / 1e6;
                     (span > 0.0).then(|| (steps.len() - 1) as f64 / span)

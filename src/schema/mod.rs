@@ -14,6 +14,7 @@ mod packed;
 mod prompt;
 mod rollout;
 mod scored;
+mod step;
 mod weights;
 
 pub use codec::{DEFAULT_MAX_MESSAGE_BYTES, Message, decode, decode_limited, encode};
@@ -24,6 +25,7 @@ pub use packed::{Floats, Packable, Packed, Tokens};
 pub use prompt::Prompt;
 pub use rollout::{FinishReason, RolloutGroup, Sample, SamplingMask, SamplingParams, VersionRun};
 pub use scored::ScoredGroup;
+pub use step::{StepFieldError, StepRecord};
 pub use weights::{WeightsAnnounce, WeightsKind};
 
 use serde::{Deserialize, Serialize};

@@ -29,7 +29,7 @@ use crate::bus::{Consumer, Delivery, EntryId, SharedBus, Topology};
 use crate::model::hf::load_hf;
 use crate::model::logprobs::{ScoredSeq, completion_logprobs};
 use crate::model::{ModelError, Policy, TrainBackend};
-use crate::schema::{self, Event, SchemaVersion, ScoredGroup};
+use crate::schema::{self, Event, SchemaVersion, ScoredGroup, StepRecord};
 use crate::weights::{Payload, Publisher, Transport};
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
@@ -45,38 +45,6 @@ use std::time::Instant;
 
 /// Group ids remembered for de-duplication.
 const REMEMBERED_GROUPS: usize = 100_000;
-
-/// What one optimizer step did, in the units the metrics use.
-#[derive(Debug, Clone, Default, PartialEq, Serialize)]
-pub struct StepStats {
-    pub step: u64,
-    pub version: u64,
-    pub loss: f64,
-    pub reward_mean: f64,
-    /// Fraction of samples with full reward (≥ 1).
-    pub accuracy: f64,
-    /// (Σr)² / (N·Σr²) over tokens: 1 when on-policy.
-    pub ess: f64,
-    pub clip_fraction: f64,
-    pub ratio_mean: f64,
-    pub ratio_max: f64,
-    /// KL(μ‖π) estimated on the sampled tokens (k3).
-    pub mismatch_kl: f64,
-    /// KL to the initial policy (k3), when `kl_coef` > 0.
-    pub ref_kl: f64,
-    /// Mean negative log-prob of the sampled tokens (an entropy estimate).
-    pub entropy: f64,
-    pub grad_norm: f64,
-    pub groups: usize,
-    pub tokens: usize,
-    /// Versions behind the trainer, per group.
-    pub staleness: Vec<u64>,
-    /// Seconds spent waiting for data before this step.
-    pub wait_s: f64,
-    pub step_s: f64,
-    /// The step was skipped: the loss or the gradient was not finite.
-    pub skipped: bool,
-}
 
 /// Persistent trainer state, saved as `state.json` in each checkpoint.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -132,7 +100,7 @@ pub fn loss<B: AutodiffBackend>(
     reference: Option<&Policy<B::InnerBackend>>,
     groups: &[&ScoredGroup],
     cfg: &TrainerSettings,
-) -> (Tensor<B, 1>, StepStats) {
+) -> (Tensor<B, 1>, StepRecord) {
     let device = model.device();
     let mut seqs = Vec::new();
     let mut adv = Vec::new();
@@ -220,7 +188,7 @@ pub fn loss<B: AutodiffBackend>(
         .iter()
         .flat_map(|g| g.rewards.iter().copied())
         .collect();
-    let stats = StepStats {
+    let stats = StepRecord {
         loss: f64::from(
             host(total.clone().detach())
                 .first()
@@ -242,9 +210,9 @@ pub fn loss<B: AutodiffBackend>(
         mismatch_kl: mkl / n,
         ref_kl,
         entropy: nll / n,
-        groups: groups.len(),
-        tokens: n as usize,
-        ..StepStats::default()
+        groups: groups.len() as u64,
+        tokens: n as u64,
+        ..StepRecord::default()
     };
     (total, stats)
 }
@@ -350,7 +318,7 @@ impl Trainer {
 
     /// One optimizer step on `groups`. A non-finite loss or gradient skips the step and
     /// leaves the weights untouched.
-    pub fn step(&mut self, groups: &[&ScoredGroup]) -> StepStats {
+    pub fn step(&mut self, groups: &[&ScoredGroup]) -> StepRecord {
         let started = Instant::now();
         let (loss, mut stats) = loss(&self.model, self.reference.as_ref(), groups, &self.cfg);
         let mut grads = GradientsParams::from_grads(loss.backward(), &self.model);
@@ -476,40 +444,15 @@ async fn publish_step_event(
     bus: &SharedBus,
     topo: &Topology,
     source: &str,
-    state: &TrainerState,
-    s: &StepStats,
+    s: &StepRecord,
 ) -> Result<(), StageError> {
-    let fields = BTreeMap::from([
-        ("step".to_string(), s.step as f64),
-        ("loss".to_string(), s.loss),
-        ("reward_mean".to_string(), s.reward_mean),
-        ("accuracy".to_string(), s.accuracy),
-        ("ess".to_string(), s.ess),
-        ("clip_fraction".to_string(), s.clip_fraction),
-        ("mismatch_kl".to_string(), s.mismatch_kl),
-        ("entropy".to_string(), s.entropy),
-        ("grad_norm".to_string(), s.grad_norm),
-        ("tokens".to_string(), s.tokens as f64),
-        (
-            "staleness_max".to_string(),
-            s.staleness.iter().copied().max().unwrap_or(0) as f64,
-        ),
-        ("wait_s".to_string(), s.wait_s),
-        ("step_s".to_string(), s.step_s),
-        ("trained_groups".to_string(), state.trained_groups as f64),
-        (
-            "dropped_groups".to_string(),
-            state.dropped.values().sum::<u64>() as f64,
-        ),
-        ("skipped".to_string(), f64::from(u8::from(s.skipped))),
-    ]);
     let event = Event {
         schema: SchemaVersion::CURRENT,
         kind: "step".into(),
         stage: Stage::Train.as_str().into(),
         source: source.to_string(),
-        version: state.version,
-        fields,
+        version: s.version,
+        fields: s.to_fields(),
         text: None,
         time_us: schema::now_us(),
     };
@@ -580,7 +523,7 @@ pub struct TrainSummary {
     pub version: u64,
     pub trained_groups: u64,
     pub dropped: BTreeMap<String, u64>,
-    pub history: Vec<StepStats>,
+    pub history: Vec<StepRecord>,
 }
 
 /// Runs the trainer until `cfg.train.steps` steps (0: until shutdown). `on_step` sees each step's
@@ -592,7 +535,7 @@ pub async fn run(
     topo: &Topology,
     transport: Transport,
     shutdown: impl Future<Output = ()>,
-    mut on_step: impl FnMut(&StepStats),
+    mut on_step: impl FnMut(&StepRecord),
 ) -> Result<TrainSummary, StageError> {
     let mut trainer = tokio::task::block_in_place(|| Trainer::start(cfg))?;
     let mut publisher = Publisher::new(bus.clone(), topo.clone(), cfg.train.keep_versions)
@@ -726,6 +669,9 @@ pub async fn run(
                         .map_or(0, |v| version_before.saturating_sub(v))
                 })
                 .collect();
+            stats.staleness_max = stats.staleness.iter().copied().max().unwrap_or(0);
+            stats.staleness_mean =
+                stats.staleness.iter().sum::<u64>() as f64 / stats.staleness.len().max(1) as f64;
             unacked.extend(taken.iter().map(|d| d.id));
             if stats.skipped {
                 *trainer
@@ -737,6 +683,8 @@ pub async fn run(
                     crate::metrics::dropped("nonfinite", g.rollout.samples.len() as u64);
                 }
             }
+            stats.trained_groups = trainer.state.trained_groups;
+            stats.dropped_groups = trainer.state.dropped.values().sum();
             tracing::info!(
                 step = stats.step,
                 version = stats.version,
@@ -753,7 +701,7 @@ pub async fn run(
                 &stats,
                 groups.iter().map(|g| g.rollout.samples.len() as u64).sum(),
             );
-            publish_step_event(&bus, topo, &cfg.train.name, &trainer.state, &stats).await?;
+            publish_step_event(&bus, topo, &cfg.train.name, &stats).await?;
             summary.history.push(stats);
             let stepped = trainer.state.version != version_before;
             if stepped
@@ -795,7 +743,7 @@ pub async fn run(
 }
 
 /// The trainer took a step (or skipped one: `s.skipped`).
-fn record_step(s: &StepStats, samples: u64) {
+fn record_step(s: &StepRecord, samples: u64) {
     use crate::metrics::*;
     use ::metrics::{counter, gauge, histogram};
     histogram!(TRAIN_WAIT_SECONDS).record(s.wait_s);

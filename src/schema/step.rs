@@ -1,0 +1,135 @@
+//! `StepRecord`: what one optimizer step did. One typed record for the trainer, the `step`
+//! event's fields, `rlstream status`, `replay`, the run report and the metrics. On the wire
+//! it stays an open map of named numbers ([`Event::fields`](super::Event)), so readers in
+//! other languages need no schema change when a field is added, and older events without a
+//! field read as its default.
+
+use serde::{Deserialize, Deserializer, Serialize};
+use std::collections::BTreeMap;
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(default)]
+pub struct StepRecord {
+    /// Optimizer steps taken so far (this one included).
+    pub step: u64,
+    /// Policy version after the step.
+    pub version: u64,
+    pub loss: f64,
+    pub reward_mean: f64,
+    /// Fraction of samples with full reward (≥ 1).
+    pub accuracy: f64,
+    /// (Σr)² / (N·Σr²) over tokens: 1 when on-policy.
+    pub ess: f64,
+    pub clip_fraction: f64,
+    pub ratio_mean: f64,
+    pub ratio_max: f64,
+    /// KL(μ‖π) estimated on the sampled tokens (k3).
+    pub mismatch_kl: f64,
+    /// KL to the initial policy (k3), when `kl_coef` > 0.
+    pub ref_kl: f64,
+    /// Mean negative log-prob of the sampled tokens (an entropy estimate).
+    pub entropy: f64,
+    pub grad_norm: f64,
+    /// Groups in the step.
+    pub groups: u64,
+    /// Completion tokens trained on.
+    pub tokens: u64,
+    /// Versions behind the trainer, mean and most over the step's groups.
+    pub staleness_mean: f64,
+    pub staleness_max: u64,
+    /// Seconds spent waiting for data before this step, and in the step.
+    pub wait_s: f64,
+    pub step_s: f64,
+    /// Groups trained and dropped since the run began.
+    pub trained_groups: u64,
+    pub dropped_groups: u64,
+    /// The step was skipped: the loss or the gradient was not finite (1 on the wire).
+    #[serde(deserialize_with = "bool_or_number")]
+    pub skipped: bool,
+    /// Versions behind the trainer, per group (in process only: the metrics' histogram).
+    #[serde(skip)]
+    pub staleness: Vec<u64>,
+}
+
+/// A field that is not a number on the wire.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+#[error("step event field: {0}")]
+pub struct StepFieldError(String);
+
+impl StepRecord {
+    /// The record as an event's named numbers (`skipped` as 0 or 1).
+    pub fn to_fields(&self) -> BTreeMap<String, f64> {
+        let Ok(serde_json::Value::Object(map)) = serde_json::to_value(self) else {
+            return BTreeMap::new();
+        };
+        map.into_iter()
+            .filter_map(|(k, v)| {
+                let x = match v {
+                    serde_json::Value::Number(n) => n.as_f64()?,
+                    serde_json::Value::Bool(b) => f64::from(u8::from(b)),
+                    _ => return None,
+                };
+                Some((k, x))
+            })
+            .collect()
+    }
+
+    /// The record an event's named numbers describe; missing fields read as their
+    /// default, unknown ones are ignored, a count that is not a whole number is an error.
+    pub fn from_fields(fields: &BTreeMap<String, f64>) -> Result<Self, StepFieldError> {
+        let map = fields
+            .iter()
+            .map(|(k, &v)| {
+                let n = if v.fract() == 0.0 && v.abs() < 9.0e15 {
+                    serde_json::Number::from(v as i64)
+                } else {
+                    serde_json::Number::from_f64(v)
+                        .ok_or_else(|| StepFieldError(format!("`{k}` is {v}")))?
+                };
+                Ok((k.clone(), serde_json::Value::Number(n)))
+            })
+            .collect::<Result<serde_json::Map<_, _>, StepFieldError>>()?;
+        serde_json::from_value(serde_json::Value::Object(map))
+            .map_err(|e| StepFieldError(e.to_string()))
+    }
+}
+
+fn bool_or_number<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Flag {
+        Bool(bool),
+        Number(f64),
+    }
+    Ok(match Flag::deserialize(d)? {
+        Flag::Bool(b) => b,
+        Flag::Number(x) => x != 0.0,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fields_round_trip_with_integers_as_integers() {
+        let r = StepRecord {
+            step: 3,
+            version: 4,
+            loss: -0.25,
+            tokens: 96,
+            staleness_max: 2,
+            skipped: true,
+            ..StepRecord::default()
+        };
+        let f = r.to_fields();
+        assert_eq!(f["step"], 3.0);
+        assert_eq!(f["skipped"], 1.0);
+        assert_eq!(StepRecord::from_fields(&f).unwrap(), r);
+        // An older event without a field, and one with an unknown field, still read.
+        let mut old = BTreeMap::from([("step".to_string(), 7.0), ("later".to_string(), 1.5)]);
+        assert_eq!(StepRecord::from_fields(&old).unwrap().step, 7);
+        old.insert("step".into(), 7.5);
+        assert!(StepRecord::from_fields(&old).is_err(), "a fractional step");
+    }
+}

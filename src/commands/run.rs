@@ -594,7 +594,7 @@ fn summarize(
             *staleness.entry(s).or_default() += 1;
         }
     }
-    let trained_tokens: u64 = t.history.iter().map(|h| h.tokens as u64).sum();
+    let trained_tokens: u64 = t.history.iter().map(|h| h.tokens).sum();
     RunSummary {
         mode: if opts.sync { "sync" } else { "async" }.into(),
         task: opts.task.name().into(),

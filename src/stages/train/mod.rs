@@ -754,7 +754,7 @@ fn record_step(s: &StepRecord, samples: u64) {
     }
     counter!(SAMPLES_TOTAL, "stage" => Stage::Train.as_str()).increment(samples);
     counter!(TOKENS_TOTAL, "stage" => Stage::Train.as_str(), "kind" => "trained")
-        .increment(s.tokens as u64);
+        .increment(s.tokens);
     gauge!(POLICY_VERSION, "stage" => Stage::Train.as_str()).set(s.version as f64);
     for &lag in &s.staleness {
         histogram!(SAMPLE_STALENESS_VERSIONS).record(lag as f64);

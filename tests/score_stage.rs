@@ -29,9 +29,21 @@ fn group() -> RolloutGroup {
 }
 
 async fn score_one(cfg: ScoreConfig, topo: Topology) -> (SharedBus, Vec<ScoredGroup>) {
+    score_groups(cfg, topo, &[group()]).await
+}
+
+/// Runs a scorer over `groups` for 3 s; the bus and what it published.
+async fn score_groups(
+    cfg: ScoreConfig,
+    topo: Topology,
+    groups: &[RolloutGroup],
+) -> (SharedBus, Vec<ScoredGroup>) {
     let bus: SharedBus = Arc::new(MemoryBus::new());
-    let bytes = Bytes::from(schema::encode(&group()).unwrap());
-    bus.publish(&topo.key("rollouts"), &[bytes], None)
+    let payloads: Vec<Bytes> = groups
+        .iter()
+        .map(|g| Bytes::from(schema::encode(g).unwrap()))
+        .collect();
+    bus.publish(&topo.key("rollouts"), &payloads, None)
         .await
         .unwrap();
     let stage = {
@@ -100,4 +112,36 @@ async fn a_failing_scorer_is_retried_then_dead_lettered() {
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].deliveries, 2);
     assert!(dead[0].error.contains("scorer"), "{}", dead[0].error);
+}
+
+/// A completion that is not the tokenizer's text is no empty string scored 0: its group is
+/// dead-lettered at once with reason `detokenize`, and the next group is scored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_completion_that_cannot_be_detokenized_dead_letters_its_group() {
+    let topo = Topology::default();
+    let past = tasks::char_tokenizer().vocab_size() as u32;
+    let mut bad = group();
+    bad.group_id = "bad".into();
+    let mut ids = bad.samples[1].tokens.to_vec();
+    ids[0] = past;
+    bad.samples[1].tokens = ids.into();
+    let (bus, out) = score_groups(ScoreConfig::default(), topo.clone(), &[bad, group()]).await;
+    assert_eq!(out.len(), 1, "the good group is still scored");
+    assert_ne!(out[0].rollout.group_id, "bad");
+    let dead: Vec<DeadLetter> = bus
+        .range(&topo.dead_key(), RangeBound::Open, RangeBound::Open, 10)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| schema::decode(&e.payload).unwrap())
+        .collect();
+    assert_eq!(dead.len(), 1);
+    assert_eq!(dead[0].reason, score::DETOKENIZE);
+    assert_eq!(dead[0].deliveries, 1, "not retried: retrying cannot help");
+    assert!(dead[0].error.contains("completion 1"), "{}", dead[0].error);
+    assert!(
+        dead[0].error.contains(&format!("token id {past}")),
+        "{}",
+        dead[0].error
+    );
 }

@@ -104,7 +104,11 @@ pub fn evaluate(
             .iter()
             .position(|&t| t == CharTokenizer::EOS)
             .unwrap_or(c.tokens.len());
-        let text = tok.decode(&c.tokens[..end]);
+        // The model's ids are the tokenizer's, so every completion decodes; one that did
+        // not would be a wrong answer, and scores as one.
+        let Ok(text) = tok.decode(&c.tokens[..end]) else {
+            continue;
+        };
         exact += f64::from(u8::from(text == it.answer));
         reward += f64::from(tasks::score(&text, &it.meta).unwrap_or(0.0));
     }

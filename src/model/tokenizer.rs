@@ -39,12 +39,19 @@ impl CharTokenizer {
             .collect()
     }
 
-    pub fn decode(&self, ids: &[u32]) -> String {
+    /// The text of `ids` (the end-of-sequence id is dropped); an id past the vocabulary is
+    /// an error, not a character left out.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, ModelError> {
         ids.iter()
-            .filter_map(|&id| match id {
-                Self::EOS => None,
-                Self::UNK => Some('\u{fffd}'),
-                i => self.chars.get(i as usize - 2).copied(),
+            .filter(|&&id| id != Self::EOS)
+            .map(|&id| match id {
+                Self::UNK => Ok('\u{fffd}'),
+                i => self.chars.get(i as usize - 2).copied().ok_or_else(|| {
+                    ModelError::Tokenizer(format!(
+                        "token id {i} is past the {}-id character vocabulary",
+                        self.vocab_size()
+                    ))
+                }),
             })
             .collect()
     }
@@ -96,7 +103,7 @@ impl Tokenizer {
 
     pub fn decode(&self, ids: &[u32]) -> Result<String, ModelError> {
         match self {
-            Tokenizer::Char(t) => Ok(t.decode(ids)),
+            Tokenizer::Char(t) => t.decode(ids),
             Tokenizer::Hf(t) => t
                 .decode(ids, true)
                 .map_err(|e| ModelError::Tokenizer(e.to_string())),
@@ -124,8 +131,11 @@ mod tests {
         let t = CharTokenizer::new("0123456789+=");
         assert_eq!(t.vocab_size(), 14);
         let ids = t.encode("12+30=");
-        assert_eq!(t.decode(&ids), "12+30=");
+        assert_eq!(t.decode(&ids).unwrap(), "12+30=");
         assert_eq!(t.encode("x"), vec![CharTokenizer::UNK]);
-        assert_eq!(t.decode(&[2, CharTokenizer::EOS]), "+");
+        assert_eq!(t.decode(&[2, CharTokenizer::EOS]).unwrap(), "+");
+        let past = t.vocab_size() as u32;
+        let e = t.decode(&[2, past]).unwrap_err().to_string();
+        assert!(e.contains(&format!("token id {past} is past")), "{e}");
     }
 }

@@ -29,6 +29,8 @@ pub enum StageError {
     Config(#[from] crate::settings::InvalidSetting),
     #[error(transparent)]
     Dataset(#[from] crate::tasks::DatasetError),
+    #[error(transparent)]
+    Scorer(#[from] score::ScorerError),
     #[error("{0}")]
     Other(String),
 }

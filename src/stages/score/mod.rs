@@ -7,6 +7,7 @@ pub use config::*;
 
 use super::StageError;
 use crate::bus::{Consumer, SharedBus, Topology};
+use crate::model::ModelError;
 use crate::model::tokenizer::Tokenizer;
 use crate::roles::{Stage, Stream};
 use crate::schema::{self, RolloutGroup, SchemaVersion, ScoredGroup};
@@ -64,6 +65,61 @@ struct ExternalResponse {
     error: Option<String>,
 }
 
+/// What went wrong with an external scorer. Each is worth a retry: the group goes back to
+/// pending and is dead-lettered once it has used its deliveries.
+#[derive(Debug, thiserror::Error)]
+pub enum ScorerError {
+    #[error("--scorer-cmd is empty")]
+    EmptyCommand,
+    #[error("cannot start scorer `{cmd}`: {source}")]
+    Spawn {
+        cmd: String,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("scorer {pipe}: {source}")]
+    Pipe {
+        pipe: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    #[error("scorer exited")]
+    Exited,
+    #[error("scorer gave no answer within {0:?}")]
+    Timeout(Duration),
+    #[error("scorer answered non-JSON ({error}): {answer}")]
+    NotJson { error: String, answer: String },
+    #[error("scorer error: {0}")]
+    Reported(String),
+    #[error("scorer answer has no `rewards`")]
+    NoRewards,
+    #[error("scorer returned {got} rewards for {want} completions")]
+    Count { got: usize, want: usize },
+    #[error("scorer returned a non-finite reward {0}")]
+    NonFinite(f32),
+}
+
+/// Why a group was not scored.
+#[derive(Debug, thiserror::Error)]
+pub enum ScoreError {
+    /// The prompt or a completion cannot be turned into text: its ids are not the
+    /// tokenizer's. Retrying cannot help; the group is dead-lettered with reason
+    /// [`DETOKENIZE`].
+    #[error("{what} cannot be detokenized: {source}")]
+    Detokenize {
+        what: String,
+        #[source]
+        source: ModelError,
+    },
+    #[error("group {0} has no `answer` in its meta; use --scorer-cmd for this task")]
+    NoAnswer(String),
+    #[error(transparent)]
+    External(#[from] ScorerError),
+}
+
+/// Dead-letter reason of a group whose text cannot be recovered.
+pub const DETOKENIZE: &str = "detokenize";
+
 /// An external scorer process, restarted if it dies.
 struct External {
     argv: Vec<String>,
@@ -76,10 +132,10 @@ struct External {
 }
 
 impl External {
-    fn new(cmd: &str, timeout: Duration) -> Result<Self, StageError> {
+    fn new(cmd: &str, timeout: Duration) -> Result<Self, ScorerError> {
         let argv: Vec<String> = cmd.split_whitespace().map(String::from).collect();
         if argv.is_empty() {
-            return Err(StageError::Other("--scorer-cmd is empty".into()));
+            return Err(ScorerError::EmptyCommand);
         }
         Ok(External {
             argv,
@@ -88,52 +144,58 @@ impl External {
         })
     }
 
-    fn spawn(&mut self) -> Result<(), String> {
+    fn spawn(&mut self) -> Result<(), ScorerError> {
         let mut child = tokio::process::Command::new(&self.argv[0])
             .args(&self.argv[1..])
             .stdin(std::process::Stdio::piped())
             .stdout(std::process::Stdio::piped())
             .kill_on_drop(true)
             .spawn()
-            .map_err(|e| format!("cannot start scorer `{}`: {e}", self.argv.join(" ")))?;
-        let stdin = child.stdin.take().ok_or("scorer has no stdin")?;
-        let stdout = child.stdout.take().ok_or("scorer has no stdout")?;
+            .map_err(|source| ScorerError::Spawn {
+                cmd: self.argv.join(" "),
+                source,
+            })?;
+        // Both are piped just above, so both are there.
+        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
+            return Err(ScorerError::Exited);
+        };
         self.child = Some((child, stdin, BufReader::new(stdout)));
         Ok(())
     }
 
-    async fn score(&mut self, req: &ExternalRequest<'_>) -> Result<Vec<f32>, String> {
+    async fn score(&mut self, req: &ExternalRequest<'_>) -> Result<Vec<f32>, ScorerError> {
         if self.child.is_none() {
             self.spawn()?;
         }
-        let mut line = serde_json::to_string(req).map_err(|e| e.to_string())?;
+        let mut line = serde_json::to_string(req).map_err(|e| ScorerError::NotJson {
+            error: e.to_string(),
+            answer: String::new(),
+        })?;
         line.push('\n');
         let result = {
             let Some((_, stdin, stdout)) = self.child.as_mut() else {
-                return Err("scorer not running".into());
+                return Err(ScorerError::Exited);
             };
+            let pipe = |pipe| move |source| ScorerError::Pipe { pipe, source };
             let exchange = async {
                 stdin
                     .write_all(line.as_bytes())
                     .await
-                    .map_err(|e| format!("scorer stdin: {e}"))?;
-                stdin
-                    .flush()
-                    .await
-                    .map_err(|e| format!("scorer stdin: {e}"))?;
+                    .map_err(pipe("stdin"))?;
+                stdin.flush().await.map_err(pipe("stdin"))?;
                 let mut answer = String::new();
                 let n = stdout
                     .read_line(&mut answer)
                     .await
-                    .map_err(|e| format!("scorer stdout: {e}"))?;
+                    .map_err(pipe("stdout"))?;
                 if n == 0 {
-                    return Err("scorer exited".to_string());
+                    return Err(ScorerError::Exited);
                 }
                 Ok(answer)
             };
             tokio::time::timeout(self.timeout, exchange)
                 .await
-                .unwrap_or_else(|_| Err(format!("scorer gave no answer within {:?}", self.timeout)))
+                .unwrap_or(Err(ScorerError::Timeout(self.timeout)))
         };
         let answer = match result {
             Ok(a) => a,
@@ -143,21 +205,23 @@ impl External {
                 return Err(e);
             }
         };
-        let resp: ExternalResponse = serde_json::from_str(&answer)
-            .map_err(|e| format!("scorer answered non-JSON ({e}): {}", answer.trim()))?;
+        let resp: ExternalResponse =
+            serde_json::from_str(&answer).map_err(|e| ScorerError::NotJson {
+                error: e.to_string(),
+                answer: answer.trim().to_string(),
+            })?;
         if let Some(e) = resp.error {
-            return Err(format!("scorer error: {e}"));
+            return Err(ScorerError::Reported(e));
         }
-        let rewards = resp.rewards.ok_or("scorer answer has no `rewards`")?;
+        let rewards = resp.rewards.ok_or(ScorerError::NoRewards)?;
         if rewards.len() != req.completions.len() {
-            return Err(format!(
-                "scorer returned {} rewards for {} completions",
-                rewards.len(),
-                req.completions.len()
-            ));
+            return Err(ScorerError::Count {
+                got: rewards.len(),
+                want: req.completions.len(),
+            });
         }
-        if let Some(bad) = rewards.iter().find(|r| !r.is_finite()) {
-            return Err(format!("scorer returned a non-finite reward {bad}"));
+        if let Some(&bad) = rewards.iter().find(|r| !r.is_finite()) {
+            return Err(ScorerError::NonFinite(bad));
         }
         Ok(rewards)
     }
@@ -189,44 +253,52 @@ impl Scorer {
     }
 
     /// Completion text without its stop token.
-    fn text(&self, tokens: &[u32], stop: &[u32]) -> String {
+    fn text(&self, tokens: &[u32], stop: &[u32], what: String) -> Result<String, ScoreError> {
         let end = match tokens.last() {
             Some(t) if stop.contains(t) => tokens.len() - 1,
             _ => tokens.len(),
         };
-        self.tokenizer.decode(&tokens[..end]).unwrap_or_default()
+        self.tokenizer
+            .decode(&tokens[..end])
+            .map_err(|source| ScoreError::Detokenize { what, source })
     }
 
-    pub async fn rewards(&mut self, g: &RolloutGroup) -> Result<Vec<f32>, String> {
-        let texts: Vec<String> = g
+    pub async fn rewards(&mut self, g: &RolloutGroup) -> Result<Vec<f32>, ScoreError> {
+        let texts = g
             .samples
             .iter()
-            .map(|s| self.text(&s.tokens, &g.sampling.stop_tokens))
-            .collect();
-        match &mut self.external {
-            Some(ext) => {
-                let prompt = self.tokenizer.decode(&g.prompt_tokens).unwrap_or_default();
-                let req = ExternalRequest {
-                    group_id: &g.group_id,
-                    task: &g.task,
-                    prompt,
-                    completions: texts,
-                    meta: &g.meta,
-                };
-                ext.score(&req).await
-            }
-            None => texts
+            .enumerate()
+            .map(|(i, s)| {
+                self.text(
+                    &s.tokens,
+                    &g.sampling.stop_tokens,
+                    format!("completion {i}"),
+                )
+            })
+            .collect::<Result<Vec<String>, ScoreError>>()?;
+        let Some(ext) = self.external.as_mut() else {
+            return texts
                 .iter()
                 .map(|t| {
-                    tasks::score(t, &g.meta).ok_or_else(|| {
-                        format!(
-                            "group {} has no `answer` in its meta; use --scorer-cmd for this task",
-                            g.group_id
-                        )
-                    })
+                    tasks::score(t, &g.meta).ok_or_else(|| ScoreError::NoAnswer(g.group_id.clone()))
                 })
-                .collect(),
-        }
+                .collect();
+        };
+        let prompt =
+            self.tokenizer
+                .decode(&g.prompt_tokens)
+                .map_err(|source| ScoreError::Detokenize {
+                    what: "the prompt".into(),
+                    source,
+                })?;
+        let req = ExternalRequest {
+            group_id: &g.group_id,
+            task: &g.task,
+            prompt,
+            completions: texts,
+            meta: &g.meta,
+        };
+        Ok(ext.score(&req).await?)
     }
 }
 
@@ -301,10 +373,14 @@ pub async fn run(
                     out.push(Bytes::from(schema::encode(&scored)?));
                     done.push(d.id);
                 }
+                Err(e @ ScoreError::Detokenize { .. }) => {
+                    summary.failed += 1;
+                    consumer.reject(d, DETOKENIZE, &e.to_string()).await?;
+                }
                 Err(e) => {
                     summary.failed += 1;
                     crate::metrics::error(Stage::Score, "scorer");
-                    consumer.fail(d, &e).await?;
+                    consumer.fail(d, &e.to_string()).await?;
                 }
             }
         }

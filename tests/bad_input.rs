@@ -315,3 +315,35 @@ fn a_bad_config_stops_a_stage_and_names_the_key() {
         }
     }
 }
+
+/// A generator whose model directory has a broken or no tokenizer stops at once, naming the
+/// file, rather than encoding prompts with some other tokenizer.
+#[test]
+fn a_tokenizer_that_cannot_be_loaded_stops_gen_with_the_file_named() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let fixture =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/models/llama");
+    for (name, tokenizer, wants) in [
+        ("broken", Some("{not json"), "tokenizer.json"),
+        ("none", None, "no tokenizer.json"),
+    ] {
+        let model = dir.path().join(name);
+        std::fs::create_dir_all(&model).expect("mkdir");
+        for f in ["config.json", "model.safetensors"] {
+            std::fs::copy(fixture.join(f), model.join(f)).expect("copy");
+        }
+        if let Some(text) = tokenizer {
+            std::fs::write(model.join("tokenizer.json"), text).expect("write");
+        }
+        let ns = common::unique_ns("tokenizer");
+        let out = common::bin()
+            .args(["gen", "--model", model.to_str().expect("utf-8")])
+            .args(["--redis", &common::redis_url(), "--namespace", &ns])
+            .output()
+            .expect("run");
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{name}: gen kept going\n{err}");
+        assert!(err.contains(wants), "{name}: no `{wants}` in\n{err}");
+        assert!(!err.contains("panicked"), "{name}: {err}");
+    }
+}

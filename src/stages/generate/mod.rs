@@ -242,8 +242,10 @@ pub async fn run(
     transport: Transport,
     shutdown: impl Future<Output = ()>,
 ) -> Result<GenSummary, StageError> {
+    // Text prompts are encoded with the model's own tokenizer: one that cannot be loaded
+    // stops the generator (encoding with another would feed the model wrong ids).
     let tokenizer = match &policy.model {
-        Some(dir) => Tokenizer::load(dir).unwrap_or(Tokenizer::Char(tasks::char_tokenizer())),
+        Some(dir) => Tokenizer::load(dir)?,
         None => Tokenizer::Char(tasks::char_tokenizer()),
     };
     let vocab = slot.load().policy.config().vocab_size;

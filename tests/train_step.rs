@@ -54,7 +54,7 @@ fn a_step_raises_good_completions_and_lowers_bad_ones() {
             },
         };
         let mut trainer = Trainer::start(&tc).unwrap();
-        let stats = trainer.step(&[&g]);
+        let stats = trainer.step(&[&g]).unwrap();
         assert!(!stats.skipped);
         assert!(
             (stats.ess - 1.0).abs() < 1e-3,
@@ -106,14 +106,14 @@ fn a_nan_loss_skips_the_step_and_keeps_the_weights() {
     };
     let mut trainer = Trainer::start(&tc).unwrap();
     let before = trainer.weights_blob().unwrap();
-    let stats = trainer.step(&[&g]);
+    let stats = trainer.step(&[&g]).unwrap();
     assert!(stats.skipped, "{stats:?}");
     assert!(!stats.loss.is_finite());
     assert_eq!(trainer.weights_blob().unwrap(), before, "weights changed");
     assert_eq!((trainer.state.version, trainer.state.step), (0, 0));
     // A good group afterwards trains normally.
     let good = group(&model);
-    let stats = trainer.step(&[&good]);
+    let stats = trainer.step(&[&good]).unwrap();
     assert!(!stats.skipped && stats.loss.is_finite());
     assert_eq!(trainer.state.version, 1);
 }

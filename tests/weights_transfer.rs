@@ -55,7 +55,10 @@ async fn bus_transport_swaps_a_good_version_and_rejects_a_corrupt_one() {
         .unwrap();
     assert!(a.chunks > 1);
     assert_eq!(f.poll(WAIT).await.unwrap(), Some(1));
-    assert_eq!(slot.load().policy.to_tensors(), v1.to_tensors());
+    assert_eq!(
+        slot.load().policy.to_tensors().unwrap(),
+        v1.to_tensors().unwrap()
+    );
 
     // Version 2 with one chunk overwritten after the announce: checksum mismatch.
     publisher
@@ -68,7 +71,10 @@ async fn bus_transport_swaps_a_good_version_and_rejects_a_corrupt_one() {
     assert_eq!(f.poll(WAIT).await.unwrap(), None);
     assert_eq!(f.rejected, 1);
     assert_eq!(slot.load().version, 1);
-    assert_eq!(slot.load().policy.to_tensors(), v1.to_tensors());
+    assert_eq!(
+        slot.load().policy.to_tensors().unwrap(),
+        v1.to_tensors().unwrap()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -83,7 +89,7 @@ async fn in_process_transport_hands_over_tensors_under_the_same_protocol() {
     assert!(publisher.in_process());
     let v1 = policy(1);
     let a = publisher
-        .publish_payload(1, 1, Payload::Tensors(v1.to_tensors()))
+        .publish_payload(1, 1, Payload::Tensors(v1.to_tensors().unwrap()))
         .await
         .unwrap();
     assert_eq!(a.format, IN_PROCESS_FORMAT);
@@ -102,18 +108,21 @@ async fn in_process_transport_hands_over_tensors_under_the_same_protocol() {
         vec![None]
     );
     assert_eq!(f.poll(WAIT).await.unwrap(), Some(1));
-    assert_eq!(slot.load().policy.to_tensors(), v1.to_tensors());
+    assert_eq!(
+        slot.load().policy.to_tensors().unwrap(),
+        v1.to_tensors().unwrap()
+    );
 
     // An announce whose checksum does not match the tensors handed over is rejected.
     publisher
-        .publish_payload(2, 2, Payload::Tensors(policy(2).to_tensors()))
+        .publish_payload(2, 2, Payload::Tensors(policy(2).to_tensors().unwrap()))
         .await
         .unwrap();
     let mut forged = a.clone();
     forged.version = 3;
     forged.step = 3;
     publisher
-        .publish_payload(3, 3, Payload::Tensors(policy(3).to_tensors()))
+        .publish_payload(3, 3, Payload::Tensors(policy(3).to_tensors().unwrap()))
         .await
         .unwrap();
     // Re-announce version 3 with version 1's checksum: the follower reads the newest.
@@ -177,7 +186,10 @@ async fn wrong_shapes_and_implausible_announces_are_rejected() {
     assert_eq!(f.poll(WAIT).await.unwrap(), None);
     assert_eq!(f.rejected, 2);
     assert_eq!(slot.load().version, 1);
-    assert_eq!(slot.load().policy.to_tensors(), v1.to_tensors());
+    assert_eq!(
+        slot.load().policy.to_tensors().unwrap(),
+        v1.to_tensors().unwrap()
+    );
     let err = rlstream::weights::fetch(&bus, &topo, &huge)
         .await
         .unwrap_err();

@@ -5,9 +5,9 @@
 //! written here loads in `transformers` and the other way round. The same named tensors,
 //! serialised as one safetensors buffer, are the weight blob the trainer publishes.
 
-use super::ModelError;
 use super::config::PolicyConfig;
 use super::llama::{Assembler, Block, Policy};
+use super::{ModelError, host_f32};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
@@ -186,18 +186,11 @@ impl<B: Backend> Policy<B> {
     }
 
     /// Every parameter by HF name, copied to the host.
-    pub fn to_tensors(&self) -> TensorMap {
-        let mut out = TensorMap::new();
+    pub fn to_tensors(&self) -> Result<TensorMap, ModelError> {
+        let mut on_device: Vec<(String, Vec<usize>, TensorData)> = Vec::new();
         let mut put2 = |name: String, t: Tensor<B, 2>, transpose: bool| {
             let t = if transpose { t.transpose() } else { t };
-            let shape = t.dims().to_vec();
-            out.insert(
-                name,
-                HostTensor {
-                    shape,
-                    data: host(t.into_data()),
-                },
-            );
+            on_device.push((name, t.dims().to_vec(), t.into_data()));
         };
         put2(
             "model.embed_tokens.weight".into(),
@@ -230,14 +223,7 @@ impl<B: Backend> Policy<B> {
             }
         }
         let mut put1 = |name: String, t: Tensor<B, 1>| {
-            let shape = t.dims().to_vec();
-            out.insert(
-                name,
-                HostTensor {
-                    shape,
-                    data: host(t.into_data()),
-                },
-            );
+            on_device.push((name, t.dims().to_vec(), t.into_data()));
         };
         put1("model.norm.weight".into(), self.norm.gamma.val());
         for (i, b) in self.blocks.iter().enumerate() {
@@ -256,12 +242,23 @@ impl<B: Backend> Policy<B> {
                 }
             }
         }
-        out
+        on_device
+            .into_iter()
+            .map(|(name, shape, data)| {
+                Ok((
+                    name,
+                    HostTensor {
+                        shape,
+                        data: host_f32(data)?,
+                    },
+                ))
+            })
+            .collect()
     }
 
     /// All parameters as one safetensors buffer (f32): the published weight blob.
     pub fn to_bytes(&self) -> Result<Vec<u8>, ModelError> {
-        tensors_to_safetensors(&self.to_tensors())
+        tensors_to_safetensors(&self.to_tensors()?)
     }
 
     /// A fresh policy from a weight blob; the running model is not touched.
@@ -291,10 +288,6 @@ fn io_err(path: &Path, source: std::io::Error) -> ModelError {
         path: path.display().to_string(),
         source,
     }
-}
-
-fn host(data: TensorData) -> Vec<f32> {
-    data.convert::<f32>().into_vec::<f32>().unwrap_or_default()
 }
 
 /// Loads `config.json` plus `model.safetensors` or a sharded

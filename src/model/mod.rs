@@ -63,10 +63,19 @@ pub enum ModelError {
     Checksum { expected: String, found: String },
     #[error("tokenizer: {0}")]
     Tokenizer(String),
+    #[error("cannot copy a tensor to the host: {0}")]
+    HostCopy(String),
     #[error("{path}: {source}")]
     Io {
         path: String,
         #[source]
         source: std::io::Error,
     },
+}
+
+/// A tensor's values on the host as f32.
+pub fn host_f32(data: burn::tensor::TensorData) -> Result<Vec<f32>, ModelError> {
+    data.convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| ModelError::HostCopy(format!("{e:?}")))
 }

@@ -87,11 +87,16 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradScale<'_> {
     }
 }
 
-fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
-    t.into_data()
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .unwrap_or_default()
+fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, ModelError> {
+    crate::model::host_f32(t.into_data())
+}
+
+/// The one value of a reduced tensor.
+fn scalar<B: Backend>(t: Tensor<B, 1>) -> Result<f32, ModelError> {
+    host(t)?
+        .first()
+        .copied()
+        .ok_or_else(|| ModelError::HostCopy("a reduced tensor holds no value".into()))
 }
 
 /// The loss of a batch of groups and its statistics (everything but timing and grad norm).
@@ -100,7 +105,7 @@ pub fn loss<B: AutodiffBackend>(
     reference: Option<&Policy<B::InnerBackend>>,
     groups: &[&ScoredGroup],
     cfg: &TrainerSettings,
-) -> (Tensor<B, 1>, StepRecord) {
+) -> Result<(Tensor<B, 1>, StepRecord), ModelError> {
     let device = model.device();
     let mut seqs = Vec::new();
     let mut adv = Vec::new();
@@ -143,11 +148,7 @@ pub fn loss<B: AutodiffBackend>(
         }
         LossKind::Reinforce => (ratio.clone().clamp_max(cfg.train.is_cap) * a_tok).neg(),
     };
-    let n_tokens: f32 = host(valid.clone().sum())
-        .first()
-        .copied()
-        .unwrap_or(0.0)
-        .max(1.0);
+    let n_tokens: f32 = scalar(valid.clone().sum())?.max(1.0);
     let mut total = (per_token * valid.clone()).sum().div_scalar(n_tokens);
     let mut ref_kl = 0.0;
     if let (Some(reference), true) = (reference, cfg.train.kl_coef > 0.0) {
@@ -156,11 +157,11 @@ pub fn loss<B: AutodiffBackend>(
         let d = (ref_lp - lp.clone()) * valid.clone();
         let k3 = (d.clone().exp() - d - 1.0) * valid.clone();
         let kl = k3.sum().div_scalar(n_tokens);
-        ref_kl = f64::from(host(kl.clone().detach()).first().copied().unwrap_or(0.0));
+        ref_kl = f64::from(scalar(kl.clone().detach())?);
         total = total + kl.mul_scalar(cfg.train.kl_coef);
     }
     // Host-side statistics over real tokens.
-    let (r, v, l) = (host(ratio.detach()), host(valid), host(lp.detach()));
+    let (r, v, l) = (host(ratio.detach())?, host(valid)?, host(lp.detach())?);
     let (mut sum_r, mut sum_r2, mut n, mut clipped, mut r_max, mut mkl, mut nll) =
         (0f64, 0f64, 0f64, 0f64, 0f64, 0f64, 0f64);
     for i in 0..r.len() {
@@ -189,12 +190,7 @@ pub fn loss<B: AutodiffBackend>(
         .flat_map(|g| g.rewards.iter().copied())
         .collect();
     let stats = StepRecord {
-        loss: f64::from(
-            host(total.clone().detach())
-                .first()
-                .copied()
-                .unwrap_or(f32::NAN),
-        ),
+        loss: f64::from(scalar(total.clone().detach())?),
         reward_mean: rewards.iter().map(|&x| f64::from(x)).sum::<f64>()
             / rewards.len().max(1) as f64,
         accuracy: rewards.iter().filter(|&&x| x >= 1.0).count() as f64
@@ -214,7 +210,7 @@ pub fn loss<B: AutodiffBackend>(
         tokens: n as u64,
         ..StepRecord::default()
     };
-    (total, stats)
+    Ok((total, stats))
 }
 
 /// Model, optimizer and state; one `step` per batch of groups.
@@ -318,9 +314,9 @@ impl Trainer {
 
     /// One optimizer step on `groups`. A non-finite loss or gradient skips the step and
     /// leaves the weights untouched.
-    pub fn step(&mut self, groups: &[&ScoredGroup]) -> StepRecord {
+    pub fn step(&mut self, groups: &[&ScoredGroup]) -> Result<StepRecord, ModelError> {
         let started = Instant::now();
-        let (loss, mut stats) = loss(&self.model, self.reference.as_ref(), groups, &self.cfg);
+        let (loss, mut stats) = loss(&self.model, self.reference.as_ref(), groups, &self.cfg)?;
         let mut grads = GradientsParams::from_grads(loss.backward(), &self.model);
         let mut norm = GradNorm {
             grads: &grads,
@@ -365,7 +361,7 @@ impl Trainer {
         stats.step = self.state.step;
         stats.version = self.state.version;
         stats.step_s = started.elapsed().as_secs_f64();
-        stats
+        Ok(stats)
     }
 
     /// Weights as a blob for publication.
@@ -415,7 +411,7 @@ async fn publish_weights(trainer: &Trainer, publisher: &mut Publisher) -> Result
     let began = Instant::now();
     let payload = tokio::task::block_in_place(|| {
         if publisher.in_process() {
-            Ok::<_, ModelError>(Payload::Tensors(trainer.model.valid().to_tensors()))
+            trainer.model.valid().to_tensors().map(Payload::Tensors)
         } else {
             trainer.weights_blob().map(Payload::Blob)
         }
@@ -659,7 +655,7 @@ pub async fn run(
             let groups: Vec<&ScoredGroup> = taken.iter().map(|d| &d.message).collect();
             let wait_s = waiting.elapsed().as_secs_f64();
             let version_before = trainer.state.version;
-            let mut stats = tokio::task::block_in_place(|| trainer.step(&groups));
+            let mut stats = tokio::task::block_in_place(|| trainer.step(&groups))?;
             stats.wait_s = wait_s;
             stats.staleness = groups
                 .iter()

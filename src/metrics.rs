@@ -8,6 +8,7 @@
 //! Redis stay apart.
 
 use crate::roles::Stage;
+use crate::schema::StepRecord;
 use metrics::{
     Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
 };
@@ -300,6 +301,31 @@ pub fn claimed(stream: &str, group: &str, n: u64) {
 pub fn dropped(reason: &str, samples: u64) {
     counter!(SAMPLES_DROPPED_TOTAL, "stage" => Stage::Train.as_str(), "reason" => reason.to_string())
         .increment(samples);
+}
+
+/// The trainer took a step (or skipped one: `s.skipped`) on `samples` samples.
+pub fn trained(s: &StepRecord, samples: u64) {
+    histogram!(TRAIN_WAIT_SECONDS).record(s.wait_s);
+    histogram!(TRAIN_STEP_SECONDS).record(s.step_s);
+    if s.skipped {
+        error(Stage::Train, "nonfinite_step");
+        return;
+    }
+    counter!(SAMPLES_TOTAL, "stage" => Stage::Train.as_str()).increment(samples);
+    counter!(TOKENS_TOTAL, "stage" => Stage::Train.as_str(), "kind" => "trained")
+        .increment(s.tokens);
+    gauge!(POLICY_VERSION, "stage" => Stage::Train.as_str()).set(s.version as f64);
+    for &lag in &s.staleness {
+        histogram!(SAMPLE_STALENESS_VERSIONS).record(lag as f64);
+    }
+    gauge!(REWARD_MEAN).set(s.reward_mean);
+    gauge!(ACCURACY).set(s.accuracy);
+    gauge!(LOSS).set(s.loss);
+    gauge!(IS_ESS).set(s.ess);
+    gauge!(CLIP_FRACTION).set(s.clip_fraction);
+    gauge!(KL).set(s.mismatch_kl);
+    gauge!(ENTROPY).set(s.entropy);
+    gauge!(GRAD_NORM).set(s.grad_norm);
 }
 
 #[cfg(test)]

@@ -621,7 +621,8 @@ pub async fn retrain(
         .prefix("rlstream-replay-")
         .tempdir()
         .map_err(|e| ReplayError::Usage(format!("cannot create a scratch directory: {e}")))?;
-    let (mut cfg, state) = train::stage_checkpoint(&opts.checkpoint, scratch.path())?;
+    let (mut cfg, state) =
+        train::checkpoint::stage(&opts.checkpoint, scratch.path()).map_err(StageError::from)?;
     let start_step = state.step;
     cfg.train.steps = opts.steps.map_or(0, |n| start_step + n);
     // Checkpoints of the re-run are not needed; the final one still lands in the scratch dir.

@@ -322,7 +322,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<RunOutcome, StageError> {
     let checkpoints = opts.out.join("checkpoints");
-    if train::latest_checkpoint(&checkpoints).is_some() {
+    if train::checkpoint::latest(&checkpoints).is_some() {
         return Err(StageError::Other(format!(
             "{} already holds a run; choose another --out",
             opts.out.display()
@@ -492,7 +492,7 @@ pub async fn run(
     phase.finish(&rows.last().map(status_line).unwrap_or_default());
 
     // Greedy evaluation of the trainer's final weights (its last checkpoint).
-    let eval_after = match train::latest_checkpoint(&cfg.train.checkpoint_dir) {
+    let eval_after = match train::checkpoint::latest(&cfg.train.checkpoint_dir) {
         Some(dir) => {
             let policy: Policy<InferBackend> = load_hf(&dir, &Default::default())?;
             tokio::task::block_in_place(|| {

@@ -31,6 +31,8 @@ pub enum StageError {
     Dataset(#[from] crate::tasks::DatasetError),
     #[error(transparent)]
     Scorer(#[from] score::ScorerError),
+    #[error(transparent)]
+    Checkpoint(#[from] train::CheckpointError),
     #[error("{0}")]
     Other(String),
 }

@@ -1,0 +1,232 @@
+//! The trainer proper: the model, the optimizer and the persistent state; one `step` per
+//! batch of groups, checkpoints written and resumed through [`super::checkpoint`].
+
+use super::checkpoint::{self, CheckpointError, MODEL_RECORD, OPTIM_RECORD};
+use super::intake::DropReason;
+use super::{TrainerSettings, loss::loss};
+use crate::model::hf::load_hf;
+use crate::model::{ModelError, Policy, TrainBackend};
+use crate::schema::{ScoredGroup, StepRecord};
+use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
+use burn::optim::adaptor::OptimizerAdaptor;
+use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
+use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{ElementConversion, Tensor};
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, HashSet, VecDeque};
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Group ids remembered for de-duplication.
+const REMEMBERED_GROUPS: usize = 100_000;
+
+type Optim = OptimizerAdaptor<AdamW, Policy<TrainBackend>, TrainBackend>;
+type Reference = Policy<<TrainBackend as AutodiffBackend>::InnerBackend>;
+
+/// Persistent trainer state, saved as `state.json` in each checkpoint.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TrainerState {
+    pub version: u64,
+    pub step: u64,
+    pub trained_groups: u64,
+    pub dropped: BTreeMap<String, u64>,
+    /// Recently trained group ids (de-duplication across restarts).
+    pub recent_groups: VecDeque<String>,
+    /// Recently dropped group ids with the reason, for accounting.
+    pub recent_dropped: VecDeque<(String, String)>,
+}
+
+impl TrainerState {
+    /// Counts a group that will not be trained, with the reason: the one place a drop is
+    /// recorded, for every reason.
+    pub fn record_drop(&mut self, g: &ScoredGroup, reason: DropReason) {
+        let reason = reason.as_str();
+        *self.dropped.entry(reason.to_string()).or_default() += 1;
+        crate::metrics::dropped(reason, g.rollout.samples.len() as u64);
+        self.recent_dropped
+            .push_back((g.rollout.group_id.clone(), reason.to_string()));
+        while self.recent_dropped.len() > REMEMBERED_GROUPS {
+            self.recent_dropped.pop_front();
+        }
+    }
+}
+
+/// Global L2 norm of the gradients.
+struct GradNorm<'a> {
+    grads: &'a GradientsParams,
+    sum_sq: f64,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for GradNorm<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
+            self.sum_sq += g.square().sum().into_scalar().elem::<f64>();
+        }
+    }
+}
+
+/// Scales the gradients by `factor`.
+struct GradScale<'a> {
+    grads: &'a mut GradientsParams,
+    factor: f32,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for GradScale<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            self.grads
+                .register::<B::InnerBackend, D>(param.id, g.mul_scalar(self.factor));
+        }
+    }
+}
+
+/// Model, optimizer and state; one `step` per batch of groups.
+pub struct Trainer {
+    pub model: Policy<TrainBackend>,
+    optim: Optim,
+    reference: Option<Reference>,
+    pub state: TrainerState,
+    /// `state.recent_groups` as a set: the duplicate check runs for every incoming group.
+    trained_ids: HashSet<String>,
+    cfg: TrainerSettings,
+}
+
+impl Trainer {
+    fn optimizer(cfg: &TrainerSettings) -> Optim {
+        AdamWConfig::new()
+            .with_weight_decay(cfg.train.weight_decay as f32)
+            .init()
+    }
+
+    /// From the newest checkpoint in `checkpoint_dir` if there is one, else from `model`.
+    pub fn start(cfg: &TrainerSettings) -> Result<Self, CheckpointError> {
+        let (model, state, optim) = match checkpoint::latest(&cfg.train.checkpoint_dir) {
+            Some(dir) => Self::resume(cfg, &dir)?,
+            None => {
+                let dir =
+                    cfg.policy.model.as_ref().ok_or_else(|| {
+                        CheckpointError::NoModel(cfg.train.checkpoint_dir.clone())
+                    })?;
+                let model = load_hf(dir, &Default::default())?;
+                (model, TrainerState::default(), Self::optimizer(cfg))
+            }
+        };
+        let reference = match (&cfg.policy.model, cfg.train.kl_coef > 0.0) {
+            (Some(dir), true) => Some(load_hf(dir, &Default::default())?),
+            (None, true) => return Err(CheckpointError::NoReference),
+            (_, false) => None,
+        };
+        Ok(Trainer {
+            model,
+            optim,
+            reference,
+            trained_ids: state.recent_groups.iter().cloned().collect(),
+            state,
+            cfg: cfg.clone(),
+        })
+    }
+
+    /// Model, state and optimizer as checkpoint `dir` saved them.
+    fn resume(
+        cfg: &TrainerSettings,
+        dir: &std::path::Path,
+    ) -> Result<(Policy<TrainBackend>, TrainerState, Optim), CheckpointError> {
+        let device = Default::default();
+        let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+        let model: Policy<TrainBackend> = load_hf(dir, &device)?;
+        let record = recorder
+            .load(dir.join(MODEL_RECORD), &device)
+            .map_err(|e| CheckpointError::format(dir, "model record", e))?;
+        let optim_record = recorder
+            .load(dir.join(OPTIM_RECORD), &device)
+            .map_err(|e| CheckpointError::format(dir, "optimizer record", e))?;
+        let state = checkpoint::read_state(dir)?;
+        tracing::info!(checkpoint = %dir.display(), version = state.version, "resuming");
+        let optim = Self::optimizer(cfg).load_record(optim_record);
+        Ok((model.load_record(record), state, optim))
+    }
+
+    /// One optimizer step on `groups`. A non-finite loss or gradient skips the step and
+    /// leaves the weights untouched.
+    pub fn step(&mut self, groups: &[&ScoredGroup]) -> Result<StepRecord, ModelError> {
+        let started = Instant::now();
+        let (loss, mut stats) = loss(&self.model, self.reference.as_ref(), groups, &self.cfg)?;
+        let mut grads = GradientsParams::from_grads(loss.backward(), &self.model);
+        let mut norm = GradNorm {
+            grads: &grads,
+            sum_sq: 0.0,
+        };
+        self.model.visit(&mut norm);
+        stats.grad_norm = norm.sum_sq.sqrt();
+        if stats.loss.is_finite() && stats.grad_norm.is_finite() {
+            let max = f64::from(self.cfg.train.max_grad_norm);
+            if stats.grad_norm > max {
+                let factor = (max / stats.grad_norm) as f32;
+                self.model.visit(&mut GradScale {
+                    grads: &mut grads,
+                    factor,
+                });
+            }
+            self.model = self
+                .optim
+                .step(self.cfg.train.lr, self.model.clone(), grads);
+            self.trained(groups);
+        } else {
+            stats.skipped = true;
+            tracing::warn!(
+                loss = stats.loss,
+                grad_norm = stats.grad_norm,
+                "non-finite loss or gradient: step skipped, weights kept"
+            );
+        }
+        stats.step = self.state.step;
+        stats.version = self.state.version;
+        stats.step_s = started.elapsed().as_secs_f64();
+        Ok(stats)
+    }
+
+    /// Counts a step taken on `groups` and remembers their ids.
+    fn trained(&mut self, groups: &[&ScoredGroup]) {
+        self.state.version += 1;
+        self.state.step += 1;
+        self.state.trained_groups += groups.len() as u64;
+        for g in groups {
+            let id = &g.rollout.group_id;
+            self.state.recent_groups.push_back(id.clone());
+            self.trained_ids.insert(id.clone());
+        }
+        while self.state.recent_groups.len() > REMEMBERED_GROUPS {
+            if let Some(old) = self.state.recent_groups.pop_front() {
+                self.trained_ids.remove(&old);
+            }
+        }
+    }
+
+    /// Weights as a blob for publication.
+    pub fn weights_blob(&self) -> Result<Vec<u8>, ModelError> {
+        self.model.valid().to_bytes()
+    }
+
+    /// Writes a complete checkpoint, then points `latest` at it.
+    pub fn checkpoint(&self) -> Result<PathBuf, CheckpointError> {
+        let root = &self.cfg.train.checkpoint_dir;
+        let dir = checkpoint::dir_for(root, self.state.step);
+        self.model.valid().save_hf(&dir)?;
+        let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+        recorder
+            .record(self.model.clone().into_record(), dir.join(MODEL_RECORD))
+            .map_err(|e| CheckpointError::format(&dir, "model record", e))?;
+        recorder
+            .record(self.optim.to_record(), dir.join(OPTIM_RECORD))
+            .map_err(|e| CheckpointError::format(&dir, "optimizer record", e))?;
+        checkpoint::write_state(&dir, &self.state, &self.cfg)?;
+        checkpoint::mark_latest(root, &dir)?;
+        Ok(dir)
+    }
+
+    /// Whether group `id` was trained (within the remembered window).
+    pub fn seen(&self, group_id: &str) -> bool {
+        self.trained_ids.contains(group_id)
+    }
+}

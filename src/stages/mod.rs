@@ -33,6 +33,15 @@ pub enum StageError {
     Scorer(#[from] score::ScorerError),
     #[error(transparent)]
     Checkpoint(#[from] train::CheckpointError),
+    #[error("cannot start the {what} thread: {source}")]
+    Thread {
+        what: &'static str,
+        #[source]
+        source: std::io::Error,
+    },
+    /// A task or thread of the stage panicked or was cancelled.
+    #[error("{0}")]
+    Panic(String),
     #[error("{0}")]
     Other(String),
 }

@@ -1,0 +1,218 @@
+//! The decode thread: owns the [`Generator`], loads the current model from the slot before
+//! every forward pass (one atomic load, timed as the swap stall), admits waiting prompts
+//! while rows are free, and hands each finished group to the publisher.
+
+use super::GenConfig;
+use crate::bus::EntryId;
+use crate::model::InferBackend;
+use crate::model::sampler::{Completion, Generator, Request};
+use crate::schema::{self, Prompt, RolloutGroup, Sample, SamplingParams, SchemaVersion};
+use crate::stages::policy::PolicySettings;
+use crate::weights::{ModelSlot, Versioned};
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+/// How long the idle decode thread waits for a prompt before checking for shutdown.
+const IDLE_WAIT: Duration = Duration::from_millis(20);
+
+/// A prompt on its way to the decode thread.
+pub struct Admit {
+    pub entry: EntryId,
+    pub prompt: Prompt,
+    pub tokens: Vec<u32>,
+}
+
+/// A finished group on its way to the publisher.
+pub struct Finished {
+    pub entry: EntryId,
+    pub group: RolloutGroup,
+}
+
+/// What the decode thread measured.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct DecodeStats {
+    pub steps: u64,
+    pub tokens: u64,
+    /// Forward passes that ran on a newer model than the previous pass.
+    pub swaps: u64,
+    /// Time to pick up the current model before each pass, per swap (seconds).
+    pub swap_stalls: Vec<f64>,
+    /// Seconds waiting for a prompt with no row to decode, and seconds in forward passes
+    /// (prefill and decode).
+    pub idle_s: f64,
+    pub busy_s: f64,
+}
+
+/// A prompt being decoded: its G completions as they finish.
+struct Pending {
+    entry: EntryId,
+    prompt: Prompt,
+    tokens: Vec<u32>,
+    params: SamplingParams,
+    started_us: u64,
+    done: Vec<Option<Completion>>,
+}
+
+impl Pending {
+    fn into_group(self, gen_id: &str) -> RolloutGroup {
+        let samples = self.done.into_iter().flatten().map(Sample::from).collect();
+        RolloutGroup {
+            schema: SchemaVersion::CURRENT,
+            // Stable per prompt entry: a prompt generated twice (after a crash) yields the
+            // same group id, and the trainer trains it once.
+            group_id: format!("{}@{}", self.prompt.prompt_id, self.entry),
+            prompt_id: self.prompt.prompt_id,
+            task: self.prompt.task,
+            prompt_tokens: self.tokens.into(),
+            samples,
+            sampling: self.params,
+            gen_id: gen_id.to_string(),
+            started_us: self.started_us,
+            finished_us: schema::now_us(),
+            meta: self.prompt.meta,
+        }
+    }
+}
+
+/// The decode loop's state.
+pub struct Decoder {
+    policy: PolicySettings,
+    cfg: GenConfig,
+    slot: ModelSlot<InferBackend>,
+    generator: Generator<InferBackend>,
+    pending: HashMap<u64, Pending>,
+    next_id: u64,
+    last_version: u64,
+    stats: DecodeStats,
+}
+
+impl Decoder {
+    pub fn new(policy: PolicySettings, cfg: GenConfig, slot: ModelSlot<InferBackend>) -> Self {
+        let last_version = slot.load().version;
+        Decoder {
+            policy,
+            cfg,
+            slot,
+            generator: Generator::new(),
+            pending: HashMap::new(),
+            next_id: 0,
+            last_version,
+            stats: DecodeStats::default(),
+        }
+    }
+
+    /// Runs until `stop` is set or the publisher is gone.
+    pub fn run(
+        mut self,
+        admit: mpsc::Receiver<Admit>,
+        finished: tokio::sync::mpsc::UnboundedSender<Finished>,
+        stop: Arc<AtomicBool>,
+    ) -> DecodeStats {
+        while !stop.load(Ordering::Relaxed) {
+            // With nothing to decode, wait for a prompt *before* loading the model, so the
+            // first prompt after a pause starts on the newest weights.
+            let mut first = None;
+            if self.generator.is_idle() && self.pending.is_empty() {
+                let idle = Instant::now();
+                first = admit.recv_timeout(IDLE_WAIT).ok();
+                self.stats.idle_s += idle.elapsed().as_secs_f64();
+                if first.is_none() {
+                    continue;
+                }
+            }
+            let current = self.current_model();
+            while self.generator.active() + self.cfg.group_size <= self.cfg.max_batch {
+                let Some(a) = first.take().or_else(|| admit.try_recv().ok()) else {
+                    break;
+                };
+                self.admit(&current, a);
+            }
+            if self.generator.is_idle() {
+                continue;
+            }
+            for group in self.step(&current) {
+                if finished.send(group).is_err() {
+                    return self.stats;
+                }
+            }
+        }
+        self.stats
+    }
+
+    /// The model for the next pass; a newer one than the last pass counts as a swap.
+    fn current_model(&mut self) -> Arc<Versioned<InferBackend>> {
+        let t0 = Instant::now();
+        let current = self.slot.load_full();
+        let stall = t0.elapsed().as_secs_f64();
+        if current.version != self.last_version {
+            self.stats.swaps += 1;
+            self.stats.swap_stalls.push(stall);
+            self.last_version = current.version;
+            crate::metrics::swapped(current.version, stall);
+        }
+        current
+    }
+
+    /// Starts decoding G completions of `a` (its prefill runs now).
+    fn admit(&mut self, current: &Versioned<InferBackend>, a: Admit) {
+        let params = SamplingParams {
+            temperature: self.policy.temperature,
+            top_k: self.cfg.top_k,
+            top_p: self.cfg.top_p,
+            max_new_tokens: self.cfg.max_new_tokens,
+            stop_tokens: current.policy.config().eos_token_id.into_iter().collect(),
+            seed: self.policy.seed ^ a.entry.ms.rotate_left(17) ^ a.entry.seq,
+        };
+        let id = self.next_id;
+        self.next_id += 1;
+        let g = self.cfg.group_size;
+        let req = Request {
+            id,
+            prompt: a.tokens.clone(),
+            n: g,
+            params: params.clone(),
+        };
+        self.pending.insert(
+            id,
+            Pending {
+                entry: a.entry,
+                prompt: a.prompt,
+                tokens: a.tokens,
+                params,
+                started_us: schema::now_us(),
+                done: vec![None; g],
+            },
+        );
+        let prefill = Instant::now();
+        self.generator.admit(&current.policy, current.version, &req);
+        self.stats.busy_s += prefill.elapsed().as_secs_f64();
+    }
+
+    /// One forward pass over every active row; the groups it completed.
+    fn step(&mut self, current: &Versioned<InferBackend>) -> Vec<Finished> {
+        let busy = Instant::now();
+        let done = self.generator.step(&current.policy, current.version);
+        self.stats.busy_s += busy.elapsed().as_secs_f64();
+        self.stats.steps += 1;
+        let mut finished = Vec::new();
+        for c in done {
+            self.stats.tokens += c.tokens.len() as u64;
+            let Some(p) = self.pending.get_mut(&c.request_id) else {
+                continue;
+            };
+            let (rid, idx) = (c.request_id, c.index);
+            p.done[idx] = Some(c);
+            if p.done.iter().all(Option::is_some)
+                && let Some(p) = self.pending.remove(&rid)
+            {
+                let entry = p.entry;
+                let group = p.into_group(&self.cfg.name);
+                finished.push(Finished { entry, group });
+            }
+        }
+        finished
+    }
+}

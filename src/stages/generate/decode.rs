@@ -7,6 +7,7 @@ use crate::bus::EntryId;
 use crate::model::InferBackend;
 use crate::model::sampler::{Completion, Generator, Request};
 use crate::schema::{self, Prompt, RolloutGroup, Sample, SamplingParams, SchemaVersion};
+use crate::stages::StageError;
 use crate::stages::policy::PolicySettings;
 use crate::weights::{ModelSlot, Versioned};
 use std::collections::HashMap;
@@ -102,6 +103,22 @@ impl Decoder {
             last_version,
             stats: DecodeStats::default(),
         }
+    }
+
+    /// Runs the loop on a thread of its own (named after the generator).
+    pub fn spawn(
+        self,
+        admit: mpsc::Receiver<Admit>,
+        finished: tokio::sync::mpsc::UnboundedSender<Finished>,
+        stop: Arc<AtomicBool>,
+    ) -> Result<std::thread::JoinHandle<DecodeStats>, StageError> {
+        std::thread::Builder::new()
+            .name(format!("{}-decode", self.cfg.name))
+            .spawn(move || self.run(admit, finished, stop))
+            .map_err(|source| StageError::Thread {
+                what: "decode",
+                source,
+            })
     }
 
     /// Runs until `stop` is set or the publisher is gone.

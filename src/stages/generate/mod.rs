@@ -165,17 +165,8 @@ pub async fn run(
     let (admit_tx, admit_rx) = mpsc::channel::<Admit>();
     let (done_tx, done_rx) = tokio::sync::mpsc::unbounded_channel::<Finished>();
     let (acked_tx, acked_rx) = tokio::sync::mpsc::unbounded_channel::<Vec<EntryId>>();
-    let decode = {
-        let decoder = Decoder::new(policy.clone(), cfg.clone(), slot.clone());
-        let stop = stop.clone();
-        std::thread::Builder::new()
-            .name(format!("{}-decode", cfg.name))
-            .spawn(move || decoder.run(admit_rx, done_tx, stop))
-            .map_err(|source| StageError::Thread {
-                what: "decode",
-                source,
-            })?
-    };
+    let decoder = Decoder::new(policy.clone(), cfg.clone(), slot.clone());
+    let decode = decoder.spawn(admit_rx, done_tx, stop.clone())?;
     let follower = spawn_follower(bus.clone(), topo, slot.clone(), transport, stop.clone());
     let vocab = slot.load().policy.config().vocab_size;
     let shared = Shared {
@@ -183,16 +174,8 @@ pub async fn run(
         in_flight: in_flight.clone(),
         released: released.clone(),
     };
-    let reader = Reader::join(
-        policy,
-        cfg,
-        bus.clone(),
-        topo.clone(),
-        tokenizer,
-        vocab,
-        shared,
-    );
-    let reader = tokio::spawn(reader.await?.run(admit_tx, acked_rx));
+    let reader = Reader::join(policy, cfg, bus.clone(), topo, tokenizer, vocab, shared).await?;
+    let reader = tokio::spawn(reader.run(admit_tx, acked_rx));
     let mut publisher = Publisher {
         bus: bus.clone(),
         topo,

@@ -55,7 +55,7 @@ impl Reader {
         policy: &crate::stages::policy::PolicySettings,
         cfg: &GenConfig,
         bus: SharedBus,
-        topo: Topology,
+        topo: &Topology,
         tokenizer: Tokenizer,
         vocab: usize,
         shared: Shared,
@@ -76,7 +76,7 @@ impl Reader {
         .await?;
         Ok(Reader {
             bus,
-            topo,
+            topo: topo.clone(),
             consumer,
             tokenizer,
             vocab,

@@ -6,7 +6,7 @@ mod config;
 pub use config::*;
 
 use super::StageError;
-use crate::bus::{Consumer, SharedBus, Topology};
+use crate::bus::{Consumer, Delivery, SharedBus, Topology};
 use crate::model::ModelError;
 use crate::model::tokenizer::Tokenizer;
 use crate::roles::{Stage, Stream};
@@ -115,6 +115,8 @@ pub enum ScoreError {
     NoAnswer(String),
     #[error(transparent)]
     External(#[from] ScorerError),
+    #[error(transparent)]
+    Encode(#[from] crate::schema::CodecError),
 }
 
 /// Dead-letter reason of a group whose text cannot be recovered.
@@ -310,6 +312,36 @@ pub struct ScoreSummary {
     pub samples: u64,
 }
 
+/// Scores one group: its scored message, encoded.
+async fn score_one(
+    scorer: &mut Scorer,
+    cfg: &ScoreConfig,
+    d: &Delivery<RolloutGroup>,
+    summary: &mut ScoreSummary,
+) -> Result<Bytes, ScoreError> {
+    let began = Instant::now();
+    let rewards = scorer.rewards(&d.message).await?;
+    let adv = advantages(&rewards, cfg.advantage);
+    summary.reward_sum += rewards.iter().map(|&r| f64::from(r)).sum::<f64>();
+    summary.samples += rewards.len() as u64;
+    crate::metrics::scored(
+        rewards.len() as u64,
+        d.message.completion_tokens() as u64,
+        began.elapsed().as_secs_f64(),
+    );
+    let scored = ScoredGroup {
+        schema: SchemaVersion::CURRENT,
+        rollout: d.message.clone(),
+        rewards,
+        advantages: adv,
+        token_rewards: None,
+        ref_logprobs: None,
+        scorer_id: cfg.name.clone(),
+        scored_us: schema::now_us(),
+    };
+    Ok(Bytes::from(schema::encode(&scored)?))
+}
+
 pub async fn run(
     cfg: &ScoreConfig,
     bus: SharedBus,
@@ -349,28 +381,9 @@ pub async fn run(
         let mut out = Vec::with_capacity(batch.len());
         let mut done = Vec::with_capacity(batch.len());
         for d in &batch {
-            let began = Instant::now();
-            match scorer.rewards(&d.message).await {
-                Ok(rewards) => {
-                    let adv = advantages(&rewards, cfg.advantage);
-                    summary.reward_sum += rewards.iter().map(|&r| f64::from(r)).sum::<f64>();
-                    summary.samples += rewards.len() as u64;
-                    crate::metrics::scored(
-                        rewards.len() as u64,
-                        d.message.completion_tokens() as u64,
-                        began.elapsed().as_secs_f64(),
-                    );
-                    let scored = ScoredGroup {
-                        schema: SchemaVersion::CURRENT,
-                        rollout: d.message.clone(),
-                        rewards,
-                        advantages: adv,
-                        token_rewards: None,
-                        ref_logprobs: None,
-                        scorer_id: cfg.name.clone(),
-                        scored_us: schema::now_us(),
-                    };
-                    out.push(Bytes::from(schema::encode(&scored)?));
+            match score_one(&mut scorer, cfg, d, &mut summary).await {
+                Ok(scored) => {
+                    out.push(scored);
                     done.push(d.id);
                 }
                 Err(e @ ScoreError::Detokenize { .. }) => {

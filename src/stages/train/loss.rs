@@ -56,20 +56,7 @@ pub fn loss<B: AutodiffBackend>(
     let a_tok = Tensor::<B, 2>::from_data(TensorData::new(a_tok, [b, c]), &device);
     let log_ratio = (lp.clone() - mu) * valid.clone();
     let ratio = log_ratio.clone().exp();
-    let per_token = match cfg.train.loss {
-        LossKind::Ppo => {
-            let unclipped = ratio.clone() * a_tok.clone();
-            let clipped = ratio
-                .clone()
-                .clamp(1.0 - cfg.train.clip_eps, 1.0 + cfg.train.clip_eps_high)
-                * a_tok;
-            unclipped.min_pair(clipped).neg()
-        }
-        LossKind::Tis => {
-            (ratio.clone().detach().clamp_max(cfg.train.is_cap) * a_tok * lp.clone()).neg()
-        }
-        LossKind::Reinforce => (ratio.clone().clamp_max(cfg.train.is_cap) * a_tok).neg(),
-    };
+    let per_token = surrogate(ratio.clone(), a_tok, lp.clone(), cfg);
     let n_tokens: f32 = scalar(valid.clone().sum())?.max(1.0);
     let mut total = (per_token * valid.clone()).sum().div_scalar(n_tokens);
     let mut ref_kl = 0.0;
@@ -82,8 +69,43 @@ pub fn loss<B: AutodiffBackend>(
         ref_kl = f64::from(scalar(kl.clone().detach())?);
         total = total + kl.mul_scalar(cfg.train.kl_coef);
     }
-    // Host-side statistics over real tokens.
     let (r, v, l) = (host(ratio.detach())?, host(valid)?, host(lp.detach())?);
+    let stats = StepRecord {
+        loss: f64::from(scalar(total.clone().detach())?),
+        ref_kl,
+        ..token_stats(&r, &v, &l, groups, cfg)
+    };
+    Ok((total, stats))
+}
+
+/// The per-token surrogate loss (negated objective) of the configured kind.
+fn surrogate<B: AutodiffBackend>(
+    ratio: Tensor<B, 2>,
+    a_tok: Tensor<B, 2>,
+    lp: Tensor<B, 2>,
+    cfg: &TrainerSettings,
+) -> Tensor<B, 2> {
+    let t = &cfg.train;
+    match t.loss {
+        LossKind::Ppo => {
+            let unclipped = ratio.clone() * a_tok.clone();
+            let clipped = ratio.clamp(1.0 - t.clip_eps, 1.0 + t.clip_eps_high) * a_tok;
+            unclipped.min_pair(clipped).neg()
+        }
+        LossKind::Tis => (ratio.detach().clamp_max(t.is_cap) * a_tok * lp).neg(),
+        LossKind::Reinforce => (ratio.clamp_max(t.is_cap) * a_tok).neg(),
+    }
+}
+
+/// The step's statistics over real tokens (`v` = 1) from the host copies of the ratios
+/// `r` and log-probs `l`, and the groups' rewards.
+fn token_stats(
+    r: &[f32],
+    v: &[f32],
+    l: &[f32],
+    groups: &[&ScoredGroup],
+    cfg: &TrainerSettings,
+) -> StepRecord {
     let (mut sum_r, mut sum_r2, mut n, mut clipped, mut r_max, mut mkl, mut nll) =
         (0f64, 0f64, 0f64, 0f64, 0f64, 0f64, 0f64);
     for i in 0..r.len() {
@@ -111,8 +133,7 @@ pub fn loss<B: AutodiffBackend>(
         .iter()
         .flat_map(|g| g.rewards.iter().copied())
         .collect();
-    let stats = StepRecord {
-        loss: f64::from(scalar(total.clone().detach())?),
+    StepRecord {
         reward_mean: rewards.iter().map(|&x| f64::from(x)).sum::<f64>()
             / rewards.len().max(1) as f64,
         accuracy: rewards.iter().filter(|&&x| x >= 1.0).count() as f64
@@ -126,11 +147,9 @@ pub fn loss<B: AutodiffBackend>(
         ratio_mean: sum_r / n,
         ratio_max: r_max,
         mismatch_kl: mkl / n,
-        ref_kl,
         entropy: nll / n,
         groups: groups.len() as u64,
         tokens: n as u64,
         ..StepRecord::default()
-    };
-    Ok((total, stats))
+    }
 }

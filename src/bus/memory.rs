@@ -77,10 +77,7 @@ impl MemoryBus {
 
 impl Stream {
     fn next_id(&mut self) -> EntryId {
-        let ms = std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map(|d| d.as_millis() as u64)
-            .unwrap_or(0);
+        let ms = crate::time::now_ms();
         let id = if ms > self.last_id.ms {
             EntryId::new(ms, 0)
         } else {

@@ -88,17 +88,6 @@ fn within(id: EntryId, from: RangeBound, to: RangeBound) -> bool {
     lower && upper
 }
 
-/// Days since 1970-01-01 of a civil date (proleptic Gregorian).
-fn days_from_civil(y: i64, m: i64, d: i64) -> i64 {
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let mp = (m + 9) % 12;
-    let doy = (153 * mp + 2) / 5 + d - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    era * 146_097 + doe - 719_468
-}
-
 /// `--from`/`--to`: an entry id (`MS-SEQ`), milliseconds since the epoch (`MS`), a UTC time
 /// (`2026-11-29T16:30:00Z`, seconds optional), or a time ago (`-90s`, `-10m`, `-2h`,
 /// `-1d`). Times become the first id at that millisecond.
@@ -116,39 +105,15 @@ pub fn parse_point(s: &str) -> Result<EntryId, ReplayError> {
     }
     if let Some(ago) = s.strip_prefix('-') {
         let ago = crate::time::parse_duration(ago).ok_or_else(bad)?;
-        let now_ms = schema::now_us() / 1000;
+        let now_ms = crate::time::now_ms();
         return Ok(EntryId::new(
             now_ms.saturating_sub(ago.as_millis() as u64),
             0,
         ));
     }
-    let t = s.strip_suffix('Z').ok_or_else(bad)?;
-    let (date, time) = t.split_once('T').ok_or_else(bad)?;
-    let num = |x: &str| x.parse::<i64>().map_err(|_| bad());
-    let d: Vec<&str> = date.split('-').collect();
-    let hms: Vec<&str> = time.split(':').collect();
-    if d.len() != 3 || !(2..=3).contains(&hms.len()) {
-        return Err(bad());
-    }
-    let (y, mo, da) = (num(d[0])?, num(d[1])?, num(d[2])?);
-    let (h, mi) = (num(hms[0])?, num(hms[1])?);
-    let sec: f64 = match hms.get(2) {
-        Some(x) => x.parse().map_err(|_| bad())?,
-        None => 0.0,
-    };
-    if !(1..=12).contains(&mo)
-        || !(1..=31).contains(&da)
-        || h > 23
-        || mi > 59
-        || !(0.0..61.0).contains(&sec)
-    {
-        return Err(bad());
-    }
-    let days = days_from_civil(y, mo, da);
-    let ms = (days * 86_400 + h * 3600 + mi * 60) * 1000 + (sec * 1000.0) as i64;
-    u64::try_from(ms)
+    crate::time::parse_utc_ms(s)
         .map(|ms| EntryId::new(ms, 0))
-        .map_err(|_| bad())
+        .ok_or_else(bad)
 }
 
 /// A comparison on the mean reward of a group (`--reward '<0.5'`).
@@ -289,7 +254,7 @@ fn mean(xs: &[f32]) -> f64 {
 }
 
 fn time_of(id: EntryId) -> String {
-    crate::commands::status::utc(id.ms * 1000)
+    crate::time::utc(id.ms * 1000)
 }
 
 /// Newest announced weights version at each announce id, for staleness.

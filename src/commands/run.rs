@@ -633,19 +633,12 @@ fn summarize(
 
 /// The default run directory: `runs/{task}-{unix seconds}`.
 pub fn default_out(task: BuiltinTask) -> PathBuf {
-    let secs = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_secs());
+    let secs = crate::time::now_us() / 1_000_000;
     Path::new("runs").join(format!("{}-{secs}", task.name()))
 }
 
 /// A namespace of its own for a run on Redis, so that a run never mixes with another's
 /// streams: `run-` and the time in milliseconds.
 pub fn fresh_namespace() -> String {
-    format!(
-        "run-{}",
-        std::time::SystemTime::now()
-            .duration_since(std::time::UNIX_EPOCH)
-            .map_or(0, |d| d.as_millis())
-    )
+    format!("run-{}", crate::time::now_ms())
 }

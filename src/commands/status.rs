@@ -317,7 +317,7 @@ fn seconds(s: f64) -> String {
 /// The snapshot as a terminal table.
 pub fn render(s: &Status) -> String {
     let mut o = String::new();
-    let when = utc(s.time_us);
+    let when = crate::time::utc(s.time_us);
     let _ = writeln!(
         o,
         "rlstream status  {}  namespace {}  {when}",
@@ -461,39 +461,11 @@ pub fn render(s: &Status) -> String {
     o
 }
 
-/// `YYYY-MM-DD HH:MM:SS UTC` from microseconds since the epoch (civil-from-days).
-pub fn utc(time_us: u64) -> String {
-    let secs = time_us / 1_000_000;
-    let (days, rem) = ((secs / 86_400) as i64, secs % 86_400);
-    let z = days + 719_468;
-    let era = z.div_euclid(146_097);
-    let doe = z - era * 146_097;
-    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
-    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
-    let mp = (5 * doy + 2) / 153;
-    let d = doy - (153 * mp + 2) / 5 + 1;
-    let m = if mp < 10 { mp + 3 } else { mp - 9 };
-    let y = yoe + era * 400 + i64::from(m <= 2);
-    format!(
-        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
-        rem / 3600,
-        rem % 3600 / 60,
-        rem % 60
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::bus::MemoryBus;
     use bytes::Bytes;
-
-    #[test]
-    fn utc_dates() {
-        assert_eq!(utc(0), "1970-01-01 00:00:00 UTC");
-        // 2024-02-29 12:34:56 UTC (a leap day).
-        assert_eq!(utc(1_709_210_096_000_000), "2024-02-29 12:34:56 UTC");
-    }
 
     fn event(
         kind: &str,

@@ -70,12 +70,7 @@ impl fmt::Display for SchemaVersion {
 }
 
 /// Microseconds since the Unix epoch: the unit of every `*_us` timestamp field.
-pub fn now_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_micros() as u64)
-        .unwrap_or(0)
-}
+pub use crate::time::now_us;
 
 pub(crate) fn check_finite(
     kind: &'static str,

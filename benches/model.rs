@@ -62,7 +62,9 @@ fn bench_generate<B: Backend>(c: &mut Criterion, name: &str) {
     let mut g = c.benchmark_group("model/generate_b32_p16_t128");
     g.throughput(Throughput::Elements((BATCH * NEW_TOKENS) as u64));
     g.sample_size(10);
-    g.bench_function(name, |b| b.iter(|| Generator::generate(&model, 0, &reqs)));
+    g.bench_function(name, |b| {
+        b.iter(|| Generator::generate(&model, 0, &reqs).expect("generate"))
+    });
     g.finish();
 }
 

@@ -66,7 +66,10 @@ fn greedy(model: &Policy<B>, r: &Reference) -> Vec<u32> {
             seed: 0,
         },
     };
-    Generator::generate(model, 0, &[req]).remove(0).tokens
+    Generator::generate(model, 0, &[req])
+        .unwrap()
+        .remove(0)
+        .tokens
 }
 
 fn check(name: &str) {

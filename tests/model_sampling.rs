@@ -89,7 +89,7 @@ fn trainer_logprobs_equal_sampler_logprobs() {
             (0.8, 10, 0.9),
         ] {
             let reqs = requests(&params(t, k, p, 5));
-            let done = Generator::generate(&model, 0, &reqs);
+            let done = Generator::generate(&model, 0, &reqs).unwrap();
             assert_eq!(done.len(), 9);
             let truncating = k > 0 || p < 1.0;
             assert_eq!(
@@ -112,7 +112,7 @@ fn trainer_logprobs_have_gradients_on_the_autodiff_backend() {
         Policy::<TrainBackend>::from_bytes(&cfg, &infer.to_bytes().unwrap(), &Default::default())
             .unwrap();
     let reqs = requests(&params(1.0, 8, 1.0, 9));
-    let done = Generator::generate(&infer, 0, &reqs);
+    let done = Generator::generate(&infer, 0, &reqs).unwrap();
     let trainer = trainer_logprobs(&train, &reqs, &done, 1.0);
     assert!(max_mismatch(&done, &trainer) <= 1e-4);
     let seqs = scored_seqs(&reqs, &done);
@@ -132,18 +132,18 @@ fn trainer_logprobs_have_gradients_on_the_autodiff_backend() {
 fn continuous_batching_does_not_change_results() {
     let model = tiny(Architecture::Llama);
     let reqs = requests(&params(1.0, 0, 1.0, 21));
-    let together = Generator::generate(&model, 0, &reqs);
+    let together = Generator::generate(&model, 0, &reqs).unwrap();
     // Admit the requests one at a time, two forward passes apart.
     let mut g = Generator::new();
     let mut staggered = Vec::new();
     for r in &reqs {
-        g.admit(&model, 0, r);
+        g.admit(&model, 0, r).unwrap();
         for _ in 0..2 {
-            staggered.extend(g.step(&model, 0));
+            staggered.extend(g.step(&model, 0).unwrap());
         }
     }
     while !g.is_idle() {
-        staggered.extend(g.step(&model, 0));
+        staggered.extend(g.step(&model, 0).unwrap());
     }
     staggered.sort_by_key(|c| (c.request_id, c.index));
     assert_eq!(staggered.len(), together.len());
@@ -183,13 +183,13 @@ fn a_swap_between_passes_is_tagged_on_later_tokens() {
         params: p,
     };
     let mut g = Generator::new();
-    g.admit(&old, 3, &req);
+    g.admit(&old, 3, &req).unwrap();
     for _ in 0..4 {
-        assert!(g.step(&old, 3).is_empty());
+        assert!(g.step(&old, 3).unwrap().is_empty());
     }
     let mut done = Vec::new();
     while !g.is_idle() {
-        done.extend(g.step(&new, 4));
+        done.extend(g.step(&new, 4).unwrap());
     }
     for c in &done {
         assert_eq!(c.tokens.len(), 12);
@@ -203,8 +203,8 @@ fn sampling_is_reproducible_from_the_seed() {
     let model = tiny(Architecture::Qwen2);
     let reqs = requests(&params(1.0, 0, 0.95, 77));
     assert_eq!(
-        Generator::generate(&model, 0, &reqs),
-        Generator::generate(&model, 0, &reqs)
+        Generator::generate(&model, 0, &reqs).unwrap(),
+        Generator::generate(&model, 0, &reqs).unwrap()
     );
 }
 

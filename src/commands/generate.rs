@@ -106,7 +106,7 @@ pub fn run(opts: &GenerateOptions, out: &mut impl Write) -> Result<(), GenerateE
         params,
     };
     let started = std::time::Instant::now();
-    let done = Generator::generate(&model, 0, &[req]);
+    let done = Generator::generate(&model, 0, &[req])?;
     let secs = started.elapsed().as_secs_f64();
     let text = |ids: &[u32]| tokenizer.as_ref().and_then(|t| t.decode(ids).ok());
     if opts.json {

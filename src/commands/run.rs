@@ -351,7 +351,7 @@ pub async fn run(
     let params = slot.load().policy.config().num_params();
     let eval_before = tokio::task::block_in_place(|| {
         sft::evaluate(&slot.load().policy, opts.task, opts.seed, EVAL_PROMPTS)
-    });
+    })?;
     let transport = Transport::InProcess(LocalWeights::default());
     let (stop_tx, stop_rx) = watch::channel(false);
     let stop_tx = Arc::new(stop_tx);
@@ -497,7 +497,7 @@ pub async fn run(
             let policy: Policy<InferBackend> = load_hf(&dir, &Default::default())?;
             tokio::task::block_in_place(|| {
                 sft::evaluate(&policy, opts.task, opts.seed, EVAL_PROMPTS)
-            })
+            })?
         }
         None => eval_before,
     };

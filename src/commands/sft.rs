@@ -73,7 +73,7 @@ pub fn evaluate(
     task: BuiltinTask,
     seed: u64,
     n: usize,
-) -> (f64, f64) {
+) -> Result<(f64, f64), ModelError> {
     let tok = tasks::char_tokenizer();
     let items: Vec<_> = (0..n as u64)
         .map(|i| task.item(seed ^ 0xe7a1, 1_000_000 + i))
@@ -95,7 +95,7 @@ pub fn evaluate(
             },
         })
         .collect();
-    let done = Generator::generate(model, 0, &requests);
+    let done = Generator::generate(model, 0, &requests)?;
     let (mut exact, mut reward) = (0.0, 0.0);
     for c in &done {
         let it = &items[c.request_id as usize];
@@ -112,7 +112,7 @@ pub fn evaluate(
         exact += f64::from(u8::from(text == it.answer));
         reward += f64::from(tasks::score(&text, &it.meta).unwrap_or(0.0));
     }
-    (exact / n.max(1) as f64, reward / n.max(1) as f64)
+    Ok((exact / n.max(1) as f64, reward / n.max(1) as f64))
 }
 
 /// Trains and saves; `progress(step, loss)` is called after every step.
@@ -165,7 +165,7 @@ pub fn run(
     Tokenizer::save_char(&tok, &opts.out)?;
     let infer =
         Policy::<InferBackend>::from_bytes(&cfg, &trained.to_bytes()?, &Default::default())?;
-    let (accuracy, reward) = evaluate(&infer, opts.task, opts.seed, opts.eval);
+    let (accuracy, reward) = evaluate(&infer, opts.task, opts.seed, opts.eval)?;
     Ok(SftSummary {
         params: cfg.num_params(),
         steps: opts.steps,

@@ -11,6 +11,7 @@
 //! was drawn from (temperature, then top-k, then top-p, renormalised), and, when top-k/top-p
 //! truncated the vocabulary, the ids that survived.
 
+use super::ModelError;
 use super::llama::{AttnMode, KvCache, Policy};
 use crate::schema::{FinishReason, SamplingMask, SamplingParams, VersionRun};
 use burn::tensor::backend::Backend;
@@ -245,12 +246,8 @@ impl<B: Backend> Default for Generator<B> {
 }
 
 /// Host copy of logits `[rows, vocab]`.
-fn logits_rows<B: Backend>(logits: Tensor<B, 2>) -> Vec<f32> {
-    logits
-        .into_data()
-        .convert::<f32>()
-        .into_vec::<f32>()
-        .unwrap_or_default()
+fn logits_rows<B: Backend>(logits: Tensor<B, 2>) -> Result<Vec<f32>, ModelError> {
+    super::host_f32(logits.into_data())
 }
 
 impl<B: Backend> Generator<B> {
@@ -269,7 +266,12 @@ impl<B: Backend> Generator<B> {
 
     /// Prefills `req.prompt` once and starts `req.n` completions, sampling their first
     /// tokens with `model` at `version`.
-    pub fn admit(&mut self, model: &Policy<B>, version: u64, req: &Request) {
+    pub fn admit(
+        &mut self,
+        model: &Policy<B>,
+        version: u64,
+        req: &Request,
+    ) -> Result<(), ModelError> {
         let vocab = model.config().vocab_size;
         let l = req.prompt.len().max(1);
         let prompt: Vec<i64> = if req.prompt.is_empty() {
@@ -282,7 +284,7 @@ impl<B: Backend> Generator<B> {
         let mut cache = model.empty_cache(1);
         let positions: Vec<usize> = (0..l).collect();
         let logits = model.forward_with(tokens, &positions, AttnMode::Cached(&mut cache));
-        let last = logits_rows(logits.slice([0..1, l - 1..l]).reshape([1, vocab]));
+        let last = logits_rows(logits.slice([0..1, l - 1..l]).reshape([1, vocab]))?;
         cache.repeat_rows(req.n);
         let mut keep = Vec::new();
         let base = self.rows.len();
@@ -297,25 +299,25 @@ impl<B: Backend> Generator<B> {
             }
         }
         if keep.is_empty() {
-            return;
+            return Ok(());
         }
         cache.keep_rows(&keep);
         match &mut self.cache {
             Some(c) if base > 0 => c.append_rows(cache),
             slot => *slot = Some(cache),
         }
+        Ok(())
     }
 
     /// One forward pass for every row with `model` (tagged `version`). Returns the
     /// completions that finished, including any that finished while being admitted.
-    pub fn step(&mut self, model: &Policy<B>, version: u64) -> Vec<Completion> {
-        let mut finished = std::mem::take(&mut self.done);
-        let Some(cache) = self.cache.as_mut() else {
-            return finished;
-        };
+    pub fn step(&mut self, model: &Policy<B>, version: u64) -> Result<Vec<Completion>, ModelError> {
         if self.rows.is_empty() {
-            return finished;
+            return Ok(std::mem::take(&mut self.done));
         }
+        let Some(cache) = self.cache.as_mut() else {
+            return Ok(std::mem::take(&mut self.done));
+        };
         let vocab = model.config().vocab_size;
         let b = self.rows.len();
         let last: Vec<i64> = self
@@ -326,7 +328,8 @@ impl<B: Backend> Generator<B> {
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(last, [b, 1]), &model.device());
         let positions = cache.next_positions();
         let logits = model.forward_with(tokens, &positions, AttnMode::Cached(cache));
-        let host = logits_rows(logits.reshape([b, vocab]));
+        let host = logits_rows(logits.reshape([b, vocab]))?;
+        let mut finished = std::mem::take(&mut self.done);
         let mut keep = Vec::with_capacity(b);
         let mut still = Vec::with_capacity(b);
         for (i, mut row) in std::mem::take(&mut self.rows).into_iter().enumerate() {
@@ -345,21 +348,25 @@ impl<B: Backend> Generator<B> {
         if self.rows.is_empty() {
             self.cache = None;
         }
-        finished
+        Ok(finished)
     }
 
     /// Runs `requests` to completion (all admitted at once) with a fixed model.
-    pub fn generate(model: &Policy<B>, version: u64, requests: &[Request]) -> Vec<Completion> {
+    pub fn generate(
+        model: &Policy<B>,
+        version: u64,
+        requests: &[Request],
+    ) -> Result<Vec<Completion>, ModelError> {
         let mut g = Generator::new();
         for r in requests {
-            g.admit(model, version, r);
+            g.admit(model, version, r)?;
         }
         let mut out = Vec::new();
         while !g.is_idle() {
-            out.extend(g.step(model, version));
+            out.extend(g.step(model, version)?);
         }
         out.sort_by_key(|c| (c.request_id, c.index));
-        out
+        Ok(out)
     }
 }
 

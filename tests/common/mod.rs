@@ -84,7 +84,7 @@ pub fn sampled_group(
         n: rewards.len(),
         params: params.clone(),
     };
-    let done = Generator::generate(model, 0, &[req]);
+    let done = Generator::generate(model, 0, &[req]).unwrap();
     ScoredGroup {
         schema: SchemaVersion::CURRENT,
         rollout: RolloutGroup {

@@ -4,8 +4,8 @@
 
 use super::GenConfig;
 use crate::bus::EntryId;
-use crate::model::InferBackend;
 use crate::model::sampler::{Completion, Generator, Request};
+use crate::model::{InferBackend, ModelError};
 use crate::schema::{self, Prompt, RolloutGroup, Sample, SamplingParams, SchemaVersion};
 use crate::stages::StageError;
 use crate::stages::policy::PolicySettings;
@@ -111,7 +111,7 @@ impl Decoder {
         admit: mpsc::Receiver<Admit>,
         finished: tokio::sync::mpsc::UnboundedSender<Finished>,
         stop: Arc<AtomicBool>,
-    ) -> Result<std::thread::JoinHandle<DecodeStats>, StageError> {
+    ) -> Result<std::thread::JoinHandle<Result<DecodeStats, ModelError>>, StageError> {
         std::thread::Builder::new()
             .name(format!("{}-decode", self.cfg.name))
             .spawn(move || self.run(admit, finished, stop))
@@ -121,13 +121,13 @@ impl Decoder {
             })
     }
 
-    /// Runs until `stop` is set or the publisher is gone.
+    /// Runs until `stop` is set or the publisher is gone, or a forward pass fails.
     pub fn run(
         mut self,
         admit: mpsc::Receiver<Admit>,
         finished: tokio::sync::mpsc::UnboundedSender<Finished>,
         stop: Arc<AtomicBool>,
-    ) -> DecodeStats {
+    ) -> Result<DecodeStats, ModelError> {
         while !stop.load(Ordering::Relaxed) {
             // With nothing to decode, wait for a prompt *before* loading the model, so the
             // first prompt after a pause starts on the newest weights.
@@ -145,18 +145,18 @@ impl Decoder {
                 let Some(a) = first.take().or_else(|| admit.try_recv().ok()) else {
                     break;
                 };
-                self.admit(&current, a);
+                self.admit(&current, a)?;
             }
             if self.generator.is_idle() {
                 continue;
             }
-            for group in self.step(&current) {
+            for group in self.step(&current)? {
                 if finished.send(group).is_err() {
-                    return self.stats;
+                    return Ok(self.stats);
                 }
             }
         }
-        self.stats
+        Ok(self.stats)
     }
 
     /// The model for the next pass; a newer one than the last pass counts as a swap.
@@ -174,7 +174,7 @@ impl Decoder {
     }
 
     /// Starts decoding G completions of `a` (its prefill runs now).
-    fn admit(&mut self, current: &Versioned<InferBackend>, a: Admit) {
+    fn admit(&mut self, current: &Versioned<InferBackend>, a: Admit) -> Result<(), ModelError> {
         let params = SamplingParams {
             temperature: self.policy.temperature,
             top_k: self.cfg.top_k,
@@ -204,14 +204,16 @@ impl Decoder {
             },
         );
         let prefill = Instant::now();
-        self.generator.admit(&current.policy, current.version, &req);
+        self.generator
+            .admit(&current.policy, current.version, &req)?;
         self.stats.busy_s += prefill.elapsed().as_secs_f64();
+        Ok(())
     }
 
     /// One forward pass over every active row; the groups it completed.
-    fn step(&mut self, current: &Versioned<InferBackend>) -> Vec<Finished> {
+    fn step(&mut self, current: &Versioned<InferBackend>) -> Result<Vec<Finished>, ModelError> {
         let busy = Instant::now();
-        let done = self.generator.step(&current.policy, current.version);
+        let done = self.generator.step(&current.policy, current.version)?;
         self.stats.busy_s += busy.elapsed().as_secs_f64();
         self.stats.steps += 1;
         let mut finished = Vec::new();
@@ -230,6 +232,6 @@ impl Decoder {
                 finished.push(Finished { entry, group });
             }
         }
-        finished
+        Ok(finished)
     }
 }

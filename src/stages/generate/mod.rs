@@ -205,7 +205,7 @@ pub async fn run(
     summary.decode = tokio::task::spawn_blocking(move || decode.join())
         .await
         .map_err(|e| StageError::Panic(format!("decode thread: {e}")))?
-        .map_err(|_| StageError::Panic("the decode thread panicked".into()))?;
+        .map_err(|_| StageError::Panic("the decode thread panicked".into()))??;
     outcome?;
     reader_result?;
     summary.rejected = follower.await.unwrap_or(0);

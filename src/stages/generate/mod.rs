@@ -48,7 +48,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
-use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -108,7 +107,6 @@ struct Publisher<'a> {
     /// Tells the reader which prompt entries are acked.
     acked: tokio::sync::mpsc::UnboundedSender<Vec<EntryId>>,
     in_flight: Arc<AtomicUsize>,
-    released: Arc<Notify>,
     summary: GenSummary,
 }
 
@@ -129,7 +127,6 @@ impl Publisher<'_> {
             .await?;
         let _ = self.acked.send(entries);
         self.in_flight.fetch_sub(batch.len(), Ordering::Relaxed);
-        self.released.notify_one();
         let tokens: u64 = batch
             .iter()
             .map(|f| f.group.completion_tokens() as u64)
@@ -161,7 +158,6 @@ pub async fn run(
     };
     let stop = Arc::new(AtomicBool::new(false));
     let in_flight = Arc::new(AtomicUsize::new(0));
-    let released = Arc::new(Notify::new());
     let (admit_tx, admit_rx) = mpsc::channel::<Admit>();
     let (done_tx, done_rx) = tokio::sync::mpsc::unbounded_channel::<Finished>();
     let (acked_tx, acked_rx) = tokio::sync::mpsc::unbounded_channel::<Vec<EntryId>>();
@@ -172,7 +168,6 @@ pub async fn run(
     let shared = Shared {
         stop: stop.clone(),
         in_flight: in_flight.clone(),
-        released: released.clone(),
     };
     let reader = Reader::join(policy, cfg, bus.clone(), topo, tokenizer, vocab, shared).await?;
     let reader = tokio::spawn(reader.run(admit_tx, acked_rx));
@@ -181,7 +176,6 @@ pub async fn run(
         topo,
         acked: acked_tx,
         in_flight,
-        released,
         summary: GenSummary::default(),
     };
     crate::metrics::started(Stage::Gen);

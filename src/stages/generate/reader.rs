@@ -13,10 +13,11 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
-use tokio::sync::Notify;
 
 /// How often the reader refreshes the backlog of the downstream streams.
 const BACKLOG_REFRESH: Duration = Duration::from_millis(250);
+/// How long a reader held back by the in-flight bound waits before looking again.
+const BOUND_RECHECK: Duration = Duration::from_millis(10);
 
 /// Work started but not trained, in groups, from the downstream streams' XINFO (see the
 /// stage docs for what is counted).
@@ -30,9 +31,6 @@ pub struct Shared {
     pub stop: Arc<AtomicBool>,
     /// Groups admitted and not yet published.
     pub in_flight: Arc<AtomicUsize>,
-    /// Signalled when published groups leave `in_flight`, so a reader held back by the
-    /// bound resumes at once instead of polling.
-    pub released: Arc<Notify>,
 }
 
 pub struct Reader {
@@ -131,8 +129,8 @@ impl Reader {
         Ok(())
     }
 
-    /// Whether the in-flight bound leaves room for more prompts; when it does not, waits
-    /// until groups are published or the backlog is due for a refresh.
+    /// Whether the in-flight bound leaves room for more prompts; when it does not, waits a
+    /// moment first.
     async fn room(&mut self) -> bool {
         let due = self.refreshed.map_or(Duration::ZERO, |t| {
             BACKLOG_REFRESH.saturating_sub(t.elapsed())
@@ -145,8 +143,7 @@ impl Reader {
         if local < self.local_cap && (self.backlog as usize + local) < self.bound {
             return true;
         }
-        let wait = if due.is_zero() { BACKLOG_REFRESH } else { due };
-        let _ = tokio::time::timeout(wait, self.shared.released.notified()).await;
+        tokio::time::sleep(BOUND_RECHECK).await;
         false
     }
 

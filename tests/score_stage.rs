@@ -63,6 +63,16 @@ async fn score_groups(
     (bus, out)
 }
 
+/// The dead letters on the bus.
+async fn dead_letters(bus: &SharedBus, topo: &Topology) -> Vec<DeadLetter> {
+    bus.range(&topo.dead_key(), RangeBound::Open, RangeBound::Open, 10)
+        .await
+        .unwrap()
+        .iter()
+        .map(|e| schema::decode(&e.payload).unwrap())
+        .collect()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn builtin_verifier_rewards_and_normalises() {
     let (_, out) = score_one(ScoreConfig::default(), Topology::default()).await;
@@ -102,13 +112,7 @@ async fn a_failing_scorer_is_retried_then_dead_lettered() {
     };
     let (bus, out) = score_one(cfg, topo.clone()).await;
     assert!(out.is_empty());
-    let dead: Vec<DeadLetter> = bus
-        .range(&topo.dead_key(), RangeBound::Open, RangeBound::Open, 10)
-        .await
-        .unwrap()
-        .iter()
-        .map(|e| schema::decode(&e.payload).unwrap())
-        .collect();
+    let dead = dead_letters(&bus, &topo).await;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].deliveries, 2);
     assert!(dead[0].error.contains("scorer"), "{}", dead[0].error);
@@ -128,13 +132,7 @@ async fn a_completion_that_cannot_be_detokenized_dead_letters_its_group() {
     let (bus, out) = score_groups(ScoreConfig::default(), topo.clone(), &[bad, group()]).await;
     assert_eq!(out.len(), 1, "the good group is still scored");
     assert_ne!(out[0].rollout.group_id, "bad");
-    let dead: Vec<DeadLetter> = bus
-        .range(&topo.dead_key(), RangeBound::Open, RangeBound::Open, 10)
-        .await
-        .unwrap()
-        .iter()
-        .map(|e| schema::decode(&e.payload).unwrap())
-        .collect();
+    let dead = dead_letters(&bus, &topo).await;
     assert_eq!(dead.len(), 1);
     assert_eq!(dead[0].reason, score::DETOKENIZE);
     assert_eq!(dead[0].deliveries, 1, "not retried: retrying cannot help");

@@ -165,16 +165,6 @@ impl Config {
             })
     }
 
-    /// File (if any), then the process environment; no flags, no command defaults.
-    pub fn load(path: Option<&Path>) -> Result<Self, ConfigError> {
-        Self::resolve(
-            toml::Table::new(),
-            path,
-            std::env::vars(),
-            toml::Table::new(),
-        )
-    }
-
     /// The Redis URL to connect to.
     pub fn redis_url(&self) -> &str {
         self.redis.as_deref().unwrap_or(DEFAULT_REDIS)
@@ -343,9 +333,14 @@ mod tests {
                 .to_string()
                 .contains("train.clip_eps")
         );
-        let e = Config::load(Some(Path::new("/nonexistent/rl.toml")))
-            .unwrap_err()
-            .to_string();
+        let e = Config::resolve(
+            none(),
+            Some(Path::new("/nonexistent/rl.toml")),
+            env(&[]),
+            none(),
+        )
+        .unwrap_err()
+        .to_string();
         assert!(e.contains("/nonexistent/rl.toml"), "{e}");
     }
 }

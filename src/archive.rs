@@ -18,7 +18,7 @@
 //! dump reproduces the file byte for byte. Consumer-group state is not archived: a load
 //! restores entries, and consumers start from whatever group start they ask for.
 
-use crate::bus::{Bus, BusError, EntryId, RangeBound, Topology};
+use crate::bus::{Bus, BusError, Entry, EntryId, RangeBound, Topology};
 use bytes::Bytes;
 use flate2::Compression;
 use flate2::read::GzDecoder;
@@ -316,9 +316,20 @@ impl Moved {
     }
 }
 
+/// Pages in flight between the bus and the file thread in [`dump`] and [`load`].
+const PIPE_DEPTH: usize = 4;
+
+/// What the bus side of [`dump`] hands its file thread: a page of one stream (by index), or
+/// the end of a complete read.
+enum ToFile {
+    Page(usize, Vec<Entry>),
+    Done,
+}
+
 /// Writes the entries of `streams` (names without namespace) between `from` and `to` to
 /// `path`: first to `path.partial`, renamed into place once complete, so a crash never
-/// leaves a file that looks finished. `progress` sees the running entry count.
+/// leaves a file that looks finished. `progress` sees the running entry count. Compression
+/// and the file writes run on a blocking thread, fed page by page.
 pub async fn dump(
     bus: &dyn Bus,
     topo: &Topology,
@@ -328,6 +339,44 @@ pub async fn dump(
     path: &Path,
     mut progress: impl FnMut(&str, u64),
 ) -> Result<Moved, ArchiveError> {
+    let (tx, rx) = tokio::sync::mpsc::channel(PIPE_DEPTH);
+    let file = {
+        let (path, streams) = (path.to_path_buf(), streams.to_vec());
+        tokio::task::spawn_blocking(move || write_file(&path, &streams, rx))
+    };
+    let mut moved = Moved::default();
+    let read = async {
+        for (i, name) in streams.iter().enumerate() {
+            let key = topo.key(name);
+            let mut pages = crate::bus::Pages::new(&key, from, to);
+            let mut n = 0u64;
+            while let Some(page) = pages.next(bus).await? {
+                n += page.len() as u64;
+                progress(name, moved.entries + n);
+                if tx.send(ToFile::Page(i, page)).await.is_err() {
+                    return Ok(()); // the file thread stopped: its error says why
+                }
+            }
+            moved.streams.push((name.clone(), n));
+            moved.entries += n;
+        }
+        let _ = tx.send(ToFile::Done).await;
+        Ok::<_, ArchiveError>(())
+    };
+    let read = read.await;
+    drop(tx);
+    joined(file.await, path)?;
+    read?;
+    Ok(moved)
+}
+
+/// The file side of [`dump`]: writes pages until `Done` and puts the file in place; returns
+/// without renaming when the bus side stops early (its error is the one reported).
+fn write_file(
+    path: &Path,
+    streams: &[String],
+    mut pages: tokio::sync::mpsc::Receiver<ToFile>,
+) -> Result<(), ArchiveError> {
     let shown = path.display().to_string();
     let io = |source| ArchiveError::Io {
         path: shown.clone(),
@@ -336,27 +385,16 @@ pub async fn dump(
     let partial = PathBuf::from(format!("{}.partial", path.display()));
     let file = std::fs::File::create(&partial).map_err(io)?;
     let mut w = Writer::new(BufWriter::new(file), streams, &shown)?;
-    let mut moved = Moved::default();
-    for name in streams {
-        let mut n = 0u64;
-        let mut failed = None;
-        crate::bus::scan(bus, &topo.key(name), from, to, |page| {
-            for e in page {
-                if let Err(err) = w.write(name, e.id, &e.payload) {
-                    failed = Some(err);
-                    return false;
+    loop {
+        match pages.blocking_recv() {
+            Some(ToFile::Page(i, page)) => {
+                for e in page {
+                    w.write(&streams[i], e.id, &e.payload)?;
                 }
             }
-            n += page.len() as u64;
-            progress(name, moved.entries + n);
-            true
-        })
-        .await?;
-        if let Some(err) = failed {
-            return Err(err);
+            Some(ToFile::Done) => break,
+            None => return Ok(()),
         }
-        moved.streams.push((name.clone(), n));
-        moved.entries += n;
     }
     let (_, out) = w.finish()?;
     let file = out
@@ -364,13 +402,82 @@ pub async fn dump(
         .map_err(|e| io(std::io::Error::other(e.to_string())))?;
     file.sync_all().map_err(io)?;
     std::fs::rename(&partial, path).map_err(io)?;
-    Ok(moved)
+    Ok(())
+}
+
+/// A blocking file task's result, a panic in it as an I/O error on `path`.
+fn joined<T>(
+    r: Result<Result<T, ArchiveError>, tokio::task::JoinError>,
+    path: &Path,
+) -> Result<T, ArchiveError> {
+    r.map_err(|e| ArchiveError::Io {
+        path: path.display().to_string(),
+        source: std::io::Error::other(format!("the file task failed: {e}")),
+    })?
+}
+
+/// Each archived stream's first entry id, in file order, after checking the whole file
+/// (count, checksum) and that every stream in `only` is in it.
+fn first_ids(path: &Path, only: Option<&[String]>) -> Result<Vec<(String, EntryId)>, ArchiveError> {
+    let reader = Reader::open(path)?;
+    if let Some(only) = only {
+        for s in only {
+            if !reader.header().streams.contains(s) {
+                return Err(ArchiveError::NoStream(s.clone()));
+            }
+        }
+    }
+    let mut firsts: Vec<(String, EntryId)> = Vec::new();
+    for e in reader {
+        let e = e?;
+        if !firsts.iter().any(|(s, _)| *s == e.stream) {
+            firsts.push((e.stream, e.id));
+        }
+    }
+    Ok(firsts)
+}
+
+/// One stream's run of entries, read from an archive for [`load`].
+type Batch = (String, Vec<(EntryId, Bytes)>);
+
+/// The file side of [`load`]: reads the archive and sends runs of at most [`PAGE`] entries
+/// of one stream each (those in `only`, when given).
+fn read_batches(
+    path: &Path,
+    only: Option<&[String]>,
+    out: &tokio::sync::mpsc::Sender<Result<Batch, ArchiveError>>,
+) -> Result<(), ArchiveError> {
+    let mut batch: Option<Batch> = None;
+    for e in Reader::open(path)? {
+        let e = e?;
+        if only.is_some_and(|o| !o.contains(&e.stream)) {
+            continue;
+        }
+        let full = batch
+            .as_ref()
+            .is_some_and(|(s, b)| *s != e.stream || b.len() == PAGE);
+        if full
+            && let Some(b) = batch.take()
+            && out.blocking_send(Ok(b)).is_err()
+        {
+            return Ok(());
+        }
+        batch
+            .get_or_insert_with(|| (e.stream.clone(), Vec::with_capacity(PAGE)))
+            .1
+            .push((e.id, e.payload));
+    }
+    if let Some(b) = batch {
+        let _ = out.blocking_send(Ok(b));
+    }
+    Ok(())
 }
 
 /// Writes an archive's entries (optionally only `only`) into the streams of `topo`'s
 /// namespace, keeping their ids. Refuses a stream that already holds entries at or after
 /// the first archived one. The archive is checked to its trailer before anything is
-/// written, so a corrupt or truncated file loads nothing.
+/// written, so a corrupt or truncated file loads nothing. The file is read and
+/// decompressed on a blocking thread.
 pub async fn load(
     bus: &dyn Bus,
     topo: &Topology,
@@ -378,26 +485,16 @@ pub async fn load(
     only: Option<&[String]>,
     mut progress: impl FnMut(&str, u64),
 ) -> Result<Moved, ArchiveError> {
-    // First pass: validate the whole file (count, checksum) and find each stream's first id.
-    let mut firsts: Vec<(String, EntryId)> = Vec::new();
-    {
-        let reader = Reader::open(path)?;
-        if let Some(only) = only {
-            for s in only {
-                if !reader.header().streams.contains(s) {
-                    return Err(ArchiveError::NoStream(s.clone()));
-                }
-            }
-        }
-        for e in reader {
-            let e = e?;
-            if !firsts.iter().any(|(s, _)| *s == e.stream) {
-                firsts.push((e.stream, e.id));
-            }
-        }
-    }
+    let only: Option<Vec<String>> = only.map(<[String]>::to_vec);
+    let firsts = {
+        let (file, only) = (path.to_path_buf(), only.clone());
+        joined(
+            tokio::task::spawn_blocking(move || first_ids(&file, only.as_deref())).await,
+            path,
+        )?
+    };
     for (name, first) in &firsts {
-        if only.is_some_and(|o| !o.contains(name)) {
+        if only.as_ref().is_some_and(|o| !o.contains(name)) {
             continue;
         }
         let key = topo.key(name);
@@ -411,43 +508,31 @@ pub async fn load(
             });
         }
     }
-    let mut moved = Moved::default();
-    let mut batch: Vec<(EntryId, Bytes)> = Vec::with_capacity(PAGE);
-    let mut current: Option<String> = None;
-    async fn flush(
-        bus: &dyn Bus,
-        topo: &Topology,
-        stream: &Option<String>,
-        batch: &mut Vec<(EntryId, Bytes)>,
-        moved: &mut Moved,
-    ) -> Result<(), ArchiveError> {
-        if let Some(name) = stream
-            && !batch.is_empty()
-        {
-            bus.append(&topo.key(name), batch).await?;
-            match moved.streams.iter_mut().find(|(s, _)| s == name) {
-                Some((_, n)) => *n += batch.len() as u64,
-                None => moved.streams.push((name.clone(), batch.len() as u64)),
+    let (tx, mut rx) = tokio::sync::mpsc::channel(PIPE_DEPTH);
+    let file = {
+        let path = path.to_path_buf();
+        tokio::task::spawn_blocking(move || {
+            if let Err(e) = read_batches(&path, only.as_deref(), &tx) {
+                let _ = tx.blocking_send(Err(e));
             }
-            moved.entries += batch.len() as u64;
-            batch.clear();
+        })
+    };
+    let mut moved = Moved::default();
+    let mut last = String::new();
+    while let Some(batch) = rx.recv().await {
+        let (name, entries) = batch?;
+        progress(&name, moved.entries);
+        bus.append(&topo.key(&name), &entries).await?;
+        let n = entries.len() as u64;
+        match moved.streams.iter_mut().find(|(s, _)| *s == name) {
+            Some((_, k)) => *k += n,
+            None => moved.streams.push((name.clone(), n)),
         }
-        Ok(())
+        moved.entries += n;
+        last = name;
     }
-    for e in Reader::open(path)? {
-        let e = e?;
-        if only.is_some_and(|o| !o.contains(&e.stream)) {
-            continue;
-        }
-        if current.as_deref() != Some(e.stream.as_str()) || batch.len() == PAGE {
-            flush(bus, topo, &current, &mut batch, &mut moved).await?;
-            progress(&e.stream, moved.entries);
-            current = Some(e.stream.clone());
-        }
-        batch.push((e.id, e.payload));
-    }
-    flush(bus, topo, &current, &mut batch, &mut moved).await?;
-    progress(current.as_deref().unwrap_or(""), moved.entries);
+    joined(file.await.map(Ok), path)?;
+    progress(&last, moved.entries);
     Ok(moved)
 }
 

@@ -7,7 +7,7 @@
 mod common;
 
 use common::{free_port, interrupt, run_ok, spawn, start_redis};
-use rlstream::bus::{RangeBound, RedisBus, SharedBus};
+use rlstream::bus::{Bus, RangeBound, RedisBus, SharedBus};
 use rlstream::schema::{self, Event};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -26,6 +26,35 @@ async fn steps(url: &str) -> Vec<Event> {
         .filter_map(|e| schema::decode::<Event>(&e.payload).ok())
         .filter(|e| e.kind == "step")
         .collect()
+}
+
+/// Each pipeline stream's length and its groups' lag and pending, for a failure message.
+async fn stream_state(url: &str) -> String {
+    let Ok(bus) = RedisBus::connect(url).await else {
+        return "(redis unreachable)".into();
+    };
+    let mut out = String::new();
+    for key in [
+        "rl:prompts",
+        "rl:rollouts",
+        "rl:scored",
+        "rl:weights",
+        "rl:dead",
+    ] {
+        match bus.stats(key).await {
+            Ok(s) => {
+                out += &format!("{key}: length {}\n", s.length);
+                for g in &s.groups {
+                    out += &format!(
+                        "  group {}: lag {:?}, pending {}, last delivered {}\n",
+                        g.name, g.lag, g.pending, g.last_delivered
+                    );
+                }
+            }
+            Err(e) => out += &format!("{key}: {e}\n"),
+        }
+    }
+    out
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,11 +121,13 @@ async fn stages_survive_a_redis_restart() {
         if let Some(s) = train.try_wait() {
             break s;
         }
-        assert!(
-            Instant::now() < deadline,
-            "the trainer did not finish:\n{}",
-            logs()
-        );
+        if Instant::now() >= deadline {
+            panic!(
+                "the trainer did not finish:\n{}\n{}",
+                stream_state(&url).await,
+                logs()
+            );
+        }
         tokio::time::sleep(Duration::from_millis(200)).await;
     };
     assert!(status.success(), "the trainer failed:\n{}", logs());

@@ -2,7 +2,6 @@
 //! chunks) and in process (host tensors by reference): a new version is swapped in, a
 //! corrupt one is rejected and the generator keeps its weights.
 
-use arc_swap::ArcSwap;
 use bytes::Bytes;
 use rlstream::bus::{EntryId, MemoryBus, SharedBus, Topology};
 use rlstream::commands::sft::task_config;
@@ -21,10 +20,10 @@ fn policy(seed: u64) -> Policy<InferBackend> {
 }
 
 fn fresh_slot() -> ModelSlot<InferBackend> {
-    Arc::new(ArcSwap::from_pointee(Versioned {
+    ModelSlot::new(Versioned {
         version: 0,
         policy: policy(0),
-    }))
+    })
 }
 
 fn follower(

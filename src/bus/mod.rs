@@ -92,8 +92,43 @@ pub struct DeadLetterRecord {
 /// Entries read per round trip by [`scan`].
 pub const SCAN_PAGE: usize = 1000;
 
-/// Reads `stream` between the bounds in id order, a page of [`SCAN_PAGE`] entries per round
-/// trip, handing each page to `visit` until it returns false or the range ends.
+/// A stream read between two bounds in id order, a page of [`SCAN_PAGE`] entries per round
+/// trip.
+pub struct Pages<'a> {
+    stream: &'a str,
+    start: RangeBound,
+    to: RangeBound,
+    done: bool,
+}
+
+impl<'a> Pages<'a> {
+    pub fn new(stream: &'a str, from: RangeBound, to: RangeBound) -> Self {
+        Pages {
+            stream,
+            start: from,
+            to,
+            done: false,
+        }
+    }
+
+    /// The next page; `None` once the range is read.
+    pub async fn next(&mut self, bus: &dyn Bus) -> BusResult<Option<Vec<Entry>>> {
+        if self.done {
+            return Ok(None);
+        }
+        let page = bus
+            .range(self.stream, self.start, self.to, SCAN_PAGE)
+            .await?;
+        match page.last() {
+            Some(last) if page.len() == SCAN_PAGE => self.start = RangeBound::Exclusive(last.id),
+            _ => self.done = true,
+        }
+        Ok(if page.is_empty() { None } else { Some(page) })
+    }
+}
+
+/// Reads `stream` between the bounds in id order (see [`Pages`]), handing each page to
+/// `visit` until it returns false or the range ends.
 pub async fn scan(
     bus: &dyn Bus,
     stream: &str,
@@ -101,17 +136,13 @@ pub async fn scan(
     to: RangeBound,
     mut visit: impl FnMut(&[Entry]) -> bool,
 ) -> BusResult<()> {
-    let mut start = from;
-    loop {
-        let page = bus.range(stream, start, to, SCAN_PAGE).await?;
+    let mut pages = Pages::new(stream, from, to);
+    while let Some(page) = pages.next(bus).await? {
         if !visit(&page) {
-            return Ok(());
-        }
-        match page.last() {
-            Some(last) if page.len() == SCAN_PAGE => start = RangeBound::Exclusive(last.id),
-            _ => return Ok(()),
+            break;
         }
     }
+    Ok(())
 }
 
 /// The shared handle stages hold.

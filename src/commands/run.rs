@@ -207,8 +207,7 @@ struct Progress {
 
 /// Keeps prompts flowing: in async mode a backlog of about two steps; in sync mode one
 /// step's worth at a time, released when the previous step's weights are in the generator.
-#[allow(clippy::too_many_arguments)]
-async fn feeder(
+struct Feeder {
     task: BuiltinTask,
     seed: u64,
     per_step: usize,
@@ -216,44 +215,68 @@ async fn feeder(
     bus: SharedBus,
     topo: Topology,
     slot: ModelSlot<InferBackend>,
-    mut progress: watch::Receiver<Progress>,
-    stop: watch::Receiver<bool>,
-) -> Result<u64, StageError> {
-    let mut next = 0u64;
-    let seed = seed ^ RL_PROMPT_SALT;
-    let make = |from: u64, n: usize| -> Vec<(String, tasks::TaskItem)> {
-        (from..from + n as u64)
-            .map(|i| (format!("{}-{i:06}", task.name()), task.item(seed, i)))
+    next: u64,
+}
+
+impl Feeder {
+    /// Prompts `from..from + n` of the RL prompt stream.
+    fn prompts(&self, n: usize) -> Vec<(String, tasks::TaskItem)> {
+        let seed = self.seed ^ RL_PROMPT_SALT;
+        (self.next..self.next + n as u64)
+            .map(|i| {
+                (
+                    format!("{}-{i:06}", self.task.name()),
+                    self.task.item(seed, i),
+                )
+            })
             .collect()
-    };
-    let target = (2 * per_step) as u64;
-    let mut released = 0u64;
-    while !*stop.borrow() {
-        if sync {
-            // One step's prompts, then wait for the trainer's step and the generator's swap.
-            next += feed::publish(&bus, &topo, task.name(), &make(next, per_step), true).await?;
-            released += 1;
-            let mut stop_rx = stop.clone();
-            let version = tokio::select! {
-                _ = stop_rx.wait_for(|s| *s) => break,
-                p = progress.wait_for(|p| p.steps >= released) => match p {
-                    Ok(p) => p.version,
-                    Err(_) => break,
-                },
-            };
-            while slot.load().version < version && !*stop.borrow() {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        } else {
-            let [waiting, _, _] = queue_depths(&bus, &topo).await;
-            if waiting < target {
-                let n = (target - waiting) as usize;
-                next += feed::publish(&bus, &topo, task.name(), &make(next, n), true).await?;
-            }
-            tokio::time::sleep(FEED_POLL).await;
-        }
     }
-    Ok(next)
+
+    async fn publish(&mut self, n: usize) -> Result<(), StageError> {
+        let items = self.prompts(n);
+        self.next += feed::publish(&self.bus, &self.topo, self.task.name(), &items, true).await?;
+        Ok(())
+    }
+
+    /// Feeds until `stop`; returns the prompts fed.
+    async fn run(
+        mut self,
+        mut progress: watch::Receiver<Progress>,
+        mut stop: watch::Receiver<bool>,
+    ) -> Result<u64, StageError> {
+        let target = (2 * self.per_step) as u64;
+        let mut released = 0u64;
+        while !*stop.borrow() {
+            if self.sync {
+                // One step's prompts, then wait for the trainer's step and the generator's swap.
+                self.publish(self.per_step).await?;
+                released += 1;
+                let version = tokio::select! {
+                    _ = stop.wait_for(|s| *s) => break,
+                    p = progress.wait_for(|p| p.steps >= released) => match p {
+                        Ok(p) => p.version,
+                        Err(_) => break,
+                    },
+                };
+                tokio::select! {
+                    _ = stop.wait_for(|s| *s) => break,
+                    () = self.slot.reached(version) => {}
+                }
+            } else {
+                // The backlog is read from the bus's stream stats, which signal nothing when
+                // the generator takes prompts: looked at every FEED_POLL.
+                let [waiting, _, _] = queue_depths(&self.bus, &self.topo).await;
+                if waiting < target {
+                    self.publish((target - waiting) as usize).await?;
+                }
+                tokio::select! {
+                    _ = stop.wait_for(|s| *s) => break,
+                    () = tokio::time::sleep(FEED_POLL) => {}
+                }
+            }
+        }
+        Ok(self.next)
+    }
 }
 
 fn percentile(sorted: &[f64], q: f64) -> f64 {
@@ -316,180 +339,34 @@ fn prepare_model(opts: &RunOptions) -> Result<(PathBuf, f64), StageError> {
 /// paths are set here.
 pub async fn run(
     opts: &RunOptions,
-    mut cfg: Config,
+    cfg: Config,
     bus: SharedBus,
     topo: Topology,
     shutdown: impl Future<Output = ()>,
 ) -> Result<RunOutcome, StageError> {
-    let checkpoints = opts.out.join("checkpoints");
-    if train::checkpoint::latest(&checkpoints).is_some() {
-        return Err(StageError::Other(format!(
-            "{} already holds a run; choose another --out",
-            opts.out.display()
-        )));
-    }
-    if cfg.train.steps == 0 {
-        return Err(StageError::Other("run needs --steps of at least 1".into()));
-    }
-    std::fs::create_dir_all(&opts.out)
-        .map_err(|e| StageError::Other(format!("cannot create {}: {e}", opts.out.display())))?;
-    let (model_dir, warm_start_s) = prepare_model(opts)?;
-
-    // One model and one task for every stage.
-    cfg.policy.model = Some(model_dir.clone());
-    cfg.policy.seed = opts.seed;
-    cfg.train.checkpoint_dir = checkpoints;
-    cfg.feed.task = Some(opts.task);
-    cfg.feed.seed = opts.seed;
-    if opts.sync {
-        // The sync feeder waits for each step's weights in the generator.
-        cfg.train.publish_every = 1;
-    }
-    cfg.validate()?;
-
+    let (cfg, model_dir, warm_start_s) = prepare(opts, cfg)?;
     let slot = gen_stage::initial_slot(&model_dir)?;
     let params = slot.load().policy.config().num_params();
     let eval_before = tokio::task::block_in_place(|| {
         sft::evaluate(&slot.load().policy, opts.task, opts.seed, EVAL_PROMPTS)
     })?;
-    let transport = Transport::InProcess(LocalWeights::default());
-    let (stop_tx, stop_rx) = watch::channel(false);
-    let stop_tx = Arc::new(stop_tx);
-    let (progress_tx, progress_rx) = watch::channel(Progress::default());
-    let (step_tx, mut step_rx) = mpsc::unbounded_channel::<StepRecord>();
+    let (step_tx, step_rx) = mpsc::unbounded_channel::<StepRecord>();
     let started = Instant::now();
-
-    // Every stage task stops the others when it fails, so an error anywhere ends the run.
-    let spawn_stage =
-        |fut: std::pin::Pin<Box<dyn Future<Output = Result<StageResult, StageError>> + Send>>| {
-            let stop = stop_tx.clone();
-            tokio::spawn(async move {
-                let r = fut.await;
-                if r.is_err() {
-                    stop.send_replace(true);
-                }
-                r
-            })
-        };
-    let train_task = {
-        let (c, bus, topo, t, rx) = (
-            train::TrainerSettings {
-                policy: cfg.policy.clone(),
-                train: cfg.train.clone(),
-            },
-            bus.clone(),
-            topo.clone(),
-            transport.clone(),
-            stop_rx.clone(),
-        );
-        spawn_stage(Box::pin(async move {
-            let mut steps = 0u64;
-            train::run(&c, bus, &topo, t, stopped(rx), move |s| {
-                steps += 1;
-                progress_tx.send_replace(Progress {
-                    steps,
-                    version: s.version,
-                });
-                let _ = step_tx.send(s.clone());
-            })
-            .await
-            .map(StageResult::Train)
-        }))
+    let stages = Stages::spawn(opts, &cfg, &bus, &topo, &slot, step_tx);
+    let monitor = Monitor {
+        phase: Phase::new(
+            opts.display,
+            if opts.sync { "RL (sync)" } else { "RL" },
+            cfg.train.steps,
+        ),
+        total: cfg.train.steps,
+        rows: Vec::new(),
+        trained_tokens: 0,
+        started,
     };
-    let score_task = {
-        let (c, bus, topo, rx) = (
-            cfg.score.clone(),
-            bus.clone(),
-            topo.clone(),
-            stop_rx.clone(),
-        );
-        spawn_stage(Box::pin(async move {
-            score::run(&c, bus, &topo, stopped(rx))
-                .await
-                .map(|_| StageResult::Other)
-        }))
-    };
-    let gen_task = {
-        let (c, bus, topo, slot, t, rx) = (
-            (cfg.policy.clone(), cfg.generator.clone()),
-            bus.clone(),
-            topo.clone(),
-            slot.clone(),
-            transport.clone(),
-            stop_rx.clone(),
-        );
-        spawn_stage(Box::pin(async move {
-            gen_stage::run(&c.0, &c.1, bus, &topo, slot, t, stopped(rx))
-                .await
-                .map(StageResult::Gen)
-        }))
-    };
-    let feed_task = {
-        let (bus, topo, slot, rx) = (bus.clone(), topo.clone(), slot.clone(), stop_rx.clone());
-        let (task, seed, per_step, sync) =
-            (opts.task, opts.seed, cfg.policy.groups_per_step, opts.sync);
-        spawn_stage(Box::pin(async move {
-            feeder(task, seed, per_step, sync, bus, topo, slot, progress_rx, rx)
-                .await
-                .map(|_| StageResult::Other)
-        }))
-    };
-
-    // The monitor: one report row and a display update per trainer step.
-    let total = cfg.train.steps;
-    let mut phase = Phase::new(
-        opts.display,
-        if opts.sync { "RL (sync)" } else { "RL" },
-        total,
-    );
-    let mut rows: Vec<StepRow> = Vec::new();
-    let mut trained_tokens = 0u64;
-    tokio::pin!(shutdown);
-    let mut train_task = train_task;
-    let mut stopping = false;
-    let train_result = loop {
-        tokio::select! {
-            _ = &mut shutdown, if !stopping => {
-                stopping = true;
-                phase.println("stopping: the trainer checkpoints what it trained");
-                stop_tx.send_replace(true);
-            }
-            Some(s) = step_rx.recv() => {
-                trained_tokens += s.tokens;
-                let queues = queue_depths(&bus, &topo).await;
-                let row = step_row(&s, started.elapsed().as_secs_f64(), slot.load().version, trained_tokens, queues);
-                phase.update(row.record.step.min(total), &status_line(&row));
-                rows.push(row);
-            }
-            r = &mut train_task => break r,
-        }
-    };
-    stop_tx.send_replace(true);
-    let wall_s = started.elapsed().as_secs_f64();
-    while let Ok(s) = step_rx.try_recv() {
-        trained_tokens += s.tokens;
-        let row = step_row(&s, wall_s, slot.load().version, trained_tokens, [0; 3]);
-        rows.push(row);
-    }
-    let join = |r: Result<Result<StageResult, StageError>, tokio::task::JoinError>, name: Stage| {
-        r.map_err(|e| StageError::Other(format!("{name} task: {e}")))?
-    };
-    // Report the first real failure; the other stages only stopped because of it.
-    let train_r = join(train_result, Stage::Train);
-    let gen_r = join(gen_task.await, Stage::Gen);
-    let score_r = join(score_task.await, Stage::Score);
-    let feed_r = join(feed_task.await, Stage::Feed);
-    let train_summary: TrainSummary = match train_r? {
-        StageResult::Train(t) => t,
-        _ => TrainSummary::default(),
-    };
-    let gen_summary: GenSummary = match gen_r? {
-        StageResult::Gen(g) => g,
-        _ => GenSummary::default(),
-    };
-    score_r?;
-    feed_r?;
-    phase.finish(&rows.last().map(status_line).unwrap_or_default());
+    let (rows, train_summary, gen_summary, wall_s) = monitor
+        .watch(stages, step_rx, &bus, &topo, &slot, shutdown)
+        .await?;
 
     // Greedy evaluation of the trainer's final weights (its last checkpoint).
     let eval_after = match train::checkpoint::latest(&cfg.train.checkpoint_dir) {
@@ -501,18 +378,18 @@ pub async fn run(
         }
         None => eval_before,
     };
-    let summary = summarize(
-        opts,
-        cfg,
-        &bus,
+    let facts = RunFacts {
+        bus: bus.backend(),
         params,
         warm_start_s,
         wall_s,
-        &rows,
-        &train_summary,
-        &gen_summary,
-        (eval_before, eval_after),
-    );
+        rows: &rows,
+        train: &train_summary,
+        generator: &gen_summary,
+        eval_before,
+        eval_after,
+    };
+    let summary = summarize(opts, cfg, &facts);
     let dir = opts
         .report
         .clone()
@@ -531,6 +408,238 @@ pub async fn run(
         rows,
         report,
     })
+}
+
+/// Checks the run directory, makes the model (warm start or `--model`) and fixes the
+/// settings every stage must share: the model, the task, the checkpoint directory.
+fn prepare(opts: &RunOptions, mut cfg: Config) -> Result<(Config, PathBuf, f64), StageError> {
+    let checkpoints = opts.out.join("checkpoints");
+    if train::checkpoint::latest(&checkpoints).is_some() {
+        return Err(StageError::Other(format!(
+            "{} already holds a run; choose another --out",
+            opts.out.display()
+        )));
+    }
+    if cfg.train.steps == 0 {
+        return Err(StageError::Other("run needs --steps of at least 1".into()));
+    }
+    std::fs::create_dir_all(&opts.out)
+        .map_err(|e| StageError::Other(format!("cannot create {}: {e}", opts.out.display())))?;
+    let (model_dir, warm_start_s) = prepare_model(opts)?;
+    cfg.policy.model = Some(model_dir.clone());
+    cfg.policy.seed = opts.seed;
+    cfg.train.checkpoint_dir = checkpoints;
+    cfg.feed.task = Some(opts.task);
+    cfg.feed.seed = opts.seed;
+    if opts.sync {
+        // The sync feeder waits for each step's weights in the generator.
+        cfg.train.publish_every = 1;
+    }
+    cfg.validate()?;
+    Ok((cfg, model_dir, warm_start_s))
+}
+
+type StageTask = tokio::task::JoinHandle<Result<StageResult, StageError>>;
+
+/// The four stage tasks of a run, over one bus. Each stops the others when it fails, so an
+/// error anywhere ends the run.
+struct Stages {
+    train: StageTask,
+    score: StageTask,
+    generator: StageTask,
+    feed: StageTask,
+    stop: Arc<watch::Sender<bool>>,
+}
+
+impl Stages {
+    fn spawn(
+        opts: &RunOptions,
+        cfg: &Config,
+        bus: &SharedBus,
+        topo: &Topology,
+        slot: &ModelSlot<InferBackend>,
+        steps_out: mpsc::UnboundedSender<StepRecord>,
+    ) -> Self {
+        let transport = Transport::InProcess(LocalWeights::default());
+        let stop = Arc::new(watch::channel(false).0);
+        let (progress_tx, progress_rx) = watch::channel(Progress::default());
+        let spawn = |fut: std::pin::Pin<
+            Box<dyn Future<Output = Result<StageResult, StageError>> + Send>,
+        >| {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                let r = fut.await;
+                if r.is_err() {
+                    stop.send_replace(true);
+                }
+                r
+            })
+        };
+        let stopped = || stopped(stop.subscribe());
+        let (c, b, t, tr) = (
+            train::TrainerSettings {
+                policy: cfg.policy.clone(),
+                train: cfg.train.clone(),
+            },
+            bus.clone(),
+            topo.clone(),
+            transport.clone(),
+        );
+        let until = stopped();
+        let train = spawn(Box::pin(async move {
+            let mut steps = 0u64;
+            train::run(&c, b, &t, tr, until, move |s| {
+                steps += 1;
+                progress_tx.send_replace(Progress {
+                    steps,
+                    version: s.version,
+                });
+                let _ = steps_out.send(s.clone());
+            })
+            .await
+            .map(StageResult::Train)
+        }));
+        let (c, b, t, until) = (cfg.score.clone(), bus.clone(), topo.clone(), stopped());
+        let score = spawn(Box::pin(async move {
+            score::run(&c, b, &t, until)
+                .await
+                .map(|_| StageResult::Other)
+        }));
+        let (p, c, b, t, s, until) = (
+            cfg.policy.clone(),
+            cfg.generator.clone(),
+            bus.clone(),
+            topo.clone(),
+            slot.clone(),
+            stopped(),
+        );
+        let generator = spawn(Box::pin(async move {
+            gen_stage::run(&p, &c, b, &t, s, transport, until)
+                .await
+                .map(StageResult::Gen)
+        }));
+        let feeder = Feeder {
+            task: opts.task,
+            seed: opts.seed,
+            per_step: cfg.policy.groups_per_step,
+            sync: opts.sync,
+            bus: bus.clone(),
+            topo: topo.clone(),
+            slot: slot.clone(),
+            next: 0,
+        };
+        let stop_rx = stop.subscribe();
+        let feed = spawn(Box::pin(async move {
+            feeder
+                .run(progress_rx, stop_rx)
+                .await
+                .map(|_| StageResult::Other)
+        }));
+        Stages {
+            train,
+            score,
+            generator,
+            feed,
+            stop,
+        }
+    }
+
+    /// Stops the other stages once the trainer has ended with `train`, and returns the
+    /// trainer's and the generator's summaries, or the first real failure (the other stages
+    /// only stopped because of it).
+    async fn join(
+        self,
+        train: Result<Result<StageResult, StageError>, tokio::task::JoinError>,
+    ) -> Result<(TrainSummary, GenSummary), StageError> {
+        self.stop.send_replace(true);
+        let join = |r: Result<Result<StageResult, StageError>, tokio::task::JoinError>,
+                    name: Stage| {
+            r.map_err(|e| StageError::Other(format!("{name} task: {e}")))?
+        };
+        let train_r = join(train, Stage::Train);
+        let gen_r = join(self.generator.await, Stage::Gen);
+        let score_r = join(self.score.await, Stage::Score);
+        let feed_r = join(self.feed.await, Stage::Feed);
+        let train_summary = match train_r? {
+            StageResult::Train(t) => t,
+            _ => TrainSummary::default(),
+        };
+        let gen_summary = match gen_r? {
+            StageResult::Gen(g) => g,
+            _ => GenSummary::default(),
+        };
+        score_r?;
+        feed_r?;
+        Ok((train_summary, gen_summary))
+    }
+}
+
+/// The run's view of its steps: one report row and a display update per trainer step.
+struct Monitor {
+    phase: Phase,
+    total: u64,
+    rows: Vec<StepRow>,
+    trained_tokens: u64,
+    started: Instant,
+}
+
+impl Monitor {
+    fn record(
+        &mut self,
+        s: &StepRecord,
+        time_s: f64,
+        gen_version: u64,
+        queues: [u64; 3],
+    ) -> &StepRow {
+        self.trained_tokens += s.tokens;
+        self.rows.push(step_row(
+            s,
+            time_s,
+            gen_version,
+            self.trained_tokens,
+            queues,
+        ));
+        &self.rows[self.rows.len() - 1]
+    }
+
+    /// Follows the steps until the trainer ends (a Ctrl-C asks it to checkpoint and stop);
+    /// returns the rows, the summaries and the RL phase's wall time.
+    async fn watch(
+        mut self,
+        mut stages: Stages,
+        mut steps: mpsc::UnboundedReceiver<StepRecord>,
+        bus: &SharedBus,
+        topo: &Topology,
+        slot: &ModelSlot<InferBackend>,
+        shutdown: impl Future<Output = ()>,
+    ) -> Result<(Vec<StepRow>, TrainSummary, GenSummary, f64), StageError> {
+        tokio::pin!(shutdown);
+        let mut stopping = false;
+        let train_result = loop {
+            tokio::select! {
+                _ = &mut shutdown, if !stopping => {
+                    stopping = true;
+                    self.phase.println("stopping: the trainer checkpoints what it trained");
+                    stages.stop.send_replace(true);
+                }
+                Some(s) = steps.recv() => {
+                    let queues = queue_depths(bus, topo).await;
+                    let time_s = self.started.elapsed().as_secs_f64();
+                    let line = status_line(self.record(&s, time_s, slot.load().version, queues));
+                    self.phase.update(s.step.min(self.total), &line);
+                }
+                r = &mut stages.train => break r,
+            }
+        };
+        let wall_s = self.started.elapsed().as_secs_f64();
+        let (t, g) = stages.join(train_result).await?;
+        while let Ok(s) = steps.try_recv() {
+            self.record(&s, wall_s, slot.load().version, [0; 3]);
+        }
+        self.phase
+            .finish(&self.rows.last().map(status_line).unwrap_or_default());
+        Ok((self.rows, t, g, wall_s))
+    }
 }
 
 /// What a stage task returns to the run.
@@ -571,19 +680,32 @@ fn status_line(r: &StepRow) -> String {
     )
 }
 
-#[allow(clippy::too_many_arguments)]
-fn summarize(
-    opts: &RunOptions,
-    cfg: Config,
-    bus: &SharedBus,
+/// What a finished run measured, for [`summarize`].
+struct RunFacts<'a> {
+    bus: &'static str,
     params: usize,
     warm_start_s: f64,
     wall_s: f64,
-    rows: &[StepRow],
-    t: &TrainSummary,
-    g: &GenSummary,
-    (eval_before, eval_after): ((f64, f64), (f64, f64)),
-) -> RunSummary {
+    rows: &'a [StepRow],
+    train: &'a TrainSummary,
+    generator: &'a GenSummary,
+    /// Greedy held-out (accuracy, reward) before and after RL.
+    eval_before: (f64, f64),
+    eval_after: (f64, f64),
+}
+
+fn summarize(opts: &RunOptions, cfg: Config, f: &RunFacts) -> RunSummary {
+    let RunFacts {
+        bus,
+        params,
+        warm_start_s,
+        wall_s,
+        rows,
+        train: t,
+        generator: g,
+        eval_before,
+        eval_after,
+    } = *f;
     let (reward_start, reward_end) = start_end(rows, |r| r.record.reward_mean);
     let (accuracy_start, accuracy_end) = start_end(rows, |r| r.record.accuracy);
     let mut stalls = g.decode.swap_stalls.clone();
@@ -598,7 +720,7 @@ fn summarize(
     RunSummary {
         mode: if opts.sync { "sync" } else { "async" }.into(),
         task: opts.task.name().into(),
-        bus: bus.backend().into(),
+        bus: bus.into(),
         model_params: params,
         warm_start_s,
         steps: t.steps,

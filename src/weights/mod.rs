@@ -328,8 +328,50 @@ pub struct Versioned<B: Backend> {
     pub policy: Policy<B>,
 }
 
-/// The slot the decode loop reads its model from.
-pub type ModelSlot<B> = Arc<ArcSwap<Versioned<B>>>;
+/// The slot the decode loop reads its model from: one atomic load per forward pass. Cloning
+/// shares the slot. Waiters for a version ([`ModelSlot::reached`]) are woken by each swap.
+pub struct ModelSlot<B: Backend> {
+    model: Arc<ArcSwap<Versioned<B>>>,
+    version: Arc<tokio::sync::watch::Sender<u64>>,
+}
+
+impl<B: Backend> Clone for ModelSlot<B> {
+    fn clone(&self) -> Self {
+        ModelSlot {
+            model: self.model.clone(),
+            version: self.version.clone(),
+        }
+    }
+}
+
+impl<B: Backend> ModelSlot<B> {
+    pub fn new(model: Versioned<B>) -> Self {
+        let version = tokio::sync::watch::Sender::new(model.version);
+        ModelSlot {
+            model: Arc::new(ArcSwap::from_pointee(model)),
+            version: Arc::new(version),
+        }
+    }
+
+    /// The current model.
+    pub fn load(&self) -> Arc<Versioned<B>> {
+        self.model.load_full()
+    }
+
+    /// Swaps `model` in and wakes the waiters.
+    pub fn store(&self, model: Versioned<B>) {
+        let version = model.version;
+        self.model.store(Arc::new(model));
+        self.version.send_replace(version);
+    }
+
+    /// Waits until the slot holds `version` or a newer one.
+    pub async fn reached(&self, version: u64) {
+        let mut rx = self.version.subscribe();
+        // The sender lives in `self`, so the channel cannot close while this waits.
+        let _ = rx.wait_for(|v| *v >= version).await;
+    }
+}
 
 /// Follows the weights stream and swaps new versions into a [`ModelSlot`].
 pub struct Follower<B: Backend> {
@@ -478,7 +520,7 @@ where
             .map_err(|e| ModelError::Unsupported(format!("weight build task failed: {e}")))?;
         match built {
             Ok(policy) => {
-                self.slot.store(Arc::new(Versioned { version, policy }));
+                self.slot.store(Versioned { version, policy });
                 Ok(Some(version))
             }
             Err(e) => {

@@ -162,7 +162,7 @@ impl Decoder {
     /// The model for the next pass; a newer one than the last pass counts as a swap.
     fn current_model(&mut self) -> Arc<Versioned<InferBackend>> {
         let t0 = Instant::now();
-        let current = self.slot.load_full();
+        let current = self.slot.load();
         let stall = t0.elapsed().as_secs_f64();
         if current.version != self.last_version {
             self.stats.swaps += 1;

@@ -39,7 +39,6 @@ use crate::roles::{Stage, Stream};
 use crate::schema;
 use crate::tasks;
 use crate::weights::{Follower, ModelSlot, Transport, Versioned};
-use arc_swap::ArcSwap;
 use bytes::Bytes;
 use decode::{Admit, Decoder, Finished};
 use reader::{Reader, Shared};
@@ -62,10 +61,7 @@ pub struct GenSummary {
 /// The model slot of a generator started from `model_dir`, at version 0.
 pub fn initial_slot(model_dir: &std::path::Path) -> Result<ModelSlot<InferBackend>, StageError> {
     let policy: Policy<InferBackend> = load_hf(model_dir, &Default::default())?;
-    Ok(Arc::new(ArcSwap::from_pointee(Versioned {
-        version: 0,
-        policy,
-    })))
+    Ok(ModelSlot::new(Versioned { version: 0, policy }))
 }
 
 /// The weights follower: fetches, verifies and builds new versions off the decode thread

@@ -58,6 +58,17 @@ pub struct Delivery<M> {
     pub payload: Bytes,
 }
 
+impl<M> Delivery<M> {
+    /// The entry as read.
+    pub fn entry(&self) -> Entry {
+        Entry {
+            id: self.id,
+            payload: self.payload.clone(),
+            deliveries: self.deliveries,
+        }
+    }
+}
+
 /// Counts of what the consumer did besides handing out messages.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ConsumerCounts {
@@ -268,12 +279,7 @@ impl<M: Message> Consumer<M> {
                 error, "processing failed; entry left pending for a retry");
             return Ok(false);
         }
-        let entry = Entry {
-            id: delivery.id,
-            payload: delivery.payload.clone(),
-            deliveries: delivery.deliveries,
-        };
-        let letter = self.letter(&entry, "failed", error.to_string());
+        let letter = self.letter(&delivery.entry(), "failed", error.to_string());
         self.send_dead(vec![letter]).await?;
         Ok(true)
     }
@@ -285,12 +291,18 @@ impl<M: Message> Consumer<M> {
         reason: &str,
         error: &str,
     ) -> BusResult<()> {
-        let entry = Entry {
-            id: delivery.id,
-            payload: delivery.payload.clone(),
-            deliveries: delivery.deliveries,
-        };
-        let letter = self.letter(&entry, reason, error.to_string());
+        self.reject_entry(&delivery.entry(), reason, error).await
+    }
+
+    /// [`Consumer::reject`] for a delivery kept as its raw entry (one that was handed on
+    /// and came back as unusable).
+    pub async fn reject_entry(
+        &mut self,
+        entry: &Entry,
+        reason: &str,
+        error: &str,
+    ) -> BusResult<()> {
+        let letter = self.letter(entry, reason, error.to_string());
         self.send_dead(vec![letter]).await
     }
 

@@ -65,6 +65,14 @@ pub struct PolicyConfig {
 }
 
 impl PolicyConfig {
+    /// What messages run on this model must fit: its vocabulary and context.
+    pub fn limits(&self) -> crate::schema::Limits {
+        crate::schema::Limits {
+            vocab: self.vocab_size,
+            context: self.max_position,
+        }
+    }
+
     /// A small config for built-in tasks and tests.
     pub fn tiny(architecture: Architecture, vocab_size: usize) -> Self {
         PolicyConfig::new(architecture, vocab_size, 64, 128, 2, 4, 2, 16)

@@ -9,9 +9,11 @@
 //!   returning per-token behaviour log-probs and sampling masks.
 //! - [`logprobs`]: the trainer's teacher-forced log-probs, optionally renormalised over a
 //!   recorded sampling mask, with gradients.
+//! - [`fault`]: catching a panicking forward pass, and the hook that injects one.
 //! - [`tokenizer`]: Hugging Face `tokenizer.json` and a built-in character tokenizer.
 
 pub mod config;
+pub mod fault;
 pub mod hf;
 pub mod llama;
 pub mod logprobs;
@@ -65,6 +67,9 @@ pub enum ModelError {
     Tokenizer(String),
     #[error("cannot copy a tensor to the host: {0}")]
     HostCopy(String),
+    /// Input the model cannot run (an id past the vocabulary, too long for the context).
+    #[error("{0}")]
+    Refused(crate::schema::Refusal),
     #[error("{path}: {source}")]
     Io {
         path: String,

@@ -163,10 +163,13 @@ struct Row {
     offsets: Vec<u32>,
     kept_ids: Vec<u32>,
     truncated: bool,
+    /// Most tokens this completion may have: `max_new_tokens`, or what the context leaves
+    /// after the prompt.
+    budget: usize,
 }
 
 impl Row {
-    fn new(req: &Request, index: usize) -> Self {
+    fn new(req: &Request, index: usize, budget: usize) -> Self {
         // Each sample has its own stream, so results do not depend on batch composition.
         let seed = req.params.seed ^ (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
         Row {
@@ -180,6 +183,7 @@ impl Row {
             offsets: vec![0],
             kept_ids: Vec::new(),
             truncated: false,
+            budget,
         }
     }
 
@@ -199,8 +203,7 @@ impl Row {
             None => self.kept_ids.extend(0..vocab as u32),
         }
         self.offsets.push(self.kept_ids.len() as u32);
-        self.params.stop_tokens.contains(&draw.token)
-            || self.tokens.len() >= self.params.max_new_tokens as usize
+        self.params.stop_tokens.contains(&draw.token) || self.tokens.len() >= self.budget
     }
 
     fn finish(self) -> Completion {
@@ -265,7 +268,10 @@ impl<B: Backend> Generator<B> {
     }
 
     /// Prefills `req.prompt` once and starts `req.n` completions, sampling their first
-    /// tokens with `model` at `version`.
+    /// tokens with `model` at `version`. Each completion ends at `max_new_tokens` or when
+    /// prompt + completion fill the model's context (finish `length` either way). A prompt
+    /// the model cannot take (ids past the vocabulary, no room left in the context) is
+    /// refused before any tensor is built. Nothing changes unless it succeeds.
     pub fn admit(
         &mut self,
         model: &Policy<B>,
@@ -273,7 +279,14 @@ impl<B: Backend> Generator<B> {
         req: &Request,
     ) -> Result<(), ModelError> {
         let vocab = model.config().vocab_size;
+        model
+            .config()
+            .limits()
+            .prompt("prompt", &req.prompt)
+            .map_err(ModelError::Refused)?;
         let l = req.prompt.len().max(1);
+        let budget =
+            (req.params.max_new_tokens as usize).min(model.config().max_position.saturating_sub(l));
         let prompt: Vec<i64> = if req.prompt.is_empty() {
             vec![i64::from(model.config().bos_token_id.unwrap_or(0))]
         } else {
@@ -286,39 +299,42 @@ impl<B: Backend> Generator<B> {
         let logits = model.forward_with(tokens, &positions, AttnMode::Cached(&mut cache));
         let last = logits_rows(logits.slice([0..1, l - 1..l]).reshape([1, vocab]))?;
         cache.repeat_rows(req.n);
-        let mut keep = Vec::new();
-        let base = self.rows.len();
+        let (mut keep, mut rows, mut done) = (Vec::new(), Vec::new(), Vec::new());
         for i in 0..req.n {
-            let mut row = Row::new(req, i);
+            let mut row = Row::new(req, i, budget);
             let draw = sample_token(&last, &row.params, &mut row.rng);
             if row.push(draw, version, vocab) {
-                self.done.push(row.finish());
+                done.push(row.finish());
             } else {
                 keep.push(i);
-                self.rows.push(row);
+                rows.push(row);
             }
         }
+        self.done.extend(done);
         if keep.is_empty() {
             return Ok(());
         }
         cache.keep_rows(&keep);
         match &mut self.cache {
-            Some(c) if base > 0 => c.append_rows(cache),
+            Some(c) if !self.rows.is_empty() => c.append_rows(cache),
             slot => *slot = Some(cache),
         }
+        self.rows.extend(rows);
         Ok(())
     }
 
-    /// One forward pass for every row with `model` (tagged `version`). Returns the
-    /// completions that finished, including any that finished while being admitted.
-    pub fn step(&mut self, model: &Policy<B>, version: u64) -> Result<Vec<Completion>, ModelError> {
-        if self.rows.is_empty() {
-            return Ok(std::mem::take(&mut self.done));
-        }
-        let Some(cache) = self.cache.as_mut() else {
-            return Ok(std::mem::take(&mut self.done));
+    /// Request id of each active row, in row order.
+    pub fn row_requests(&self) -> Vec<u64> {
+        self.rows.iter().map(|r| r.request_id).collect()
+    }
+
+    /// One forward pass for every row, returning the host logits `[rows, vocab]`, or `None`
+    /// with no row active. It extends the KV cache: a caller that may need to discard the
+    /// pass takes a [`Generator::snapshot`] first.
+    pub fn forward(&mut self, model: &Policy<B>) -> Result<Option<Vec<f32>>, ModelError> {
+        let Some(cache) = self.cache.as_mut().filter(|_| !self.rows.is_empty()) else {
+            return Ok(None);
         };
-        let vocab = model.config().vocab_size;
         let b = self.rows.len();
         let last: Vec<i64> = self
             .rows
@@ -328,7 +344,61 @@ impl<B: Backend> Generator<B> {
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(last, [b, 1]), &model.device());
         let positions = cache.next_positions();
         let logits = model.forward_with(tokens, &positions, AttnMode::Cached(cache));
-        let host = logits_rows(logits.reshape([b, vocab]))?;
+        Ok(Some(logits_rows(
+            logits.reshape([b, model.config().vocab_size]),
+        )?))
+    }
+
+    /// The KV cache as it is now (tensor handles, no copy), for [`Generator::restore`].
+    pub fn snapshot(&self) -> Option<KvCache<B>> {
+        self.cache.clone()
+    }
+
+    /// Puts back a cache taken by [`Generator::snapshot`] before a discarded pass.
+    pub fn restore(&mut self, cache: Option<KvCache<B>>) {
+        self.cache = cache;
+    }
+
+    /// Runs row `i` alone through one forward pass on a copy of its cache: how a caller
+    /// finds which row made a batched pass fail. Changes nothing.
+    pub fn probe_row(&self, model: &Policy<B>, i: usize) -> Result<(), ModelError> {
+        let (Some(cache), Some(row)) = (self.cache.as_ref(), self.rows.get(i)) else {
+            return Ok(());
+        };
+        let mut one = cache.clone();
+        one.keep_rows(&[i]);
+        let last = vec![i64::from(*row.tokens.last().unwrap_or(&0))];
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(last, [1, 1]), &model.device());
+        let positions = one.next_positions();
+        let logits = model.forward_with(tokens, &positions, AttnMode::Cached(&mut one));
+        logits_rows(logits.reshape([1, model.config().vocab_size])).map(|_| ())
+    }
+
+    /// Drops every row of `request` (a failed prompt), with its cache rows.
+    pub fn drop_request(&mut self, request: u64) {
+        let keep: Vec<usize> = (0..self.rows.len())
+            .filter(|&i| self.rows[i].request_id != request)
+            .collect();
+        self.done.retain(|c| c.request_id != request);
+        if keep.len() == self.rows.len() {
+            return;
+        }
+        let rows = std::mem::take(&mut self.rows);
+        self.rows = rows
+            .into_iter()
+            .filter(|r| r.request_id != request)
+            .collect();
+        match self.cache.as_mut() {
+            Some(c) if !keep.is_empty() => c.keep_rows(&keep),
+            _ => self.cache = None,
+        }
+    }
+
+    /// Samples each row's next token from `host` (the logits of [`Generator::forward`],
+    /// made by `model` at `version`); returns the completions that finished, including any
+    /// that finished while being admitted.
+    pub fn sample(&mut self, host: &[f32], version: u64, vocab: usize) -> Vec<Completion> {
+        let b = self.rows.len();
         let mut finished = std::mem::take(&mut self.done);
         let mut keep = Vec::with_capacity(b);
         let mut still = Vec::with_capacity(b);
@@ -342,13 +412,25 @@ impl<B: Backend> Generator<B> {
             }
         }
         self.rows = still;
-        if keep.len() < b {
+        if let Some(cache) = self.cache.as_mut()
+            && keep.len() < b
+        {
             cache.keep_rows(&keep);
         }
         if self.rows.is_empty() {
             self.cache = None;
         }
-        Ok(finished)
+        finished
+    }
+
+    /// One forward pass for every row with `model` (tagged `version`), then sampling.
+    /// Returns the completions that finished, including any that finished while being
+    /// admitted.
+    pub fn step(&mut self, model: &Policy<B>, version: u64) -> Result<Vec<Completion>, ModelError> {
+        match self.forward(model)? {
+            Some(host) => Ok(self.sample(&host, version, model.config().vocab_size)),
+            None => Ok(std::mem::take(&mut self.done)),
+        }
     }
 
     /// Runs `requests` to completion (all admitted at once) with a fixed model.

@@ -10,6 +10,7 @@ mod error;
 mod event;
 pub mod examples;
 pub mod json;
+mod limits;
 mod packed;
 mod prompt;
 mod rollout;
@@ -21,6 +22,7 @@ pub use codec::{DEFAULT_MAX_MESSAGE_BYTES, Message, decode, decode_limited, enco
 pub use dead::DeadLetter;
 pub use error::CodecError;
 pub use event::Event;
+pub use limits::{Limits, Refusal};
 pub use packed::{Floats, Packable, Packed, Tokens};
 pub use prompt::Prompt;
 pub use rollout::{FinishReason, RolloutGroup, Sample, SamplingMask, SamplingParams, VersionRun};

@@ -116,7 +116,16 @@ pub fn bin() -> Command {
 }
 
 pub fn run_ok(args: &[&str]) -> String {
-    let out = bin().args(args).output().expect("run rlstream");
+    run_ok_with_env(args, &[])
+}
+
+/// [`run_ok`] with extra environment variables.
+pub fn run_ok_with_env(args: &[&str], env: &[(&str, &str)]) -> String {
+    let out = bin()
+        .args(args)
+        .envs(env.iter().copied())
+        .output()
+        .expect("run rlstream");
     assert!(
         out.status.success(),
         "rlstream {args:?} failed:\n{}",
@@ -154,10 +163,16 @@ impl Drop for Proc {
 }
 
 pub fn spawn(args: &[String], log: &Path) -> Proc {
+    spawn_with_env(args, log, &[])
+}
+
+/// [`spawn`] with extra environment variables.
+pub fn spawn_with_env(args: &[String], log: &Path, env: &[(&str, &str)]) -> Proc {
     let err = std::fs::File::create(log).expect("log file");
     Proc(Some(
         bin()
             .args(args)
+            .envs(env.iter().copied())
             .stdout(Stdio::piped())
             .stderr(err)
             .spawn()

@@ -1,5 +1,21 @@
 //! The `[gen]` settings.
 
+use serde::{Deserialize, Serialize};
+
+/// What gen does with a prompt that leaves less room than `max_new_tokens` in the model's
+/// context.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum TruncatePrompt {
+    /// Keep the prompt whole: generate until the context is full (finish `length`); a
+    /// prompt at or over the context is dead-lettered.
+    None,
+    /// Drop the prompt's first tokens so that `max_new_tokens` fit (at least one token is
+    /// kept); the group carries the prompt as generated from.
+    Left,
+}
+crate::enum_setting!(TruncatePrompt);
+
 crate::settings! {
     /// The `[gen]` section (`gen` is reserved in Rust 2024, hence the type's name).
     pub struct GenConfig, flags GenArgs, section "gen" {
@@ -13,6 +29,8 @@ crate::settings! {
         pub top_p: f32 = 1.0,
         /// Most sequences decoded together.
         pub max_batch: usize = 64,
+        /// A prompt too long for the context and max_new_tokens: keep it whole (`none`) or cut its start (`left`).
+        pub truncate_prompt: TruncatePrompt = TruncatePrompt::None,
         /// Consumer name, unique per generator process.
         pub name: String = "gen-0".into(),
     }

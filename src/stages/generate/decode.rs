@@ -3,7 +3,8 @@
 //! while rows are free, and hands each finished group to the publisher.
 
 use super::GenConfig;
-use crate::bus::EntryId;
+use crate::bus::{Entry, EntryId};
+use crate::model::fault;
 use crate::model::sampler::{Completion, Generator, Request};
 use crate::model::{InferBackend, ModelError};
 use crate::schema::{self, Prompt, RolloutGroup, Sample, SamplingParams, SchemaVersion};
@@ -19,9 +20,10 @@ use std::time::{Duration, Instant};
 /// How long the idle decode thread waits for a prompt before checking for shutdown.
 const IDLE_WAIT: Duration = Duration::from_millis(20);
 
-/// A prompt on its way to the decode thread.
+/// A prompt on its way to the decode thread: its entry as read (for a dead letter), the
+/// message and the ids to decode from.
 pub struct Admit {
-    pub entry: EntryId,
+    pub source: Entry,
     pub prompt: Prompt,
     pub tokens: Vec<u32>,
 }
@@ -31,6 +33,22 @@ pub struct Finished {
     pub entry: EntryId,
     pub group: RolloutGroup,
 }
+
+/// A prompt the model could not run, to be dead-lettered by the reader.
+pub struct Failed {
+    pub source: Entry,
+    pub reason: &'static str,
+    pub detail: String,
+}
+
+/// What the decode thread hands the publisher.
+pub enum Decoded {
+    Group(Finished),
+    Failed(Failed),
+}
+
+/// Dead-letter reason of a prompt whose forward pass panicked.
+pub const PANIC: &str = "panic";
 
 /// What the decode thread measured.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -49,7 +67,7 @@ pub struct DecodeStats {
 
 /// A prompt being decoded: its G completions as they finish.
 struct Pending {
-    entry: EntryId,
+    source: Entry,
     prompt: Prompt,
     tokens: Vec<u32>,
     params: SamplingParams,
@@ -64,7 +82,7 @@ impl Pending {
             schema: SchemaVersion::CURRENT,
             // Stable per prompt entry: a prompt generated twice (after a crash) yields the
             // same group id, and the trainer trains it once.
-            group_id: format!("{}@{}", self.prompt.prompt_id, self.entry),
+            group_id: format!("{}@{}", self.prompt.prompt_id, self.source.id),
             prompt_id: self.prompt.prompt_id,
             task: self.prompt.task,
             prompt_tokens: self.tokens.into(),
@@ -109,7 +127,7 @@ impl Decoder {
     pub fn spawn(
         self,
         admit: mpsc::Receiver<Admit>,
-        finished: tokio::sync::mpsc::UnboundedSender<Finished>,
+        finished: tokio::sync::mpsc::UnboundedSender<Decoded>,
         stop: Arc<AtomicBool>,
     ) -> Result<std::thread::JoinHandle<Result<DecodeStats, ModelError>>, StageError> {
         std::thread::Builder::new()
@@ -121,11 +139,13 @@ impl Decoder {
             })
     }
 
-    /// Runs until `stop` is set or the publisher is gone, or a forward pass fails.
+    /// Runs until `stop` is set or the publisher is gone. A prompt the model cannot run is
+    /// handed back as [`Decoded::Failed`]; only a failure that no one prompt explains (a
+    /// tensor that cannot reach the host) stops the loop.
     pub fn run(
         mut self,
         admit: mpsc::Receiver<Admit>,
-        finished: tokio::sync::mpsc::UnboundedSender<Finished>,
+        out: tokio::sync::mpsc::UnboundedSender<Decoded>,
         stop: Arc<AtomicBool>,
     ) -> Result<DecodeStats, ModelError> {
         while !stop.load(Ordering::Relaxed) {
@@ -141,17 +161,18 @@ impl Decoder {
                 }
             }
             let current = self.current_model();
+            let mut decoded = Vec::new();
             while self.generator.active() + self.cfg.group_size <= self.cfg.max_batch {
                 let Some(a) = first.take().or_else(|| admit.try_recv().ok()) else {
                     break;
                 };
-                self.admit(&current, a)?;
+                decoded.extend(self.admit(&current, a)?.map(Decoded::Failed));
             }
-            if self.generator.is_idle() {
-                continue;
+            if !self.generator.is_idle() {
+                decoded.extend(self.step(&current)?);
             }
-            for group in self.step(&current)? {
-                if finished.send(group).is_err() {
+            for d in decoded {
+                if out.send(d).is_err() {
                     return Ok(self.stats);
                 }
             }
@@ -173,15 +194,20 @@ impl Decoder {
         current
     }
 
-    /// Starts decoding G completions of `a` (its prefill runs now).
-    fn admit(&mut self, current: &Versioned<InferBackend>, a: Admit) -> Result<(), ModelError> {
+    /// Starts decoding G completions of `a` (its prefill runs now, for this prompt alone):
+    /// the prompt back as failed when the model refuses it or its prefill panics.
+    fn admit(
+        &mut self,
+        current: &Versioned<InferBackend>,
+        a: Admit,
+    ) -> Result<Option<Failed>, ModelError> {
         let params = SamplingParams {
             temperature: self.policy.temperature,
             top_k: self.cfg.top_k,
             top_p: self.cfg.top_p,
             max_new_tokens: self.cfg.max_new_tokens,
             stop_tokens: current.policy.config().eos_token_id.into_iter().collect(),
-            seed: self.policy.seed ^ a.entry.ms.rotate_left(17) ^ a.entry.seq,
+            seed: self.policy.seed ^ a.source.id.ms.rotate_left(17) ^ a.source.id.seq,
         };
         let id = self.next_id;
         self.next_id += 1;
@@ -192,30 +218,64 @@ impl Decoder {
             n: g,
             params: params.clone(),
         };
-        self.pending.insert(
-            id,
-            Pending {
-                entry: a.entry,
-                prompt: a.prompt,
-                tokens: a.tokens,
-                params,
-                started_us: schema::now_us(),
-                done: vec![None; g],
-            },
-        );
         let prefill = Instant::now();
-        self.generator
-            .admit(&current.policy, current.version, &req)?;
+        let admitted =
+            fault::contain(|| self.generator.admit(&current.policy, current.version, &req));
         self.stats.busy_s += prefill.elapsed().as_secs_f64();
-        Ok(())
+        let (reason, detail) = match admitted {
+            Ok(Ok(())) => {
+                self.pending.insert(
+                    id,
+                    Pending {
+                        source: a.source,
+                        prompt: a.prompt,
+                        tokens: a.tokens,
+                        params,
+                        started_us: schema::now_us(),
+                        done: vec![None; g],
+                    },
+                );
+                return Ok(None);
+            }
+            Ok(Err(ModelError::Refused(r))) => (r.reason, r.detail),
+            Ok(Err(e)) => return Err(e),
+            Err(panic) => (PANIC, format!("the prefill panicked: {panic}")),
+        };
+        tracing::warn!(prompt = %a.prompt.prompt_id, reason, %detail, "prompt refused");
+        Ok(Some(Failed {
+            source: a.source,
+            reason,
+            detail,
+        }))
     }
 
-    /// One forward pass over every active row; the groups it completed.
-    fn step(&mut self, current: &Versioned<InferBackend>) -> Result<Vec<Finished>, ModelError> {
+    /// One forward pass over every active row; the groups it completed. A pass that panics
+    /// is discarded and its rows are re-run one at a time: the prompts whose rows panic
+    /// alone fail, the others go on (see [`fault`]).
+    fn step(&mut self, current: &Versioned<InferBackend>) -> Result<Vec<Decoded>, ModelError> {
         let busy = Instant::now();
-        let done = self.generator.step(&current.policy, current.version)?;
-        self.stats.busy_s += busy.elapsed().as_secs_f64();
+        let before = self.generator.snapshot();
+        let requests = self.generator.row_requests();
+        let pass = fault::contain(|| {
+            fault::inject(self.prompt_ids(&requests));
+            self.generator.forward(&current.policy)
+        });
         self.stats.steps += 1;
+        let host = match pass {
+            Ok(host) => host?,
+            Err(panic) => {
+                self.generator.restore(before);
+                let failed = self.culprits(current, &requests, &panic);
+                self.stats.busy_s += busy.elapsed().as_secs_f64();
+                return Ok(failed);
+            }
+        };
+        let vocab = current.policy.config().vocab_size;
+        let done = match host {
+            Some(h) => self.generator.sample(&h, current.version, vocab),
+            None => self.generator.sample(&[], current.version, vocab),
+        };
+        self.stats.busy_s += busy.elapsed().as_secs_f64();
         let mut finished = Vec::new();
         for c in done {
             self.stats.tokens += c.tokens.len() as u64;
@@ -227,11 +287,70 @@ impl Decoder {
             if p.done.iter().all(Option::is_some)
                 && let Some(p) = self.pending.remove(&rid)
             {
-                let entry = p.entry;
+                let entry = p.source.id;
                 let group = p.into_group(&self.cfg.name);
-                finished.push(Finished { entry, group });
+                finished.push(Decoded::Group(Finished { entry, group }));
             }
         }
         Ok(finished)
+    }
+
+    /// The prompt ids of `requests`.
+    fn prompt_ids<'a>(&'a self, requests: &'a [u64]) -> impl Iterator<Item = &'a str> + 'a {
+        requests
+            .iter()
+            .filter_map(|r| self.pending.get(r).map(|p| p.prompt.prompt_id.as_str()))
+    }
+
+    /// After a batched pass panicked with `panic`: re-runs each row alone and fails the
+    /// prompts whose rows panic. When no row panics alone, the batch as a whole is the
+    /// culprit and every prompt in it fails, so the same pass cannot panic forever.
+    fn culprits(
+        &mut self,
+        current: &Versioned<InferBackend>,
+        requests: &[u64],
+        panic: &str,
+    ) -> Vec<Decoded> {
+        let mut bad: Vec<u64> = Vec::new();
+        for (i, &r) in requests.iter().enumerate() {
+            if bad.contains(&r) {
+                continue;
+            }
+            let alone = fault::contain(|| {
+                fault::inject(self.prompt_ids(std::slice::from_ref(&r)));
+                self.generator.probe_row(&current.policy, i)
+            });
+            if alone.is_err() {
+                bad.push(r);
+            }
+        }
+        let alone = !bad.is_empty();
+        if !alone {
+            bad = requests.to_vec();
+            bad.dedup();
+        }
+        tracing::error!(
+            panic,
+            prompts = bad.len(),
+            alone,
+            "a forward pass panicked; failing the prompts that caused it"
+        );
+        let mut failed = Vec::new();
+        for r in bad {
+            self.generator.drop_request(r);
+            if let Some(p) = self.pending.remove(&r) {
+                let detail = if alone {
+                    format!("its forward pass panicked, alone as in its batch: {panic}")
+                } else {
+                    format!("a batched forward pass panicked and no row panicked alone: {panic}")
+                };
+                failed.push(Decoded::Failed(Failed {
+                    source: p.source,
+                    reason: PANIC,
+                    detail,
+                }));
+            }
+        }
+        failed
     }
 }

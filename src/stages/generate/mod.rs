@@ -40,7 +40,8 @@ use crate::schema;
 use crate::tasks;
 use crate::weights::{Follower, ModelSlot, Transport, Versioned};
 use bytes::Bytes;
-use decode::{Admit, Decoder, Finished};
+use decode::{Admit, Decoded, Decoder, Finished};
+use reader::Settled;
 use reader::{Reader, Shared};
 use std::future::Future;
 use std::sync::Arc;
@@ -100,14 +101,29 @@ fn spawn_follower(
 struct Publisher<'a> {
     bus: SharedBus,
     topo: &'a Topology,
-    /// Tells the reader which prompt entries are acked.
-    acked: tokio::sync::mpsc::UnboundedSender<Vec<EntryId>>,
+    /// Tells the reader which prompt entries are acked, and which failed.
+    settled: tokio::sync::mpsc::UnboundedSender<Settled>,
     in_flight: Arc<AtomicUsize>,
     summary: GenSummary,
 }
 
 impl Publisher<'_> {
-    async fn publish(&mut self, batch: Vec<Finished>) -> Result<(), StageError> {
+    /// Publishes the finished groups of `decoded` and hands its failed prompts to the
+    /// reader, which dead-letters them.
+    async fn publish(&mut self, decoded: Vec<Decoded>) -> Result<(), StageError> {
+        let mut batch: Vec<Finished> = Vec::with_capacity(decoded.len());
+        for d in decoded {
+            match d {
+                Decoded::Group(f) => batch.push(f),
+                Decoded::Failed(f) => {
+                    self.in_flight.fetch_sub(1, Ordering::Relaxed);
+                    let _ = self.settled.send(Settled::Failed(f));
+                }
+            }
+        }
+        if batch.is_empty() {
+            return Ok(());
+        }
         let payloads = batch
             .iter()
             .map(|f| schema::encode(&f.group).map(Bytes::from))
@@ -121,7 +137,7 @@ impl Publisher<'_> {
         self.bus
             .ack(&topo.key(prompts), topo.group(prompts), &entries)
             .await?;
-        let _ = self.acked.send(entries);
+        let _ = self.settled.send(Settled::Acked(entries));
         self.in_flight.fetch_sub(batch.len(), Ordering::Relaxed);
         let tokens: u64 = batch
             .iter()
@@ -155,22 +171,22 @@ pub async fn run(
     let stop = Arc::new(AtomicBool::new(false));
     let in_flight = Arc::new(AtomicUsize::new(0));
     let (admit_tx, admit_rx) = mpsc::channel::<Admit>();
-    let (done_tx, done_rx) = tokio::sync::mpsc::unbounded_channel::<Finished>();
-    let (acked_tx, acked_rx) = tokio::sync::mpsc::unbounded_channel::<Vec<EntryId>>();
+    let (done_tx, done_rx) = tokio::sync::mpsc::unbounded_channel::<Decoded>();
+    let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<Settled>();
     let decoder = Decoder::new(policy.clone(), cfg.clone(), slot.clone());
     let decode = decoder.spawn(admit_rx, done_tx, stop.clone())?;
     let follower = spawn_follower(bus.clone(), topo, slot.clone(), transport, stop.clone());
-    let vocab = slot.load().policy.config().vocab_size;
+    let model = slot.load().policy.config().clone();
     let shared = Shared {
         stop: stop.clone(),
         in_flight: in_flight.clone(),
     };
-    let reader = Reader::join(policy, cfg, bus.clone(), topo, tokenizer, vocab, shared).await?;
-    let reader = tokio::spawn(reader.run(admit_tx, acked_rx));
+    let reader = Reader::join(policy, cfg, bus.clone(), topo, tokenizer, &model, shared).await?;
+    let reader = tokio::spawn(reader.run(admit_tx, settled_rx));
     let mut publisher = Publisher {
         bus: bus.clone(),
         topo,
-        acked: acked_tx,
+        settled: settled_tx,
         in_flight,
         summary: GenSummary::default(),
     };
@@ -215,7 +231,7 @@ async fn publish_until_stopped(
     publisher: &mut Publisher<'_>,
     heartbeat: &mut super::Heartbeat,
     slot: &ModelSlot<InferBackend>,
-    mut done_rx: tokio::sync::mpsc::UnboundedReceiver<Finished>,
+    mut done_rx: tokio::sync::mpsc::UnboundedReceiver<Decoded>,
     mut reader: JoinHandle<Result<(), StageError>>,
     stop: &AtomicBool,
     shutdown: impl Future<Output = ()>,

@@ -3,11 +3,13 @@
 //! hands the rest to the decode thread.
 
 use super::GenConfig;
-use super::decode::Admit;
+use super::config::TruncatePrompt;
+use super::decode::{Admit, Failed};
 use crate::bus::{Bus, Consumer, ConsumerOptions, Delivery, EntryId, SharedBus, Topology};
+use crate::model::PolicyConfig;
 use crate::model::tokenizer::Tokenizer;
 use crate::roles::{Stage, Stream};
-use crate::schema::Prompt;
+use crate::schema::{Limits, Prompt, Refusal};
 use crate::stages::StageError;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -26,6 +28,41 @@ async fn downstream_backlog(bus: &dyn Bus, topo: &Topology) -> u64 {
         + crate::stages::waiting(bus, topo, Stream::Scored, false).await
 }
 
+/// What became of a prompt the reader handed on.
+pub enum Settled {
+    /// Published and acked.
+    Acked(Vec<EntryId>),
+    /// The model could not run it.
+    Failed(Failed),
+}
+
+/// How a prompt's ids are fitted to the model before decoding.
+#[derive(Debug, Clone, Copy)]
+struct PromptFit {
+    limits: Limits,
+    /// Stands for an empty prompt, so the first token has something to follow.
+    bos: u32,
+    max_new_tokens: usize,
+    truncate: TruncatePrompt,
+}
+
+impl PromptFit {
+    /// The ids to decode from (left-truncated when asked), or why the model cannot take
+    /// them.
+    fn apply(&self, mut tokens: Vec<u32>) -> Result<Vec<u32>, Refusal> {
+        if tokens.is_empty() {
+            tokens.push(self.bos);
+        }
+        let context = self.limits.context;
+        if self.truncate == TruncatePrompt::Left && tokens.len() + self.max_new_tokens > context {
+            let keep = context.saturating_sub(self.max_new_tokens).max(1);
+            tokens.drain(..tokens.len().saturating_sub(keep));
+        }
+        self.limits.prompt("prompt_tokens", &tokens)?;
+        Ok(tokens)
+    }
+}
+
 /// What the reader shares with the rest of the stage.
 pub struct Shared {
     pub stop: Arc<AtomicBool>,
@@ -38,7 +75,8 @@ pub struct Reader {
     topo: Topology,
     consumer: Consumer<Prompt>,
     tokenizer: Tokenizer,
-    vocab: usize,
+    /// What the model takes, and how a prompt is fitted to it.
+    fit: PromptFit,
     /// Most groups in flight: `max_lag × groups_per_step` (at least one step's).
     bound: usize,
     /// Most groups waiting here for rows, so a stopped generator leaves little pending.
@@ -55,7 +93,7 @@ impl Reader {
         bus: SharedBus,
         topo: &Topology,
         tokenizer: Tokenizer,
-        vocab: usize,
+        model: &PolicyConfig,
         shared: Shared,
     ) -> Result<Self, StageError> {
         let per_batch = (cfg.max_batch / cfg.group_size).max(1);
@@ -77,7 +115,12 @@ impl Reader {
             topo: topo.clone(),
             consumer,
             tokenizer,
-            vocab,
+            fit: PromptFit {
+                limits: model.limits(),
+                bos: model.bos_token_id.unwrap_or(0),
+                max_new_tokens: cfg.max_new_tokens as usize,
+                truncate: cfg.truncate_prompt,
+            },
             bound: (policy.max_lag.max(1) * policy.groups_per_step as u64) as usize,
             local_cap: per_batch * 2,
             backlog: 0,
@@ -86,17 +129,25 @@ impl Reader {
         })
     }
 
-    /// Reads until stopped; `acked` carries the prompt entries the publisher acked, so the
-    /// consumer stops holding them.
+    /// Reads until stopped; `settled` carries the prompt entries the publisher acked (the
+    /// consumer stops holding them) and those the model failed on (dead-lettered here).
     pub async fn run(
         mut self,
         admit: mpsc::Sender<Admit>,
-        mut acked: tokio::sync::mpsc::UnboundedReceiver<Vec<EntryId>>,
+        mut settled: tokio::sync::mpsc::UnboundedReceiver<Settled>,
     ) -> Result<(), StageError> {
         let mut backoff = Duration::from_millis(100);
         while !self.shared.stop.load(Ordering::Relaxed) {
-            while let Ok(ids) = acked.try_recv() {
-                self.consumer.release(&ids);
+            while let Ok(s) = settled.try_recv() {
+                match s {
+                    Settled::Acked(ids) => self.consumer.release(&ids),
+                    Settled::Failed(f) => {
+                        crate::metrics::error(Stage::Gen, f.reason);
+                        self.consumer
+                            .reject_entry(&f.source, f.reason, &f.detail)
+                            .await?;
+                    }
+                }
             }
             if !self.room().await {
                 continue;
@@ -161,16 +212,15 @@ impl Reader {
                 }
             },
         };
-        if let Some(bad) = tokens.iter().find(|&&t| t as usize >= self.vocab) {
-            let why = format!(
-                "prompt token {bad} is outside the model's vocabulary of {}",
-                self.vocab
-            );
-            self.consumer.reject(&d, "vocabulary", &why).await?;
-            return Ok(None);
-        }
+        let tokens = match self.fit.apply(tokens) {
+            Ok(t) => t,
+            Err(r) => {
+                self.consumer.reject(&d, r.reason, &r.detail).await?;
+                return Ok(None);
+            }
+        };
         Ok(Some(Admit {
-            entry: d.id,
+            source: d.entry(),
             prompt: d.message,
             tokens,
         }))

@@ -28,6 +28,7 @@ pub use trainer::{Trainer, TrainerState};
 use super::StageError;
 use super::policy::PolicySettings;
 use crate::bus::{Consumer, ConsumerOptions, Delivery, EntryId, SharedBus, Topology};
+use crate::model::{ModelError, fault};
 use crate::roles::{Stage, Stream};
 use crate::schema::{self, Event, SchemaVersion, ScoredGroup, StepRecord};
 use crate::weights::{Payload, Publisher, Transport};
@@ -38,6 +39,9 @@ use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Instant;
+
+/// Dead-letter reason of a group whose training pass panicked.
+pub const PANIC: &str = "panic";
 
 /// What a trainer runs with: its own `[train]` section and the shared `[policy]` one. Saved
 /// beside each checkpoint as `train_config.toml`, in the same sections as the config file.
@@ -106,12 +110,13 @@ pub async fn run(
             _ = &mut shutdown => break,
             b = lp.consumer.poll() => b?,
         };
-        lp.admit(batch);
+        lp.admit(batch).await?;
         while !lp.done() {
             let Some(taken) = lp.next_batch() else { break };
-            let record = lp.train(taken).await?;
-            on_step(&record);
-            lp.summary.history.push(record);
+            if let Some(record) = lp.train(taken).await? {
+                on_step(&record);
+                lp.summary.history.push(record);
+            }
         }
     }
     lp.finish().await
@@ -191,15 +196,23 @@ impl<'a> Loop<'a> {
         steps > 0 && self.trainer.state.step >= steps
     }
 
-    /// Offers a polled batch to the intake; what it refuses is counted and done with.
-    fn admit(&mut self, batch: Vec<Delivery<ScoredGroup>>) {
+    /// Offers a polled batch to the intake; what it refuses is counted and done with. A
+    /// group the model cannot run (see [`Limits`](crate::schema::Limits)) is dead-lettered.
+    async fn admit(&mut self, batch: Vec<Delivery<ScoredGroup>>) -> Result<(), StageError> {
+        let limits = self.trainer.model.config().limits();
         for d in batch {
+            if let Err(r) = limits.scored(&d.message) {
+                crate::metrics::error(Stage::Train, r.reason);
+                self.consumer.reject(&d, r.reason, &r.detail).await?;
+                continue;
+            }
             let version = self.trainer.state.version;
             let trainer = &self.trainer;
             if let Some((d, reason)) = self.intake.offer(d, version, |id| trainer.seen(id)) {
                 self.drop_delivery(d, reason);
             }
         }
+        Ok(())
     }
 
     fn drop_delivery(&mut self, d: Delivery<ScoredGroup>, reason: DropReason) {
@@ -219,10 +232,15 @@ impl<'a> Loop<'a> {
 
     /// One optimizer step on `taken`: the record, its event and metrics, then weights and a
     /// checkpoint when they are due.
-    async fn train(&mut self, taken: Vec<Delivery<ScoredGroup>>) -> Result<StepRecord, StageError> {
-        let groups: Vec<&ScoredGroup> = taken.iter().map(|d| &d.message).collect();
+    async fn train(
+        &mut self,
+        taken: Vec<Delivery<ScoredGroup>>,
+    ) -> Result<Option<StepRecord>, StageError> {
         let version_before = self.trainer.state.version;
-        let mut record = tokio::task::block_in_place(|| self.trainer.step(&groups))?;
+        let Some((taken, mut record)) = self.contained_step(taken).await? else {
+            return Ok(None);
+        };
+        let groups: Vec<&ScoredGroup> = taken.iter().map(|d| &d.message).collect();
         record.wait_s = self.waiting.elapsed().as_secs_f64();
         record.staleness = groups
             .iter()
@@ -257,7 +275,82 @@ impl<'a> Loop<'a> {
             self.checkpoint_and_ack().await?;
         }
         self.waiting = Instant::now();
-        Ok(record)
+        Ok(Some(record))
+    }
+
+    /// One step on `taken`, and the groups it stepped on. A step that panics changes no
+    /// weight: each group is then run alone (forward and backward, no update), those that
+    /// panic alone are dead-lettered with reason `panic`, and the step is taken on the rest
+    /// (see [`fault`]). `None` when no group is left.
+    async fn contained_step(
+        &mut self,
+        taken: Vec<Delivery<ScoredGroup>>,
+    ) -> Result<Option<(Vec<Delivery<ScoredGroup>>, StepRecord)>, StageError> {
+        let panic = match self.guarded_step(&taken) {
+            Ok(r) => return Ok(Some((taken, r?))),
+            Err(panic) => panic,
+        };
+        let mut kept = Vec::with_capacity(taken.len());
+        for d in taken {
+            let trainer = &self.trainer;
+            let alone = tokio::task::block_in_place(|| {
+                fault::contain(|| {
+                    fault::inject(group_ids(std::slice::from_ref(&&d.message)));
+                    trainer.probe(&[&d.message])
+                })
+            });
+            match alone {
+                Ok(r) => {
+                    r?;
+                    kept.push(d);
+                }
+                Err(p) => {
+                    let detail = format!("its training pass panicked alone: {p}");
+                    self.reject_panicked(&d, &detail).await?;
+                }
+            }
+        }
+        if kept.is_empty() {
+            return Ok(None);
+        }
+        match self.guarded_step(&kept) {
+            Ok(r) => Ok(Some((kept, r?))),
+            Err(p) => {
+                let detail = format!(
+                    "a step over its batch panicked ({panic}, then {p}) and no group panicked alone"
+                );
+                for d in &kept {
+                    self.reject_panicked(d, &detail).await?;
+                }
+                Ok(None)
+            }
+        }
+    }
+
+    /// [`Trainer::step`] on `taken`, a panic caught as its message.
+    fn guarded_step(
+        &mut self,
+        taken: &[Delivery<ScoredGroup>],
+    ) -> Result<Result<StepRecord, ModelError>, String> {
+        let groups: Vec<&ScoredGroup> = taken.iter().map(|d| &d.message).collect();
+        let trainer = &mut self.trainer;
+        tokio::task::block_in_place(|| {
+            fault::contain(|| {
+                fault::inject(group_ids(&groups));
+                trainer.step(&groups)
+            })
+        })
+    }
+
+    async fn reject_panicked(
+        &mut self,
+        d: &Delivery<ScoredGroup>,
+        detail: &str,
+    ) -> Result<(), StageError> {
+        tracing::error!(group = %d.message.rollout.group_id, detail, "group dead-lettered");
+        crate::metrics::error(Stage::Train, PANIC);
+        self.consumer.reject(d, PANIC, detail).await?;
+        Ok(())
     }
 
     /// Makes what was trained durable, then acks it.
@@ -330,6 +423,13 @@ impl<'a> Loop<'a> {
             .await?;
         Ok(())
     }
+}
+
+/// Group and prompt ids of `groups`, for [`fault::inject`].
+fn group_ids<'a>(groups: &'a [&'a ScoredGroup]) -> impl Iterator<Item = &'a str> + 'a {
+    groups
+        .iter()
+        .flat_map(|g| [g.rollout.group_id.as_str(), g.rollout.prompt_id.as_str()])
 }
 
 fn log_step(r: &StepRecord) {

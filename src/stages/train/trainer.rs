@@ -186,6 +186,14 @@ impl Trainer {
         Ok(stats)
     }
 
+    /// The step's forward and backward passes on `groups` without the update: how the
+    /// stage finds which group made a step fail. Changes nothing.
+    pub fn probe(&self, groups: &[&ScoredGroup]) -> Result<(), ModelError> {
+        let (loss, _) = loss(&self.model, self.reference.as_ref(), groups, &self.cfg)?;
+        let _ = loss.backward();
+        Ok(())
+    }
+
     /// Counts a step taken on `groups` and remembers their ids.
     fn trained(&mut self, groups: &[&ScoredGroup]) {
         self.state.version += 1;

@@ -14,6 +14,12 @@
 //! [`decode`] is the decode thread and [`reader`] the prompt reader; this module starts the
 //! three parts, publishes, and stops them together.
 //!
+//! What the model cannot run never reaches it: the reader checks each prompt's ids against
+//! the vocabulary and its length against the context (`--truncate-prompt left` cuts its
+//! start instead), and dead-letters what fails. A completion ends at `max_new_tokens` or
+//! where the context ends. A forward pass that panics anyway is contained to the prompts
+//! that caused it (see [`crate::model::fault`]).
+//!
 //! In-flight bound: a prompt is admitted only while the work started but not yet trained
 //! stays under `max_lag × groups_per_step` groups (at least one step's): groups decoding here, plus the
 //! rollouts not yet scored (pending and lag of the `score` group) and the scored groups not

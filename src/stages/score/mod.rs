@@ -111,6 +111,8 @@ pub enum ScoreError {
         #[source]
         source: ModelError,
     },
+    /// The built-in scorer has no answer to compare with. Retrying cannot help; the group
+    /// is dead-lettered with reason [`NO_ANSWER`].
     #[error("group {0} has no `answer` in its meta; use --scorer-cmd for this task")]
     NoAnswer(String),
     #[error(transparent)]
@@ -121,6 +123,8 @@ pub enum ScoreError {
 
 /// Dead-letter reason of a group whose text cannot be recovered.
 pub const DETOKENIZE: &str = "detokenize";
+/// Dead-letter reason of a group the built-in scorer has no answer for.
+pub const NO_ANSWER: &str = "no_answer";
 
 /// An external scorer process, restarted if it dies.
 struct External {
@@ -386,9 +390,13 @@ pub async fn run(
                     out.push(scored);
                     done.push(d.id);
                 }
-                Err(e @ ScoreError::Detokenize { .. }) => {
+                Err(e @ (ScoreError::Detokenize { .. } | ScoreError::NoAnswer(_))) => {
                     summary.failed += 1;
-                    consumer.reject(d, DETOKENIZE, &e.to_string()).await?;
+                    let reason = match e {
+                        ScoreError::NoAnswer(_) => NO_ANSWER,
+                        _ => DETOKENIZE,
+                    };
+                    consumer.reject(d, reason, &e.to_string()).await?;
                 }
                 Err(e) => {
                     summary.failed += 1;

@@ -9,10 +9,9 @@
 mod common;
 
 use bytes::Bytes;
-use common::{free_addr, interrupt, run_ok, scrape, spawn};
-use rlstream::bus::{RangeBound, SharedBus};
+use common::{free_addr, interrupt, scrape, spawn};
 use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
-use rlstream::schema::{self, DeadLetter, RolloutGroup, SchemaVersion, examples};
+use rlstream::schema::{self, RolloutGroup, SchemaVersion, examples};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
@@ -20,19 +19,7 @@ fn encoded(g: &RolloutGroup) -> Bytes {
     Bytes::from(schema::encode(g).expect("encode"))
 }
 
-async fn dead_letters(bus: &SharedBus, ns: &str) -> Vec<DeadLetter> {
-    bus.range(
-        &format!("{ns}:dead"),
-        RangeBound::Open,
-        RangeBound::Open,
-        100,
-    )
-    .await
-    .expect("range")
-    .iter()
-    .map(|e| schema::decode::<DeadLetter>(&e.payload).expect("a dead letter"))
-    .collect()
-}
+use common::dead_letters;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_scorer_dead_letters_each_bad_message_and_keeps_going() {
@@ -205,23 +192,7 @@ async fn a_trainer_dead_letters_non_finite_rewards_and_trains_the_rest() {
     bus.publish(&scored, &entries, None).await.expect("publish");
 
     let ckpt = d.join("ckpt");
-    let out = run_ok(&[
-        "train",
-        "--redis",
-        &common::redis_url(),
-        "--namespace",
-        &ns,
-        "--model",
-        model_dir.to_str().expect("utf-8"),
-        "--steps",
-        "2",
-        "--groups-per-step",
-        "4",
-        "--max-lag",
-        "1000",
-        "--checkpoint-dir",
-        ckpt.to_str().expect("utf-8"),
-    ]);
+    let out = common::train_two_steps(&ns, &model_dir, &ckpt, &[]);
     assert!(out.starts_with("trained 2 steps"), "{out}");
 
     let letters = dead_letters(&bus, &ns).await;

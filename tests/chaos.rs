@@ -13,7 +13,7 @@ use common::{Proc, interrupt, run_ok, spawn};
 use rlstream::bus::{RangeBound, SharedBus};
 use rlstream::schema::{self, DeadLetter, Event, Prompt, WeightsAnnounce};
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 const WORDS: [&str; 8] = [
@@ -158,12 +158,6 @@ async fn settled(bus: &SharedBus, ns: &str) -> bool {
             .any(|g| g.name == "train" && g.lag == Some(0)),
         Err(_) => false,
     }
-}
-
-fn checkpoint_state(ckpt: &Path) -> serde_json::Value {
-    let name = std::fs::read_to_string(ckpt.join("latest")).expect("latest");
-    let text = std::fs::read_to_string(ckpt.join(name.trim()).join("state.json")).expect("state");
-    serde_json::from_str(&text).expect("state.json")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -374,7 +368,7 @@ async fn kill_any_stage_lose_nothing() {
     );
 
     // Accounting, from the surviving line's final checkpoint.
-    let state = checkpoint_state(&ckpt);
+    let state = common::checkpoint_state(&ckpt);
     let trained: Vec<String> =
         serde_json::from_value(state["recent_groups"].clone()).expect("trained");
     let dropped: Vec<(String, String)> =

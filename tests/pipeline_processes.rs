@@ -224,10 +224,7 @@ async fn four_processes_learn_together() {
 
     // Accounting: every prompt fed was trained, dropped with a reason, or is still pending
     // somewhere (never lost); none was trained twice.
-    let state_dir = ckpt.join(std::fs::read_to_string(ckpt.join("latest")).unwrap().trim());
-    let state: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(state_dir.join("state.json")).unwrap())
-            .unwrap();
+    let state = common::checkpoint_state(&ckpt);
     let trained: Vec<String> = serde_json::from_value(state["recent_groups"].clone()).unwrap();
     let dropped: Vec<(String, String)> =
         serde_json::from_value(state["recent_dropped"].clone()).unwrap();

@@ -9,7 +9,7 @@ mod common;
 
 use bytes::Bytes;
 use common::{interrupt, spawn};
-use rlstream::bus::{RangeBound, SharedBus};
+use rlstream::bus::RangeBound;
 use rlstream::model::fault::FAULT_ENV;
 use rlstream::model::tokenizer::Tokenizer;
 use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
@@ -34,19 +34,7 @@ fn small_context_model(dir: &Path) -> Policy<InferBackend> {
     model
 }
 
-async fn dead_letters(bus: &SharedBus, ns: &str) -> Vec<DeadLetter> {
-    bus.range(
-        &format!("{ns}:dead"),
-        RangeBound::Open,
-        RangeBound::Open,
-        1000,
-    )
-    .await
-    .expect("range")
-    .iter()
-    .map(|e| schema::decode::<DeadLetter>(&e.payload).expect("a dead letter"))
-    .collect()
-}
+use common::dead_letters;
 
 /// Each dead letter's message id (`prompt_id` or `group_id`), with its reason and error.
 fn letters_by_id<M: schema::Message>(
@@ -275,26 +263,7 @@ async fn train_dead_letters_what_the_model_cannot_run_and_trains_the_rest() {
 
     // g3's training passes panic: its step is re-run without it.
     let ckpt = d.join("ckpt");
-    let out = common::run_ok_with_env(
-        &[
-            "train",
-            "--redis",
-            &common::redis_url(),
-            "--namespace",
-            &ns,
-            "--model",
-            model_dir.to_str().expect("utf-8"),
-            "--steps",
-            "2",
-            "--groups-per-step",
-            "4",
-            "--max-lag",
-            "1000",
-            "--checkpoint-dir",
-            ckpt.to_str().expect("utf-8"),
-        ],
-        &[(FAULT_ENV, "g3")],
-    );
+    let out = common::train_two_steps(&ns, &model_dir, &ckpt, &[(FAULT_ENV, "g3")]);
     assert!(out.starts_with("trained 2 steps"), "{out}");
 
     let letters = letters_by_id::<ScoredGroup>(&dead_letters(&bus, &ns).await, |g| {
@@ -335,17 +304,7 @@ async fn train_dead_letters_what_the_model_cannot_run_and_trains_the_rest() {
 
     // Both steps were taken: the first on the three good groups of its batch, the second
     // on four; the limit cases among them.
-    let state_dir = ckpt.join(
-        std::fs::read_to_string(ckpt.join("latest"))
-            .expect("latest")
-            .trim(),
-    );
-    let state: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(state_dir.join("state.json")).expect("state"),
-    )
-    .expect("json");
-    let trained: Vec<String> =
-        serde_json::from_value(state["recent_groups"].clone()).expect("groups");
+    let trained = common::trained_groups(&ckpt);
     assert_eq!(trained, ["g0", "g1", "g2", "g4", "g5", "g6", "g7"]);
     common::drop_namespace(&ns).await;
 }

@@ -153,17 +153,7 @@ async fn stages_survive_a_redis_restart() {
     assert_eq!(versions, (1..=60).collect::<Vec<u64>>(), "{versions:?}");
     let bus: SharedBus = Arc::new(RedisBus::connect(&url).await.expect("redis"));
     assert_eq!(bus.stats("rl:prompts").await.expect("stats").length, 1500);
-    let state_dir = ckpt.join(
-        std::fs::read_to_string(ckpt.join("latest"))
-            .expect("latest")
-            .trim(),
-    );
-    let state: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(state_dir.join("state.json")).expect("state"),
-    )
-    .expect("json");
-    let trained: Vec<String> =
-        serde_json::from_value(state["recent_groups"].clone()).expect("groups");
+    let trained = common::trained_groups(&ckpt);
     let unique: std::collections::HashSet<&String> = trained.iter().collect();
     assert_eq!(unique.len(), trained.len(), "a group was trained twice");
     assert_eq!(trained.len(), 60 * 8);

@@ -19,8 +19,8 @@ use rlstream::bus::{RangeBound, SharedBus};
 use rlstream::model::tokenizer::Tokenizer;
 use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
 use rlstream::schema::{
-    self, DeadLetter, Event, FinishReason, Prompt, RolloutGroup, Sample, SamplingMask,
-    SchemaVersion, ScoredGroup, VersionRun,
+    self, Event, FinishReason, Prompt, RolloutGroup, Sample, SamplingMask, SchemaVersion,
+    ScoredGroup, VersionRun,
 };
 use rlstream::stages::score::{AdvantageKind, advantages};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
@@ -278,7 +278,7 @@ async fn entries<M: schema::Message>(bus: &SharedBus, key: &str) -> Vec<M> {
 /// Dead letters by the stream they came from: (message id, reason).
 async fn dead_by_stream(bus: &SharedBus, ns: &str) -> BTreeMap<String, Vec<(String, String)>> {
     let mut out: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
-    for l in entries::<DeadLetter>(bus, &format!("{ns}:dead")).await {
+    for l in common::dead_letters(bus, ns).await {
         let stream = l.source_stream.rsplit(':').next().unwrap_or("").to_string();
         let id = match stream.as_str() {
             "prompts" => schema::decode::<Prompt>(&l.payload).map(|p| p.prompt_id),
@@ -466,19 +466,10 @@ async fn every_message_is_processed_or_refused_and_no_stage_stops() {
 
     // train: each scored group (fed or from the scorer) was trained, dead-lettered, or is in
     // the last partial batch; nothing was dropped (ids are unique, max_lag is wide).
-    let state_dir = ckpt.join(
-        std::fs::read_to_string(ckpt.join("latest"))
-            .expect("latest")
-            .trim(),
-    );
-    let state: serde_json::Value = serde_json::from_str(
-        &std::fs::read_to_string(state_dir.join("state.json")).expect("state"),
-    )
-    .expect("json");
-    let trained: HashSet<String> =
-        serde_json::from_value(state["recent_groups"].clone()).expect("groups");
+    let trained: HashSet<String> = common::trained_groups(&ckpt).into_iter().collect();
     let dropped: BTreeMap<String, u64> =
-        serde_json::from_value(state["dropped"].clone()).unwrap_or_default();
+        serde_json::from_value(common::checkpoint_state(&ckpt)["dropped"].clone())
+            .unwrap_or_default();
     assert!(
         dropped.values().all(|&n| n == 0),
         "dropped {dropped:?} (seed {seed})"

@@ -481,6 +481,58 @@ pub async fn pending_groups(
     out
 }
 
+/// `rlstream train` on the scored stream of `ns` for two steps of four groups (any age),
+/// from `model`, checkpointing to `ckpt`, with `env` set; its stdout.
+pub fn train_two_steps(ns: &str, model: &Path, ckpt: &Path, env: &[(&str, &str)]) -> String {
+    run_ok_with_env(
+        &[
+            "train",
+            "--redis",
+            &redis_url(),
+            "--namespace",
+            ns,
+            "--model",
+            model.to_str().expect("utf-8"),
+            "--steps",
+            "2",
+            "--groups-per-step",
+            "4",
+            "--max-lag",
+            "1000",
+            "--checkpoint-dir",
+            ckpt.to_str().expect("utf-8"),
+        ],
+        env,
+    )
+}
+
+/// `state.json` of the newest checkpoint under `ckpt`.
+pub fn checkpoint_state(ckpt: &Path) -> serde_json::Value {
+    let name = std::fs::read_to_string(ckpt.join("latest")).expect("latest");
+    let text = std::fs::read_to_string(ckpt.join(name.trim()).join("state.json")).expect("state");
+    serde_json::from_str(&text).expect("state.json")
+}
+
+/// The group ids the newest checkpoint under `ckpt` remembers training, in order.
+pub fn trained_groups(ckpt: &Path) -> Vec<String> {
+    serde_json::from_value(checkpoint_state(ckpt)["recent_groups"].clone()).expect("groups")
+}
+
+/// Every entry of `ns:dead`, decoded.
+pub async fn dead_letters(bus: &SharedBus, ns: &str) -> Vec<schema_mod::DeadLetter> {
+    bus.range(
+        &format!("{ns}:dead"),
+        RangeBound::Open,
+        RangeBound::Open,
+        1_000_000,
+    )
+    .await
+    .expect("range")
+    .iter()
+    .map(|e| schema_mod::decode(&e.payload).expect("a dead letter"))
+    .collect()
+}
+
 /// Entry ids pending in a consumer group (XPENDING).
 pub async fn pending(ns: &str, stream: &str, group: &str) -> HashSet<EntryId> {
     let client = redis::Client::open(redis_url()).unwrap();

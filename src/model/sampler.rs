@@ -516,4 +516,71 @@ mod tests {
             .sum();
         assert!(chi2 < 20.5, "chi2 = {chi2}, counts {counts:?}, p {p:?}");
     }
+
+    fn short_context_model() -> Policy<burn::backend::NdArray> {
+        let mut cfg = super::super::PolicyConfig::tiny(super::super::Architecture::Llama, 12);
+        cfg.max_position = 8;
+        cfg.eos_token_id = None;
+        Policy::random(&cfg, 3, &Default::default()).expect("model")
+    }
+
+    #[test]
+    fn completions_end_where_the_context_ends_and_a_full_prompt_is_refused() {
+        let model = short_context_model();
+        let req = |prompt: Vec<u32>| Request {
+            id: 0,
+            prompt,
+            n: 2,
+            params: SamplingParams {
+                max_new_tokens: 5,
+                ..params(1.0, 0, 1.0)
+            },
+        };
+        for (prompt_len, completion) in [(1, 5), (3, 5), (4, 4), (7, 1)] {
+            let done = Generator::generate(&model, 0, &[req(vec![2; prompt_len])]).expect("ran");
+            for c in &done {
+                assert_eq!(c.tokens.len(), completion, "prompt of {prompt_len}");
+                assert_eq!(c.finish, FinishReason::Length);
+            }
+        }
+        let mut g = Generator::new();
+        match g.admit(&model, 0, &req(vec![2; 8])) {
+            Err(ModelError::Refused(r)) => assert_eq!(r.reason, "context"),
+            other => panic!("a prompt of the whole context: {other:?}"),
+        }
+        match g.admit(&model, 0, &req(vec![2, 12])) {
+            Err(ModelError::Refused(r)) => assert_eq!(r.reason, "vocabulary"),
+            other => panic!("an id past the vocabulary: {other:?}"),
+        }
+        assert!(g.is_idle(), "a refused prompt leaves nothing behind");
+    }
+
+    #[test]
+    fn a_dropped_request_leaves_the_other_rows_decoding() {
+        let model = short_context_model();
+        let mut g = Generator::new();
+        for (id, prompt) in [(0u64, vec![1, 2]), (1, vec![3])] {
+            let r = Request {
+                id,
+                prompt,
+                n: 2,
+                params: params(1.0, 0, 1.0),
+            };
+            g.admit(&model, 0, &r).expect("admit");
+        }
+        let before = g.snapshot();
+        g.forward(&model).expect("pass");
+        g.restore(before);
+        for i in 0..g.active() {
+            g.probe_row(&model, i).expect("each row runs alone");
+        }
+        g.drop_request(0);
+        assert_eq!(g.row_requests(), [1, 1]);
+        let mut done = Vec::new();
+        while !g.is_idle() {
+            done.extend(g.step(&model, 0).expect("step"));
+        }
+        assert!(done.iter().all(|c| c.request_id == 1), "{}", done.len());
+        assert_eq!(done.len(), 2);
+    }
 }

@@ -226,3 +226,50 @@ impl Reader {
         }))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fit(truncate: TruncatePrompt) -> PromptFit {
+        PromptFit {
+            limits: Limits {
+                vocab: 10,
+                context: 8,
+            },
+            bos: 1,
+            max_new_tokens: 3,
+            truncate,
+        }
+    }
+
+    #[test]
+    fn prompts_are_fitted_to_the_context_or_refused() {
+        let none = fit(TruncatePrompt::None);
+        assert_eq!(
+            none.apply(vec![]),
+            Ok(vec![1]),
+            "an empty prompt starts at BOS"
+        );
+        // Whole: anything shorter than the context (the completion gets what is left).
+        assert_eq!(none.apply(vec![9; 7]), Ok(vec![9; 7]));
+        let r = none.apply(vec![2; 8]).expect_err("at the context");
+        assert_eq!(r.reason, "context");
+        assert_eq!(
+            none.apply(vec![2, 10]).expect_err("id").reason,
+            "vocabulary"
+        );
+        // Left: the end is kept so that max_new_tokens fit; short prompts are untouched.
+        let left = fit(TruncatePrompt::Left);
+        assert_eq!(
+            left.apply(vec![1, 2, 3, 4, 5, 6, 7]),
+            Ok(vec![3, 4, 5, 6, 7])
+        );
+        assert_eq!(left.apply((0..9).collect()), Ok(vec![4, 5, 6, 7, 8]));
+        assert_eq!(left.apply(vec![1, 2]), Ok(vec![1, 2]));
+        assert_eq!(
+            left.apply(vec![2, 10, 3]).expect_err("id").reason,
+            "vocabulary"
+        );
+    }
+}

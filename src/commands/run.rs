@@ -42,6 +42,9 @@ use tokio::sync::{mpsc, watch};
 const RL_PROMPT_SALT: u64 = 0x0005_eed0_fa11;
 /// How often the async feeder checks the prompt backlog.
 const FEED_POLL: Duration = Duration::from_millis(10);
+/// Most entries read to count a queue whose lag Redis cannot report (see
+/// [`waiting`]); the report's queue columns stop there.
+const QUEUE_SCAN_CAP: u64 = 1000;
 /// Held-out prompts for the greedy before/after evaluation.
 pub const EVAL_PROMPTS: usize = 128;
 
@@ -187,9 +190,9 @@ pub const RUN_DEFAULTS: &str = "[train]\nlr = 5e-4\nsteps = 200\ncheckpoint_ever
 async fn queue_depths(bus: &SharedBus, topo: &Topology) -> [u64; 3] {
     let bus = bus.as_ref();
     [
-        waiting(bus, topo, Stream::Prompts, true).await,
-        waiting(bus, topo, Stream::Rollouts, true).await,
-        waiting(bus, topo, Stream::Scored, false).await,
+        waiting(bus, topo, Stream::Prompts, true, QUEUE_SCAN_CAP).await,
+        waiting(bus, topo, Stream::Rollouts, true, QUEUE_SCAN_CAP).await,
+        waiting(bus, topo, Stream::Scored, false, QUEUE_SCAN_CAP).await,
     ]
 }
 

@@ -50,17 +50,38 @@ pub enum StageError {
 /// XINFO: not yet delivered (lag), plus delivered but unacked when `count_pending`; the
 /// whole stream while the group does not exist yet. 0 when the stream cannot be read (the
 /// callers only pace with it).
-pub async fn waiting(bus: &dyn Bus, topo: &Topology, stream: Stream, count_pending: bool) -> u64 {
-    let group = topo.group(stream);
-    let Ok(s) = bus.stats(&topo.key(stream)).await else {
+///
+/// Redis cannot report the lag of a group after it restarts from its append-only file,
+/// until the group next reads to the end of the stream (a trainer that reads a step at a
+/// time may never do so). The lag is then counted by reading the undelivered entries, at
+/// most `cap` of them: callers that compare it with a bound pass the bound.
+pub async fn waiting(
+    bus: &dyn Bus,
+    topo: &Topology,
+    stream: Stream,
+    count_pending: bool,
+    cap: u64,
+) -> u64 {
+    let (key, group) = (topo.key(stream), topo.group(stream));
+    let Ok(s) = bus.stats(&key).await else {
         return 0;
     };
-    s.groups
-        .iter()
-        .find(|g| g.name == group)
-        .map_or(s.length, |g| {
-            g.lag.unwrap_or(0) + if count_pending { g.pending } else { 0 }
-        })
+    let Some(g) = s.groups.iter().find(|g| g.name == group) else {
+        return s.length;
+    };
+    let lag = match g.lag {
+        Some(lag) => lag,
+        None => bus
+            .range(
+                &key,
+                crate::bus::RangeBound::Exclusive(g.last_delivered),
+                crate::bus::RangeBound::Open,
+                cap as usize,
+            )
+            .await
+            .map_or(0, |e| e.len() as u64),
+    };
+    lag + if count_pending { g.pending } else { 0 }
 }
 
 /// How often a stage writes a `heartbeat` event.

@@ -25,6 +25,7 @@ use arc_swap::ArcSwap;
 use burn::tensor::backend::Backend;
 use bytes::Bytes;
 use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -383,6 +384,9 @@ pub struct Follower<B: Backend> {
     transport: Transport,
     /// Versions rejected (bad checksum, bad shape), for reporting.
     pub rejected: u64,
+    /// The newest version announced and not rejected: how far the trainer is ahead of the
+    /// slot, for the generator's in-flight bound.
+    announced: Arc<AtomicU64>,
 }
 
 impl<B: Backend> Follower<B>
@@ -390,6 +394,7 @@ where
     B::Device: Default,
 {
     pub fn new(bus: SharedBus, topo: Topology, config: PolicyConfig, slot: ModelSlot<B>) -> Self {
+        let version = slot.load().version;
         Follower {
             bus,
             topo,
@@ -398,7 +403,14 @@ where
             last_id: EntryId::ZERO,
             transport: Transport::Bus,
             rejected: 0,
+            announced: Arc::new(AtomicU64::new(version)),
         }
+    }
+
+    /// The newest version announced on the weights stream and not rejected (the slot's
+    /// version until one is read).
+    pub fn announced(&self) -> Arc<AtomicU64> {
+        self.announced.clone()
     }
 
     pub fn with_transport(mut self, transport: Transport) -> Self {
@@ -434,6 +446,7 @@ where
         if a.version <= current {
             return Ok(None);
         }
+        self.announced.fetch_max(a.version, Ordering::Relaxed);
         let began = std::time::Instant::now();
         let swapped = self.sync(a, current).await?;
         if swapped.is_some() {
@@ -502,6 +515,9 @@ where
     }
 
     fn reject(&mut self) {
+        // A rejected version will not be swapped in: it no longer counts as the newest.
+        self.announced
+            .store(self.slot.load().version, Ordering::Relaxed);
         self.rejected += 1;
         crate::metrics::error(Stage::Gen, "weights_rejected");
     }

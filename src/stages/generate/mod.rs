@@ -21,7 +21,9 @@
 //! that caused it (see [`crate::model::fault`]).
 //!
 //! In-flight bound: a prompt is admitted only while the work started but not yet trained
-//! stays under `max_lag × groups_per_step` groups (at least one step's): groups decoding here, plus the
+//! stays under `(max_lag − behind) × groups_per_step` groups, where `behind` is how many
+//! versions the model being decoded with trails the newest announced one (a prompt started
+//! on older weights is that much staler when trained): groups decoding here, plus the
 //! rollouts not yet scored (pending and lag of the `score` group) and the scored groups not
 //! yet delivered to the trainer (lag of the `train` group), from XINFO. Scored groups the
 //! trainer has taken are not counted: it holds them unacked until its next checkpoint even
@@ -51,9 +53,10 @@ use reader::Settled;
 use reader::{Reader, Shared};
 use std::future::Future;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::Duration;
+use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -80,12 +83,13 @@ fn spawn_follower(
     slot: ModelSlot<InferBackend>,
     transport: Transport,
     stop: Arc<AtomicBool>,
-) -> JoinHandle<u64> {
+) -> (JoinHandle<u64>, Arc<AtomicU64>) {
     let model_config = slot.load().policy.config().clone();
     let mut follower =
         Follower::new(bus, topo.clone(), model_config, slot).with_transport(transport);
+    let announced = follower.announced();
     let block = Duration::from_millis(topo.block_ms);
-    tokio::spawn(async move {
+    let task = tokio::spawn(async move {
         let mut backoff = Duration::from_millis(100);
         while !stop.load(Ordering::Relaxed) {
             match follower.poll(block).await {
@@ -100,7 +104,8 @@ fn spawn_follower(
             }
         }
         follower.rejected
-    })
+    });
+    (task, announced)
 }
 
 /// Publishes finished groups and acks their prompts.
@@ -110,6 +115,8 @@ struct Publisher<'a> {
     /// Tells the reader which prompt entries are acked, and which failed.
     settled: tokio::sync::mpsc::UnboundedSender<Settled>,
     in_flight: Arc<AtomicUsize>,
+    /// Wakes a reader held back by the in-flight bound.
+    released: Arc<Notify>,
     summary: GenSummary,
 }
 
@@ -122,8 +129,9 @@ impl Publisher<'_> {
             match d {
                 Decoded::Group(f) => batch.push(f),
                 Decoded::Failed(f) => {
-                    self.in_flight.fetch_sub(1, Ordering::Relaxed);
                     let _ = self.settled.send(Settled::Failed(f));
+                    self.in_flight.fetch_sub(1, Ordering::Relaxed);
+                    self.released.notify_one();
                 }
             }
         }
@@ -145,6 +153,7 @@ impl Publisher<'_> {
             .await?;
         let _ = self.settled.send(Settled::Acked(entries));
         self.in_flight.fetch_sub(batch.len(), Ordering::Relaxed);
+        self.released.notify_one();
         let tokens: u64 = batch
             .iter()
             .map(|f| f.group.completion_tokens() as u64)
@@ -181,11 +190,16 @@ pub async fn run(
     let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<Settled>();
     let decoder = Decoder::new(policy.clone(), cfg.clone(), slot.clone());
     let decode = decoder.spawn(admit_rx, done_tx, stop.clone())?;
-    let follower = spawn_follower(bus.clone(), topo, slot.clone(), transport, stop.clone());
+    let (follower, announced) =
+        spawn_follower(bus.clone(), topo, slot.clone(), transport, stop.clone());
+    let released = Arc::new(Notify::new());
     let model = slot.load().policy.config().clone();
     let shared = Shared {
         stop: stop.clone(),
         in_flight: in_flight.clone(),
+        released: released.clone(),
+        announced,
+        slot: slot.clone(),
     };
     let reader = Reader::join(policy, cfg, bus.clone(), topo, tokenizer, &model, shared).await?;
     let reader = tokio::spawn(reader.run(admit_tx, settled_rx));
@@ -194,6 +208,7 @@ pub async fn run(
         topo,
         settled: settled_tx,
         in_flight,
+        released,
         summary: GenSummary::default(),
     };
     crate::metrics::started(Stage::Gen);

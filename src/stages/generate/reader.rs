@@ -6,26 +6,27 @@ use super::GenConfig;
 use super::config::TruncatePrompt;
 use super::decode::{Admit, Failed};
 use crate::bus::{Bus, Consumer, ConsumerOptions, Delivery, EntryId, SharedBus, Topology};
+use crate::model::InferBackend;
 use crate::model::PolicyConfig;
 use crate::model::tokenizer::Tokenizer;
 use crate::roles::{Stage, Stream};
 use crate::schema::{Limits, Prompt, Refusal};
 use crate::stages::StageError;
+use crate::weights::ModelSlot;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
+use tokio::sync::Notify;
 
 /// How often the reader refreshes the backlog of the downstream streams.
 const BACKLOG_REFRESH: Duration = Duration::from_millis(250);
-/// How long a reader held back by the in-flight bound waits before looking again.
-const BOUND_RECHECK: Duration = Duration::from_millis(10);
 
 /// Work started but not trained, in groups, from the downstream streams' XINFO (see the
-/// stage docs for what is counted).
-async fn downstream_backlog(bus: &dyn Bus, topo: &Topology) -> u64 {
-    crate::stages::waiting(bus, topo, Stream::Rollouts, true).await
-        + crate::stages::waiting(bus, topo, Stream::Scored, false).await
+/// stage docs for what is counted); exact up to `cap`.
+async fn downstream_backlog(bus: &dyn Bus, topo: &Topology, cap: u64) -> u64 {
+    crate::stages::waiting(bus, topo, Stream::Rollouts, true, cap).await
+        + crate::stages::waiting(bus, topo, Stream::Scored, false, cap).await
 }
 
 /// What became of a prompt the reader handed on.
@@ -68,6 +69,14 @@ pub struct Shared {
     pub stop: Arc<AtomicBool>,
     /// Groups admitted and not yet published.
     pub in_flight: Arc<AtomicUsize>,
+    /// Signalled when a group leaves `in_flight` (published or failed).
+    pub released: Arc<Notify>,
+    /// The newest weights version announced (see [`Follower::announced`]).
+    ///
+    /// [`Follower::announced`]: crate::weights::Follower::announced
+    pub announced: Arc<AtomicU64>,
+    /// The model being decoded with.
+    pub slot: ModelSlot<InferBackend>,
 }
 
 pub struct Reader {
@@ -77,8 +86,9 @@ pub struct Reader {
     tokenizer: Tokenizer,
     /// What the model takes, and how a prompt is fitted to it.
     fit: PromptFit,
-    /// Most groups in flight: `max_lag × groups_per_step` (at least one step's).
-    bound: usize,
+    /// Steps of work allowed in flight: `max_lag` (at least 1).
+    max_lag: u64,
+    groups_per_step: usize,
     /// Most groups waiting here for rows, so a stopped generator leaves little pending.
     local_cap: usize,
     backlog: u64,
@@ -121,7 +131,8 @@ impl Reader {
                 max_new_tokens: cfg.max_new_tokens as usize,
                 truncate: cfg.truncate_prompt,
             },
-            bound: (policy.max_lag.max(1) * policy.groups_per_step as u64) as usize,
+            max_lag: policy.max_lag.max(1),
+            groups_per_step: policy.groups_per_step,
             local_cap: per_batch * 2,
             backlog: 0,
             refreshed: None,
@@ -180,21 +191,37 @@ impl Reader {
         Ok(())
     }
 
-    /// Whether the in-flight bound leaves room for more prompts; when it does not, waits a
-    /// moment first.
+    /// Most groups in flight now: `max_lag` steps' worth, less a step for each version the
+    /// model being decoded with is behind the newest announced one. A group started now
+    /// is trained after the groups ahead of it, so its staleness then is about the steps
+    /// ahead of it plus the versions the generator is already behind; bounding the sum
+    /// keeps it within `max_lag` (the trainer drops what is older).
+    fn bound(&self) -> usize {
+        let behind = self
+            .shared
+            .announced
+            .load(Ordering::Relaxed)
+            .saturating_sub(self.shared.slot.load().version);
+        self.max_lag.saturating_sub(behind) as usize * self.groups_per_step
+    }
+
+    /// Whether the in-flight bound leaves room for more prompts; when it does not, waits
+    /// until a group leaves or the backlog is due for a refresh.
     async fn room(&mut self) -> bool {
-        let due = self.refreshed.map_or(Duration::ZERO, |t| {
+        let mut due = self.refreshed.map_or(Duration::ZERO, |t| {
             BACKLOG_REFRESH.saturating_sub(t.elapsed())
         });
         if due.is_zero() {
-            self.backlog = downstream_backlog(self.bus.as_ref(), &self.topo).await;
+            let cap = (self.max_lag as usize * self.groups_per_step).min(10_000) as u64;
+            self.backlog = downstream_backlog(self.bus.as_ref(), &self.topo, cap).await;
             self.refreshed = Some(Instant::now());
+            due = BACKLOG_REFRESH;
         }
         let local = self.shared.in_flight.load(Ordering::Relaxed);
-        if local < self.local_cap && (self.backlog as usize + local) < self.bound {
+        if local < self.local_cap && (self.backlog as usize + local) < self.bound() {
             return true;
         }
-        tokio::time::sleep(BOUND_RECHECK).await;
+        let _ = tokio::time::timeout(due, self.shared.released.notified()).await;
         false
     }
 

@@ -186,6 +186,29 @@ impl<B: Backend> Policy<B> {
         positions: &[usize],
         mode: AttnMode<'_, B>,
     ) -> Tensor<B, 3> {
+        let x = self.trunk(tokens, positions, mode);
+        let [b, l, d] = x.dims();
+        self.project(x.reshape([b * l, d]))
+            .reshape([b, l, self.config.vocab_size])
+    }
+
+    /// Logits `[rows, vocab]` of final hidden states `[rows, hidden]` (the LM head, or the
+    /// tied embedding).
+    pub(crate) fn project(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        match &self.head {
+            Some(head) => head.forward(x),
+            None => x.matmul(self.embed.weight.val().transpose()),
+        }
+    }
+
+    /// Final hidden states `[batch, len, hidden]` (after the last norm): everything but
+    /// the LM head.
+    pub(crate) fn trunk(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        positions: &[usize],
+        mode: AttnMode<'_, B>,
+    ) -> Tensor<B, 3> {
         let [b, l] = tokens.dims();
         let device = tokens.device();
         let hd = self.config.head_dim;
@@ -219,17 +242,7 @@ impl<B: Backend> Policy<B> {
                 cache.len = total;
             }
         }
-        let x = self.norm.forward(x);
-        match &self.head {
-            Some(head) => head.forward(x),
-            None => {
-                let [b, l, d] = x.dims();
-                let w = self.embed.weight.val();
-                x.reshape([b * l, d])
-                    .matmul(w.transpose())
-                    .reshape([b, l, self.config.vocab_size])
-            }
-        }
+        self.norm.forward(x)
     }
 
     /// Logits of whole sequences `[batch, len]` from position 0 (the trainer's view; also
@@ -238,6 +251,14 @@ impl<B: Backend> Policy<B> {
         let [b, l] = tokens.dims();
         let positions: Vec<usize> = (0..b).flat_map(|_| 0..l).collect();
         self.forward_with(tokens, &positions, AttnMode::Full)
+    }
+
+    /// Final hidden states of whole sequences `[batch, len]` from position 0 (the
+    /// trainer's view before the LM head; see [`super::logprobs`]).
+    pub fn hidden(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        let [b, l] = tokens.dims();
+        let positions: Vec<usize> = (0..b).flat_map(|_| 0..l).collect();
+        self.trunk(tokens, &positions, AttnMode::Full)
     }
 
     /// An empty cache for `rows` rows.

@@ -6,7 +6,6 @@
 
 use super::llama::{MASKED, Policy};
 use crate::schema::SamplingMask;
-use burn::tensor::activation::log_softmax;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
@@ -20,6 +19,12 @@ pub struct ScoredSeq<'a> {
 
 /// Log-probs `[batch, max_completion]` of each completion token and a `[batch,
 /// max_completion]` 0/1 tensor marking real (not padding) entries.
+///
+/// Only the positions that predict a completion token go through the LM head and the
+/// log-softmax: the trunk runs over prompt + completion, then the hidden states of those
+/// positions are gathered (`[batch × max_completion, hidden]`) before the vocabulary-sized
+/// work. Each log-prob is `logit[token] − logsumexp(logits)` (over the kept ids when the
+/// sampler recorded a mask), without materialising the full log-softmax.
 pub fn completion_logprobs<B: Backend>(
     model: &Policy<B>,
     seqs: &[ScoredSeq<'_>],
@@ -29,7 +34,7 @@ pub fn completion_logprobs<B: Backend>(
     let b = seqs.len();
     let lmax = seqs
         .iter()
-        .map(|s| s.prompt.len() + s.completion.len())
+        .map(|s| s.prompt.len().max(1) + s.completion.len())
         .max()
         .unwrap_or(1)
         .max(1);
@@ -39,40 +44,41 @@ pub fn completion_logprobs<B: Backend>(
         .max()
         .unwrap_or(0)
         .max(1);
-    // Inputs: prompt ++ completion, right-padded. Targets: the next token at each position.
+    // Inputs: prompt ++ completion, right-padded. Row `r`'s completion token `j` is
+    // predicted at position `p − 1 + j` (`p`: its prompt length, at least 1).
     let mut input = vec![0i64; b * lmax];
-    let mut target = vec![0i64; b * lmax];
-    let mut cols = vec![0i64; b * cmax];
+    let mut rows = vec![0i64; b * cmax];
+    let mut target = vec![0i64; b * cmax];
     let mut valid = vec![0f32; b * cmax];
     for (r, s) in seqs.iter().enumerate() {
-        let full: Vec<u32> = s.prompt.iter().chain(s.completion).copied().collect();
-        for (t, &tok) in full.iter().enumerate() {
+        for (t, &tok) in s.prompt.iter().chain(s.completion).enumerate() {
             input[r * lmax + t] = i64::from(tok);
-            if t > 0 {
-                target[r * lmax + t - 1] = i64::from(tok);
-            }
         }
         let p = s.prompt.len().max(1);
         for j in 0..cmax {
-            cols[r * cmax + j] = (p - 1 + j.min(s.completion.len().saturating_sub(1))) as i64;
-            valid[r * cmax + j] = if j < s.completion.len() { 1.0 } else { 0.0 };
+            let k = r * cmax + j;
+            let jj = j.min(s.completion.len().saturating_sub(1));
+            rows[k] = (r * lmax + p - 1 + jj) as i64;
+            target[k] = s.completion.get(j).map_or(0, |&t| i64::from(t));
+            valid[k] = if j < s.completion.len() { 1.0 } else { 0.0 };
         }
     }
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(input, [b, lmax]), &device);
-    let logits = model.forward(tokens);
+    let hidden = model.hidden(tokens);
+    let d = hidden.dims()[2];
+    let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [b * cmax]), &device);
+    let picked = hidden.reshape([b * lmax, d]).select(0, rows);
+    let logits = model.project(picked);
     let scaled = if temperature > 0.0 && temperature != 1.0 {
         logits.div_scalar(temperature)
     } else {
         logits
     };
-    let target = Tensor::<B, 3, Int>::from_data(TensorData::new(target, [b, lmax, 1]), &device);
-    let cols = Tensor::<B, 2, Int>::from_data(TensorData::new(cols, [b, cmax]), &device);
+    let n = b * cmax;
+    let target = Tensor::<B, 2, Int>::from_data(TensorData::new(target, [n, 1]), &device);
     let valid = Tensor::<B, 2>::from_data(TensorData::new(valid, [b, cmax]), &device);
-
-    let full = log_softmax(scaled.clone(), 2)
-        .gather(2, target.clone())
-        .reshape([b, lmax]);
-    let full = full.gather(1, cols.clone());
+    let tok = scaled.clone().gather(1, target.clone());
+    let full = (tok.clone() - logsumexp(scaled.clone())).reshape([b, cmax]);
     if seqs.iter().all(|s| s.mask.is_none()) {
         return (full * valid.clone(), valid);
     }
@@ -85,16 +91,14 @@ pub fn completion_logprobs<B: Backend>(
         .max()
         .unwrap_or(1)
         .max(1);
-    let mut kept = vec![0i64; b * lmax * kmax];
-    let mut bias = vec![MASKED; b * lmax * kmax];
-    let mut use_mask = vec![0f32; b * cmax];
+    let mut kept = vec![0i64; n * kmax];
+    let mut bias = vec![MASKED; n * kmax];
+    let mut use_mask = vec![0f32; n];
     for (r, s) in seqs.iter().enumerate() {
-        let p = s.prompt.len().max(1);
-        for t in 0..lmax {
-            let base = (r * lmax + t) * kmax;
-            let j = (t + 1).checked_sub(p);
-            match (s.mask, j) {
-                (Some(m), Some(j)) if j < s.completion.len() => {
+        for j in 0..cmax {
+            let base = (r * cmax + j) * kmax;
+            match s.mask {
+                Some(m) if j < s.completion.len() => {
                     for (slot, &id) in m.step(j).iter().enumerate() {
                         kept[base + slot] = i64::from(id);
                         bias[base + slot] = 0.0;
@@ -102,27 +106,24 @@ pub fn completion_logprobs<B: Backend>(
                     for slot in m.step(j).len()..kmax {
                         kept[base + slot] = i64::from(s.completion[j]);
                     }
+                    use_mask[r * cmax + j] = 1.0;
                 }
-                _ => {
-                    kept[base] = 0;
-                    bias[base] = 0.0;
-                }
-            }
-        }
-        if s.mask.is_some() {
-            for j in 0..s.completion.len() {
-                use_mask[r * cmax + j] = 1.0;
+                _ => bias[base] = 0.0,
             }
         }
     }
-    let kept = Tensor::<B, 3, Int>::from_data(TensorData::new(kept, [b, lmax, kmax]), &device);
-    let bias = Tensor::<B, 3>::from_data(TensorData::new(bias, [b, lmax, kmax]), &device);
-    let kept_logits = scaled.clone().gather(2, kept) + bias;
-    let m = kept_logits.clone().max_dim(2).detach();
-    let lse = (kept_logits - m.clone()).exp().sum_dim(2).log() + m;
-    let tok = scaled.gather(2, target);
-    let masked = (tok - lse).reshape([b, lmax]).gather(1, cols);
+    let kept = Tensor::<B, 2, Int>::from_data(TensorData::new(kept, [n, kmax]), &device);
+    let bias = Tensor::<B, 2>::from_data(TensorData::new(bias, [n, kmax]), &device);
+    let kept_lse = logsumexp(scaled.gather(1, kept) + bias);
+    let masked = (tok - kept_lse).reshape([b, cmax]);
     let use_mask = Tensor::<B, 2>::from_data(TensorData::new(use_mask, [b, cmax]), &device);
     let out = masked * use_mask.clone() + full * (use_mask.neg() + 1.0);
     (out * valid.clone(), valid)
+}
+
+/// `log Σ exp(x)` over the last dimension of `[rows, n]`, as `[rows, 1]`; the shift by the
+/// row maximum carries no gradient (it cancels).
+fn logsumexp<B: Backend>(x: Tensor<B, 2>) -> Tensor<B, 2> {
+    let m = x.clone().max_dim(1).detach();
+    (x - m.clone()).exp().sum_dim(1).log() + m
 }

@@ -27,6 +27,8 @@ crate::settings! {
         pub weight_decay: f64 = 0.0,
         /// Gradient clipping by global norm.
         pub max_grad_norm: f32 = 1.0,
+        /// Run each step in micro-batches of at most this many prompt + completion tokens, accumulating gradients (0: one pass); bounds activation memory.
+        pub micro_batch_tokens: usize = 0,
         /// PPO clip range below 1.
         pub clip_eps: f32 = 0.2,
         /// PPO clip range above 1.

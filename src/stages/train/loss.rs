@@ -8,6 +8,7 @@ use crate::model::{ModelError, Policy};
 use crate::schema::{ScoredGroup, StepRecord};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
+use std::ops::Range;
 
 fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, ModelError> {
     crate::model::host_f32(t.into_data())
@@ -21,47 +22,103 @@ fn scalar<B: Backend>(t: Tensor<B, 1>) -> Result<f32, ModelError> {
         .ok_or_else(|| ModelError::HostCopy("a reduced tensor holds no value".into()))
 }
 
-/// The loss of a batch of groups and its statistics (everything but timing and grad norm).
-pub fn loss<B: AutodiffBackend>(
+/// The samples of a batch of groups, flattened: what the loss runs over.
+pub struct Samples<'a> {
+    seqs: Vec<ScoredSeq<'a>>,
+    adv: Vec<f32>,
+    behaviour: Vec<&'a [f32]>,
+}
+
+impl<'a> Samples<'a> {
+    pub fn of(groups: &[&'a ScoredGroup]) -> Self {
+        let mut out = Samples {
+            seqs: Vec::new(),
+            adv: Vec::new(),
+            behaviour: Vec::new(),
+        };
+        for g in groups {
+            for (s, a) in g.rollout.samples.iter().zip(&g.advantages) {
+                out.seqs.push(ScoredSeq {
+                    prompt: &g.rollout.prompt_tokens,
+                    completion: &s.tokens,
+                    mask: s.mask.as_ref(),
+                });
+                out.adv.push(*a);
+                out.behaviour.push(s.logprobs.as_slice());
+            }
+        }
+        out
+    }
+
+    /// Completion tokens: what the loss is averaged over.
+    pub fn tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.completion.len()).sum()
+    }
+
+    /// Consecutive runs of samples of at most `max_tokens` prompt + completion tokens each
+    /// (a longer sample runs alone); `0` puts every sample in one run.
+    pub fn micro_batches(&self, max_tokens: usize) -> Vec<Range<usize>> {
+        if max_tokens == 0 {
+            return vec![0..self.seqs.len()];
+        }
+        let mut out = Vec::new();
+        let (mut start, mut used) = (0, 0);
+        for (i, s) in self.seqs.iter().enumerate() {
+            let n = s.prompt.len() + s.completion.len();
+            if i > start && used + n > max_tokens {
+                out.push(start..i);
+                (start, used) = (i, 0);
+            }
+            used += n;
+        }
+        out.push(start..self.seqs.len());
+        out
+    }
+}
+
+/// What one micro-batch's part of the loss leaves for the step's statistics: host copies
+/// of its ratios, validity and log-probs, and its share of the loss and of the KL.
+#[derive(Debug, Default)]
+pub struct Part {
+    r: Vec<f32>,
+    v: Vec<f32>,
+    l: Vec<f32>,
+    loss: f64,
+    ref_kl: f64,
+}
+
+/// The loss of the samples in `range`: their per-token surrogate (and KL) summed and
+/// divided by `n_tokens`, the whole batch's token count, so that the parts of a batch add
+/// up to its loss and their gradients to its gradient.
+pub fn part<B: AutodiffBackend>(
     model: &Policy<B>,
     reference: Option<&Policy<B::InnerBackend>>,
-    groups: &[&ScoredGroup],
+    samples: &Samples,
+    range: Range<usize>,
+    n_tokens: f32,
     cfg: &TrainerSettings,
-) -> Result<(Tensor<B, 1>, StepRecord), ModelError> {
+) -> Result<(Tensor<B, 1>, Part), ModelError> {
     let device = model.device();
-    let mut seqs = Vec::new();
-    let mut adv = Vec::new();
-    let mut behaviour = Vec::new();
-    for g in groups {
-        for (s, a) in g.rollout.samples.iter().zip(&g.advantages) {
-            seqs.push(ScoredSeq {
-                prompt: &g.rollout.prompt_tokens,
-                completion: &s.tokens,
-                mask: s.mask.as_ref(),
-            });
-            adv.push(*a);
-            behaviour.push(s.logprobs.as_slice());
-        }
-    }
+    let seqs = &samples.seqs[range.clone()];
     let b = seqs.len();
-    let (lp, valid) = completion_logprobs(model, &seqs, cfg.policy.temperature);
+    let (lp, valid) = completion_logprobs(model, seqs, cfg.policy.temperature);
     let c = lp.dims()[1];
     let mut mu = vec![0f32; b * c];
     let mut a_tok = vec![0f32; b * c];
-    for (i, (m, a)) in behaviour.iter().zip(&adv).enumerate() {
+    for (i, k) in range.enumerate() {
+        let m = samples.behaviour[k];
         mu[i * c..i * c + m.len()].copy_from_slice(m);
-        a_tok[i * c..(i + 1) * c].fill(*a);
+        a_tok[i * c..(i + 1) * c].fill(samples.adv[k]);
     }
     let mu = Tensor::<B, 2>::from_data(TensorData::new(mu, [b, c]), &device);
     let a_tok = Tensor::<B, 2>::from_data(TensorData::new(a_tok, [b, c]), &device);
     let log_ratio = (lp.clone() - mu) * valid.clone();
     let ratio = log_ratio.clone().exp();
     let per_token = surrogate(ratio.clone(), a_tok, lp.clone(), cfg);
-    let n_tokens: f32 = scalar(valid.clone().sum())?.max(1.0);
     let mut total = (per_token * valid.clone()).sum().div_scalar(n_tokens);
     let mut ref_kl = 0.0;
     if let (Some(reference), true) = (reference, cfg.train.kl_coef > 0.0) {
-        let (ref_lp, _) = completion_logprobs(reference, &seqs, cfg.policy.temperature);
+        let (ref_lp, _) = completion_logprobs(reference, seqs, cfg.policy.temperature);
         let ref_lp = Tensor::<B, 2>::from_inner(ref_lp);
         let d = (ref_lp - lp.clone()) * valid.clone();
         let k3 = (d.clone().exp() - d - 1.0) * valid.clone();
@@ -69,13 +126,27 @@ pub fn loss<B: AutodiffBackend>(
         ref_kl = f64::from(scalar(kl.clone().detach())?);
         total = total + kl.mul_scalar(cfg.train.kl_coef);
     }
-    let (r, v, l) = (host(ratio.detach())?, host(valid)?, host(lp.detach())?);
-    let stats = StepRecord {
+    let part = Part {
+        r: host(ratio.detach())?,
+        v: host(valid)?,
+        l: host(lp.detach())?,
         loss: f64::from(scalar(total.clone().detach())?),
         ref_kl,
-        ..token_stats(&r, &v, &l, groups, cfg)
     };
-    Ok((total, stats))
+    Ok((total, part))
+}
+
+/// The step's statistics from its parts.
+pub fn stats(parts: &[Part], groups: &[&ScoredGroup], cfg: &TrainerSettings) -> StepRecord {
+    let cat = |f: fn(&Part) -> &Vec<f32>| -> Vec<f32> {
+        parts.iter().flat_map(|p| f(p).iter().copied()).collect()
+    };
+    let (r, v, l) = (cat(|p| &p.r), cat(|p| &p.v), cat(|p| &p.l));
+    StepRecord {
+        loss: parts.iter().map(|p| p.loss).sum(),
+        ref_kl: parts.iter().map(|p| p.ref_kl).sum(),
+        ..token_stats(&r, &v, &l, groups, cfg)
+    }
 }
 
 /// The per-token surrogate loss (negated objective) of the configured kind.

@@ -22,7 +22,6 @@ mod trainer;
 
 pub use checkpoint::CheckpointError;
 pub use config::*;
-pub use loss::loss;
 pub use trainer::{Trainer, TrainerState};
 
 use super::StageError;

@@ -1,15 +1,16 @@
 //! The trainer proper: the model, the optimizer and the persistent state; one `step` per
 //! batch of groups, checkpoints written and resumed through [`super::checkpoint`].
 
+use super::TrainerSettings;
 use super::checkpoint::{self, CheckpointError, MODEL_RECORD, OPTIM_RECORD};
 use super::intake::DropReason;
-use super::{TrainerSettings, loss::loss};
+use super::loss::{self, Samples};
 use crate::model::hf::load_hf;
 use crate::model::{ModelError, Policy, TrainBackend};
 use crate::schema::{ScoredGroup, StepRecord};
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::{AdamW, AdamWConfig, GradientsParams, Optimizer};
+use burn::optim::{AdamW, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{ElementConversion, Tensor};
@@ -63,6 +64,23 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradNorm<'_> {
         if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
             self.sum_sq += g.square().sum().into_scalar().elem::<f64>();
         }
+    }
+}
+
+/// Replaces each parameter by its gradient (zero where it has none), so a model's export
+/// names and lays out its gradients.
+struct GradsAsWeights<'a> {
+    grads: &'a GradientsParams,
+}
+
+impl<B: burn::tensor::backend::Backend> burn::module::ModuleMapper<B> for GradsAsWeights<'_> {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        let (id, value, _) = param.consume();
+        let grad = self
+            .grads
+            .get::<B, D>(id)
+            .unwrap_or_else(|| value.zeros_like());
+        Param::initialized(id, grad)
     }
 }
 
@@ -151,8 +169,7 @@ impl Trainer {
     /// leaves the weights untouched.
     pub fn step(&mut self, groups: &[&ScoredGroup]) -> Result<StepRecord, ModelError> {
         let started = Instant::now();
-        let (loss, mut stats) = loss(&self.model, self.reference.as_ref(), groups, &self.cfg)?;
-        let mut grads = GradientsParams::from_grads(loss.backward(), &self.model);
+        let (mut grads, mut stats) = self.gradients(groups)?;
         let mut norm = GradNorm {
             grads: &grads,
             sum_sq: 0.0,
@@ -189,9 +206,44 @@ impl Trainer {
     /// The step's forward and backward passes on `groups` without the update: how the
     /// stage finds which group made a step fail. Changes nothing.
     pub fn probe(&self, groups: &[&ScoredGroup]) -> Result<(), ModelError> {
-        let (loss, _) = loss(&self.model, self.reference.as_ref(), groups, &self.cfg)?;
-        let _ = loss.backward();
-        Ok(())
+        self.gradients(groups).map(|_| ())
+    }
+
+    /// The gradient of the loss on `groups` and the step's statistics, without stepping:
+    /// micro-batch by micro-batch (`micro_batch_tokens`), each part's gradient added up.
+    pub fn gradients(
+        &self,
+        groups: &[&ScoredGroup],
+    ) -> Result<(GradientsParams, StepRecord), ModelError> {
+        let samples = Samples::of(groups);
+        let n_tokens = samples.tokens().max(1) as f32;
+        let mut sum = GradientsAccumulator::<Policy<TrainBackend>>::new();
+        let mut parts = Vec::new();
+        for range in samples.micro_batches(self.cfg.train.micro_batch_tokens) {
+            let reference = self.reference.as_ref();
+            let (l, part) =
+                loss::part(&self.model, reference, &samples, range, n_tokens, &self.cfg)?;
+            sum.accumulate(
+                &self.model,
+                GradientsParams::from_grads(l.backward(), &self.model),
+            );
+            parts.push(part);
+        }
+        Ok((sum.grads(), loss::stats(&parts, groups, &self.cfg)))
+    }
+
+    /// [`Trainer::gradients`] by Hugging Face parameter name, in the checkpoint layout
+    /// (linear weights `[out, in]`): for comparing with another implementation.
+    pub fn named_gradients(
+        &self,
+        groups: &[&ScoredGroup],
+    ) -> Result<(crate::model::hf::TensorMap, StepRecord), ModelError> {
+        let (grads, stats) = self.gradients(groups)?;
+        let as_weights = self
+            .model
+            .valid()
+            .map(&mut GradsAsWeights { grads: &grads });
+        Ok((as_weights.to_tensors()?, stats))
     }
 
     /// Counts a step taken on `groups` and remembers their ids.

@@ -1,0 +1,70 @@
+#!/usr/bin/env python3
+"""rlstream's trainer against PyTorch at two sizes, side by side in one run: the step time
+and the peak resident memory of one PPO step (forward, backward, AdamW), with and without
+micro-batching, on the same checkpoint and the same batch.
+
+    python benches/scale_vs_torch.py [--sizes small,0.5b] [--steps 3]
+
+PYTHON (default: this interpreter) must have torch and transformers. Sizes: `small` (0.8M
+parameters, 32 x 64 tokens; micro-batches of 512 tokens) and `0.5b` (Qwen2.5-0.5B's shape,
+494M parameters, 8 x 96 tokens; micro-batches of 192 tokens). The 0.5b run needs about
+16 GB of memory and several minutes. Each measurement runs in its own process, one after
+another. Ratios above 1 mean rlstream is faster (time) or smaller (memory).
+"""
+import argparse
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import tempfile
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MICRO = {"small": 512, "0.5b": 192}
+
+
+def rust(*args):
+    out = subprocess.run(
+        ["cargo", "bench", "--quiet", "--bench", "train_scale", "--", *args],
+        cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def torch_step(python, ckpt, micro, steps):
+    out = subprocess.run(
+        [python, str(ROOT / "benches" / "torch_train_step.py"), ckpt, str(micro), str(steps)],
+        check=True, stdout=subprocess.PIPE, text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="small,0.5b")
+    ap.add_argument("--steps", type=int, default=3)
+    args = ap.parse_args()
+    python = os.environ.get("PYTHON", sys.executable)
+    rows = []
+    for size in args.sizes.split(","):
+        with tempfile.TemporaryDirectory() as tmp:
+            ckpt = str(pathlib.Path(tmp) / size)
+            info = rust("write", size, ckpt)
+            for micro in (0, MICRO[size]):
+                ours = rust("step", ckpt, str(micro), str(args.steps))
+                theirs = torch_step(python, ckpt, micro, args.steps)
+                rows.append((size, info["params"], micro, ours, theirs))
+                print(json.dumps({"rlstream": ours, "torch": theirs}), file=sys.stderr)
+    print(f"PyTorch {rows[0][4]['torch']} on {rows[0][4]['threads']} threads")
+    print("| size | params | micro-batch tokens | rlstream step | PyTorch step | speed ratio "
+          "| rlstream peak RSS | PyTorch peak RSS | memory ratio |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for size, params, micro, o, t in rows:
+        print(f"| {size} | {params / 1e6:.1f}M | {micro or 'one pass'} | {o['step_s']:.3f} s "
+              f"| {t['step_s']:.3f} s | {t['step_s'] / o['step_s']:.2f}x "
+              f"| {o['peak_rss_mb'] / 1024:.2f} GB | {t['peak_rss_mb'] / 1024:.2f} GB "
+              f"| {t['peak_rss_mb'] / o['peak_rss_mb']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

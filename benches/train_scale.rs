@@ -1,0 +1,178 @@
+//! The trainer's step at two sizes, the rlstream side of `benches/scale_vs_torch.py`.
+//!
+//! ```text
+//! cargo bench --bench train_scale -- write SIZE DIR          # a random checkpoint
+//! cargo bench --bench train_scale -- step DIR MICRO STEPS    # time it; prints JSON
+//! ```
+//!
+//! SIZE is `small` (the 0.8M-parameter config of `benches/model.rs`, batch 32 × (16 prompt +
+//! 48 completion) tokens) or `0.5b` (Qwen2.5-0.5B's shape: 494M parameters, batch 8 × (32 +
+//! 64)). `step` loads DIR the way `rlstream train` does, takes one warm-up step and STEPS
+//! timed ones on a fixed PPO batch (micro-batches of at most MICRO tokens; 0 for one pass),
+//! and prints the median step time and the process's peak resident memory. Writing the
+//! checkpoint in its own process keeps model construction out of that peak.
+
+use rlstream::config::{PolicySettings, TrainConfig};
+use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
+use rlstream::schema::{self, FinishReason, Sample, SchemaVersion, ScoredGroup, VersionRun};
+use rlstream::stages::train::{Trainer, TrainerSettings};
+use std::path::Path;
+use std::time::Instant;
+
+/// (config, groups, samples per group, prompt tokens, completion tokens) of a size.
+fn shape(size: &str) -> (PolicyConfig, usize, usize, usize, usize) {
+    match size {
+        "small" => (
+            PolicyConfig::new(Architecture::Llama, 128, 128, 384, 4, 4, 2, 32)
+                .with_tie_embeddings(true)
+                .with_max_position(512),
+            4,
+            8,
+            16,
+            48,
+        ),
+        "0.5b" => (
+            PolicyConfig::new(Architecture::Qwen2, 151_936, 896, 4864, 24, 14, 2, 64)
+                .with_qkv_bias(true)
+                .with_tie_embeddings(true)
+                .with_rope_theta(1_000_000.0)
+                .with_max_position(32_768),
+            1,
+            8,
+            32,
+            64,
+        ),
+        other => panic!("unknown size {other}: small or 0.5b"),
+    }
+}
+
+/// The fixed batch: per group one prompt and completions of fixed length, alternating
+/// advantages, behaviour log-probs near a uniform policy's.
+fn batch(size: &str, vocab: u32) -> Vec<ScoredGroup> {
+    let (_, groups, per, prompt, completion) = shape(size);
+    let uniform = -(vocab as f32).ln();
+    (0..groups)
+        .map(|g| {
+            let mut rollout = schema::examples::rollout_group(1, 1, 2, 0);
+            rollout.group_id = format!("bench-{g}");
+            rollout.prompt_tokens = (0..prompt)
+                .map(|j| ((g * 31 + j * 7) as u32) % vocab)
+                .collect::<Vec<_>>()
+                .into();
+            rollout.samples = (0..per)
+                .map(|i| Sample {
+                    tokens: (0..completion)
+                        .map(|j| ((g * 13 + i * 17 + j * 5) as u32) % vocab)
+                        .collect::<Vec<_>>()
+                        .into(),
+                    logprobs: vec![uniform; completion].into(),
+                    versions: vec![VersionRun {
+                        start: 0,
+                        version: 0,
+                    }],
+                    finish: FinishReason::Length,
+                    mask: None,
+                })
+                .collect();
+            ScoredGroup {
+                schema: SchemaVersion::CURRENT,
+                rollout,
+                rewards: vec![0.0; per],
+                advantages: (0..per)
+                    .map(|i| if i % 2 == 0 { 1.0 } else { -1.0 })
+                    .collect(),
+                token_rewards: None,
+                ref_logprobs: None,
+                scorer_id: "bench".into(),
+                scored_us: 0,
+            }
+        })
+        .collect()
+}
+
+/// Peak resident memory of this process in MB (VmHWM).
+fn peak_rss_mb() -> f64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            s.lines()
+                .find_map(|l| l.strip_prefix("VmHWM:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<f64>().ok())
+        })
+        .map_or(0.0, |kb| kb / 1024.0)
+}
+
+fn write(size: &str, dir: &Path) {
+    let (cfg, ..) = shape(size);
+    let model = Policy::<InferBackend>::random(&cfg, 7, &Default::default()).expect("model");
+    model.save_hf(dir).expect("save");
+    println!(
+        "{{\"size\": \"{size}\", \"params\": {}, \"dir\": \"{}\"}}",
+        cfg.num_params(),
+        dir.display()
+    );
+}
+
+fn step(dir: &Path, micro: usize, steps: usize) {
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("config.json")).expect("config.json"),
+    )
+    .expect("json");
+    let vocab = config["vocab_size"].as_u64().expect("vocab_size") as u32;
+    let size = if vocab > 1000 { "0.5b" } else { "small" };
+    let ckpt = tempfile::tempdir().expect("tmp");
+    let settings = TrainerSettings {
+        policy: PolicySettings {
+            model: Some(dir.to_path_buf()),
+            ..PolicySettings::default()
+        },
+        train: TrainConfig {
+            micro_batch_tokens: micro,
+            lr: 1e-5,
+            checkpoint_dir: ckpt.path().to_path_buf(),
+            ..TrainConfig::default()
+        },
+    };
+    let mut trainer = Trainer::start(&settings).expect("trainer");
+    let groups = batch(size, vocab);
+    let refs: Vec<&ScoredGroup> = groups.iter().collect();
+    let mut times = Vec::new();
+    for i in 0..=steps {
+        let t = Instant::now();
+        let record = trainer.step(&refs).expect("step");
+        assert!(!record.skipped, "a skipped step times nothing");
+        if i > 0 {
+            times.push(t.elapsed().as_secs_f64());
+        }
+        eprintln!("step {i}: {:.3} s", t.elapsed().as_secs_f64());
+    }
+    times.sort_by(f64::total_cmp);
+    println!(
+        "{{\"size\": \"{size}\", \"micro_batch_tokens\": {micro}, \"steps\": {steps}, \
+         \"step_s\": {:.4}, \"peak_rss_mb\": {:.0}}}",
+        times[times.len() / 2],
+        peak_rss_mb()
+    );
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
+    match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
+        ["write", size, dir] => write(size, Path::new(dir)),
+        ["step", dir, micro, steps] => step(
+            Path::new(dir),
+            micro.parse().expect("MICRO: a token count"),
+            steps.parse().expect("STEPS: a count"),
+        ),
+        // `cargo bench` with no arguments (as CI's build check runs it): a quick small run.
+        [] => {
+            let dir = tempfile::tempdir().expect("tmp");
+            write("small", dir.path());
+            step(dir.path(), 0, 2);
+        }
+        _ => panic!("usage: write SIZE DIR | step DIR MICRO STEPS"),
+    }
+}

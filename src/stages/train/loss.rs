@@ -59,7 +59,7 @@ impl<'a> Samples<'a> {
     /// (a longer sample runs alone); `0` puts every sample in one run.
     pub fn micro_batches(&self, max_tokens: usize) -> Vec<Range<usize>> {
         if max_tokens == 0 {
-            return vec![0..self.seqs.len()];
+            return std::iter::once(0..self.seqs.len()).collect();
         }
         let mut out = Vec::new();
         let (mut start, mut used) = (0, 0);

@@ -20,7 +20,12 @@ seed, one after the other on this machine. Printed per task:
   achieved ratio is compared with it.
 
 Usage: python3 benches/async_vs_sync.py [--steps 200] [--tasks sort,longsort] [--out DIR]
+                                        [--scorer-latency-ms MS]
 Needs nothing but Python 3 and the release binary (built here with cargo).
+
+`--scorer-latency-ms MS` is the latency-bound scenario, the balance of production RL where
+decoding is on GPUs and scoring waits on sandboxes or tools: rewards come from the external
+scorer `examples/verifier.py`, which waits MS milliseconds per group before answering.
 """
 
 import argparse
@@ -137,7 +142,8 @@ def bench(binary, task, steps, out, extra):
 def report(r):
     a, s = "async", "sync"
     lines = [
-        f"### `{r['task']}`, {r['steps']} steps",
+        f"### `{r['task']}`, {r['steps']} steps"
+        + (f", scorer latency {r['scorer_latency_ms']:g} ms per group" if r.get("scorer_latency_ms") else ""),
         "",
         "| | async | sync | async/sync |",
         "|---|---|---|---|",
@@ -168,8 +174,13 @@ def main():
     p.add_argument("--tasks", default="sort,longsort")
     p.add_argument("--out", default=None, help="where runs and results.json go (default: a temp dir)")
     p.add_argument("--bin", default=None, help="rlstream binary (default: build target/release/rlstream)")
+    p.add_argument("--scorer-latency-ms", type=float, default=0.0,
+                   help="score with examples/verifier.py waiting this long per group")
     p.add_argument("extra", nargs="*", help="more `rlstream run` flags, after --")
     args = p.parse_args()
+    if args.scorer_latency_ms > 0:
+        verifier = os.path.join(ROOT, "examples", "verifier.py")
+        args.extra += ["--scorer-cmd", f"{sys.executable} {verifier} --latency-ms {args.scorer_latency_ms:g}"]
     binary = args.bin
     if binary is None:
         sh(["cargo", "build", "--release", "--quiet"])
@@ -178,6 +189,8 @@ def main():
     os.makedirs(out, exist_ok=True)
     print(f"runs in {out}; {os.cpu_count()} CPUs", file=sys.stderr)
     results = [bench(binary, t, args.steps, out, args.extra) for t in args.tasks.split(",")]
+    for r in results:
+        r["scorer_latency_ms"] = args.scorer_latency_ms
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     for r in results:

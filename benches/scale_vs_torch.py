@@ -3,7 +3,7 @@
 and the peak resident memory of one PPO step (forward, backward, AdamW), with and without
 micro-batching, on the same checkpoint and the same batch.
 
-    python benches/scale_vs_torch.py [--sizes small,0.5b] [--steps 3]
+    python benches/scale_vs_torch.py [--sizes small,0.5b] [--steps 3] [--features blas]
 
 PYTHON (default: this interpreter) must have torch and transformers. Sizes: `small` (0.8M
 parameters, 32 x 64 tokens; micro-batches of 512 tokens) and `0.5b` (Qwen2.5-0.5B's shape,
@@ -23,9 +23,12 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 MICRO = {"small": 512, "0.5b": 192}
 
 
+FEATURES = []
+
+
 def rust(*args):
     out = subprocess.run(
-        ["cargo", "bench", "--quiet", "--bench", "train_scale", "--", *args],
+        ["cargo", "bench", "--quiet", *FEATURES, "--bench", "train_scale", "--", *args],
         cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True,
     )
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -43,19 +46,24 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="small,0.5b")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--features", default="", help="cargo features for rlstream (e.g. blas)")
+    ap.add_argument("--no-micro", action="store_true", help="one pass only")
     args = ap.parse_args()
+    if args.features:
+        FEATURES.extend(["--features", args.features])
     python = os.environ.get("PYTHON", sys.executable)
     rows = []
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = str(pathlib.Path(tmp) / size)
             info = rust("write", size, ckpt)
-            for micro in (0, MICRO[size]):
+            for micro in (0,) if args.no_micro else (0, MICRO[size]):
                 ours = rust("step", ckpt, str(micro), str(args.steps))
                 theirs = torch_step(python, ckpt, micro, args.steps)
                 rows.append((size, info["params"], micro, ours, theirs))
                 print(json.dumps({"rlstream": ours, "torch": theirs}), file=sys.stderr)
-    print(f"PyTorch {rows[0][4]['torch']} on {rows[0][4]['threads']} threads")
+    print(f"PyTorch {rows[0][4]['torch']} on {rows[0][4]['threads']} threads; "
+          f"rlstream features: {args.features or 'default'}")
     print("| size | params | micro-batch tokens | rlstream step | PyTorch step | speed ratio "
           "| rlstream peak RSS | PyTorch peak RSS | memory ratio |")
     print("|---|---|---|---|---|---|---|---|---|")

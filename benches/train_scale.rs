@@ -19,6 +19,9 @@ use rlstream::stages::train::{Trainer, TrainerSettings};
 use std::path::Path;
 use std::time::Instant;
 
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 /// (config, groups, samples per group, prompt tokens, completion tokens) of a size.
 fn shape(size: &str) -> (PolicyConfig, usize, usize, usize, usize) {
     match size {

@@ -10,9 +10,15 @@ Protocol: one JSON object per line on stdin, one answer per line on stdout.
 This one gives exact-match credit against meta["answer"], with half credit for an answer
 that is right up to surrounding whitespace or case. Replace `reward` with your verifier.
 Standard library only; never executes anything from the request.
+
+`--latency-ms N` waits N ms before each answer: a stand-in for a verifier that runs unit
+tests in a sandbox or calls tools, whose latency (tens to hundreds of ms per group) is
+what asynchronous RL hides (benches/async_vs_sync.py --scorer-latency-ms).
 """
+import argparse
 import json
 import sys
+import time
 
 
 def reward(completion: str, answer: str) -> float:
@@ -24,7 +30,12 @@ def reward(completion: str, answer: str) -> float:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--latency-ms", type=float, default=0.0)
+    latency = ap.parse_args().latency_ms / 1000.0
     for line in sys.stdin:
+        if latency > 0:
+            time.sleep(latency)
         try:
             req = json.loads(line)
             answer = req["meta"]["answer"]

@@ -4,6 +4,12 @@
 use anyhow::Context;
 use rlstream::cli::Cli;
 
+/// Tensor buffers are allocated and freed by the thousand per training step; glibc's
+/// allocator hands large ones back to the kernel each time, and the page faults cost about
+/// a fifth of a small model's step (BENCHMARKS.md).
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> anyhow::Result<()> {
     let cli = Cli::try_parse_args(std::env::args_os()).unwrap_or_else(|e| e.exit());
     tracing_subscriber::fmt()

@@ -25,7 +25,9 @@ Needs nothing but Python 3 and the release binary (built here with cargo).
 
 `--scorer-latency-ms MS` is the latency-bound scenario, the balance of production RL where
 decoding is on GPUs and scoring waits on sandboxes or tools: rewards come from the external
-scorer `examples/verifier.py`, which waits MS milliseconds per group before answering.
+scorer `examples/verifier.py`, which waits MS milliseconds per group before answering; a pool
+of `--scorers` (default 8) such processes scores that many groups at once, as a sandbox pool
+would.
 """
 
 import argparse
@@ -143,7 +145,8 @@ def report(r):
     a, s = "async", "sync"
     lines = [
         f"### `{r['task']}`, {r['steps']} steps"
-        + (f", scorer latency {r['scorer_latency_ms']:g} ms per group" if r.get("scorer_latency_ms") else ""),
+        + (f", scorer latency {r['scorer_latency_ms']:g} ms per group, {r['scorers']} scorers"
+           if r.get("scorer_latency_ms") else ""),
         "",
         "| | async | sync | async/sync |",
         "|---|---|---|---|",
@@ -176,11 +179,14 @@ def main():
     p.add_argument("--bin", default=None, help="rlstream binary (default: build target/release/rlstream)")
     p.add_argument("--scorer-latency-ms", type=float, default=0.0,
                    help="score with examples/verifier.py waiting this long per group")
+    p.add_argument("--scorers", type=int, default=8,
+                   help="with --scorer-latency-ms: external scorer processes (groups scored at once)")
     p.add_argument("extra", nargs="*", help="more `rlstream run` flags, after --")
     args = p.parse_args()
     if args.scorer_latency_ms > 0:
         verifier = os.path.join(ROOT, "examples", "verifier.py")
-        args.extra += ["--scorer-cmd", f"{sys.executable} {verifier} --latency-ms {args.scorer_latency_ms:g}"]
+        args.extra += ["--scorer-cmd", f"{sys.executable} {verifier} --latency-ms {args.scorer_latency_ms:g}",
+                       "--scorers", str(args.scorers)]
     binary = args.bin
     if binary is None:
         sh(["cargo", "build", "--release", "--quiet"])
@@ -191,6 +197,7 @@ def main():
     results = [bench(binary, t, args.steps, out, args.extra) for t in args.tasks.split(",")]
     for r in results:
         r["scorer_latency_ms"] = args.scorer_latency_ms
+        r["scorers"] = args.scorers
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     for r in results:

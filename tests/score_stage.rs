@@ -97,6 +97,44 @@ async fn python_example_verifier_scores_over_json_lines() {
     assert_eq!(out[0].advantages, vec![0.5, 0.0, -0.5]);
 }
 
+/// A pool of three external scorers (each answering after 50 ms, so their calls overlap)
+/// scores a batch of seven groups: every group gets its own rewards, in its own order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_pool_of_scorers_answers_each_group_with_its_own_rewards() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/verifier.py");
+    let cfg = ScoreConfig {
+        scorer_cmd: Some(format!("python3 {script} --latency-ms 50")),
+        scorers: 3,
+        ..ScoreConfig::default()
+    };
+    let groups: Vec<RolloutGroup> = (0..7)
+        .map(|i| {
+            let mut g = group();
+            g.group_id = format!("g{i}");
+            if i % 2 == 1 {
+                g.meta.insert("answer".into(), "abc".into());
+            }
+            g
+        })
+        .collect();
+    let (_, out) = score_groups(cfg, Topology::default(), &groups).await;
+    let got: Vec<(String, Vec<f32>)> = out
+        .iter()
+        .map(|g| (g.rollout.group_id.clone(), g.rewards.clone()))
+        .collect();
+    let want: Vec<(String, Vec<f32>)> = (0..7)
+        .map(|i| {
+            let r = if i % 2 == 1 {
+                vec![0.0, 0.0, 1.0]
+            } else {
+                vec![1.0, 0.5, 0.0]
+            };
+            (format!("g{i}"), r)
+        })
+        .collect();
+    assert_eq!(got, want);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failing_scorer_is_retried_then_dead_lettered() {
     let topo = Topology {

@@ -25,6 +25,8 @@ crate::settings! {
         pub scorer_cmd: Option<String> = None,
         /// Seconds an external scorer may take per group.
         pub scorer_timeout_s: f64 = 30.0,
+        /// External scorer processes, each scoring one group at a time: a polled batch is scored this many groups at once.
+        pub scorers: usize = 1,
         /// Model directory whose tokenizer decodes completions; the built-in character tokenizer when absent.
         #[arg(value_name = "DIR")]
         pub tokenizer: Option<std::path::PathBuf> = None,
@@ -36,6 +38,12 @@ crate::settings! {
 impl ScoreConfig {
     /// Checks values the types cannot.
     pub fn validate(&self) -> Result<(), crate::settings::InvalidSetting> {
+        if self.scorers == 0 {
+            return Err(crate::settings::invalid(
+                "score.scorers",
+                "must be at least 1",
+            ));
+        }
         if !(self.scorer_timeout_s.is_finite() && self.scorer_timeout_s > 0.0) {
             return Err(crate::settings::invalid(
                 "score.scorer_timeout_s",

@@ -233,10 +233,12 @@ impl External {
     }
 }
 
-/// Rewards a group: built-in verifiers or an external program.
+/// Rewards groups: built-in verifiers, or a pool of external programs each scoring one
+/// group at a time.
 pub struct Scorer {
     tokenizer: Tokenizer,
-    external: Option<External>,
+    /// Empty for the built-in verifiers.
+    pool: Vec<External>,
 }
 
 impl Scorer {
@@ -245,17 +247,14 @@ impl Scorer {
             Some(dir) => Tokenizer::load(dir)?,
             None => Tokenizer::Char(tasks::char_tokenizer()),
         };
-        let external = match &cfg.scorer_cmd {
-            Some(cmd) => Some(External::new(
-                cmd,
-                Duration::from_secs_f64(cfg.scorer_timeout_s),
-            )?),
-            None => None,
+        let timeout = Duration::from_secs_f64(cfg.scorer_timeout_s);
+        let pool = match &cfg.scorer_cmd {
+            Some(cmd) => (0..cfg.scorers.max(1))
+                .map(|_| External::new(cmd, timeout))
+                .collect::<Result<Vec<_>, _>>()?,
+            None => Vec::new(),
         };
-        Ok(Scorer {
-            tokenizer,
-            external,
-        })
+        Ok(Scorer { tokenizer, pool })
     }
 
     /// Completion text without its stop token.
@@ -269,7 +268,8 @@ impl Scorer {
             .map_err(|source| ScoreError::Detokenize { what, source })
     }
 
-    pub async fn rewards(&mut self, g: &RolloutGroup) -> Result<Vec<f32>, ScoreError> {
+    /// The completions' texts, and the prompt's when an external scorer needs it.
+    fn texts(&self, g: &RolloutGroup) -> Result<(Vec<String>, String), ScoreError> {
         let texts = g
             .samples
             .iter()
@@ -282,14 +282,9 @@ impl Scorer {
                 )
             })
             .collect::<Result<Vec<String>, ScoreError>>()?;
-        let Some(ext) = self.external.as_mut() else {
-            return texts
-                .iter()
-                .map(|t| {
-                    tasks::score(t, &g.meta).ok_or_else(|| ScoreError::NoAnswer(g.group_id.clone()))
-                })
-                .collect();
-        };
+        if self.pool.is_empty() {
+            return Ok((texts, String::new()));
+        }
         let prompt =
             self.tokenizer
                 .decode(&g.prompt_tokens)
@@ -297,14 +292,55 @@ impl Scorer {
                     what: "the prompt".into(),
                     source,
                 })?;
-        let req = ExternalRequest {
-            group_id: &g.group_id,
-            task: &g.task,
-            prompt,
-            completions: texts,
-            meta: &g.meta,
-        };
-        Ok(ext.score(&req).await?)
+        Ok((texts, prompt))
+    }
+
+    /// Rewards of each group, in order. External scorers take up to one group each at a
+    /// time, so a batch is scored pool-size groups at once.
+    pub async fn rewards(&mut self, groups: &[&RolloutGroup]) -> Vec<Result<Vec<f32>, ScoreError>> {
+        let prepared: Vec<Result<(Vec<String>, String), ScoreError>> =
+            groups.iter().map(|g| self.texts(g)).collect();
+        let mut out: Vec<Option<Result<Vec<f32>, ScoreError>>> = Vec::with_capacity(groups.len());
+        let mut waiting = Vec::new();
+        for (i, (g, p)) in groups.iter().zip(prepared).enumerate() {
+            match p {
+                Err(e) => out.push(Some(Err(e))),
+                Ok((texts, _)) if self.pool.is_empty() => out.push(Some(
+                    texts
+                        .iter()
+                        .map(|t| {
+                            tasks::score(t, &g.meta)
+                                .ok_or_else(|| ScoreError::NoAnswer(g.group_id.clone()))
+                        })
+                        .collect(),
+                )),
+                Ok((completions, prompt)) => {
+                    out.push(None);
+                    waiting.push((
+                        i,
+                        ExternalRequest {
+                            group_id: &g.group_id,
+                            task: &g.task,
+                            prompt,
+                            completions,
+                            meta: &g.meta,
+                        },
+                    ));
+                }
+            }
+        }
+        for chunk in waiting.chunks(self.pool.len().max(1)) {
+            let calls = chunk
+                .iter()
+                .zip(self.pool.iter_mut())
+                .map(|((i, req), ext)| async move { (*i, ext.score(req).await) });
+            for (i, r) in futures_util::future::join_all(calls).await {
+                out[i] = Some(r.map_err(ScoreError::from));
+            }
+        }
+        out.into_iter()
+            .map(|r| r.unwrap_or(Err(ScoreError::External(ScorerError::Exited))))
+            .collect()
     }
 }
 
@@ -316,22 +352,22 @@ pub struct ScoreSummary {
     pub samples: u64,
 }
 
-/// Scores one group: its scored message, encoded.
-async fn score_one(
-    scorer: &mut Scorer,
+/// The scored message of a group with `rewards`, encoded; counted in `summary` and the
+/// metrics (`seconds`: its share of the batch's scoring time).
+fn finish(
     cfg: &ScoreConfig,
     d: &Delivery<RolloutGroup>,
+    rewards: Vec<f32>,
+    seconds: f64,
     summary: &mut ScoreSummary,
 ) -> Result<Bytes, ScoreError> {
-    let began = Instant::now();
-    let rewards = scorer.rewards(&d.message).await?;
     let adv = advantages(&rewards, cfg.advantage);
     summary.reward_sum += rewards.iter().map(|&r| f64::from(r)).sum::<f64>();
     summary.samples += rewards.len() as u64;
     crate::metrics::scored(
         rewards.len() as u64,
         d.message.completion_tokens() as u64,
-        began.elapsed().as_secs_f64(),
+        seconds,
     );
     let scored = ScoredGroup {
         schema: SchemaVersion::CURRENT,
@@ -384,8 +420,12 @@ pub async fn run(
         };
         let mut out = Vec::with_capacity(batch.len());
         let mut done = Vec::with_capacity(batch.len());
-        for d in &batch {
-            match score_one(&mut scorer, cfg, d, &mut summary).await {
+        let began = Instant::now();
+        let groups: Vec<&RolloutGroup> = batch.iter().map(|d| &d.message).collect();
+        let rewards = scorer.rewards(&groups).await;
+        let seconds = began.elapsed().as_secs_f64() / batch.len().max(1) as f64;
+        for (d, r) in batch.iter().zip(rewards) {
+            match r.and_then(|r| finish(cfg, d, r, seconds, &mut summary)) {
                 Ok(scored) => {
                     out.push(scored);
                     done.push(d.id);

@@ -12,6 +12,9 @@
 use std::panic::{AssertUnwindSafe, catch_unwind};
 use std::sync::OnceLock;
 
+/// Dead-letter reason of a message whose forward pass panicked (gen and train).
+pub const PANIC: &str = "panic";
+
 /// The environment variable naming the group or prompt whose forward passes panic.
 pub const FAULT_ENV: &str = "RLSTREAM_FAULT_PANIC_ON";
 

@@ -253,6 +253,23 @@ fn logits_rows<B: Backend>(logits: Tensor<B, 2>) -> Result<Vec<f32>, ModelError>
     super::host_f32(logits.into_data())
 }
 
+/// One decode step of `rows` (each feeding its last token) over `cache`, which it extends:
+/// the host logits `[rows, vocab]`.
+fn decode_pass<'a, B: Backend>(
+    model: &Policy<B>,
+    cache: &mut KvCache<B>,
+    rows: impl ExactSizeIterator<Item = &'a Row>,
+) -> Result<Vec<f32>, ModelError> {
+    let b = rows.len();
+    let last: Vec<i64> = rows
+        .map(|r| i64::from(*r.tokens.last().unwrap_or(&0)))
+        .collect();
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(last, [b, 1]), &model.device());
+    let positions = cache.next_positions();
+    let logits = model.forward_with(tokens, &positions, AttnMode::Cached(cache));
+    logits_rows(logits.reshape([b, model.config().vocab_size]))
+}
+
 impl<B: Backend> Generator<B> {
     pub fn new() -> Self {
         Self::default()
@@ -335,18 +352,7 @@ impl<B: Backend> Generator<B> {
         let Some(cache) = self.cache.as_mut().filter(|_| !self.rows.is_empty()) else {
             return Ok(None);
         };
-        let b = self.rows.len();
-        let last: Vec<i64> = self
-            .rows
-            .iter()
-            .map(|r| i64::from(*r.tokens.last().unwrap_or(&0)))
-            .collect();
-        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(last, [b, 1]), &model.device());
-        let positions = cache.next_positions();
-        let logits = model.forward_with(tokens, &positions, AttnMode::Cached(cache));
-        Ok(Some(logits_rows(
-            logits.reshape([b, model.config().vocab_size]),
-        )?))
+        decode_pass(model, cache, self.rows.iter()).map(Some)
     }
 
     /// The KV cache as it is now (tensor handles, no copy), for [`Generator::restore`].
@@ -367,11 +373,7 @@ impl<B: Backend> Generator<B> {
         };
         let mut one = cache.clone();
         one.keep_rows(&[i]);
-        let last = vec![i64::from(*row.tokens.last().unwrap_or(&0))];
-        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(last, [1, 1]), &model.device());
-        let positions = one.next_positions();
-        let logits = model.forward_with(tokens, &positions, AttnMode::Cached(&mut one));
-        logits_rows(logits.reshape([1, model.config().vocab_size])).map(|_| ())
+        decode_pass(model, &mut one, std::iter::once(row)).map(|_| ())
     }
 
     /// Drops every row of `request` (a failed prompt), with its cache rows.

@@ -47,9 +47,6 @@ pub enum Decoded {
     Failed(Failed),
 }
 
-/// Dead-letter reason of a prompt whose forward pass panicked.
-pub const PANIC: &str = "panic";
-
 /// What the decode thread measured.
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct DecodeStats {
@@ -239,7 +236,7 @@ impl Decoder {
             }
             Ok(Err(ModelError::Refused(r))) => (r.reason, r.detail),
             Ok(Err(e)) => return Err(e),
-            Err(panic) => (PANIC, format!("the prefill panicked: {panic}")),
+            Err(panic) => (fault::PANIC, format!("the prefill panicked: {panic}")),
         };
         tracing::warn!(prompt = %a.prompt.prompt_id, reason, %detail, "prompt refused");
         Ok(Some(Failed {
@@ -271,10 +268,9 @@ impl Decoder {
             }
         };
         let vocab = current.policy.config().vocab_size;
-        let done = match host {
-            Some(h) => self.generator.sample(&h, current.version, vocab),
-            None => self.generator.sample(&[], current.version, vocab),
-        };
+        let done = self
+            .generator
+            .sample(host.as_deref().unwrap_or(&[]), current.version, vocab);
         self.stats.busy_s += busy.elapsed().as_secs_f64();
         let mut finished = Vec::new();
         for c in done {
@@ -346,7 +342,7 @@ impl Decoder {
                 };
                 failed.push(Decoded::Failed(Failed {
                     source: p.source,
-                    reason: PANIC,
+                    reason: fault::PANIC,
                     detail,
                 }));
             }

@@ -121,6 +121,14 @@ struct Publisher<'a> {
 }
 
 impl Publisher<'_> {
+    /// Hands the reader what became of `n` prompts, and frees their room in the in-flight
+    /// bound (waking a reader held back by it).
+    fn settle(&self, settled: Settled, n: usize) {
+        let _ = self.settled.send(settled);
+        self.in_flight.fetch_sub(n, Ordering::Relaxed);
+        self.released.notify_one();
+    }
+
     /// Publishes the finished groups of `decoded` and hands its failed prompts to the
     /// reader, which dead-letters them.
     async fn publish(&mut self, decoded: Vec<Decoded>) -> Result<(), StageError> {
@@ -129,9 +137,7 @@ impl Publisher<'_> {
             match d {
                 Decoded::Group(f) => batch.push(f),
                 Decoded::Failed(f) => {
-                    let _ = self.settled.send(Settled::Failed(f));
-                    self.in_flight.fetch_sub(1, Ordering::Relaxed);
-                    self.released.notify_one();
+                    self.settle(Settled::Failed(f), 1);
                 }
             }
         }
@@ -151,9 +157,7 @@ impl Publisher<'_> {
         self.bus
             .ack(&topo.key(prompts), topo.group(prompts), &entries)
             .await?;
-        let _ = self.settled.send(Settled::Acked(entries));
-        self.in_flight.fetch_sub(batch.len(), Ordering::Relaxed);
-        self.released.notify_one();
+        self.settle(Settled::Acked(entries), batch.len());
         let tokens: u64 = batch
             .iter()
             .map(|f| f.group.completion_tokens() as u64)

@@ -126,6 +126,18 @@ pub const DETOKENIZE: &str = "detokenize";
 /// Dead-letter reason of a group the built-in scorer has no answer for.
 pub const NO_ANSWER: &str = "no_answer";
 
+impl ScoreError {
+    /// The dead-letter reason of an error retrying cannot help; `None` for one worth a
+    /// retry (a scorer that timed out, crashed or answered badly).
+    pub fn dead_letter_reason(&self) -> Option<&'static str> {
+        match self {
+            ScoreError::Detokenize { .. } => Some(DETOKENIZE),
+            ScoreError::NoAnswer(_) => Some(NO_ANSWER),
+            ScoreError::External(_) | ScoreError::Encode(_) => None,
+        }
+    }
+}
+
 /// An external scorer process, restarted if it dies.
 struct External {
     argv: Vec<String>,
@@ -430,12 +442,8 @@ pub async fn run(
                     out.push(scored);
                     done.push(d.id);
                 }
-                Err(e @ (ScoreError::Detokenize { .. } | ScoreError::NoAnswer(_))) => {
+                Err(e) if let Some(reason) = e.dead_letter_reason() => {
                     summary.failed += 1;
-                    let reason = match e {
-                        ScoreError::NoAnswer(_) => NO_ANSWER,
-                        _ => DETOKENIZE,
-                    };
                     consumer.reject(d, reason, &e.to_string()).await?;
                 }
                 Err(e) => {

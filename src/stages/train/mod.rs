@@ -39,9 +39,6 @@ use std::collections::BTreeMap;
 use std::future::Future;
 use std::time::Instant;
 
-/// Dead-letter reason of a group whose training pass panicked.
-pub const PANIC: &str = "panic";
-
 /// What a trainer runs with: its own `[train]` section and the shared `[policy]` one. Saved
 /// beside each checkpoint as `train_config.toml`, in the same sections as the config file.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
@@ -292,12 +289,7 @@ impl<'a> Loop<'a> {
         let mut kept = Vec::with_capacity(taken.len());
         for d in taken {
             let trainer = &self.trainer;
-            let alone = tokio::task::block_in_place(|| {
-                fault::contain(|| {
-                    fault::inject(group_ids(std::slice::from_ref(&&d.message)));
-                    trainer.probe(&[&d.message])
-                })
-            });
+            let alone = guarded(&[&d.message], |g| trainer.probe(g));
             match alone {
                 Ok(r) => {
                     r?;
@@ -333,12 +325,7 @@ impl<'a> Loop<'a> {
     ) -> Result<Result<StepRecord, ModelError>, String> {
         let groups: Vec<&ScoredGroup> = taken.iter().map(|d| &d.message).collect();
         let trainer = &mut self.trainer;
-        tokio::task::block_in_place(|| {
-            fault::contain(|| {
-                fault::inject(group_ids(&groups));
-                trainer.step(&groups)
-            })
-        })
+        guarded(&groups, |g| trainer.step(g))
     }
 
     async fn reject_panicked(
@@ -347,8 +334,8 @@ impl<'a> Loop<'a> {
         detail: &str,
     ) -> Result<(), StageError> {
         tracing::error!(group = %d.message.rollout.group_id, detail, "group dead-lettered");
-        crate::metrics::error(Stage::Train, PANIC);
-        self.consumer.reject(d, PANIC, detail).await?;
+        crate::metrics::error(Stage::Train, fault::PANIC);
+        self.consumer.reject(d, fault::PANIC, detail).await?;
         Ok(())
     }
 
@@ -424,11 +411,22 @@ impl<'a> Loop<'a> {
     }
 }
 
-/// Group and prompt ids of `groups`, for [`fault::inject`].
-fn group_ids<'a>(groups: &'a [&'a ScoredGroup]) -> impl Iterator<Item = &'a str> + 'a {
-    groups
-        .iter()
-        .flat_map(|g| [g.rollout.group_id.as_str(), g.rollout.prompt_id.as_str()])
+/// `pass` over `groups` off the async workers, a panic caught as its message (the fault
+/// hook fires here for the groups' group and prompt ids).
+fn guarded<T>(
+    groups: &[&ScoredGroup],
+    pass: impl FnOnce(&[&ScoredGroup]) -> T,
+) -> Result<T, String> {
+    tokio::task::block_in_place(|| {
+        fault::contain(|| {
+            fault::inject(
+                groups
+                    .iter()
+                    .flat_map(|g| [g.rollout.group_id.as_str(), g.rollout.prompt_id.as_str()]),
+            );
+            pass(groups)
+        })
+    })
 }
 
 fn log_step(r: &StepRecord) {

@@ -78,6 +78,15 @@ def time_to(rows, target):
     return float("nan")
 
 
+def held_out(summary):
+    """Held-out (before, after) pairs of the run's `rlstream eval` points."""
+    points = summary.get("held_out") or []
+    if not points:
+        return {}
+    b, a = points[0], points[-1]
+    return {k: (b[k]["mean"], a[k]["mean"]) for k in ("pass_at_1", "reward", "greedy_accuracy", "greedy_reward")}
+
+
 def tail_mean(rows, key):
     t = rows[-WINDOW:]
     return sum(r[key] for r in t) / max(1, len(t))
@@ -130,7 +139,7 @@ def bench(binary, task, steps, out, extra):
         "final_reward": {"async": tail_mean(ra, "reward_mean"), "sync": tail_mean(rs, "reward_mean")},
         "final_accuracy": {"async": tail_mean(ra, "accuracy"), "sync": tail_mean(rs, "accuracy")},
         "wall_s": {"async": sa["wall_s"], "sync": ss["wall_s"]},
-        "eval": {m: {"accuracy": (s["eval_accuracy_before"], s["eval_accuracy_after"]), "reward": (s["eval_reward_before"], s["eval_reward_after"])} for m, s in [("async", sa), ("sync", ss)]},
+        "eval": {m: held_out(s) for m, s in [("async", sa), ("sync", ss)]},
         "dropped_stale": {"async": sa["dropped"].get("stale", 0), "sync": ss["dropped"].get("stale", 0)},
         "generated_groups": {"async": sa["generated_groups"], "sync": ss["generated_groups"]},
         "gen_idle_fraction": {"async": sa["gen_idle_fraction"], "sync": ss["gen_idle_fraction"]},
@@ -156,8 +165,9 @@ def report(r):
         f"| final reward (last {WINDOW} steps) | {r['final_reward'][a]:.3f} | {r['final_reward'][s]:.3f} | |",
         f"| final accuracy (last {WINDOW} steps) | {100 * r['final_accuracy'][a]:.1f}% | {100 * r['final_accuracy'][s]:.1f}% | |",
         f"| generator idle | {100 * r['gen_idle_fraction'][a]:.0f}% | {100 * r['gen_idle_fraction'][s]:.0f}% | |",
-        f"| held-out greedy reward, before → after | {r['eval'][a]['reward'][0]:.3f} → {r['eval'][a]['reward'][1]:.3f} | {r['eval'][s]['reward'][0]:.3f} → {r['eval'][s]['reward'][1]:.3f} | |",
-        f"| held-out greedy accuracy, before → after | {100 * r['eval'][a]['accuracy'][0]:.1f}% → {100 * r['eval'][a]['accuracy'][1]:.1f}% | {100 * r['eval'][s]['accuracy'][0]:.1f}% → {100 * r['eval'][s]['accuracy'][1]:.1f}% | |",
+        f"| held-out pass@1 at the training temperature, before → after | {100 * r['eval'][a]['pass_at_1'][0]:.1f}% → {100 * r['eval'][a]['pass_at_1'][1]:.1f}% | {100 * r['eval'][s]['pass_at_1'][0]:.1f}% → {100 * r['eval'][s]['pass_at_1'][1]:.1f}% | |",
+        f"| held-out reward at the training temperature, before → after | {r['eval'][a]['reward'][0]:.3f} → {r['eval'][a]['reward'][1]:.3f} | {r['eval'][s]['reward'][0]:.3f} → {r['eval'][s]['reward'][1]:.3f} | |",
+        f"| held-out greedy accuracy, before → after | {100 * r['eval'][a]['greedy_accuracy'][0]:.1f}% → {100 * r['eval'][a]['greedy_accuracy'][1]:.1f}% | {100 * r['eval'][s]['greedy_accuracy'][0]:.1f}% → {100 * r['eval'][s]['greedy_accuracy'][1]:.1f}% | |",
         f"| groups generated / dropped as stale | {r['generated_groups'][a]} / {r['dropped_stale'][a]} | {r['generated_groups'][s]} / {r['dropped_stale'][s]} | |",
         f"| generation / training busy time per token (µs) | {r['stage_us_per_token'][a]['gen']:.0f} / {r['stage_us_per_token'][a]['train']:.0f} | {r['stage_us_per_token'][s]['gen']:.0f} / {r['stage_us_per_token'][s]['train']:.0f} | |",
         f"| swap stall p50 / p99 (µs), swaps | {r['swap_stall_us'][a]['p50']:.1f} / {r['swap_stall_us'][a]['p99']:.1f}, {r['swap_stall_us'][a]['swaps']} | {r['swap_stall_us'][s]['p50']:.1f} / {r['swap_stall_us'][s]['p99']:.1f}, {r['swap_stall_us'][s]['swaps']} | |",

@@ -105,6 +105,10 @@ crate::settings! {
         /// Progress as log lines even on a terminal.
         #[arg(num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
         pub plain: bool = false,
+        /// Held-out prompts evaluated before RL, halfway and after (`rlstream eval`'s set and metrics); 0 skips the evaluation.
+        pub eval_prompts: usize = 1000,
+        /// Samples per held-out prompt for pass@1 at the training temperature.
+        pub eval_samples: usize = 4,
     }
 }
 

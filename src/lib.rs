@@ -15,6 +15,7 @@
 //! - [`archive`] and [`retention`]: stream archives (dump, load) and safe trimming.
 //! - [`commands`]: user commands other than the stages (`run`, `status`, `replay`,
 //!   `generate`, `sft`).
+//! - [`seed`]: seeds derived from the run seed and a prompt's identity.
 //! - [`display`] and [`report`]: progress bars or log lines, and the run report.
 
 pub mod archive;
@@ -29,6 +30,7 @@ pub mod report;
 pub mod retention;
 pub mod roles;
 pub mod schema;
+pub mod seed;
 pub mod settings;
 pub mod stages;
 pub mod tasks;

@@ -6,6 +6,78 @@ use serde::{Deserialize, Serialize};
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
+/// Normal quantile of a two-sided 95% interval.
+pub const Z95: f64 = 1.959_963_984_540_054;
+
+/// A mean over independent draws with its standard error and 95% interval.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct Estimate {
+    pub mean: f64,
+    /// Standard error of the mean.
+    pub se: f64,
+    /// 95% interval (normal approximation).
+    pub lo: f64,
+    pub hi: f64,
+    pub n: usize,
+}
+
+impl Estimate {
+    /// The mean of `values` and its standard error (sample standard deviation / √n).
+    pub fn of(values: &[f64]) -> Self {
+        let n = values.len();
+        if n == 0 {
+            return Estimate::default();
+        }
+        let mean = values.iter().sum::<f64>() / n as f64;
+        let var = if n > 1 {
+            values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1) as f64
+        } else {
+            0.0
+        };
+        Self::with_se(mean, (var / n as f64).sqrt(), n)
+    }
+
+    fn with_se(mean: f64, se: f64, n: usize) -> Self {
+        Estimate {
+            mean,
+            se,
+            lo: mean - Z95 * se,
+            hi: mean + Z95 * se,
+            n,
+        }
+    }
+
+    /// `self − before`, for two evaluations on the same prompts with independent samples
+    /// (the paired difference would be tighter; this one is conservative).
+    pub fn minus(&self, before: &Estimate) -> Estimate {
+        Self::with_se(
+            self.mean - before.mean,
+            self.se.hypot(before.se),
+            self.n.min(before.n),
+        )
+    }
+
+    /// `41.2% ± 1.9` (the half-width of the 95% interval), for rates.
+    pub fn percent(&self) -> String {
+        format!("{:.1}% ± {:.1}", 100.0 * self.mean, 100.0 * Z95 * self.se)
+    }
+
+    /// `0.612 ± 0.011`, for rewards.
+    pub fn value(&self) -> String {
+        format!("{:.3} ± {:.3}", self.mean, Z95 * self.se)
+    }
+}
+
+/// A held-out evaluation marked on the learning curve: reward and pass@1 at the sampling
+/// temperature, each drawn as its mean and 95% interval.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Marker {
+    /// Trainer steps of the evaluated weights (0: before RL).
+    pub step: u64,
+    pub reward: Estimate,
+    pub pass_at_1: Estimate,
+}
+
 /// One row of the run report: the trainer's step record and where the run stood.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct StepRow {
@@ -104,6 +176,7 @@ pub struct ReportFiles {
 pub fn write_report(
     dir: &Path,
     rows: &[StepRow],
+    held_out: &[Marker],
     summary: &impl Serialize,
     title: &str,
 ) -> Result<ReportFiles, ReportError> {
@@ -124,7 +197,7 @@ pub fn write_report(
     }
     write(&files.jsonl, &jsonl)?;
     write(&files.csv, &csv(rows)?)?;
-    write(&files.svg, &learning_curve_svg(rows, title))?;
+    write(&files.svg, &learning_curve_svg(rows, held_out, title))?;
     write(&files.summary, &serde_json::to_string_pretty(summary)?)?;
     Ok(files)
 }
@@ -167,7 +240,7 @@ pub fn moving_average(xs: &[f64], window: usize) -> Vec<f64> {
 }
 
 const WIDTH: f64 = 960.0;
-const HEIGHT: f64 = 380.0;
+const HEIGHT: f64 = 400.0;
 const PANEL_W: f64 = 400.0;
 const PANEL_H: f64 = 260.0;
 const REWARD_COLOR: &str = "#1f77b4";
@@ -199,16 +272,23 @@ fn fmt_tick(t: f64) -> String {
     }
 }
 
-/// One panel: reward and accuracy (raw faint, smoothed solid) against `xs`.
+/// One panel: reward and accuracy (raw faint, smoothed solid) against `xs`, and held-out
+/// points (`x`, estimate, colour) as circles with their intervals.
 fn panel(
     svg: &mut String,
     x0: f64,
     y0: f64,
     xs: &[f64],
     series: &[(&str, &str, Vec<f64>)],
+    points: &[(f64, Estimate, &str)],
     xlabel: &str,
 ) {
-    let x_max = xs.iter().copied().fold(0.0, f64::max).max(1e-9);
+    let x_max = xs
+        .iter()
+        .chain(points.iter().map(|(x, _, _)| x))
+        .copied()
+        .fold(0.0, f64::max)
+        .max(1e-9);
     let px = |x: f64| x0 + x / x_max * PANEL_W;
     let py = |y: f64| y0 + PANEL_H - y.clamp(0.0, 1.0) * PANEL_H;
     let _ = writeln!(
@@ -262,10 +342,21 @@ fn panel(
             points(&moving_average(ys, window))
         );
     }
+    for (x, e, color) in points {
+        let x = px(*x);
+        let _ = writeln!(
+            svg,
+            r##"<line x1="{x:.1}" y1="{:.1}" x2="{x:.1}" y2="{:.1}" stroke="{color}" stroke-width="2"/><circle cx="{x:.1}" cy="{:.1}" r="4" fill="white" stroke="{color}" stroke-width="2"/>"##,
+            py(e.lo),
+            py(e.hi),
+            py(e.mean)
+        );
+    }
 }
 
-/// Reward and accuracy against wall-clock time (left) and against step (right).
-pub fn learning_curve_svg(rows: &[StepRow], title: &str) -> String {
+/// Reward and accuracy against wall-clock time (left) and against step (right), with the
+/// held-out evaluations on both.
+pub fn learning_curve_svg(rows: &[StepRow], held_out: &[Marker], title: &str) -> String {
     let mut svg = String::new();
     let _ = writeln!(
         svg,
@@ -293,8 +384,43 @@ pub fn learning_curve_svg(rows: &[StepRow], title: &str) -> String {
     ];
     let times: Vec<f64> = rows.iter().map(|r| r.run.time_s).collect();
     let steps: Vec<f64> = rows.iter().map(|r| r.record.step as f64).collect();
-    panel(&mut svg, 60.0, 50.0, &times, &series, "wall-clock time (s)");
-    panel(&mut svg, 530.0, 50.0, &steps, &series, "trainer step");
+    // A held-out point sits where its step finished (before RL: at 0).
+    let time_of = |step: u64| {
+        rows.iter()
+            .find(|r| r.record.step == step)
+            .map_or(0.0, |r| r.run.time_s)
+    };
+    let marks = |x: &dyn Fn(&Marker) -> f64| -> Vec<(f64, Estimate, &str)> {
+        held_out
+            .iter()
+            .flat_map(|m| {
+                [
+                    (x(m), m.reward, REWARD_COLOR),
+                    (x(m), m.pass_at_1, ACCURACY_COLOR),
+                ]
+            })
+            .collect()
+    };
+    let by_time = marks(&|m| time_of(m.step));
+    let by_step = marks(&|m| m.step as f64);
+    panel(
+        &mut svg,
+        60.0,
+        50.0,
+        &times,
+        &series,
+        &by_time,
+        "wall-clock time (s)",
+    );
+    panel(
+        &mut svg,
+        530.0,
+        50.0,
+        &steps,
+        &series,
+        &by_step,
+        "trainer step",
+    );
     for (i, (name, color, _)) in series.iter().enumerate() {
         let x = 250.0 + i as f64 * 250.0;
         let _ = writeln!(
@@ -302,6 +428,13 @@ pub fn learning_curve_svg(rows: &[StepRow], title: &str) -> String {
             r#"<line x1="{x}" y1="368" x2="{}" y2="368" stroke="{color}" stroke-width="2"/><text x="{}" y="372" font-size="12">{name} (smoothed; raw faint)</text>"#,
             x + 18.0,
             x + 22.0
+        );
+    }
+    if !held_out.is_empty() {
+        let _ = writeln!(
+            svg,
+            r#"<text x="{:.0}" y="390" font-size="12" text-anchor="middle">circles: held-out reward and pass@1 at the sampling temperature, with 95% intervals</text>"#,
+            WIDTH / 2.0
         );
     }
     svg.push_str("</svg>\n");
@@ -360,5 +493,19 @@ mod tests {
         for l in &lines[1..] {
             assert_eq!(l.split(',').count(), columns.len(), "{l}");
         }
+    }
+
+    #[test]
+    fn estimates_carry_the_standard_error_of_the_mean() {
+        let e = Estimate::of(&[0.0, 1.0, 0.0, 1.0]);
+        assert_eq!(e.mean, 0.5);
+        // Sample variance 1/3, over n = 4.
+        assert!((e.se - (1.0f64 / 12.0).sqrt()).abs() < 1e-12, "{e:?}");
+        assert!((e.hi - e.lo - 2.0 * Z95 * e.se).abs() < 1e-12);
+        let d = e.minus(&Estimate::of(&[0.0, 0.0, 0.0, 1.0]));
+        assert_eq!(d.mean, 0.25);
+        assert!(d.se > e.se);
+        assert_eq!(Estimate::of(&[]), Estimate::default());
+        assert_eq!(Estimate::of(&[0.7]).se, 0.0);
     }
 }

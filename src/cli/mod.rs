@@ -4,6 +4,7 @@
 
 mod common;
 mod dump;
+mod eval;
 mod feed;
 mod generate;
 mod inspect;
@@ -49,6 +50,9 @@ pub enum Command {
     Train(train::Args),
     /// Warm start: supervised training on a built-in task's answers; writes a HF checkpoint.
     Sft(sft::Args),
+    /// Held-out results of a checkpoint: pass@1 and reward at the training temperature,
+    /// greedy accuracy and reward, each with its 95% interval.
+    Eval(eval::Args),
     /// Sample from a Hugging Face checkpoint (Llama/Qwen2 family).
     Generate(generate::Args),
     /// A running pipeline at a glance, from Redis alone: each stream's length, pending and
@@ -117,6 +121,7 @@ impl Command {
             Command::Score(a) => a.exec().await,
             Command::Train(a) => a.exec().await,
             Command::Sft(a) => a.exec(),
+            Command::Eval(a) => a.exec(),
             Command::Generate(a) => a.exec(),
             Command::Status(a) => a.exec().await,
             Command::Replay(a) => a.exec().await,

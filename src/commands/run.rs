@@ -16,6 +16,7 @@
 //!   for the generator; every batch waits for its longest completion.
 
 use crate::bus::{SharedBus, Topology};
+use crate::commands::eval::{self, Estimate, EvalResult, EvalSampling, EvalSet};
 use crate::commands::sft::{self, SftOptions};
 use crate::config::Config;
 use crate::display::{DisplayMode, Phase};
@@ -45,8 +46,6 @@ const FEED_POLL: Duration = Duration::from_millis(10);
 /// Most entries read to count a queue whose lag Redis cannot report (see
 /// [`waiting`]); the report's queue columns stop there.
 const QUEUE_SCAN_CAP: u64 = 1000;
-/// Held-out prompts for the greedy before/after evaluation.
-pub const EVAL_PROMPTS: usize = 128;
 
 #[derive(Debug, Clone)]
 pub struct RunOptions {
@@ -88,11 +87,11 @@ pub struct RunSummary {
     pub reward_end: f64,
     pub accuracy_start: f64,
     pub accuracy_end: f64,
-    /// Greedy exact-answer rate and mean reward on held-out prompts before and after RL.
-    pub eval_accuracy_before: f64,
-    pub eval_accuracy_after: f64,
-    pub eval_reward_before: f64,
-    pub eval_reward_after: f64,
+    /// `rlstream eval` of the policy before RL, at the checkpoint nearest halfway and after
+    /// (empty with `run.eval_prompts = 0`).
+    pub held_out: Vec<HeldOut>,
+    /// Held-out pass@1 after RL minus before, with its standard error.
+    pub pass_at_1_gain: Option<Estimate>,
     /// Generator time waiting for prompts with nothing to decode, over the RL phase.
     pub gen_idle_fraction: f64,
     pub gen_busy_s: f64,
@@ -115,8 +114,8 @@ impl RunSummary {
     pub fn paragraph(&self) -> String {
         format!(
             "{mode} run of `{task}` on the {bus} bus: {steps} steps in {wall:.1} s after a {warm:.1} s \
-             warm start. Reward {r0:.3} -> {r1:.3}, sample accuracy {a0:.1}% -> {a1:.1}%; greedy \
-             held-out reward {g0:.3} -> {g1:.3}, accuracy {e0:.1}% -> {e1:.1}%. Trained {tt} tokens ({tps:.0}/s) from \
+             warm start. Training reward {r0:.3} -> {r1:.3}, sample accuracy {a0:.1}% -> {a1:.1}%. \
+             {held}Trained {tt} tokens ({tps:.0}/s) from \
              {tg} groups; generated {gt} tokens in {gg} groups. Generator idle {idle:.0}% of \
              the time; {swaps} weight swaps, stall p50 {p50:.1} us, p99 {p99:.1} us.",
             mode = self.mode,
@@ -129,10 +128,7 @@ impl RunSummary {
             r1 = self.reward_end,
             a0 = 100.0 * self.accuracy_start,
             a1 = 100.0 * self.accuracy_end,
-            e0 = 100.0 * self.eval_accuracy_before,
-            e1 = 100.0 * self.eval_accuracy_after,
-            g0 = self.eval_reward_before,
-            g1 = self.eval_reward_after,
+            held = self.held_out_sentence(),
             tt = self.trained_tokens,
             tps = self.trained_tokens_per_s,
             tg = self.trained_groups,
@@ -142,6 +138,44 @@ impl RunSummary {
             swaps = self.swaps,
             p50 = 1e6 * self.swap_stall_p50_s,
             p99 = 1e6 * self.swap_stall_p99_s,
+        )
+    }
+}
+
+/// A held-out evaluation at a point of the run.
+#[derive(Debug, Clone, Serialize)]
+pub struct HeldOut {
+    /// Trainer steps taken by the evaluated weights (0: before RL).
+    pub step: u64,
+    #[serde(flatten)]
+    pub eval: EvalResult,
+}
+
+impl RunSummary {
+    /// Held-out results before and after RL, pass@1 first, as one sentence (empty when the
+    /// run did not evaluate).
+    pub fn held_out_sentence(&self) -> String {
+        let (Some(before), Some(after), Some(gain)) = (
+            self.held_out.first(),
+            self.held_out.last(),
+            self.pass_at_1_gain,
+        ) else {
+            return String::new();
+        };
+        let (b, a) = (&before.eval, &after.eval);
+        format!(
+            "Held-out ({} prompts): pass@1 at temperature {} {} -> {} (gain {:+.1} points, \
+             standard error {:.1}), reward {} -> {}; greedy accuracy {} -> {}. ",
+            a.prompts,
+            a.temperature,
+            b.pass_at_1.percent(),
+            a.pass_at_1.percent(),
+            100.0 * gain.mean,
+            100.0 * gain.se,
+            b.reward.value(),
+            a.reward.value(),
+            b.greedy_accuracy.percent(),
+            a.greedy_accuracy.percent(),
         )
     }
 }
@@ -300,6 +334,67 @@ fn start_end(rows: &[StepRow], f: impl Fn(&StepRow) -> f64) -> (f64, f64) {
     (mean(&rows[..k]), mean(&rows[rows.len() - k..]))
 }
 
+/// The run's held-out evaluations: `rlstream eval`'s set and metrics at the run's
+/// temperature and seed.
+struct HeldOutEval {
+    set: Option<EvalSet>,
+    sampling: EvalSampling,
+    display: DisplayMode,
+}
+
+impl HeldOutEval {
+    fn new(opts: &RunOptions, cfg: &Config) -> Self {
+        let r = &cfg.run;
+        HeldOutEval {
+            set: (r.eval_prompts > 0).then(|| EvalSet::task(opts.task, r.eval_prompts)),
+            sampling: EvalSampling {
+                samples: r.eval_samples.max(1),
+                ..EvalSampling::run(cfg.policy.temperature, opts.seed)
+            },
+            display: opts.display,
+        }
+    }
+
+    /// The evaluation of `policy` as the point at `step`; `None` when the run does not
+    /// evaluate.
+    fn of(&self, step: u64, policy: &Policy<InferBackend>) -> Result<Option<HeldOut>, StageError> {
+        let Some(set) = &self.set else {
+            return Ok(None);
+        };
+        let eval = tokio::task::block_in_place(|| {
+            eval::evaluate(policy, set, &self.sampling, self.display)
+        })?;
+        Ok(Some(HeldOut { step, eval }))
+    }
+}
+
+/// The checkpoints to evaluate after a run: the one nearest halfway (when there is one
+/// between the start and the end), then the last.
+fn held_out_checkpoints(root: &Path) -> Vec<(u64, PathBuf)> {
+    let Some(last) = train::checkpoint::latest(root) else {
+        return Vec::new();
+    };
+    let step_of = |dir: &Path| {
+        dir.file_name()
+            .and_then(|n| n.to_str())
+            .and_then(|n| n.strip_prefix("step-"))
+            .and_then(|n| n.parse::<u64>().ok())
+    };
+    let Some(end) = step_of(&last) else {
+        return Vec::new();
+    };
+    let middle = std::fs::read_dir(root)
+        .into_iter()
+        .flatten()
+        .flatten()
+        .map(|e| e.path())
+        .filter(|d| d.join(train::checkpoint::STATE_FILE).exists())
+        .filter_map(|d| step_of(&d).map(|s| (s, d)))
+        .filter(|(s, _)| *s > 0 && *s < end)
+        .min_by_key(|(s, _)| s.abs_diff(end / 2));
+    middle.into_iter().chain([(end, last)]).collect()
+}
+
 /// A model for the run: `--model` (checked against the task tokenizer) or a warm start.
 fn prepare_model(opts: &RunOptions) -> Result<(PathBuf, f64), StageError> {
     if let Some(dir) = &opts.model {
@@ -350,9 +445,8 @@ pub async fn run(
     let (cfg, model_dir, warm_start_s) = prepare(opts, cfg)?;
     let slot = gen_stage::initial_slot(&model_dir)?;
     let params = slot.load().policy.config().num_params();
-    let eval_before = tokio::task::block_in_place(|| {
-        sft::evaluate(&slot.load().policy, opts.task, opts.seed, EVAL_PROMPTS)
-    })?;
+    let held = HeldOutEval::new(opts, &cfg);
+    let mut held_out: Vec<HeldOut> = held.of(0, &slot.load().policy)?.into_iter().collect();
     let (step_tx, step_rx) = mpsc::unbounded_channel::<StepRecord>();
     let started = Instant::now();
     let stages = Stages::spawn(opts, &cfg, &bus, &topo, &slot, step_tx);
@@ -371,16 +465,11 @@ pub async fn run(
         .watch(stages, step_rx, &bus, &topo, &slot, shutdown)
         .await?;
 
-    // Greedy evaluation of the trainer's final weights (its last checkpoint).
-    let eval_after = match train::checkpoint::latest(&cfg.train.checkpoint_dir) {
-        Some(dir) => {
-            let policy: Policy<InferBackend> = load_hf(&dir, &Default::default())?;
-            tokio::task::block_in_place(|| {
-                sft::evaluate(&policy, opts.task, opts.seed, EVAL_PROMPTS)
-            })?
-        }
-        None => eval_before,
-    };
+    // The checkpoint nearest halfway, then the trainer's final weights (its last checkpoint).
+    for (step, dir) in held_out_checkpoints(&cfg.train.checkpoint_dir) {
+        let policy: Policy<InferBackend> = load_hf(&dir, &Default::default())?;
+        held_out.extend(held.of(step, &policy)?);
+    }
     let facts = RunFacts {
         bus: bus.backend(),
         params,
@@ -389,8 +478,7 @@ pub async fn run(
         rows: &rows,
         train: &train_summary,
         generator: &gen_summary,
-        eval_before,
-        eval_after,
+        held_out,
     };
     let summary = summarize(opts, cfg, &facts);
     let dir = opts
@@ -404,7 +492,16 @@ pub async fn run(
         summary.steps,
         summary.wall_s
     );
-    let report = report::write_report(&dir, &rows, &summary, &title)
+    let markers: Vec<report::Marker> = summary
+        .held_out
+        .iter()
+        .map(|h| report::Marker {
+            step: h.step,
+            reward: h.eval.reward,
+            pass_at_1: h.eval.pass_at_1,
+        })
+        .collect();
+    let report = report::write_report(&dir, &rows, &markers, &summary, &title)
         .map_err(|e| StageError::Other(e.to_string()))?;
     Ok(RunOutcome {
         summary,
@@ -692,9 +789,8 @@ struct RunFacts<'a> {
     rows: &'a [StepRow],
     train: &'a TrainSummary,
     generator: &'a GenSummary,
-    /// Greedy held-out (accuracy, reward) before and after RL.
-    eval_before: (f64, f64),
-    eval_after: (f64, f64),
+    /// Held-out evaluations, in step order.
+    held_out: Vec<HeldOut>,
 }
 
 fn summarize(opts: &RunOptions, cfg: Config, f: &RunFacts) -> RunSummary {
@@ -706,8 +802,7 @@ fn summarize(opts: &RunOptions, cfg: Config, f: &RunFacts) -> RunSummary {
         rows,
         train: t,
         generator: g,
-        eval_before,
-        eval_after,
+        ref held_out,
     } = *f;
     let (reward_start, reward_end) = start_end(rows, |r| r.record.reward_mean);
     let (accuracy_start, accuracy_end) = start_end(rows, |r| r.record.accuracy);
@@ -737,10 +832,13 @@ fn summarize(opts: &RunOptions, cfg: Config, f: &RunFacts) -> RunSummary {
         reward_end,
         accuracy_start,
         accuracy_end,
-        eval_accuracy_before: eval_before.0,
-        eval_accuracy_after: eval_after.0,
-        eval_reward_before: eval_before.1,
-        eval_reward_after: eval_after.1,
+        pass_at_1_gain: match (held_out.first(), held_out.last()) {
+            (Some(b), Some(a)) if held_out.len() > 1 => {
+                Some(a.eval.pass_at_1.minus(&b.eval.pass_at_1))
+            }
+            _ => None,
+        },
+        held_out: held_out.clone(),
         gen_idle_fraction: (g.decode.idle_s / wall_s.max(1e-9)).min(1.0),
         gen_busy_s: g.decode.busy_s,
         gen_idle_s: g.decode.idle_s,

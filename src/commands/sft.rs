@@ -2,11 +2,11 @@
 //! answers (supervised, teacher-forced), so RL starts from a policy with a non-trivial
 //! reward, and writes a Hugging Face checkpoint with the task tokenizer.
 
+use crate::commands::eval::{self, EvalSampling, EvalSet};
+use crate::display::DisplayMode;
 use crate::model::logprobs::{ScoredSeq, completion_logprobs};
-use crate::model::sampler::{Generator, Request};
 use crate::model::tokenizer::{CharTokenizer, Tokenizer};
 use crate::model::{Architecture, InferBackend, ModelError, Policy, PolicyConfig, TrainBackend};
-use crate::schema::SamplingParams;
 use crate::tasks::{self, BuiltinTask};
 use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
@@ -67,54 +67,6 @@ pub fn task_config(hidden: usize, layers: usize) -> PolicyConfig {
     .with_eos_token_id(Some(CharTokenizer::EOS))
 }
 
-/// Greedy accuracy and mean reward of `model` on `n` held-out prompts of `task`.
-pub fn evaluate(
-    model: &Policy<InferBackend>,
-    task: BuiltinTask,
-    seed: u64,
-    n: usize,
-) -> Result<(f64, f64), ModelError> {
-    let tok = tasks::char_tokenizer();
-    let items: Vec<_> = (0..n as u64)
-        .map(|i| task.item(seed ^ 0xe7a1, 1_000_000 + i))
-        .collect();
-    let requests: Vec<Request> = items
-        .iter()
-        .enumerate()
-        .map(|(i, it)| Request {
-            id: i as u64,
-            prompt: tok.encode(&it.prompt),
-            n: 1,
-            params: SamplingParams {
-                temperature: 0.0,
-                top_k: 0,
-                top_p: 1.0,
-                max_new_tokens: task.max_answer_tokens() + 2,
-                stop_tokens: vec![CharTokenizer::EOS],
-                seed: 0,
-            },
-        })
-        .collect();
-    let done = Generator::generate(model, 0, &requests)?;
-    let (mut exact, mut reward) = (0.0, 0.0);
-    for c in &done {
-        let it = &items[c.request_id as usize];
-        let end = c
-            .tokens
-            .iter()
-            .position(|&t| t == CharTokenizer::EOS)
-            .unwrap_or(c.tokens.len());
-        // The model's ids are the tokenizer's, so every completion decodes; one that did
-        // not would be a wrong answer, and scores as one.
-        let Ok(text) = tok.decode(&c.tokens[..end]) else {
-            continue;
-        };
-        exact += f64::from(u8::from(text == it.answer));
-        reward += f64::from(tasks::score(&text, &it.meta).unwrap_or(0.0));
-    }
-    Ok((exact / n.max(1) as f64, reward / n.max(1) as f64))
-}
-
 /// Trains and saves; `progress(step, loss)` is called after every step.
 pub fn run(
     opts: &SftOptions,
@@ -165,7 +117,14 @@ pub fn run(
     Tokenizer::save_char(&tok, &opts.out)?;
     let infer =
         Policy::<InferBackend>::from_bytes(&cfg, &trained.to_bytes()?, &Default::default())?;
-    let (accuracy, reward) = evaluate(&infer, opts.task, opts.seed, opts.eval)?;
+    // Greedy results on the held-out split (`rlstream eval` reports pass@1 too).
+    let set = EvalSet::task(opts.task, opts.eval);
+    let greedy = EvalSampling {
+        samples: 1,
+        ..EvalSampling::run(1.0, opts.seed)
+    };
+    let e = eval::evaluate(&infer, &set, &greedy, DisplayMode::Quiet)?;
+    let (accuracy, reward) = (e.greedy_accuracy.mean, e.greedy_reward.mean);
     Ok(SftSummary {
         params: cfg.num_params(),
         steps: opts.steps,

@@ -497,6 +497,19 @@ impl<B: Backend> Assembler<'_, B> {
             rope_sin,
             config: cfg.clone(),
         }
+        .map(&mut StableIds(0))
+    }
+}
+
+/// Gives every parameter an id fixed by its place in the module (burn draws them at random),
+/// so that checkpoints of the same weights and optimizer state are the same bytes.
+struct StableIds(u64);
+
+impl<B: Backend> burn::module::ModuleMapper<B> for StableIds {
+    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
+        self.0 += 1;
+        let id = crate::seed::derive(0, &format!("param/{}", self.0));
+        Param::initialized(id.into(), param.val())
     }
 }
 

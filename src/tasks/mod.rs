@@ -23,6 +23,18 @@ pub fn char_tokenizer() -> CharTokenizer {
     CharTokenizer::new(ALPHABET)
 }
 
+/// One prompt in this many belongs to the held-out split.
+pub const HELD_OUT_EVERY: u64 = 10;
+/// Seed of the held-out stream ([`BuiltinTask::held_out_item`]).
+const EVAL_SEED: u64 = 0x0e7a_15e7;
+
+/// Whether `prompt` is held out: a property of its text alone (a stable hash, see
+/// [`crate::seed`]), so no training stream of any seed or task shares a prompt with the
+/// evaluation set.
+pub fn held_out(prompt: &str) -> bool {
+    crate::seed::mix(crate::seed::fnv1a(prompt.as_bytes())).is_multiple_of(HELD_OUT_EVERY)
+}
+
 /// Meta key of the reference answer.
 pub const ANSWER: &str = "answer";
 /// Meta key naming the verifier of a dataset item.
@@ -95,10 +107,30 @@ impl BuiltinTask {
         }
     }
 
-    /// Prompt number `index` of the stream seeded by `seed` (deterministic).
+    /// Training prompt number `index` of the stream seeded by `seed` (deterministic): never
+    /// a held-out prompt ([`held_out`]), whatever the seed.
     pub fn item(self, seed: u64, index: u64) -> TaskItem {
+        self.draw(seed, index, false)
+    }
+
+    /// Held-out prompt number `index`: the evaluation set, the same for every run.
+    pub fn held_out_item(self, index: u64) -> TaskItem {
+        self.draw(EVAL_SEED, index, true)
+    }
+
+    /// The first prompt of the stream at `(seed, index)` on the chosen side of the split.
+    fn draw(self, seed: u64, index: u64, held: bool) -> TaskItem {
         let mut rng = StdRng::seed_from_u64(seed ^ index.wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        let (prompt, answer) = match self {
+        loop {
+            let (prompt, answer) = self.sample(&mut rng);
+            if held_out(&prompt) == held {
+                return self.with_meta(prompt, answer);
+            }
+        }
+    }
+
+    fn sample(self, rng: &mut StdRng) -> (String, String) {
+        match self {
             BuiltinTask::Add => {
                 let (a, b) = (rng.random_range(0..100u32), rng.random_range(0..100u32));
                 (format!("{a}+{b}="), (a + b).to_string())
@@ -123,7 +155,10 @@ impl BuiltinTask {
                 sorted.sort_unstable();
                 (format!("sort:{digits}="), sorted.into_iter().collect())
             }
-        };
+        }
+    }
+
+    fn with_meta(self, prompt: String, answer: String) -> TaskItem {
         let meta = BTreeMap::from([
             (ANSWER.to_string(), answer.clone()),
             (VERIFIER.to_string(), self.verifier().name().to_string()),
@@ -176,5 +211,27 @@ mod tests {
             score("12", &BuiltinTask::Add.item(0, 0).meta).map(|r| r <= 1.0),
             Some(true)
         );
+    }
+
+    #[test]
+    fn held_out_prompts_never_reach_a_training_stream() {
+        use std::collections::HashSet;
+        for task in BuiltinTask::ALL {
+            let held: HashSet<String> = (0..1000).map(|i| task.held_out_item(i).prompt).collect();
+            assert!(held.iter().all(|p| held_out(p)), "{task:?}");
+            // Enough distinct prompts to be a real evaluation set (add has 1,000 in all).
+            assert!(held.len() >= 600, "{task:?}: {}", held.len());
+            for seed in [0, 1, 7, 0x0005_eed0_fa11] {
+                for i in 0..5000 {
+                    let p = task.item(seed, i).prompt;
+                    assert!(!held.contains(&p), "{task:?} seed {seed} item {i}: {p}");
+                }
+            }
+        }
+        // The split is about a tenth of the prompts, and fixed by the text alone.
+        let all: Vec<String> = (0..10_000u32).map(|n| format!("sort:{n:04}=")).collect();
+        let share = all.iter().filter(|p| held_out(p)).count();
+        assert!((800..1200).contains(&share), "{share}");
+        assert_eq!(held_out("sort:0123="), held_out("sort:0123="));
     }
 }

@@ -204,7 +204,9 @@ impl Decoder {
             top_p: self.cfg.top_p,
             max_new_tokens: self.cfg.max_new_tokens,
             stop_tokens: current.policy.config().eos_token_id.into_iter().collect(),
-            seed: self.policy.seed ^ a.source.id.ms.rotate_left(17) ^ a.source.id.seq,
+            // From the prompt's identity, not its entry id: a rerun with the same seed
+            // samples the same completions (see `crate::seed`).
+            seed: crate::seed::derive(self.policy.seed, &a.prompt.prompt_id),
         };
         let id = self.next_id;
         self.next_id += 1;

@@ -104,9 +104,16 @@ impl Intake {
         aged
     }
 
-    /// One step's worth, oldest first, once that many are waiting.
+    /// One step's worth, the oldest waiting, once that many are waiting; ordered by group id
+    /// (prompt id first), not by arrival, so the same groups make the same step however the
+    /// scorers' replies interleaved (a `--sync` run is repeatable bit for bit).
     pub fn take(&mut self) -> Option<Vec<Delivery<ScoredGroup>>> {
-        (self.buffer.len() >= self.per_step).then(|| self.buffer.drain(..self.per_step).collect())
+        if self.buffer.len() < self.per_step {
+            return None;
+        }
+        let mut taken: Vec<_> = self.buffer.drain(..self.per_step).collect();
+        taken.sort_by(|a, b| a.message.rollout.group_id.cmp(&b.message.rollout.group_id));
+        Some(taken)
     }
 }
 

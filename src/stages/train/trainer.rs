@@ -67,6 +67,46 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradNorm<'_> {
     }
 }
 
+/// The optimizer's per-parameter record written in parameter-id order. Burn keeps it in a
+/// hash map, whose order (and so the checkpoint's bytes) changes from process to process;
+/// a sorted map is the same MessagePack map to read back, as that hash map.
+struct SortedRecord<T>(Vec<(burn::module::ParamId, T)>);
+
+impl<T> SortedRecord<T> {
+    fn new(record: impl IntoIterator<Item = (burn::module::ParamId, T)>) -> Self {
+        SortedRecord(record.into_iter().collect())
+    }
+}
+
+impl<T: burn::record::Record<B>, B: burn::tensor::backend::Backend> burn::record::Record<B>
+    for SortedRecord<T>
+{
+    type Item<S: burn::record::PrecisionSettings> = BTreeMap<String, T::Item<S>>;
+
+    fn into_item<S: burn::record::PrecisionSettings>(self) -> Self::Item<S> {
+        self.0
+            .into_iter()
+            .map(|(id, r)| (id.serialize(), r.into_item()))
+            .collect()
+    }
+
+    fn from_item<S: burn::record::PrecisionSettings>(
+        item: Self::Item<S>,
+        device: &B::Device,
+    ) -> Self {
+        SortedRecord(
+            item.into_iter()
+                .map(|(id, r)| {
+                    (
+                        burn::module::ParamId::deserialize(&id),
+                        T::from_item(r, device),
+                    )
+                })
+                .collect(),
+        )
+    }
+}
+
 /// Replaces each parameter by its gradient (zero where it has none), so a model's export
 /// names and lays out its gradients.
 struct GradsAsWeights<'a> {
@@ -278,7 +318,10 @@ impl Trainer {
             .record(self.model.clone().into_record(), dir.join(MODEL_RECORD))
             .map_err(|e| CheckpointError::format(&dir, "model record", e))?;
         recorder
-            .record(self.optim.to_record(), dir.join(OPTIM_RECORD))
+            .record(
+                SortedRecord::new(self.optim.to_record()),
+                dir.join(OPTIM_RECORD),
+            )
             .map_err(|e| CheckpointError::format(&dir, "optimizer record", e))?;
         checkpoint::write_state(&dir, &self.state, &self.cfg)?;
         checkpoint::mark_latest(root, &dir)?;

@@ -1,0 +1,20 @@
+//! `rlstream eval`.
+
+use crate::commands::eval::{self, EvalArgs, EvalOptions};
+use crate::display::DisplayMode;
+use anyhow::Result;
+
+#[derive(clap::Args)]
+pub struct Args {
+    #[command(flatten)]
+    eval: EvalArgs,
+}
+
+impl Args {
+    pub fn exec(self) -> Result<()> {
+        let opts = self.eval.over(&EvalOptions::default());
+        let r = eval::run(&opts, DisplayMode::auto())?;
+        println!("eval {}: {}", r.task, r.line());
+        Ok(())
+    }
+}

@@ -1,0 +1,341 @@
+//! `rlstream eval`: held-out results of any checkpoint, with intervals.
+//!
+//! Two numbers per reward, on the same prompts:
+//! - **pass@1** and **reward** at the sampling temperature (the training temperature by
+//!   default): what RL optimises. Each prompt is sampled `--samples` times; its value is the
+//!   mean over its samples, and the estimate is the mean over prompts with the standard
+//!   error of that mean (prompts are the independent draws).
+//! - **greedy** accuracy and reward: the deterministic answer.
+//!
+//! Built-in tasks are evaluated on their held-out split ([`tasks::held_out`]): prompts no
+//! training stream of any seed produces, the same ones for every run. `--dataset` evaluates
+//! a JSONL file's items (keeping it apart from training data is then the user's part).
+
+use crate::display::{DisplayMode, Phase};
+use crate::model::hf::load_hf;
+use crate::model::sampler::{Generator, Request};
+use crate::model::tokenizer::Tokenizer;
+use crate::model::{InferBackend, ModelError, Policy};
+pub use crate::report::Estimate;
+use crate::schema::SamplingParams;
+use crate::tasks::{self, BuiltinTask, Dataset, TaskItem};
+use serde::Serialize;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+crate::settings! {
+    /// What to evaluate and how: these are also the flags of `rlstream eval`.
+    pub struct EvalOptions, flags EvalArgs, section "eval" {
+        /// Model directory: a Hugging Face checkpoint (`OUT/sft`, `OUT/checkpoints/step-N`).
+        #[arg(value_name = "DIR")]
+        pub model: Option<PathBuf> = None,
+        /// Built-in task whose held-out prompts to evaluate on.
+        pub task: Option<BuiltinTask> = None,
+        /// JSONL dataset to evaluate on instead of a task (its first --prompts items).
+        #[arg(value_name = "FILE")]
+        pub dataset: Option<PathBuf> = None,
+        /// Tokenizer directory for --dataset; the model's when absent.
+        #[arg(value_name = "DIR")]
+        pub tokenizer: Option<PathBuf> = None,
+        /// Held-out prompts.
+        pub prompts: usize = 1000,
+        /// Samples per prompt for pass@1 (more samples, a narrower interval).
+        pub samples: usize = 4,
+        /// Sampling temperature of pass@1: the training temperature.
+        pub temperature: f32 = 1.0,
+        /// Seed of the sampled completions.
+        pub seed: u64 = 0,
+        /// Most tokens per completion; the task's longest answer + 2 when 0 (64 for --dataset).
+        pub max_new_tokens: u32 = 0,
+        /// Sequences decoded together.
+        pub batch: usize = 512,
+        /// Also write the result as JSON to this file.
+        #[arg(value_name = "FILE")]
+        pub json: Option<PathBuf> = None,
+    }
+}
+
+/// One evaluation.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct EvalResult {
+    /// Task or dataset name.
+    pub task: String,
+    pub prompts: usize,
+    pub samples: usize,
+    pub temperature: f32,
+    /// Share of samples at `temperature` with full reward (the exact answer).
+    pub pass_at_1: Estimate,
+    /// Mean reward of a sample at `temperature`: what RL maximises.
+    pub reward: Estimate,
+    /// Share of greedy completions with full reward.
+    pub greedy_accuracy: Estimate,
+    pub greedy_reward: Estimate,
+    pub seconds: f64,
+}
+
+impl EvalResult {
+    /// One line: pass@1 first.
+    pub fn line(&self) -> String {
+        format!(
+            "pass@1 {} (reward {}) at temperature {}, greedy accuracy {} (reward {}), {} prompts × {} samples",
+            self.pass_at_1.percent(),
+            self.reward.value(),
+            self.temperature,
+            self.greedy_accuracy.percent(),
+            self.greedy_reward.value(),
+            self.prompts,
+            self.samples
+        )
+    }
+}
+
+/// Prompts to evaluate on, tokenised, with what their completions are scored against.
+pub struct EvalSet {
+    pub name: String,
+    pub items: Vec<(Vec<u32>, TaskItem)>,
+    pub tokenizer: Tokenizer,
+    pub stop_tokens: Vec<u32>,
+    pub max_new_tokens: u32,
+}
+
+impl EvalSet {
+    /// The first `n` held-out prompts of `task` (the same for every seed and run).
+    pub fn task(task: BuiltinTask, n: usize) -> Self {
+        let tok = tasks::char_tokenizer();
+        let items = (0..n as u64)
+            .map(|i| {
+                let it = task.held_out_item(i);
+                (tok.encode(&it.prompt), it)
+            })
+            .collect();
+        EvalSet {
+            name: task.name().to_string(),
+            items,
+            tokenizer: Tokenizer::Char(tok),
+            stop_tokens: vec![crate::model::tokenizer::CharTokenizer::EOS],
+            max_new_tokens: task.max_answer_tokens() + 2,
+        }
+    }
+
+    /// The first `n` items of a JSONL dataset (each has an answer), tokenised with
+    /// `tokenizer`.
+    pub fn dataset(
+        path: &Path,
+        tokenizer: Tokenizer,
+        stop_tokens: Vec<u32>,
+        n: usize,
+    ) -> Result<Self, EvalError> {
+        let d = Dataset::load(path).map_err(|e| EvalError::Usage(e.to_string()))?;
+        let mut items = Vec::new();
+        for it in d.items.into_iter().take(n) {
+            items.push((tokenizer.encode(&it.item.prompt)?, it.item));
+        }
+        Ok(EvalSet {
+            name: d.name,
+            items,
+            tokenizer,
+            stop_tokens,
+            max_new_tokens: 64,
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum EvalError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("{0}")]
+    Usage(String),
+    #[error("cannot write {path}: {source}")]
+    Output {
+        path: String,
+        source: std::io::Error,
+    },
+}
+
+/// Sampling of one evaluation pass.
+#[derive(Debug, Clone, Copy)]
+pub struct EvalSampling {
+    pub samples: usize,
+    pub temperature: f32,
+    pub seed: u64,
+    pub batch: usize,
+}
+
+impl EvalSampling {
+    /// How `run` evaluates: 4 samples per prompt at the run's temperature.
+    pub fn run(temperature: f32, seed: u64) -> Self {
+        EvalSampling {
+            samples: 4,
+            temperature,
+            seed,
+            batch: 512,
+        }
+    }
+}
+
+/// Per-prompt (reward, full-credit) means of `n` completions per prompt at `temperature`
+/// (greedy when 0), decoded `batch` sequences at a time; `progress(done)` after each chunk.
+fn per_prompt(
+    model: &Policy<InferBackend>,
+    set: &EvalSet,
+    n: usize,
+    temperature: f32,
+    seed: u64,
+    batch: usize,
+    mut progress: impl FnMut(usize),
+) -> Result<(Vec<f64>, Vec<f64>), ModelError> {
+    let per_chunk = (batch / n).max(1);
+    let (mut rewards, mut passes) = (Vec::new(), Vec::new());
+    for (c, chunk) in set.items.chunks(per_chunk).enumerate() {
+        let first = c * per_chunk;
+        let requests: Vec<Request> = chunk
+            .iter()
+            .enumerate()
+            .map(|(i, (tokens, _))| Request {
+                id: i as u64,
+                prompt: tokens.clone(),
+                n,
+                params: SamplingParams {
+                    temperature,
+                    top_k: 0,
+                    top_p: 1.0,
+                    max_new_tokens: set.max_new_tokens,
+                    stop_tokens: set.stop_tokens.clone(),
+                    // The prompt's place in the set: the same samples in every evaluation.
+                    seed: crate::seed::derive(seed, &format!("eval/{}/{}", set.name, first + i)),
+                },
+            })
+            .collect();
+        let done = Generator::generate(model, 0, &requests)?;
+        let mut sums = vec![(0.0, 0.0); chunk.len()];
+        for c in &done {
+            let end = c
+                .tokens
+                .iter()
+                .position(|t| set.stop_tokens.contains(t))
+                .unwrap_or(c.tokens.len());
+            // A completion that does not decode is a wrong answer and scores as one.
+            let reward = set
+                .tokenizer
+                .decode(&c.tokens[..end])
+                .ok()
+                .and_then(|text| tasks::score(&text, &chunk[c.request_id as usize].1.meta))
+                .map_or(0.0, f64::from);
+            let s = &mut sums[c.request_id as usize];
+            s.0 += reward;
+            s.1 += f64::from(u8::from(reward >= 1.0));
+        }
+        for (r, p) in sums {
+            rewards.push(r / n as f64);
+            passes.push(p / n as f64);
+        }
+        progress(first + chunk.len());
+    }
+    Ok((rewards, passes))
+}
+
+/// Evaluates `model` on `set`: sampled (pass@1, reward) and greedy (accuracy, reward).
+pub fn evaluate(
+    model: &Policy<InferBackend>,
+    set: &EvalSet,
+    sampling: &EvalSampling,
+    display: DisplayMode,
+) -> Result<EvalResult, ModelError> {
+    let started = Instant::now();
+    let total = set.items.len() as u64;
+    let mut phase = Phase::new(display, "eval", 2 * total);
+    let (reward, pass) = per_prompt(
+        model,
+        set,
+        sampling.samples.max(1),
+        sampling.temperature,
+        sampling.seed,
+        sampling.batch,
+        |done| phase.update(done as u64, "sampled"),
+    )?;
+    let (greedy_reward, greedy_pass) = per_prompt(model, set, 1, 0.0, 0, sampling.batch, |done| {
+        phase.update(total + done as u64, "greedy")
+    })?;
+    let result = EvalResult {
+        task: set.name.clone(),
+        prompts: set.items.len(),
+        samples: sampling.samples.max(1),
+        temperature: sampling.temperature,
+        pass_at_1: Estimate::of(&pass),
+        reward: Estimate::of(&reward),
+        greedy_accuracy: Estimate::of(&greedy_pass),
+        greedy_reward: Estimate::of(&greedy_reward),
+        seconds: started.elapsed().as_secs_f64(),
+    };
+    phase.finish(&result.line());
+    Ok(result)
+}
+
+/// `rlstream eval`: checks the options, loads the model, evaluates, writes `--json`.
+pub fn run(opts: &EvalOptions, display: DisplayMode) -> Result<EvalResult, EvalError> {
+    let usage = |m: &str| Err(EvalError::Usage(m.to_string()));
+    let Some(dir) = &opts.model else {
+        return usage("give --model DIR (a Hugging Face checkpoint)");
+    };
+    if opts.prompts == 0 || opts.samples == 0 || opts.batch == 0 {
+        return usage("--prompts, --samples and --batch must be at least 1");
+    }
+    if !(opts.temperature.is_finite() && opts.temperature > 0.0) {
+        return usage("--temperature must be > 0 (greedy results are always reported too)");
+    }
+    let model: Policy<InferBackend> = load_hf(dir, &Default::default())?;
+    let stop_tokens: Vec<u32> = model.config().eos_token_id.into_iter().collect();
+    let mut set = match (&opts.task, &opts.dataset) {
+        (Some(_), Some(_)) => return usage("give --task or --dataset, not both"),
+        (None, None) => return usage("give --task add|reverse|sort|longsort or --dataset FILE"),
+        (Some(task), None) => {
+            let vocab = tasks::char_tokenizer().vocab_size();
+            if model.config().vocab_size != vocab {
+                return Err(EvalError::Usage(format!(
+                    "{} has a vocabulary of {} tokens, not the built-in tasks' {vocab}; built-in \
+                     tasks evaluate models written by `rlstream sft` or `rlstream run`",
+                    dir.display(),
+                    model.config().vocab_size
+                )));
+            }
+            EvalSet::task(*task, opts.prompts)
+        }
+        (None, Some(path)) => {
+            let tok = Tokenizer::load(opts.tokenizer.as_deref().unwrap_or(dir))?;
+            EvalSet::dataset(path, tok, stop_tokens, opts.prompts)?
+        }
+    };
+    if opts.max_new_tokens > 0 {
+        set.max_new_tokens = opts.max_new_tokens;
+    }
+    let limits = model.config().limits();
+    for (tokens, it) in &set.items {
+        let fits = match limits.prompt("prompt", tokens) {
+            Ok(()) if tokens.is_empty() => Err("it is empty".to_string()),
+            Ok(()) => Ok(()),
+            Err(r) => Err(r.detail),
+        };
+        if let Err(why) = fits {
+            return Err(EvalError::Usage(format!(
+                "cannot evaluate the prompt {:?}: {why}",
+                it.prompt
+            )));
+        }
+    }
+    let sampling = EvalSampling {
+        samples: opts.samples,
+        temperature: opts.temperature,
+        seed: opts.seed,
+        batch: opts.batch,
+    };
+    let result = evaluate(&model, &set, &sampling, display)?;
+    if let Some(path) = &opts.json {
+        let text = serde_json::to_string_pretty(&result).unwrap_or_default();
+        std::fs::write(path, text).map_err(|source| EvalError::Output {
+            path: path.display().to_string(),
+            source,
+        })?;
+    }
+    Ok(result)
+}

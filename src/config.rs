@@ -86,7 +86,7 @@ crate::settings! {
     /// The `[run]` section: what `rlstream run` does beyond the stages.
     pub struct RunConfig, flags RunArgs, section "run" {
         /// Built-in task to learn.
-        pub task: BuiltinTask = BuiltinTask::Sort,
+        pub task: BuiltinTask = BuiltinTask::Longer,
         /// The synchronous baseline: generate a batch, score it, train on it, publish, repeat.
         #[arg(num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
         pub sync: bool = false,
@@ -96,7 +96,7 @@ crate::settings! {
         /// Where the learning curve and per-step metrics go; OUT/report when absent.
         #[arg(value_name = "DIR")]
         pub report: Option<PathBuf> = None,
-        /// Warm-start (supervised) steps: enough to learn the answer format, little enough to leave RL something to learn.
+        /// Warm-start (supervised) steps on the task's demonstrations (`sort`'s for `longer`).
         pub sft_steps: u64 = 100,
         /// Width of the warm-start model.
         pub hidden: usize = 64,

@@ -169,6 +169,37 @@ fn eval_reports_intervals_and_repeats_itself() {
     // A warm start of 30 steps has learned part of the answer: partial credit.
     assert!(first["reward"]["mean"].as_f64().unwrap() > 0.05, "{first}");
 
+    // The control of the README's table: the same model given more supervised training.
+    let more = dir.path().join("more");
+    run_ok(&[
+        "sft",
+        "--task",
+        "sort",
+        "--init",
+        model.to_str().unwrap(),
+        "--steps",
+        "30",
+        "--out",
+        more.to_str().unwrap(),
+    ]);
+    let json = dir.path().join("more.json");
+    run_ok(&[
+        "eval",
+        "--model",
+        more.to_str().unwrap(),
+        "--task",
+        "sort",
+        "--prompts",
+        "200",
+        "--json",
+        json.to_str().unwrap(),
+    ]);
+    let continued: Value = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    assert!(
+        continued["reward"]["mean"].as_f64().unwrap() > first["reward"]["mean"].as_f64().unwrap(),
+        "30 more steps from the model: {continued} against {first}"
+    );
+
     // What it cannot evaluate is refused with a message that says what to do.
     let refused = |args: &[&str], says: &str| {
         let out = common::bin().args(args).output().unwrap();

@@ -38,12 +38,15 @@ pub fn adjust(mut cmd: clap::Command) -> clap::Command {
         };
         for (key, value) in table {
             let id = flag_id(section, key);
-            let shown = if (section.as_str(), key.as_str()) == ("gen", "max_new_tokens") {
-                toml::Value::String(format!(
-                    "{value} for --task sort; the task's longest answer + 2"
-                ))
-            } else {
-                value.clone()
+            let default_task = crate::config::RunConfig::default().task.name();
+            let shown = match (section.as_str(), key.as_str()) {
+                ("gen", "max_new_tokens") => toml::Value::String(format!(
+                    "{value} for --task {default_task}; the task's longest answer + 2"
+                )),
+                ("run", "sft_steps") => toml::Value::String(format!(
+                    "{value} for --task {default_task}; 100 for the others"
+                )),
+                _ => value.clone(),
             };
             cmd = cmd.mut_arg(id, |a| {
                 let doc = a.get_help().map(|h| doc_of(&h.to_string()).to_string());

@@ -288,7 +288,9 @@ pub fn run(opts: &EvalOptions, display: DisplayMode) -> Result<EvalResult, EvalE
     let stop_tokens: Vec<u32> = model.config().eos_token_id.into_iter().collect();
     let mut set = match (&opts.task, &opts.dataset) {
         (Some(_), Some(_)) => return usage("give --task or --dataset, not both"),
-        (None, None) => return usage("give --task add|reverse|sort|longsort or --dataset FILE"),
+        (None, None) => {
+            return usage("give --task add|reverse|sort|longsort|longer or --dataset FILE");
+        }
         (Some(task), None) => {
             let vocab = tasks::char_tokenizer().vocab_size();
             if model.config().vocab_size != vocab {

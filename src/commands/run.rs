@@ -211,7 +211,22 @@ pub fn defaults_layer(task: BuiltinTask) -> toml::Table {
         toml::Value::Integer(i64::from(task.max_answer_tokens() + 2)),
     )]);
     layer.insert("gen".into(), toml::Value::Table(gen_section));
+    let run_section = toml::Table::from_iter([(
+        "sft_steps".to_string(),
+        toml::Value::Integer(sft_steps(task) as i64),
+    )]);
+    layer.insert("run".into(), toml::Value::Table(run_section));
     layer
+}
+
+/// Warm-start steps by default: 100 leaves RL most of a task to learn; `longer`'s warm start
+/// imitates `sort` until it sorts well (400 steps, about 94% greedy accuracy on `sort`), so
+/// that what RL adds, longer inputs, is what the demonstrations lack.
+pub fn sft_steps(task: BuiltinTask) -> u64 {
+    match task {
+        BuiltinTask::Longer => 400,
+        _ => 100,
+    }
 }
 
 /// `run`'s defaults that do not depend on the task (`gen.max_new_tokens` is the task's
@@ -412,7 +427,7 @@ fn prepare_model(opts: &RunOptions) -> Result<(PathBuf, f64), StageError> {
     }
     let out = opts.out.join("sft");
     let sft_opts = SftOptions {
-        task: opts.task,
+        task: opts.task.demonstrations(),
         out: out.clone(),
         seed: opts.seed,
         ..opts.sft.clone()
@@ -424,10 +439,11 @@ fn prepare_model(opts: &RunOptions) -> Result<(PathBuf, f64), StageError> {
         })
     })?;
     phase.finish(&format!(
-        "{} params, loss {:.4}, held-out greedy accuracy {:.1}%",
+        "{} params, loss {:.4}, held-out greedy accuracy {:.1}% on `{}`",
         s.params,
         s.final_loss,
-        100.0 * s.accuracy
+        100.0 * s.accuracy,
+        sft_opts.task.name()
     ));
     Ok((out, s.seconds))
 }

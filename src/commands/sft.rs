@@ -35,6 +35,10 @@ crate::settings! {
         pub layers: usize = 2,
         /// Prompts held out for the accuracy report.
         pub eval: usize = 64,
+        /// Continue from this model (written by `rlstream sft` or `run`) instead of a random
+        /// one, on fresh prompts: e.g. a warm start given more supervised training.
+        #[arg(value_name = "DIR")]
+        pub init: Option<PathBuf> = None,
     }
 }
 
@@ -67,6 +71,26 @@ pub fn task_config(hidden: usize, layers: usize) -> PolicyConfig {
     .with_eos_token_id(Some(CharTokenizer::EOS))
 }
 
+/// Salt of a continued run's prompts (`--init`), so it does not repeat the first run's.
+const CONTINUE_SALT: u64 = 0xc047_150e;
+
+/// The model `--init` names, which must speak the built-in tasks' tokenizer.
+fn init_model(dir: &std::path::Path) -> Result<Policy<TrainBackend>, ModelError> {
+    let model: Policy<TrainBackend> = crate::model::hf::load_hf(dir, &Default::default())?;
+    let vocab = tasks::char_tokenizer().vocab_size();
+    if model.config().vocab_size != vocab {
+        return Err(ModelError::Config {
+            field: "--init".into(),
+            reason: format!(
+                "{} has a vocabulary of {} tokens, not the built-in tasks' {vocab}",
+                dir.display(),
+                model.config().vocab_size
+            ),
+        });
+    }
+    Ok(model)
+}
+
 /// Trains and saves; `progress(step, loss)` is called after every step.
 pub fn run(
     opts: &SftOptions,
@@ -79,16 +103,25 @@ pub fn run(
         });
     }
     let started = Instant::now();
-    let cfg = task_config(opts.hidden, opts.layers);
     let device = Default::default();
-    let mut model = Policy::<TrainBackend>::random(&cfg, opts.seed, &device)?;
+    let (mut model, prompt_seed) = match &opts.init {
+        None => {
+            let cfg = task_config(opts.hidden, opts.layers);
+            (
+                Policy::<TrainBackend>::random(&cfg, opts.seed, &device)?,
+                opts.seed,
+            )
+        }
+        Some(dir) => (init_model(dir)?, opts.seed ^ CONTINUE_SALT),
+    };
+    let cfg = model.config().clone();
     let mut optim = AdamWConfig::new().init();
     let tok = tasks::char_tokenizer();
     let mut final_loss = f64::NAN;
     for step in 0..opts.steps {
         let batch: Vec<(Vec<u32>, Vec<u32>)> = (0..opts.batch as u64)
             .map(|i| {
-                let it = opts.task.item(opts.seed, step * opts.batch as u64 + i);
+                let it = opts.task.item(prompt_seed, step * opts.batch as u64 + i);
                 let mut answer = tok.encode(&it.answer);
                 answer.push(CharTokenizer::EOS);
                 (tok.encode(&it.prompt), answer)

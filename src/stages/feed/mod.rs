@@ -29,7 +29,7 @@ pub fn items(cfg: &FeedConfig) -> Result<(String, Vec<(String, TaskItem)>), Stag
             "give --task or --dataset, not both".into(),
         )),
         (None, None) => Err(StageError::Other(
-            "give --task add|reverse|sort or --dataset FILE".into(),
+            "give --task add|reverse|sort|longsort|longer or --dataset FILE".into(),
         )),
         (Some(task), None) => Ok((
             task.name().to_string(),

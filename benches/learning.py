@@ -1,0 +1,141 @@
+#!/usr/bin/env python3
+"""Does the default `rlstream run` learn, beyond what more supervised training would give?
+
+For each seed: the default run (`rlstream run --seed S`, embedded bus), whose summary holds
+`rlstream eval` results before and after RL on 1,000 held-out prompts; then the control, the
+same warm start given the RL phase's wall-clock as more supervised training on the
+demonstrations (`rlstream sft --init OUT/sft`, as many steps as the warm start makes in that
+time), evaluated by `rlstream eval` on the same held-out prompts.
+
+    python3 benches/learning.py --seeds 1,2,3,4,5 [--task longer] [--steps 200] [--async|--sync]
+
+Prints a Markdown table per seed and the mean gain with its standard error over seeds, and
+writes everything to OUT/learning.json.
+"""
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BIN = os.path.join(ROOT, "target", "release", "rlstream")
+
+
+def rlstream(*args):
+    out = subprocess.run([BIN, *args], capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"rlstream {' '.join(args)} failed:\n{out.stderr[-3000:]}")
+    return out.stdout
+
+
+def mean_se(xs):
+    n = len(xs)
+    m = sum(xs) / n
+    if n < 2:
+        return m, float("nan")
+    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
+    return m, sd / math.sqrt(n)
+
+
+def one_seed(args, out, seed, demonstrations):
+    run_dir = os.path.join(out, f"seed-{seed}")
+    extra = ["--sync"] if args.sync else []
+    rlstream("run", "--task", args.task, "--seed", str(seed), "--steps", str(args.steps),
+             "--out", run_dir, "--plain", *extra)
+    with open(os.path.join(run_dir, "report", "summary.json")) as f:
+        s = json.load(f)
+    before, after = s["held_out"][0], s["held_out"][-1]
+    sft_steps = s["config"]["run"]["sft_steps"]
+    # The warm start's speed, in steps per second, gives the control its step count.
+    control_steps = max(1, round(s["wall_s"] * sft_steps / s["warm_start_s"]))
+    control = os.path.join(run_dir, "control")
+    rlstream("sft", "--task", demonstrations, "--init", os.path.join(run_dir, "sft"),
+             "--steps", str(control_steps), "--seed", str(seed), "--out", control)
+    ctl_json = os.path.join(run_dir, "control-eval.json")
+    rlstream("eval", "--model", control, "--task", args.task, "--seed", str(seed),
+             "--temperature", str(s["config"]["policy"]["temperature"]), "--json", ctl_json)
+    with open(ctl_json) as f:
+        ctl = json.load(f)
+    return {
+        "seed": seed,
+        "warm_start_s": s["warm_start_s"],
+        "rl_wall_s": s["wall_s"],
+        "control_steps": control_steps,
+        "before": before,
+        "after": after,
+        "control": ctl,
+    }
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--seeds", default="1,2,3,4,5")
+    p.add_argument("--task", default="longer")
+    p.add_argument("--demonstrations", default=None,
+                   help="task the warm start imitates (sort for longer, the task otherwise)")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--sync", action="store_true")
+    p.add_argument("--out", default=None)
+    args = p.parse_args()
+    demonstrations = args.demonstrations or ("sort" if args.task == "longer" else args.task)
+    if not os.path.exists(BIN):
+        subprocess.run(["cargo", "build", "--release"], cwd=ROOT, check=True)
+    out = args.out or tempfile.mkdtemp(prefix="rlstream-learning-")
+    seeds = [int(s) for s in args.seeds.split(",")]
+    rows = []
+    for seed in seeds:
+        r = one_seed(args, out, seed, demonstrations)
+        rows.append(r)
+        print(f"seed {seed}: pass@1 {r['before']['pass_at_1']['mean']:.3f} -> {r['after']['pass_at_1']['mean']:.3f}, "
+              f"control {r['control']['pass_at_1']['mean']:.3f}", file=sys.stderr)
+
+    def pct(e):
+        return f"{100 * e['mean']:.1f}% ± {100 * 1.96 * e['se']:.1f}"
+
+    def val(e):
+        return f"{e['mean']:.3f} ± {1.96 * e['se']:.3f}"
+
+    lines = [
+        f"`rlstream run --task {args.task} --steps {args.steps}{' --sync' if args.sync else ''}` per seed; "
+        f"held-out pass@1 and reward at the training temperature on {rows[0]['after']['prompts']} prompts "
+        f"× {rows[0]['after']['samples']} samples (± the 95% interval of each evaluation):",
+        "",
+        "| seed | before RL | after RL | gain | control (more SFT) | reward before → after RL | reward, control | greedy accuracy after RL | RL / control wall-clock |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    gains, over_control, reward_gains = [], [], []
+    for r in rows:
+        b, a, c = r["before"], r["after"], r["control"]
+        gain = a["pass_at_1"]["mean"] - b["pass_at_1"]["mean"]
+        gains.append(gain)
+        over_control.append(a["pass_at_1"]["mean"] - c["pass_at_1"]["mean"])
+        reward_gains.append(a["reward"]["mean"] - b["reward"]["mean"])
+        lines.append(
+            f"| {r['seed']} | {pct(b['pass_at_1'])} | {pct(a['pass_at_1'])} | {100 * gain:+.1f} | "
+            f"{pct(c['pass_at_1'])} | {val(b['reward'])} → {val(a['reward'])} | {val(c['reward'])} | "
+            f"{pct(a['greedy_accuracy'])} | {r['rl_wall_s']:.1f} s / {r['control_steps']} SFT steps |"
+        )
+    g, g_se = mean_se(gains)
+    oc, oc_se = mean_se(over_control)
+    rg, rg_se = mean_se(reward_gains)
+    lines += [
+        "",
+        f"Over {len(rows)} seeds: pass@1 gain {100 * g:+.1f} points (standard error {100 * g_se:.1f}, "
+        f"{g / g_se:.1f}× it; smallest {100 * min(gains):+.1f}); after RL minus control "
+        f"{100 * oc:+.1f} points (standard error {100 * oc_se:.1f}); reward gain {rg:+.3f} "
+        f"(standard error {rg_se:.3f}).",
+    ]
+    text = "\n".join(lines)
+    print(text)
+    with open(os.path.join(out, "learning.json"), "w") as f:
+        json.dump({"rows": rows, "gain": [g, g_se], "over_control": [oc, oc_se],
+                   "reward_gain": [rg, rg_se], "table": text}, f, indent=2)
+    print(f"\nwrote {os.path.join(out, 'learning.json')}", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

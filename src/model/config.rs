@@ -5,12 +5,13 @@ use super::ModelError;
 use burn::config::Config;
 use serde::{Deserialize, Serialize};
 
-/// Which Hugging Face architecture a checkpoint declares. Both share the decoder; Qwen2
-/// adds q/k/v biases.
+/// Which Hugging Face architecture a checkpoint declares. All share the decoder; Qwen2
+/// adds q/k/v biases, Qwen3 a per-head RMSNorm on q and k (and a free head width).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Architecture {
     Llama,
     Qwen2,
+    Qwen3,
 }
 
 impl Architecture {
@@ -18,13 +19,84 @@ impl Architecture {
         match self {
             Architecture::Llama => "LlamaForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
+            Architecture::Qwen3 => "Qwen3ForCausalLM",
         }
     }
     fn model_type(self) -> &'static str {
         match self {
             Architecture::Llama => "llama",
             Architecture::Qwen2 => "qwen2",
+            Architecture::Qwen3 => "qwen3",
         }
+    }
+}
+
+/// Llama 3's rotary scaling (`rope_type: llama3`): wavelengths longer than the original
+/// context divided by `low_freq_factor` are stretched by `factor`, those shorter than it
+/// divided by `high_freq_factor` are kept, and the band between is interpolated.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+pub struct Llama3Rope {
+    pub factor: f64,
+    pub low_freq_factor: f64,
+    pub high_freq_factor: f64,
+    pub original_max_position: usize,
+}
+
+impl Llama3Rope {
+    /// The scaled inverse frequency (transformers' `_compute_llama3_parameters`).
+    pub fn scale(&self, inv_freq: f64) -> f64 {
+        let old = self.original_max_position as f64;
+        let low_wavelen = old / self.low_freq_factor;
+        let high_wavelen = old / self.high_freq_factor;
+        let wavelen = 2.0 * std::f64::consts::PI / inv_freq;
+        if wavelen < high_wavelen {
+            inv_freq
+        } else if wavelen > low_wavelen {
+            inv_freq / self.factor
+        } else {
+            let smooth = (old / wavelen - self.low_freq_factor)
+                / (self.high_freq_factor - self.low_freq_factor);
+            (1.0 - smooth) * inv_freq / self.factor + smooth * inv_freq
+        }
+    }
+
+    /// Reads a `rope_scaling` / `rope_parameters` object whose type is `llama3`.
+    fn from_json(v: &serde_json::Value) -> Result<Self, ModelError> {
+        let num = |k: &str| {
+            v.get(k)
+                .and_then(serde_json::Value::as_f64)
+                .filter(|x| x.is_finite() && *x > 0.0)
+                .ok_or_else(|| ModelError::Config {
+                    field: format!("rope_scaling.{k}"),
+                    reason: "a positive number is required for rope_type llama3".into(),
+                })
+        };
+        let r = Llama3Rope {
+            factor: num("factor")?,
+            low_freq_factor: num("low_freq_factor")?,
+            high_freq_factor: num("high_freq_factor")?,
+            original_max_position: num("original_max_position_embeddings")? as usize,
+        };
+        if r.high_freq_factor <= r.low_freq_factor {
+            return Err(ModelError::Config {
+                field: "rope_scaling.high_freq_factor".into(),
+                reason: format!(
+                    "{} must be greater than low_freq_factor {}",
+                    r.high_freq_factor, r.low_freq_factor
+                ),
+            });
+        }
+        Ok(r)
+    }
+
+    fn to_json(self) -> serde_json::Value {
+        serde_json::json!({
+            "rope_type": "llama3",
+            "factor": self.factor,
+            "low_freq_factor": self.low_freq_factor,
+            "high_freq_factor": self.high_freq_factor,
+            "original_max_position_embeddings": self.original_max_position,
+        })
     }
 }
 
@@ -52,6 +124,12 @@ pub struct PolicyConfig {
     /// Biases on the q/k/v projections (Qwen2).
     #[config(default = false)]
     pub qkv_bias: bool,
+    /// RMSNorm over each head of q and k before the rotary embedding (Qwen3).
+    #[config(default = false)]
+    pub qk_norm: bool,
+    /// Rotary scaling (Llama 3.x); `None` is the plain rotary embedding.
+    #[config(default = "None")]
+    pub rope_scaling: Option<Llama3Rope>,
     /// The output head reuses the token embedding.
     #[config(default = true)]
     pub tie_embeddings: bool,
@@ -90,7 +168,8 @@ impl PolicyConfig {
         } else {
             0
         };
-        let attn = q + kv + bias + self.num_heads * hd * d;
+        let qk_norm = if self.qk_norm { 2 * hd } else { 0 };
+        let attn = q + kv + bias + qk_norm + self.num_heads * hd * d;
         let mlp = 3 * d * self.intermediate_size;
         let layer = attn + mlp + 2 * d;
         let embed = self.vocab_size * d;
@@ -171,17 +250,22 @@ impl PolicyConfig {
             "hidden_act": "silu",
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": null,
+            "rope_scaling": self.rope_scaling.map(Llama3Rope::to_json),
             "tie_word_embeddings": self.tie_embeddings,
             "max_position_embeddings": self.max_position,
             "torch_dtype": "float32",
             "use_cache": true,
         });
-        if self.architecture == Architecture::Llama {
-            v["attention_bias"] = self.qkv_bias.into();
-            v["mlp_bias"] = false.into();
-        } else {
-            v["use_sliding_window"] = false.into();
+        match self.architecture {
+            Architecture::Llama => {
+                v["attention_bias"] = self.qkv_bias.into();
+                v["mlp_bias"] = false.into();
+            }
+            Architecture::Qwen2 => v["use_sliding_window"] = false.into(),
+            Architecture::Qwen3 => {
+                v["attention_bias"] = self.qkv_bias.into();
+                v["use_sliding_window"] = false.into();
+            }
         }
         if let Some(b) = self.bos_token_id {
             v["bos_token_id"] = b.into();
@@ -224,6 +308,12 @@ struct HfConfig {
     mlp_bias: Option<bool>,
     #[serde(default)]
     use_sliding_window: Option<bool>,
+    /// transformers 5 names each layer's attention (`full_attention`, `sliding_attention`).
+    #[serde(default)]
+    layer_types: Option<Vec<String>>,
+    /// Mixture-of-experts configs carry these; a dense architecture name with them is refused.
+    #[serde(default)]
+    num_experts: Option<usize>,
     max_position_embeddings: Option<usize>,
     bos_token_id: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
@@ -251,34 +341,50 @@ impl HfConfig {
     fn into_policy(self) -> Result<PolicyConfig, ModelError> {
         let arch = match self.architectures.first().map(String::as_str) {
             Some("Qwen2ForCausalLM") => Architecture::Qwen2,
+            Some("Qwen3ForCausalLM") => Architecture::Qwen3,
             Some("LlamaForCausalLM") => Architecture::Llama,
             other => {
                 return Err(ModelError::Unsupported(format!(
-                    "architecture {other:?}; rlstream reads LlamaForCausalLM and Qwen2ForCausalLM"
+                    "architecture {other:?}; rlstream reads LlamaForCausalLM, Qwen2ForCausalLM \
+                     and Qwen3ForCausalLM (dense)"
                 )));
             }
         };
+        if self.num_experts.is_some_and(|n| n > 0) {
+            return Err(ModelError::Unsupported(
+                "num_experts (mixture-of-experts layers); rlstream runs dense models".into(),
+            ));
+        }
         if self.hidden_act != "silu" {
             return Err(ModelError::Unsupported(format!(
                 "hidden_act `{}` (only silu)",
                 self.hidden_act
             )));
         }
-        if self.rope_scaling.as_ref().is_some_and(|v| !v.is_null()) {
-            return Err(ModelError::Unsupported(
-                "rope_scaling (only plain rotary embedding)".into(),
-            ));
-        }
         let mut rope_theta = self.rope_theta.unwrap_or(DEFAULT_ROPE_THETA);
-        if let Some(p) = self.rope_parameters.as_ref().filter(|v| !v.is_null()) {
+        let mut rope_scaling = None;
+        for (field, v) in [
+            ("rope_scaling", &self.rope_scaling),
+            ("rope_parameters", &self.rope_parameters),
+        ] {
+            let Some(p) = v.as_ref().filter(|v| !v.is_null()) else {
+                continue;
+            };
+            // transformers 4 wrote `type`, later versions `rope_type`.
             let kind = p
                 .get("rope_type")
+                .or_else(|| p.get("type"))
                 .and_then(|t| t.as_str())
                 .unwrap_or("default");
-            if kind != "default" {
-                return Err(ModelError::Unsupported(format!(
-                    "rope_parameters.rope_type `{kind}` (only plain rotary embedding)"
-                )));
+            match kind {
+                "default" => {}
+                "llama3" => rope_scaling = Some(Llama3Rope::from_json(p)?),
+                other => {
+                    return Err(ModelError::Unsupported(format!(
+                        "{field}.rope_type `{other}`; rlstream supports the plain rotary \
+                         embedding and llama3 scaling"
+                    )));
+                }
             }
             if let Some(theta) = p.get("rope_theta").and_then(|t| t.as_f64()) {
                 rope_theta = theta;
@@ -288,7 +394,19 @@ impl HfConfig {
             return Err(ModelError::Unsupported("mlp_bias = true".into()));
         }
         if self.use_sliding_window == Some(true) {
-            return Err(ModelError::Unsupported("use_sliding_window = true".into()));
+            return Err(ModelError::Unsupported(
+                "use_sliding_window = true (sliding-window attention)".into(),
+            ));
+        }
+        if let Some(t) = self
+            .layer_types
+            .iter()
+            .flatten()
+            .find(|t| t.as_str() != "full_attention")
+        {
+            return Err(ModelError::Unsupported(format!(
+                "layer_types `{t}` (rlstream runs full attention in every layer)"
+            )));
         }
         if self.num_attention_heads == 0 {
             return Err(ModelError::Config {
@@ -312,8 +430,10 @@ impl HfConfig {
             rope_theta,
             qkv_bias: match arch {
                 Architecture::Qwen2 => true,
-                Architecture::Llama => self.attention_bias.unwrap_or(false),
+                Architecture::Llama | Architecture::Qwen3 => self.attention_bias.unwrap_or(false),
             },
+            qk_norm: arch == Architecture::Qwen3,
+            rope_scaling,
             tie_embeddings: self
                 .tie_word_embeddings
                 .unwrap_or(arch == Architecture::Qwen2),

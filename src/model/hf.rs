@@ -46,6 +46,10 @@ pub fn expected_tensors(cfg: &PolicyConfig) -> Vec<(String, Vec<usize>)> {
             out.push((format!("{p}.self_attn.k_proj.bias"), vec![kv_out]));
             out.push((format!("{p}.self_attn.v_proj.bias"), vec![kv_out]));
         }
+        if cfg.qk_norm {
+            out.push((format!("{p}.self_attn.q_norm.weight"), vec![hd]));
+            out.push((format!("{p}.self_attn.k_norm.weight"), vec![hd]));
+        }
         out.push((format!("{p}.self_attn.o_proj.weight"), vec![d, q_out]));
         out.push((format!("{p}.post_attention_layernorm.weight"), vec![d]));
         out.push((format!("{p}.mlp.gate_proj.weight"), vec![ff, d]));
@@ -126,12 +130,23 @@ impl<B: Backend> Policy<B> {
                 }
             };
             let proj = |n: &str| lin_w(&format!("{p}.self_attn.{n}_proj.weight"));
+            let qk_norm = if cfg.qk_norm {
+                let norm = |n: &str| -> Result<_, ModelError> {
+                    Ok(asm.norm(t1(&format!("{p}.self_attn.{n}_norm.weight"))?, eps))
+                };
+                Some((norm("q")?, norm("k")?))
+            } else {
+                None
+            };
             let attn = asm.attention(
                 cfg,
-                asm.linear(proj("q")?, bias("q")?),
-                asm.linear(proj("k")?, bias("k")?),
-                asm.linear(proj("v")?, bias("v")?),
-                asm.linear(proj("o")?, None),
+                [
+                    asm.linear(proj("q")?, bias("q")?),
+                    asm.linear(proj("k")?, bias("k")?),
+                    asm.linear(proj("v")?, bias("v")?),
+                    asm.linear(proj("o")?, None),
+                ],
+                qk_norm,
             );
             let mlp = |n: &str| lin_w(&format!("{p}.mlp.{n}_proj.weight"));
             blocks.push(Block {
@@ -236,6 +251,11 @@ impl<B: Backend> Policy<B> {
                 format!("{p}.post_attention_layernorm.weight"),
                 b.mlp_norm.gamma.val(),
             );
+            for (n, norm) in [("q", &b.attn.q_norm), ("k", &b.attn.k_norm)] {
+                if let Some(norm) = norm {
+                    put1(format!("{p}.self_attn.{n}_norm.weight"), norm.gamma.val());
+                }
+            }
             for (n, lin) in [("q", &b.attn.q), ("k", &b.attn.k), ("v", &b.attn.v)] {
                 if let Some(bias) = &lin.bias {
                     put1(format!("{p}.self_attn.{n}_proj.bias"), bias.val());

@@ -37,6 +37,9 @@ pub struct Attention<B: Backend> {
     pub k: Linear<B>,
     pub v: Linear<B>,
     pub o: Linear<B>,
+    /// Per-head RMSNorm of q and k before the rotary embedding (Qwen3).
+    pub q_norm: Option<RmsNorm<B>>,
+    pub k_norm: Option<RmsNorm<B>>,
     num_heads: usize,
     num_kv_heads: usize,
     head_dim: usize,
@@ -95,6 +98,7 @@ fn rope_tables<B: Backend>(cfg: &PolicyConfig, device: &B::Device) -> (Tensor<B,
     for pos in 0..n {
         for i in 0..hd {
             let inv_freq = 1.0 / cfg.rope_theta.powf((2 * (i % half)) as f64 / hd as f64);
+            let inv_freq = cfg.rope_scaling.map_or(inv_freq, |r| r.scale(inv_freq));
             let angle = pos as f64 * inv_freq;
             cos.push(angle.cos() as f32);
             sin.push(angle.sin() as f32);
@@ -128,16 +132,20 @@ impl<B: Backend> Attention<B> {
         let [b, l, _] = x.dims();
         let (h, kvh, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let g = h / kvh;
-        let q = self
-            .q
-            .forward(x.clone())
-            .reshape([b, l, h, hd])
-            .swap_dims(1, 2);
-        let k = self
-            .k
-            .forward(x.clone())
-            .reshape([b, l, kvh, hd])
-            .swap_dims(1, 2);
+        let norm = |t: Tensor<B, 4>, n: &Option<RmsNorm<B>>| match n {
+            Some(n) => n.forward(t),
+            None => t,
+        };
+        let q = norm(
+            self.q.forward(x.clone()).reshape([b, l, h, hd]),
+            &self.q_norm,
+        )
+        .swap_dims(1, 2);
+        let k = norm(
+            self.k.forward(x.clone()).reshape([b, l, kvh, hd]),
+            &self.k_norm,
+        )
+        .swap_dims(1, 2);
         let v = self.v.forward(x).reshape([b, l, kvh, hd]).swap_dims(1, 2);
         let q = apply_rope(q, cos.clone(), sin.clone());
         let k = apply_rope(k, cos, sin);
@@ -461,16 +469,17 @@ impl<B: Backend> Assembler<'_, B> {
     pub fn attention(
         &self,
         cfg: &PolicyConfig,
-        q: Linear<B>,
-        k: Linear<B>,
-        v: Linear<B>,
-        o: Linear<B>,
+        [q, k, v, o]: [Linear<B>; 4],
+        qk_norm: Option<(RmsNorm<B>, RmsNorm<B>)>,
     ) -> Attention<B> {
+        let (q_norm, k_norm) = qk_norm.unzip();
         Attention {
             q,
             k,
             v,
             o,
+            q_norm,
+            k_norm,
             num_heads: cfg.num_heads,
             num_kv_heads: cfg.num_kv_heads,
             head_dim: cfg.head_dim,

@@ -12,6 +12,7 @@
 //! - [`fault`]: catching a panicking forward pass, and the hook that injects one.
 //! - [`tokenizer`]: Hugging Face `tokenizer.json` and a built-in character tokenizer.
 
+pub mod chat;
 pub mod config;
 pub mod fault;
 pub mod hf;

@@ -99,3 +99,78 @@ fn sha256_hex(data: &[u8]) -> String {
         .map(|b| format!("{b:02x}"))
         .collect()
 }
+
+#[test]
+fn generate_renders_a_chat_with_the_model_template_and_stops_at_its_end_of_turn() {
+    use rlstream::model::config::{Architecture, PolicyConfig};
+    use rlstream::model::{InferBackend, Policy};
+    // A tiny random Qwen3 with the real Qwen3 tokenizer and generation config.
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = PolicyConfig::new(Architecture::Qwen3, 151_936, 16, 32, 1, 2, 1, 8)
+        .with_qk_norm(true)
+        .with_max_position(256)
+        .with_eos_token_id(Some(151_645));
+    let model = Policy::<InferBackend>::random(&cfg, 3, &Default::default()).unwrap();
+    model.save_hf(dir.path()).unwrap();
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(fixtures().join("qwen3").join(f), dir.path().join(f)).unwrap();
+    }
+    std::fs::write(
+        dir.path().join("generation_config.json"),
+        r#"{"eos_token_id": [151645, 151643]}"#,
+    )
+    .unwrap();
+    let stops = rlstream::model::hf::stop_tokens(dir.path(), &cfg);
+    assert_eq!(stops, [151_645, 151_643]);
+
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_rlstream"))
+        .args(["generate", "--model", dir.path().to_str().unwrap()])
+        .args(["--chat", "What is 2+2?", "--enable-thinking", "false"])
+        .args(["--max-new-tokens", "4", "--json"])
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let doc: Value = serde_json::from_str(stdout.trim()).unwrap();
+    // The same ids as transformers' apply_chat_template for that conversation.
+    let reference: Value = serde_json::from_str(
+        &std::fs::read_to_string(fixtures().join("chat_reference.json")).unwrap(),
+    )
+    .unwrap();
+    let want = reference["cases"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| {
+            c["tokenizer"] == "qwen3"
+                && c["kwargs"]["enable_thinking"] == false
+                && c["messages"].as_array().unwrap().len() == 1
+                && c["messages"][0]["content"] == "What is 2+2?"
+        })
+        .unwrap();
+    assert_eq!(doc["prompt_ids"], want["ids"]);
+    assert!(doc["completions"][0]["ids"].as_array().unwrap().len() <= 4);
+
+    // A model without a chat template is told to use --prompt.
+    std::fs::remove_file(dir.path().join("tokenizer_config.json")).unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_rlstream"))
+        .args([
+            "generate",
+            "--model",
+            dir.path().to_str().unwrap(),
+            "--chat",
+            "hi",
+        ])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("has no chat template"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

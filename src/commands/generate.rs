@@ -1,6 +1,7 @@
 //! `rlstream generate`: load a checkpoint and sample from it, printing text or, with
 //! `--json`, token ids and behaviour log-probs.
 
+use crate::model::chat::ChatTemplate;
 use crate::model::hf::load_hf;
 use crate::model::sampler::{Generator, Request};
 use crate::model::tokenizer::Tokenizer;
@@ -15,9 +16,19 @@ pub struct GenerateOptions {
     /// Model directory: config.json, model.safetensors (or a sharded index), tokenizer.
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
-    /// Prompt text (encoded with the model's tokenizer).
-    #[arg(long, conflicts_with = "prompt_ids")]
+    /// Prompt text (encoded with the model's tokenizer as is).
+    #[arg(long, conflicts_with_all = ["prompt_ids", "chat"])]
     pub prompt: Option<String>,
+    /// A user message, rendered with the model's chat template (tokenizer_config.json)
+    /// and the assistant's opening.
+    #[arg(long, conflicts_with = "prompt_ids")]
+    pub chat: Option<String>,
+    /// A system message before --chat.
+    #[arg(long, requires = "chat")]
+    pub system: Option<String>,
+    /// The template's `enable_thinking` (Qwen3); the template's default when absent.
+    #[arg(long, requires = "chat")]
+    pub enable_thinking: Option<bool>,
     /// Prompt token ids, comma-separated.
     #[arg(long, value_delimiter = ',')]
     pub prompt_ids: Option<Vec<u32>>,
@@ -54,6 +65,26 @@ pub enum GenerateError {
     Output(#[from] std::io::Error),
 }
 
+/// `--chat` (after `--system`) through the model's chat template, ready for the assistant.
+fn render_chat(opts: &GenerateOptions, user: &str) -> Result<String, GenerateError> {
+    let Some(template) = ChatTemplate::load(&opts.model)? else {
+        return Err(GenerateError::Usage(format!(
+            "{} has no chat template (tokenizer_config.json with chat_template); give --prompt",
+            opts.model.display()
+        )));
+    };
+    let mut messages = Vec::new();
+    if let Some(system) = &opts.system {
+        messages.push(serde_json::json!({"role": "system", "content": system}));
+    }
+    messages.push(serde_json::json!({"role": "user", "content": user}));
+    let mut kwargs = serde_json::Map::new();
+    if let Some(thinking) = opts.enable_thinking {
+        kwargs.insert("enable_thinking".into(), thinking.into());
+    }
+    Ok(template.render(&messages, true, &kwargs)?)
+}
+
 pub fn run(opts: &GenerateOptions, out: &mut impl Write) -> Result<(), GenerateError> {
     let usage = |m: String| Err(GenerateError::Usage(m));
     if !(opts.temperature.is_finite() && opts.temperature >= 0.0) {
@@ -71,9 +102,15 @@ pub fn run(opts: &GenerateOptions, out: &mut impl Write) -> Result<(), GenerateE
     let device = Default::default();
     let model: Policy<InferBackend> = load_hf(&opts.model, &device)?;
     let tokenizer = Tokenizer::load(&opts.model).ok();
-    let prompt = match (&opts.prompt, &opts.prompt_ids) {
+    let rendered = match &opts.chat {
+        Some(user) => Some(render_chat(opts, user)?),
+        None => opts.prompt.clone(),
+    };
+    let prompt = match (&rendered, &opts.prompt_ids) {
         (Some(_), Some(_)) => return usage("give --prompt or --prompt-ids, not both".into()),
-        (None, None) => return usage("give --prompt TEXT or --prompt-ids 1,2,3".into()),
+        (None, None) => {
+            return usage("give --prompt TEXT, --chat TEXT or --prompt-ids 1,2,3".into());
+        }
         (None, Some(ids)) => ids.clone(),
         (Some(text), None) => match &tokenizer {
             Some(t) => t.encode(text)?,
@@ -96,7 +133,7 @@ pub fn run(opts: &GenerateOptions, out: &mut impl Write) -> Result<(), GenerateE
         top_k: opts.top_k,
         top_p: opts.top_p,
         max_new_tokens: opts.max_new_tokens,
-        stop_tokens: model.config().eos_token_id.into_iter().collect(),
+        stop_tokens: crate::model::hf::stop_tokens(&opts.model, model.config()),
         seed: opts.seed,
     };
     let req = Request {

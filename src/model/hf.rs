@@ -323,6 +323,28 @@ pub fn load_hf<B: Backend>(dir: &Path, device: &B::Device) -> Result<Policy<B>, 
     Policy::from_tensors(&cfg, &tensors, device)
 }
 
+/// The ids that end a completion: `config.json`'s `eos_token_id` and every id of
+/// `generation_config.json`'s (a chat model lists its end-of-turn token there, e.g. Qwen3's
+/// `<|im_end|>` and `<|endoftext|>`). A missing or unreadable generation config adds none.
+pub fn stop_tokens(dir: &Path, cfg: &PolicyConfig) -> Vec<u32> {
+    let mut ids: Vec<u32> = cfg.eos_token_id.into_iter().collect();
+    let generation = std::fs::read_to_string(dir.join("generation_config.json"))
+        .ok()
+        .and_then(|t| serde_json::from_str::<serde_json::Value>(&t).ok());
+    let listed = match generation.as_ref().and_then(|g| g.get("eos_token_id")) {
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|v| v.as_u64()).collect(),
+        Some(v) => v.as_u64().into_iter().collect(),
+        None => Vec::new(),
+    };
+    for id in listed {
+        let id = id as u32;
+        if (id as usize) < cfg.vocab_size && !ids.contains(&id) {
+            ids.push(id);
+        }
+    }
+    ids
+}
+
 /// Reads every tensor of a model directory into host memory (f32).
 pub fn read_hf_tensors(dir: &Path) -> Result<TensorMap, ModelError> {
     let single = dir.join("model.safetensors");

@@ -95,6 +95,8 @@ impl Pending {
 
 /// The decode loop's state.
 pub struct Decoder {
+    /// End-of-sequence ids of the model (config and generation config).
+    stop_tokens: Vec<u32>,
     policy: PolicySettings,
     cfg: GenConfig,
     slot: ModelSlot<InferBackend>,
@@ -108,7 +110,13 @@ pub struct Decoder {
 impl Decoder {
     pub fn new(policy: PolicySettings, cfg: GenConfig, slot: ModelSlot<InferBackend>) -> Self {
         let last_version = slot.load().version;
+        let model_config = slot.load().policy.config().clone();
+        let stop_tokens = match &policy.model {
+            Some(dir) => crate::model::hf::stop_tokens(dir, &model_config),
+            None => model_config.eos_token_id.into_iter().collect(),
+        };
         Decoder {
+            stop_tokens,
             policy,
             cfg,
             slot,
@@ -203,7 +211,7 @@ impl Decoder {
             top_k: self.cfg.top_k,
             top_p: self.cfg.top_p,
             max_new_tokens: self.cfg.max_new_tokens,
-            stop_tokens: current.policy.config().eos_token_id.into_iter().collect(),
+            stop_tokens: self.stop_tokens.clone(),
             // From the prompt's identity, not its entry id: a rerun with the same seed
             // samples the same completions (see `crate::seed`).
             seed: crate::seed::derive(self.policy.seed, &a.prompt.prompt_id),

@@ -117,15 +117,27 @@ impl EvalSet {
         }
     }
 
-    /// The first `n` items of a JSONL dataset (each has an answer), tokenised with
-    /// `tokenizer`.
+    /// The first `n` items of a JSONL dataset (each has an answer), chat rows rendered with
+    /// `template`, tokenised with `tokenizer`.
     pub fn dataset(
         path: &Path,
         tokenizer: Tokenizer,
+        template: Option<&crate::model::chat::ChatTemplate>,
         stop_tokens: Vec<u32>,
         n: usize,
     ) -> Result<Self, EvalError> {
-        let d = Dataset::load(path).map_err(|e| EvalError::Usage(e.to_string()))?;
+        let mut d = Dataset::load(path).map_err(|e| EvalError::Usage(e.to_string()))?;
+        if d.has_chat() {
+            let template = template.ok_or_else(|| {
+                EvalError::Usage(format!(
+                    "{} has `messages` rows and the model has no chat template \
+                     (tokenizer_config.json) to render them",
+                    path.display()
+                ))
+            })?;
+            d.render(template)
+                .map_err(|e| EvalError::Usage(format!("{}: {e}", path.display())))?;
+        }
         let mut items = Vec::new();
         for it in d.items.into_iter().take(n) {
             items.push((tokenizer.encode(&it.item.prompt)?, it.item));
@@ -304,8 +316,12 @@ pub fn run(opts: &EvalOptions, display: DisplayMode) -> Result<EvalResult, EvalE
             EvalSet::task(*task, opts.prompts)
         }
         (None, Some(path)) => {
-            let tok = Tokenizer::load(opts.tokenizer.as_deref().unwrap_or(dir))?;
-            EvalSet::dataset(path, tok, stop_tokens, opts.prompts)?
+            let tok_dir = opts.tokenizer.as_deref().unwrap_or(dir);
+            let tok = Tokenizer::load(tok_dir)?;
+            let template = crate::model::chat::ChatTemplate::load(tok_dir)?;
+            let stops = crate::model::hf::stop_tokens(dir, model.config());
+            let stops = if stops.is_empty() { stop_tokens } else { stops };
+            EvalSet::dataset(path, tok, template.as_ref(), stops, opts.prompts)?
         }
     };
     if opts.max_new_tokens > 0 {

@@ -195,14 +195,25 @@ impl Row {
         }
         self.tokens.push(draw.token);
         self.logprobs.push(draw.logprob);
+        // A row that never truncates records no mask, so the whole-vocabulary kept sets of
+        // its tokens are written out only once a later token truncates (at 152k ids, 600 kB
+        // per token otherwise).
         match draw.kept {
             Some(ids) => {
-                self.truncated = true;
+                if !self.truncated {
+                    let earlier = self.tokens.len() - 1;
+                    self.kept_ids = (0..earlier).flat_map(|_| 0..vocab as u32).collect();
+                    self.offsets = (0..=earlier).map(|k| (k * vocab) as u32).collect();
+                    self.truncated = true;
+                }
                 self.kept_ids.extend(ids);
             }
-            None => self.kept_ids.extend(0..vocab as u32),
+            None if self.truncated => self.kept_ids.extend(0..vocab as u32),
+            None => {}
         }
-        self.offsets.push(self.kept_ids.len() as u32);
+        if self.truncated {
+            self.offsets.push(self.kept_ids.len() as u32);
+        }
         self.params.stop_tokens.contains(&draw.token) || self.tokens.len() >= self.budget
     }
 
@@ -457,6 +468,45 @@ impl<B: Backend> Generator<B> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_row_writes_whole_vocabulary_kept_sets_only_once_a_token_truncates() {
+        let req = Request {
+            id: 0,
+            prompt: vec![1],
+            n: 1,
+            params: params(1.0, 0, 1.0),
+        };
+        let draw = |token, kept: Option<Vec<u32>>| Draw {
+            token,
+            logprob: -0.5,
+            kept,
+        };
+        let vocab = 4;
+        let mut plain = Row::new(&req, 0, 8);
+        plain.push(draw(2, None), 0, vocab);
+        plain.push(draw(3, None), 0, vocab);
+        assert!(
+            plain.kept_ids.is_empty(),
+            "nothing stored while nothing truncates"
+        );
+        assert_eq!(plain.finish().mask, None);
+
+        let mut mixed = Row::new(&req, 0, 8);
+        mixed.push(draw(2, None), 0, vocab);
+        mixed.push(draw(3, None), 0, vocab);
+        mixed.push(draw(1, Some(vec![1, 3])), 0, vocab);
+        mixed.push(draw(0, None), 0, vocab);
+        let mask = mixed
+            .finish()
+            .mask
+            .expect("a truncated token records the mask");
+        assert_eq!(mask.offsets.as_slice(), [0, 4, 8, 10, 14]);
+        assert_eq!(
+            mask.ids.as_slice(),
+            [0, 1, 2, 3, 0, 1, 2, 3, 1, 3, 0, 1, 2, 3]
+        );
+    }
 
     fn params(temperature: f32, top_k: u32, top_p: f32) -> SamplingParams {
         SamplingParams {

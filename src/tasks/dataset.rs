@@ -1,6 +1,9 @@
 //! JSONL datasets: one `{"prompt": ..., "answer": ..., "verifier": ...}` object per line
-//! (`verifier` optional: exact, numeric, contains, positional; default exact). Extra string
-//! fields are carried to the scorer in the message meta.
+//! (`verifier` optional: exact, numeric, contains, positional, math; default exact), or a
+//! chat row with `"messages": [{"role": ..., "content": ...}, ...]` (OpenAI chat format) in
+//! place of `prompt`, rendered with the policy's chat template (see [`Dataset::render`]),
+//! optionally with `"chat_template_kwargs": {"enable_thinking": false}`. Extra string fields
+//! are carried to the scorer in the message meta.
 
 use super::{ANSWER, TaskItem, VERIFIER, Verifier};
 use std::collections::BTreeMap;
@@ -10,7 +13,17 @@ use std::path::Path;
 pub struct DatasetItem {
     /// 1-based line number, for ids and errors.
     pub line: usize,
+    /// The prompt; a chat row's is empty until [`Dataset::render`].
     pub item: TaskItem,
+    /// A chat row's conversation and template arguments.
+    pub chat: Option<Chat>,
+}
+
+/// A chat row: the conversation up to the turn the policy answers.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Chat {
+    pub messages: Vec<serde_json::Value>,
+    pub kwargs: serde_json::Map<String, serde_json::Value>,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -38,7 +51,59 @@ pub struct Dataset {
     pub items: Vec<DatasetItem>,
 }
 
+/// A `messages` array of `{"role": string, "content": string}` objects, ending with a turn
+/// for the policy to answer, and the template arguments.
+fn chat(messages: &serde_json::Value, kwargs: Option<&serde_json::Value>) -> Result<Chat, String> {
+    let list = messages
+        .as_array()
+        .filter(|m| !m.is_empty())
+        .ok_or("`messages` must be a non-empty list of {\"role\", \"content\"} objects")?;
+    for (i, m) in list.iter().enumerate() {
+        let text = |k: &str| m.get(k).and_then(serde_json::Value::as_str);
+        if text("role").is_none() || text("content").is_none() {
+            return Err(format!(
+                "messages[{i}] needs a string `role` and a string `content`"
+            ));
+        }
+    }
+    if list
+        .last()
+        .and_then(|m| m.get("role"))
+        .and_then(|r| r.as_str())
+        == Some("assistant")
+    {
+        return Err("the last message is the assistant's: nothing is left to answer".into());
+    }
+    let kwargs = match kwargs {
+        None => serde_json::Map::new(),
+        Some(serde_json::Value::Object(o)) => o.clone(),
+        Some(_) => return Err("`chat_template_kwargs` must be an object".into()),
+    };
+    Ok(Chat {
+        messages: list.clone(),
+        kwargs,
+    })
+}
+
 impl Dataset {
+    /// Whether any row is a chat row (needs [`Dataset::render`]).
+    pub fn has_chat(&self) -> bool {
+        self.items.iter().any(|i| i.chat.is_some())
+    }
+
+    /// Renders each chat row's conversation with `template`, with the assistant's opening,
+    /// as its prompt text.
+    pub fn render(&mut self, template: &crate::model::chat::ChatTemplate) -> Result<(), String> {
+        for it in &mut self.items {
+            if let Some(chat) = &it.chat {
+                it.item.prompt = template
+                    .render(&chat.messages, true, &chat.kwargs)
+                    .map_err(|e| format!("line {}: {e}", it.line))?;
+            }
+        }
+        Ok(())
+    }
+
     pub fn load(path: &Path) -> Result<Self, DatasetError> {
         let p = path.display().to_string();
         let text = std::fs::read_to_string(path).map_err(|source| DatasetError::Io {
@@ -69,7 +134,17 @@ impl Dataset {
                     None => Err(bad(format!("missing `{k}`"))),
                 }
             };
-            let (prompt, answer) = (field("prompt")?, field(ANSWER)?);
+            let answer = field(ANSWER)?;
+            let (prompt, chat) = match (obj.get("prompt"), obj.get("messages")) {
+                (Some(_), Some(_)) => {
+                    return Err(bad("give `prompt` or `messages`, not both".into()));
+                }
+                (None, Some(m)) => (
+                    String::new(),
+                    Some(chat(m, obj.get("chat_template_kwargs")).map_err(bad)?),
+                ),
+                _ => (field("prompt")?, None),
+            };
             let verifier = match obj.get(VERIFIER) {
                 None => Verifier::Exact,
                 Some(serde_json::Value::String(s)) => Verifier::from_name(s).ok_or_else(|| {
@@ -97,6 +172,7 @@ impl Dataset {
                     answer,
                     meta,
                 },
+                chat,
             });
         }
         if items.is_empty() {

@@ -8,9 +8,12 @@ crate::settings! {
     pub struct FeedConfig, flags FeedArgs, section "feed" {
         /// Built-in task to generate prompts from.
         pub task: Option<BuiltinTask> = None,
-        /// JSONL dataset instead of a built-in task: {"prompt": ..., "answer": ..., "verifier": exact|numeric|contains|positional}.
+        /// JSONL dataset instead of a built-in task: {"prompt": ..., "answer": ..., "verifier": exact|numeric|contains|positional|math}, or "messages": [{"role", "content"}, ...] in place of "prompt".
         #[arg(value_name = "FILE")]
         pub dataset: Option<PathBuf> = None,
+        /// Model directory whose chat template (tokenizer_config.json) renders the dataset's `messages` rows: the policy's.
+        #[arg(value_name = "DIR")]
+        pub chat_template: Option<PathBuf> = None,
         /// Prompts to feed from a built-in task.
         pub count: u64 = 1000,
         /// Passes over a dataset.

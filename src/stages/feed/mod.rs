@@ -38,7 +38,10 @@ pub fn items(cfg: &FeedConfig) -> Result<(String, Vec<(String, TaskItem)>), Stag
                 .collect(),
         )),
         (None, Some(path)) => {
-            let d = Dataset::load(path)?;
+            let mut d = Dataset::load(path)?;
+            if d.has_chat() {
+                render_chat(&mut d, path, cfg.chat_template.as_deref())?;
+            }
             let mut out = Vec::new();
             let mut rng = rand::rngs::StdRng::seed_from_u64(cfg.seed);
             for epoch in 0..cfg.epochs.max(1) {
@@ -54,6 +57,31 @@ pub fn items(cfg: &FeedConfig) -> Result<(String, Vec<(String, TaskItem)>), Stag
             Ok((d.name, out))
         }
     }
+}
+
+/// Renders a dataset's chat rows with the chat template of `model`.
+fn render_chat(
+    d: &mut Dataset,
+    path: &std::path::Path,
+    model: Option<&std::path::Path>,
+) -> Result<(), StageError> {
+    let Some(dir) = model else {
+        return Err(StageError::Other(format!(
+            "{} has `messages` rows: give --chat-template DIR (the policy model's directory) \
+             to render them with its chat template",
+            path.display()
+        )));
+    };
+    let template = crate::model::chat::ChatTemplate::load(dir)?.ok_or_else(|| {
+        StageError::Other(format!(
+            "{} has no chat template (tokenizer_config.json with chat_template) to render the \
+             `messages` rows of {}",
+            dir.display(),
+            path.display()
+        ))
+    })?;
+    d.render(&template)
+        .map_err(|e| StageError::Other(format!("{}: {e}", path.display())))
 }
 
 /// Publishes `items` of `task` to the prompts stream in one pipelined batch. Built-in task

@@ -100,7 +100,7 @@ fn bad_invocations_fail_with_a_clear_message() {
     for (args, expect) in [
         (
             vec!["generate", "--model", d],
-            "give --prompt TEXT or --prompt-ids",
+            "give --prompt TEXT, --chat TEXT or --prompt-ids",
         ),
         (
             vec!["generate", "--model", d, "--prompt-ids", "1,999"],

@@ -297,7 +297,6 @@ pub fn run(opts: &EvalOptions, display: DisplayMode) -> Result<EvalResult, EvalE
         return usage("--temperature must be > 0 (greedy results are always reported too)");
     }
     let model: Policy<InferBackend> = load_hf(dir, &Default::default())?;
-    let stop_tokens: Vec<u32> = model.config().eos_token_id.into_iter().collect();
     let mut set = match (&opts.task, &opts.dataset) {
         (Some(_), Some(_)) => return usage("give --task or --dataset, not both"),
         (None, None) => {
@@ -320,7 +319,6 @@ pub fn run(opts: &EvalOptions, display: DisplayMode) -> Result<EvalResult, EvalE
             let tok = Tokenizer::load(tok_dir)?;
             let template = crate::model::chat::ChatTemplate::load(tok_dir)?;
             let stops = crate::model::hf::stop_tokens(dir, model.config());
-            let stops = if stops.is_empty() { stop_tokens } else { stops };
             EvalSet::dataset(path, tok, template.as_ref(), stops, opts.prompts)?
         }
     };

@@ -8,10 +8,8 @@ mod common;
 
 use common::{interrupt, run_ok, spawn};
 use rlstream::bus::{RangeBound, SharedBus};
-use rlstream::model::config::{Architecture, PolicyConfig};
-use rlstream::model::{InferBackend, Policy};
 use rlstream::schema::{self, Event, Prompt, RolloutGroup, ScoredGroup};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 const IM_START: u32 = 151_644;
@@ -25,33 +23,11 @@ async fn all<M: schema::Message>(bus: &SharedBus, stream: &str) -> Vec<M> {
         .collect()
 }
 
-/// A 2.5M-parameter Qwen3 (almost all of it the 151,936-entry embedding) with the real
-/// tokenizer, chat template and generation config.
-fn tiny_qwen3(dir: &Path) {
-    let cfg = PolicyConfig::new(Architecture::Qwen3, 151_936, 16, 32, 1, 2, 1, 8)
-        .with_qk_norm(true)
-        .with_tie_embeddings(true)
-        .with_max_position(512)
-        .with_eos_token_id(Some(151_645));
-    let model = Policy::<InferBackend>::random(&cfg, 5, &Default::default()).unwrap();
-    model.save_hf(dir).unwrap();
-    let tokenizers =
-        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/qwen3");
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(tokenizers.join(f), dir.join(f)).unwrap();
-    }
-    std::fs::write(
-        dir.join("generation_config.json"),
-        r#"{"eos_token_id": [151645, 151643]}"#,
-    )
-    .unwrap();
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_qwen3_chat_dataset_runs_through_feed_gen_score_and_train() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("qwen3");
-    tiny_qwen3(&model);
+    common::tiny_qwen3(&model);
     let m = model.to_str().unwrap();
     let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/math_chat.jsonl");
     let ns = common::unique_ns("chat");

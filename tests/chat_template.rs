@@ -3,6 +3,8 @@
 //! conversation to the same text as `transformers`' `apply_chat_template`, and encodes it to
 //! the same token ids.
 
+mod common;
+
 use rlstream::model::chat::ChatTemplate;
 use rlstream::model::tokenizer::Tokenizer;
 use serde_json::Value;
@@ -102,24 +104,9 @@ fn sha256_hex(data: &[u8]) -> String {
 
 #[test]
 fn generate_renders_a_chat_with_the_model_template_and_stops_at_its_end_of_turn() {
-    use rlstream::model::config::{Architecture, PolicyConfig};
-    use rlstream::model::{InferBackend, Policy};
     // A tiny random Qwen3 with the real Qwen3 tokenizer and generation config.
     let dir = tempfile::tempdir().unwrap();
-    let cfg = PolicyConfig::new(Architecture::Qwen3, 151_936, 16, 32, 1, 2, 1, 8)
-        .with_qk_norm(true)
-        .with_max_position(256)
-        .with_eos_token_id(Some(151_645));
-    let model = Policy::<InferBackend>::random(&cfg, 3, &Default::default()).unwrap();
-    model.save_hf(dir.path()).unwrap();
-    for f in ["tokenizer.json", "tokenizer_config.json"] {
-        std::fs::copy(fixtures().join("qwen3").join(f), dir.path().join(f)).unwrap();
-    }
-    std::fs::write(
-        dir.path().join("generation_config.json"),
-        r#"{"eos_token_id": [151645, 151643]}"#,
-    )
-    .unwrap();
+    let cfg = common::tiny_qwen3(dir.path());
     let stops = rlstream::model::hf::stop_tokens(dir.path(), &cfg);
     assert_eq!(stops, [151_645, 151_643]);
 

@@ -550,3 +550,27 @@ pub async fn pending(ns: &str, stream: &str, group: &str) -> HashSet<EntryId> {
         .filter_map(|(id, ..)| id.parse().ok())
         .collect()
 }
+
+/// A tiny random Qwen3 in `dir` (2.5M parameters, almost all of them the 151,936-entry
+/// embedding) with the real Qwen3 tokenizer, chat template and generation config.
+pub fn tiny_qwen3(dir: &Path) -> rlstream::model::config::PolicyConfig {
+    use rlstream::model::config::{Architecture, PolicyConfig};
+    let cfg = PolicyConfig::new(Architecture::Qwen3, 151_936, 16, 32, 1, 2, 1, 8)
+        .with_qk_norm(true)
+        .with_tie_embeddings(true)
+        .with_max_position(512)
+        .with_eos_token_id(Some(151_645));
+    let model = Policy::<InferBackend>::random(&cfg, 5, &Default::default()).unwrap();
+    model.save_hf(dir).unwrap();
+    let tokenizers =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/tokenizers/qwen3");
+    for f in ["tokenizer.json", "tokenizer_config.json"] {
+        std::fs::copy(tokenizers.join(f), dir.join(f)).unwrap();
+    }
+    std::fs::write(
+        dir.join("generation_config.json"),
+        r#"{"eos_token_id": [151645, 151643]}"#,
+    )
+    .unwrap();
+    cfg
+}

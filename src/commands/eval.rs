@@ -23,6 +23,9 @@ use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
 
+/// Sequences decoded together, by default.
+pub const BATCH: usize = 512;
+
 crate::settings! {
     /// What to evaluate and how: these are also the flags of `rlstream eval`.
     pub struct EvalOptions, flags EvalArgs, section "eval" {
@@ -48,7 +51,7 @@ crate::settings! {
         /// Most tokens per completion; the task's longest answer + 2 when 0 (64 for --dataset).
         pub max_new_tokens: u32 = 0,
         /// Sequences decoded together.
-        pub batch: usize = 512,
+        pub batch: usize = BATCH,
         /// Also write the result as JSON to this file.
         #[arg(value_name = "FILE")]
         pub json: Option<PathBuf> = None,
@@ -181,7 +184,7 @@ impl EvalSampling {
             samples: 4,
             temperature,
             seed,
-            batch: 512,
+            batch: BATCH,
         }
     }
 }
@@ -247,6 +250,18 @@ fn per_prompt(
     Ok((rewards, passes))
 }
 
+/// Greedy accuracy and reward of `model` on `set` (what `sft` reports), decoded `batch`
+/// prompts at a time; `progress(done)` after each chunk.
+pub fn greedy(
+    model: &Policy<InferBackend>,
+    set: &EvalSet,
+    batch: usize,
+    progress: impl FnMut(usize),
+) -> Result<(Estimate, Estimate), ModelError> {
+    let (reward, pass) = per_prompt(model, set, 1, 0.0, 0, batch, progress)?;
+    Ok((Estimate::of(&pass), Estimate::of(&reward)))
+}
+
 /// Evaluates `model` on `set`: sampled (pass@1, reward) and greedy (accuracy, reward).
 pub fn evaluate(
     model: &Policy<InferBackend>,
@@ -266,7 +281,7 @@ pub fn evaluate(
         sampling.batch,
         |done| phase.update(done as u64, "sampled"),
     )?;
-    let (greedy_reward, greedy_pass) = per_prompt(model, set, 1, 0.0, 0, sampling.batch, |done| {
+    let (greedy_accuracy, greedy_reward) = greedy(model, set, sampling.batch, |done| {
         phase.update(total + done as u64, "greedy")
     })?;
     let result = EvalResult {
@@ -276,8 +291,8 @@ pub fn evaluate(
         temperature: sampling.temperature,
         pass_at_1: Estimate::of(&pass),
         reward: Estimate::of(&reward),
-        greedy_accuracy: Estimate::of(&greedy_pass),
-        greedy_reward: Estimate::of(&greedy_reward),
+        greedy_accuracy,
+        greedy_reward,
         seconds: started.elapsed().as_secs_f64(),
     };
     phase.finish(&result.line());

@@ -363,7 +363,7 @@ impl HeldOutEval {
         HeldOutEval {
             set: (r.eval_prompts > 0).then(|| EvalSet::task(opts.task, r.eval_prompts)),
             sampling: EvalSampling {
-                samples: r.eval_samples.max(1),
+                samples: r.eval_samples,
                 ..EvalSampling::run(cfg.policy.temperature, opts.seed)
             },
             display: opts.display,
@@ -389,12 +389,7 @@ fn held_out_checkpoints(root: &Path) -> Vec<(u64, PathBuf)> {
     let Some(last) = train::checkpoint::latest(root) else {
         return Vec::new();
     };
-    let step_of = |dir: &Path| {
-        dir.file_name()
-            .and_then(|n| n.to_str())
-            .and_then(|n| n.strip_prefix("step-"))
-            .and_then(|n| n.parse::<u64>().ok())
-    };
+    let step_of = train::checkpoint::step_of;
     let Some(end) = step_of(&last) else {
         return Vec::new();
     };

@@ -2,8 +2,7 @@
 //! answers (supervised, teacher-forced), so RL starts from a policy with a non-trivial
 //! reward, and writes a Hugging Face checkpoint with the task tokenizer.
 
-use crate::commands::eval::{self, EvalSampling, EvalSet};
-use crate::display::DisplayMode;
+use crate::commands::eval::{self, EvalSet};
 use crate::model::logprobs::{ScoredSeq, completion_logprobs};
 use crate::model::tokenizer::{CharTokenizer, Tokenizer};
 use crate::model::{Architecture, InferBackend, ModelError, Policy, PolicyConfig, TrainBackend};
@@ -152,12 +151,8 @@ pub fn run(
         Policy::<InferBackend>::from_bytes(&cfg, &trained.to_bytes()?, &Default::default())?;
     // Greedy results on the held-out split (`rlstream eval` reports pass@1 too).
     let set = EvalSet::task(opts.task, opts.eval);
-    let greedy = EvalSampling {
-        samples: 1,
-        ..EvalSampling::run(1.0, opts.seed)
-    };
-    let e = eval::evaluate(&infer, &set, &greedy, DisplayMode::Quiet)?;
-    let (accuracy, reward) = (e.greedy_accuracy.mean, e.greedy_reward.mean);
+    let (accuracy, reward) = eval::greedy(&infer, &set, eval::BATCH, |_| {})?;
+    let (accuracy, reward) = (accuracy.mean, reward.mean);
     Ok(SftSummary {
         params: cfg.num_params(),
         steps: opts.steps,

@@ -117,7 +117,7 @@ impl<B: Backend> Policy<B> {
                 device,
             ))
         };
-        let asm = Assembler::<B> { device };
+        let asm = Assembler::<B>::new(device);
         let eps = cfg.rms_norm_eps;
         let mut blocks = Vec::with_capacity(cfg.num_layers);
         for i in 0..cfg.num_layers {

@@ -448,20 +448,39 @@ impl<B: Backend> KvCache<B> {
 /// Builds modules from named tensors; see [`super::hf`] for names and layout.
 pub(crate) struct Assembler<'a, B: Backend> {
     pub device: &'a B::Device,
+    /// Parameters made so far: each gets an id fixed by its place in the build order
+    /// (burn draws them at random), so that checkpoints of the same weights and optimizer
+    /// state are the same bytes.
+    made: std::cell::Cell<u64>,
 }
 
-impl<B: Backend> Assembler<'_, B> {
+impl<'a, B: Backend> Assembler<'a, B> {
+    pub fn new(device: &'a B::Device) -> Self {
+        Assembler {
+            device,
+            made: std::cell::Cell::new(0),
+        }
+    }
+
+    /// A trainable parameter with the next stable id.
+    fn param<const D: usize>(&self, value: Tensor<B, D>) -> Param<Tensor<B, D>> {
+        let n = self.made.get() + 1;
+        self.made.set(n);
+        let id = crate::seed::derive(0, &format!("param/{n}"));
+        Param::initialized(id.into(), value.require_grad())
+    }
+
     /// A linear layer from a contiguous `[in, out]` weight.
     pub fn linear(&self, weight_in_out: Tensor<B, 2>, bias: Option<Tensor<B, 1>>) -> Linear<B> {
         Linear {
-            weight: Param::from_tensor(weight_in_out),
-            bias: bias.map(Param::from_tensor),
+            weight: self.param(weight_in_out),
+            bias: bias.map(|b| self.param(b)),
         }
     }
 
     pub fn norm(&self, gamma: Tensor<B, 1>, eps: f64) -> RmsNorm<B> {
         RmsNorm {
-            gamma: Param::from_tensor(gamma),
+            gamma: self.param(gamma),
             epsilon: eps,
         }
     }
@@ -497,7 +516,7 @@ impl<B: Backend> Assembler<'_, B> {
         let (rope_cos, rope_sin) = rope_tables(cfg, self.device);
         Policy {
             embed: Embedding {
-                weight: Param::from_tensor(embed),
+                weight: self.param(embed),
             },
             blocks,
             norm,
@@ -506,19 +525,6 @@ impl<B: Backend> Assembler<'_, B> {
             rope_sin,
             config: cfg.clone(),
         }
-        .map(&mut StableIds(0))
-    }
-}
-
-/// Gives every parameter an id fixed by its place in the module (burn draws them at random),
-/// so that checkpoints of the same weights and optimizer state are the same bytes.
-struct StableIds(u64);
-
-impl<B: Backend> burn::module::ModuleMapper<B> for StableIds {
-    fn map_float<const D: usize>(&mut self, param: Param<Tensor<B, D>>) -> Param<Tensor<B, D>> {
-        self.0 += 1;
-        let id = crate::seed::derive(0, &format!("param/{}", self.0));
-        Param::initialized(id.into(), param.val())
     }
 }
 

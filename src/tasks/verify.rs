@@ -47,7 +47,7 @@ impl Verifier {
         match self {
             Verifier::Exact => f32::from(u8::from(c == a)),
             Verifier::Numeric => match (c.parse::<f64>(), a.parse::<f64>()) {
-                (Ok(x), Ok(y)) => f32::from(u8::from((x - y).abs() <= 1e-6 * y.abs().max(1.0))),
+                (Ok(x), Ok(y)) => f32::from(u8::from(same_number(x, y))),
                 _ => 0.0,
             },
             Verifier::Contains => f32::from(u8::from(!a.is_empty() && c.contains(a))),
@@ -65,6 +65,11 @@ impl Verifier {
     }
 }
 
+/// Equal within 1e-6, relative to the reference `y` (absolute below 1).
+fn same_number(x: f64, y: f64) -> bool {
+    (x - y).abs() <= 1e-6 * y.abs().max(1.0)
+}
+
 /// Whether a solution's final answer equals the reference's (see [`Verifier::Math`]).
 fn math_equal(completion: &str, answer: &str) -> bool {
     // The reference is its own answer unless it is a worked solution with a marker.
@@ -73,7 +78,7 @@ fn math_equal(completion: &str, answer: &str) -> bool {
         return false;
     };
     match (number(&got), number(&want)) {
-        (Some(x), Some(y)) => (x - y).abs() <= 1e-6 * y.abs().max(1.0),
+        (Some(x), Some(y)) => same_number(x, y),
         _ => normalise(&got) == normalise(&want),
     }
 }
@@ -196,13 +201,11 @@ fn plain(s: &str) -> Option<f64> {
     {
         return None;
     }
-    let joined = format!("{}.{}", int.replace(',', ""), frac);
-    joined
-        .trim_end_matches('.')
+    // Rust reads `5.` and `.5` as numbers.
+    format!("{}.{}", int.replace(',', ""), frac)
         .parse::<f64>()
         .ok()
-        .or_else(|| format!("0{joined}").parse().ok())
-        .map(|v: f64| sign * v)
+        .map(|v| sign * v)
 }
 
 /// Text answers compare without spaces, `\text{}`, `\left`/`\right` and case.

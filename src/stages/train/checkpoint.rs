@@ -71,6 +71,15 @@ pub fn dir_for(root: &Path, step: u64) -> PathBuf {
     root.join(format!("step-{step:08}"))
 }
 
+/// The step of a checkpoint directory named by [`dir_for`].
+pub fn step_of(dir: &Path) -> Option<u64> {
+    dir.file_name()?
+        .to_str()?
+        .strip_prefix("step-")?
+        .parse()
+        .ok()
+}
+
 /// The newest complete checkpoint under `root`, if any.
 pub fn latest(root: &Path) -> Option<PathBuf> {
     let name = std::fs::read_to_string(root.join(LATEST)).ok()?;
@@ -168,6 +177,8 @@ mod tests {
         let root = tempfile::tempdir().unwrap();
         assert_eq!(latest(root.path()), None);
         let dir = dir_for(root.path(), 3);
+        assert_eq!(step_of(&dir), Some(3));
+        assert_eq!(step_of(root.path()), None);
         std::fs::create_dir_all(&dir).unwrap();
         let state = TrainerState {
             step: 3,

@@ -1,9 +1,12 @@
 #!/usr/bin/env python3
-"""rlstream's trainer against PyTorch at two sizes, side by side in one run: the step time
-and the peak resident memory of one PPO step (forward, backward, AdamW), with and without
-micro-batching, on the same checkpoint and the same batch.
+"""rlstream against PyTorch at two sizes, side by side in one run: the step time and the
+peak resident memory of one PPO step (forward, backward, AdamW), with and without
+micro-batching, on the same checkpoint and the same batch; and (`--parts gen`) the time and
+peak memory of loading the checkpoint, f32 and bf16, and generation tokens/s (0.5b: prompt
+128, 8 rows x 128 new tokens; small: prompt 16, 32 x 128).
 
     python benches/scale_vs_torch.py [--sizes small,0.5b] [--steps 3] [--features blas]
+                                     [--parts train,gen]
 
 PYTHON (default: this interpreter) must have torch and transformers. Sizes: `small` (0.8M
 parameters, 32 x 64 tokens; micro-batches of 512 tokens) and `0.5b` (Qwen2.5-0.5B's shape,
@@ -42,28 +45,79 @@ def torch_step(python, ckpt, micro, steps):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+GEN = {"small": (16, 128, 32), "0.5b": (128, 128, 8)}
+
+
+def torch_gen_load(python, *args):
+    out = subprocess.run(
+        [python, str(ROOT / "benches" / "torch_gen_load.py"), *args],
+        check=True, stdout=subprocess.PIPE, text=True,
+    )
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def gen_rows(python, size, ckpt):
+    """Load (f32 and bf16 files) and generation, rlstream and PyTorch, one process each."""
+    bf16 = ckpt + "-bf16"
+    rust("bf16", ckpt, bf16)
+    prompt, new, rows = GEN[size]
+    out = []
+    for dtype, path in (("float32", ckpt), ("bfloat16", bf16)):
+        ours = rust("load", path)
+        theirs = torch_gen_load(python, "load", path, dtype)
+        out.append(("load", dtype, ours, theirs))
+        print(json.dumps({"rlstream": ours, "torch": theirs}), file=sys.stderr)
+    ours = rust("generate", ckpt, str(prompt), str(new), str(rows))
+    for dtype in ("float32", "bfloat16"):
+        theirs = torch_gen_load(python, "generate", ckpt, dtype, str(prompt), str(new), str(rows))
+        out.append(("generate", dtype, ours, theirs))
+        print(json.dumps({"rlstream": ours, "torch": theirs}), file=sys.stderr)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="small,0.5b")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--features", default="", help="cargo features for rlstream (e.g. blas)")
     ap.add_argument("--no-micro", action="store_true", help="one pass only")
+    ap.add_argument("--parts", default="train", help="train, gen or train,gen")
     args = ap.parse_args()
     if args.features:
         FEATURES.extend(["--features", args.features])
     python = os.environ.get("PYTHON", sys.executable)
-    rows = []
+    parts = args.parts.split(",")
+    rows, gens = [], []
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             ckpt = str(pathlib.Path(tmp) / size)
             info = rust("write", size, ckpt)
-            for micro in (0,) if args.no_micro else (0, MICRO[size]):
+            if "gen" in parts:
+                gens += [(size, *g) for g in gen_rows(python, size, ckpt)]
+            for micro in ((0,) if args.no_micro else (0, MICRO[size])) if "train" in parts else ():
                 ours = rust("step", ckpt, str(micro), str(args.steps))
                 theirs = torch_step(python, ckpt, micro, args.steps)
                 rows.append((size, info["params"], micro, ours, theirs))
                 print(json.dumps({"rlstream": ours, "torch": theirs}), file=sys.stderr)
-    print(f"PyTorch {rows[0][4]['torch']} on {rows[0][4]['threads']} threads; "
-          f"rlstream features: {args.features or 'default'}")
+    print(f"rlstream features: {args.features or 'default'}")
+    if gens:
+        print("| size | work | weights | rlstream | PyTorch | ratio | rlstream peak RSS "
+              "| PyTorch peak RSS (before loading) |")
+        print("|---|---|---|---|---|---|---|---|")
+        for size, work, dtype, o, t in gens:
+            if work == "load":
+                speed = f"| {o['load_s']:.2f} s | {t['load_s']:.2f} s | {t['load_s'] / o['load_s']:.2f}x "
+                weights = f"{dtype} file"
+            else:
+                speed = (f"| {o['tokens_per_s']:.1f} tok/s | {t['tokens_per_s']:.1f} tok/s "
+                         f"| {o['tokens_per_s'] / t['tokens_per_s']:.2f}x ")
+                weights = f"rlstream float32, PyTorch {dtype}"
+            base = f" ({t['base_rss_mb'] / 1024:.2f} GB)" if "base_rss_mb" in t else ""
+            print(f"| {size} | {work} | {weights} {speed}| {o['peak_rss_mb'] / 1024:.2f} GB "
+                  f"| {t['peak_rss_mb'] / 1024:.2f} GB{base} |")
+    if not rows:
+        return
+    print(f"PyTorch {rows[0][4]['torch']} on {rows[0][4]['threads']} threads")
     print("| size | params | micro-batch tokens | rlstream step | PyTorch step | speed ratio "
           "| rlstream peak RSS | PyTorch peak RSS | memory ratio |")
     print("|---|---|---|---|---|---|---|---|---|")

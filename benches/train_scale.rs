@@ -3,6 +3,9 @@
 //! ```text
 //! cargo bench --bench train_scale -- write SIZE DIR          # a random checkpoint
 //! cargo bench --bench train_scale -- step DIR MICRO STEPS    # time it; prints JSON
+//! cargo bench --bench train_scale -- load DIR                # load time and peak memory
+//! cargo bench --bench train_scale -- generate DIR PROMPT NEW ROWS   # tokens/s, peak memory
+//! cargo bench --bench train_scale -- bf16 DIR OUT            # DIR's weights as bf16 in OUT
 //! ```
 //!
 //! SIZE is `small` (the 0.8M-parameter config of `benches/model.rs`, batch 32 × (16 prompt +
@@ -13,8 +16,12 @@
 //! checkpoint in its own process keeps model construction out of that peak.
 
 use rlstream::config::{PolicySettings, TrainConfig};
+use rlstream::model::hf::{WeightDtype, load_hf};
+use rlstream::model::sampler::{Generator, Request};
 use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
-use rlstream::schema::{self, FinishReason, Sample, SchemaVersion, ScoredGroup, VersionRun};
+use rlstream::schema::{
+    self, FinishReason, Sample, SamplingParams, SchemaVersion, ScoredGroup, VersionRun,
+};
 use rlstream::stages::train::{Trainer, TrainerSettings};
 use std::path::Path;
 use std::time::Instant;
@@ -140,6 +147,13 @@ fn step(dir: &Path, micro: usize, steps: usize) {
     let groups = batch(size, vocab);
     let refs: Vec<&ScoredGroup> = groups.iter().collect();
     let mut times = Vec::new();
+    if std::env::var_os("TRAIN_SCALE_PHASES").is_some() {
+        for _ in 0..2 {
+            let t = Instant::now();
+            let _ = trainer.gradients(&refs).expect("gradients");
+            eprintln!("gradients only: {:.3} s", t.elapsed().as_secs_f64());
+        }
+    }
     for i in 0..=steps {
         let t = Instant::now();
         let record = trainer.step(&refs).expect("step");
@@ -152,19 +166,87 @@ fn step(dir: &Path, micro: usize, steps: usize) {
     times.sort_by(f64::total_cmp);
     println!(
         "{{\"size\": \"{size}\", \"micro_batch_tokens\": {micro}, \"steps\": {steps}, \
-         \"step_s\": {:.4}, \"peak_rss_mb\": {:.0}}}",
+         \"step_s\": {:.4}, \"peak_rss_mb\": {:.0}, \"blas\": \"{}\"}}",
         times[times.len() / 2],
+        peak_rss_mb(),
+        rlstream::cpu::blas_core().unwrap_or_else(|| "none".into())
+    );
+}
+
+/// Loads DIR for generation (the Flex backend, as `rlstream gen` does) and reports the time
+/// and the process's peak memory.
+fn load(dir: &Path) {
+    let base = peak_rss_mb();
+    let t = Instant::now();
+    let model: Policy<InferBackend> = load_hf(dir, &Default::default()).expect("load");
+    let load_s = t.elapsed().as_secs_f64();
+    println!(
+        "{{\"load_s\": {load_s:.3}, \"peak_rss_mb\": {:.0}, \"base_rss_mb\": {base:.0}, \
+         \"params\": {}}}",
+        peak_rss_mb(),
+        model.config().num_params()
+    );
+}
+
+/// ROWS sequences of PROMPT tokens each, NEW sampled tokens per row at temperature 1 (no
+/// stop token): one warm-up run of 4 tokens, then the timed run.
+fn generate(dir: &Path, prompt: usize, new: usize, rows: usize) {
+    let model: Policy<InferBackend> = load_hf(dir, &Default::default()).expect("load");
+    let vocab = model.config().vocab_size;
+    let requests = |new: usize| -> Vec<Request> {
+        (0..rows)
+            .map(|i| Request {
+                id: i as u64,
+                prompt: (0..prompt)
+                    .map(|j| ((i * 31 + j * 7) % vocab) as u32)
+                    .collect(),
+                n: 1,
+                params: SamplingParams {
+                    temperature: 1.0,
+                    top_k: 0,
+                    top_p: 1.0,
+                    max_new_tokens: new as u32,
+                    stop_tokens: vec![],
+                    seed: i as u64,
+                },
+            })
+            .collect()
+    };
+    Generator::generate(&model, 0, &requests(4)).expect("warm-up");
+    let t = Instant::now();
+    let out = Generator::generate(&model, 0, &requests(new)).expect("generate");
+    let secs = t.elapsed().as_secs_f64();
+    let tokens: usize = out.iter().map(|c| c.tokens.len()).sum();
+    println!(
+        "{{\"rows\": {rows}, \"prompt\": {prompt}, \"new\": {new}, \"tokens\": {tokens}, \
+         \"seconds\": {secs:.3}, \"tokens_per_s\": {:.2}, \"peak_rss_mb\": {:.0}}}",
+        tokens as f64 / secs,
         peak_rss_mb()
     );
 }
 
 fn main() {
+    rlstream::cpu::select_blas_kernels();
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| a != "--bench")
         .collect();
     match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
         ["write", size, dir] => write(size, Path::new(dir)),
+        ["load", dir] => load(Path::new(dir)),
+        ["generate", dir, prompt, new, rows] => generate(
+            Path::new(dir),
+            prompt.parse().expect("PROMPT: a token count"),
+            new.parse().expect("NEW: a token count"),
+            rows.parse().expect("ROWS: a count"),
+        ),
+        ["bf16", dir, out] => {
+            let model: Policy<InferBackend> =
+                load_hf(Path::new(dir), &Default::default()).expect("load");
+            model
+                .save_hf_as(Path::new(out), WeightDtype::Bf16)
+                .expect("save");
+        }
         ["step", dir, micro, steps] => step(
             Path::new(dir),
             micro.parse().expect("MICRO: a token count"),
@@ -176,6 +258,9 @@ fn main() {
             write("small", dir.path());
             step(dir.path(), 0, 2);
         }
-        _ => panic!("usage: write SIZE DIR | step DIR MICRO STEPS"),
+        _ => panic!(
+            "usage: write SIZE DIR | step DIR MICRO STEPS | load DIR | \
+             generate DIR PROMPT NEW ROWS | bf16 DIR OUT"
+        ),
     }
 }

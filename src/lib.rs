@@ -16,6 +16,7 @@
 //! - [`commands`]: user commands other than the stages (`run`, `status`, `replay`,
 //!   `generate`, `sft`).
 //! - [`seed`]: seeds derived from the run seed and a prompt's identity.
+//! - [`cpu`]: OpenBLAS kernel selection for the `blas` feature.
 //! - [`display`] and [`report`]: progress bars or log lines, and the run report.
 
 pub mod archive;
@@ -23,6 +24,7 @@ pub mod bus;
 pub mod cli;
 pub mod commands;
 pub mod config;
+pub mod cpu;
 pub mod display;
 pub mod metrics;
 pub mod model;

@@ -11,6 +11,7 @@ use rlstream::cli::Cli;
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
+    rlstream::cpu::select_blas_kernels();
     let cli = Cli::try_parse_args(std::env::args_os()).unwrap_or_else(|e| e.exit());
     tracing_subscriber::fmt()
         .with_env_filter(

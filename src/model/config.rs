@@ -237,6 +237,11 @@ impl PolicyConfig {
 
     /// Writes a Hugging Face `config.json` that `transformers` loads.
     pub fn to_hf_json(&self) -> String {
+        self.to_hf_json_as("float32")
+    }
+
+    /// [`PolicyConfig::to_hf_json`] with `torch_dtype` set to `torch_dtype`.
+    pub fn to_hf_json_as(&self, torch_dtype: &str) -> String {
         let mut v = serde_json::json!({
             "architectures": [self.architecture.hf_name()],
             "model_type": self.architecture.model_type(),
@@ -253,7 +258,7 @@ impl PolicyConfig {
             "rope_scaling": self.rope_scaling.map(Llama3Rope::to_json),
             "tie_word_embeddings": self.tie_embeddings,
             "max_position_embeddings": self.max_position,
-            "torch_dtype": "float32",
+            "torch_dtype": torch_dtype,
             "use_cache": true,
         });
         match self.architecture {

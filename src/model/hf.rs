@@ -11,6 +11,7 @@ use super::{ModelError, host_f32};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use safetensors::{Dtype, SafeTensors, tensor::TensorView};
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 
@@ -23,6 +24,30 @@ pub struct HostTensor {
 
 /// Named host tensors, in name order.
 pub type TensorMap = BTreeMap<String, HostTensor>;
+
+/// The dtype a checkpoint's `model.safetensors` is written in. Computation is f32 either
+/// way; bf16 halves the file, and a trainer resumes from its own f32 record.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum WeightDtype {
+    /// 32-bit floats, exactly the trainer's weights.
+    F32,
+    /// bfloat16, rounded to nearest even from f32 (as `torch.Tensor.to(torch.bfloat16)`).
+    Bf16,
+}
+crate::enum_setting!(WeightDtype);
+
+impl WeightDtype {
+    /// The `torch_dtype` of `config.json`.
+    pub fn torch_name(self) -> &'static str {
+        match self {
+            WeightDtype::F32 => "float32",
+            WeightDtype::Bf16 => "bfloat16",
+        }
+    }
+}
 
 /// Format tag of published weight blobs.
 pub const BLOB_FORMAT: &str = "safetensors-f32";
@@ -64,18 +89,41 @@ pub fn expected_tensors(cfg: &PolicyConfig) -> Vec<(String, Vec<usize>)> {
 }
 
 impl<B: Backend> Policy<B> {
-    /// Builds the policy from named tensors, checking every name and shape.
+    /// Builds the policy from named tensors, checking every name and shape. The tensors
+    /// are copied; [`Policy::from_owned_tensors`] moves them instead.
     pub fn from_tensors(
         cfg: &PolicyConfig,
         tensors: &TensorMap,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
+        Self::assemble(cfg, |name| tensors.get(name).map(Cow::Borrowed), device)
+    }
+
+    /// [`Policy::from_tensors`] taking the tensors: each host buffer becomes its parameter
+    /// without a copy (linear weights are transposed one at a time), so building the model
+    /// needs no second copy of the weights.
+    pub fn from_owned_tensors(
+        cfg: &PolicyConfig,
+        tensors: TensorMap,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        let tensors = std::cell::RefCell::new(tensors);
+        Self::assemble(
+            cfg,
+            |name| tensors.borrow_mut().remove(name).map(Cow::Owned),
+            device,
+        )
+    }
+
+    fn assemble<'a>(
+        cfg: &PolicyConfig,
+        take: impl Fn(&str) -> Option<Cow<'a, HostTensor>>,
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
         cfg.validate()?;
         let shapes: HashMap<String, Vec<usize>> = expected_tensors(cfg).into_iter().collect();
-        let get = |name: &str| -> Result<&HostTensor, ModelError> {
-            let t = tensors
-                .get(name)
-                .ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+        let get = |name: &str| -> Result<Cow<'a, HostTensor>, ModelError> {
+            let t = take(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
             let expected = &shapes[name];
             if &t.shape != expected {
                 return Err(ModelError::Shape {
@@ -87,11 +135,9 @@ impl<B: Backend> Policy<B> {
             Ok(t)
         };
         let t2 = |name: &str| -> Result<Tensor<B, 2>, ModelError> {
-            let t = get(name)?;
-            Ok(Tensor::from_data(
-                TensorData::new(t.data.clone(), [t.shape[0], t.shape[1]]),
-                device,
-            ))
+            let t = get(name)?.into_owned();
+            let shape = [t.shape[0], t.shape[1]];
+            Ok(Tensor::from_data(TensorData::new(t.data, shape), device))
         };
         // Linear weights: HF stores [out, in], burn's Linear wants [in, out]. Transpose on
         // the host so the parameter is contiguous (a transposed view would be copied on
@@ -111,11 +157,9 @@ impl<B: Backend> Policy<B> {
             ))
         };
         let t1 = |name: &str| -> Result<Tensor<B, 1>, ModelError> {
-            let t = get(name)?;
-            Ok(Tensor::from_data(
-                TensorData::new(t.data.clone(), [t.shape[0]]),
-                device,
-            ))
+            let t = get(name)?.into_owned();
+            let shape = [t.shape[0]];
+            Ok(Tensor::from_data(TensorData::new(t.data, shape), device))
         };
         let asm = Assembler::<B>::new(device);
         let eps = cfg.rms_norm_eps;
@@ -197,7 +241,7 @@ impl<B: Backend> Policy<B> {
             };
             tensors.insert(name, HostTensor { shape, data });
         }
-        Self::from_tensors(cfg, &tensors, device)
+        Self::from_owned_tensors(cfg, tensors, device)
     }
 
     /// Every parameter by HF name, copied to the host.
@@ -287,18 +331,24 @@ impl<B: Backend> Policy<B> {
         bytes: &[u8],
         device: &B::Device,
     ) -> Result<Self, ModelError> {
-        Self::from_tensors(cfg, &safetensors_to_tensors(bytes, None)?, device)
+        Self::from_owned_tensors(cfg, safetensors_to_tensors(bytes, None)?, device)
     }
 
-    /// Writes `config.json` and `model.safetensors` into `dir` (created if missing).
+    /// Writes `config.json` and `model.safetensors` into `dir` (created if missing), f32.
     pub fn save_hf(&self, dir: &Path) -> Result<(), ModelError> {
+        self.save_hf_as(dir, WeightDtype::F32)
+    }
+
+    /// Writes `config.json` (with `torch_dtype`) and `model.safetensors` in `dtype`.
+    pub fn save_hf_as(&self, dir: &Path, dtype: WeightDtype) -> Result<(), ModelError> {
         std::fs::create_dir_all(dir).map_err(|source| io_err(dir, source))?;
         let config = dir.join("config.json");
-        std::fs::write(&config, self.config().to_hf_json())
+        std::fs::write(&config, self.config().to_hf_json_as(dtype.torch_name()))
             .map_err(|source| io_err(&config, source))?;
         let weights = dir.join("model.safetensors");
         let tmp = dir.join("model.safetensors.tmp");
-        std::fs::write(&tmp, self.to_bytes()?).map_err(|source| io_err(&tmp, source))?;
+        let bytes = tensors_to_safetensors_as(&self.to_tensors()?, dtype)?;
+        std::fs::write(&tmp, bytes).map_err(|source| io_err(&tmp, source))?;
         std::fs::rename(&tmp, &weights).map_err(|source| io_err(&weights, source))
     }
 }
@@ -320,7 +370,7 @@ pub fn load_hf<B: Backend>(dir: &Path, device: &B::Device) -> Result<Policy<B>, 
     })?;
     let cfg = PolicyConfig::from_hf_json(&text)?;
     let tensors = read_hf_tensors(dir)?;
-    Policy::from_tensors(&cfg, &tensors, device)
+    Policy::from_owned_tensors(&cfg, tensors, device)
 }
 
 /// The ids that end a completion: `config.json`'s `eos_token_id` and every id of
@@ -379,11 +429,110 @@ pub fn read_hf_tensors(dir: &Path) -> Result<TensorMap, ModelError> {
     };
     let mut out = TensorMap::new();
     for f in files {
-        let bytes = std::fs::read(&f).map_err(|e| ModelError::MissingFile {
-            path: f.display().to_string(),
-            reason: e.to_string(),
-        })?;
-        out.extend(safetensors_to_tensors(&bytes, Some(&f))?);
+        out.extend(read_safetensors_file(&f)?);
+    }
+    Ok(out)
+}
+
+/// Reads a safetensors file tensor by tensor, each straight into its f32 buffer: the file
+/// is never held whole, so loading needs the model's f32 size plus one tensor (a bf16
+/// tensor is read, then widened). Offsets, sizes and dtypes are checked against the header
+/// and the file's length before anything is read.
+pub fn read_safetensors_file(path: &Path) -> Result<TensorMap, ModelError> {
+    use std::io::{Read, Seek, SeekFrom};
+    let bad = |reason: String| ModelError::Safetensors {
+        path: Some(path.display().to_string()),
+        reason,
+    };
+    let mut file = std::fs::File::open(path).map_err(|e| ModelError::MissingFile {
+        path: path.display().to_string(),
+        reason: e.to_string(),
+    })?;
+    let file_len = file
+        .metadata()
+        .map_err(|source| io_err(path, source))?
+        .len();
+    let mut n = [0u8; 8];
+    file.read_exact(&mut n)
+        .map_err(|e| bad(format!("no header: {e}")))?;
+    let header_len = u64::from_le_bytes(n);
+    if header_len > 100 << 20 || 8 + header_len > file_len {
+        return Err(bad(format!(
+            "header length {header_len} does not fit a {file_len}-byte file"
+        )));
+    }
+    let mut header = vec![0u8; header_len as usize];
+    file.read_exact(&mut header)
+        .map_err(|e| bad(format!("truncated header: {e}")))?;
+    let header: serde_json::Map<String, serde_json::Value> =
+        serde_json::from_slice(&header).map_err(|e| bad(format!("header is not JSON: {e}")))?;
+    let data_start = 8 + header_len;
+    let mut entries = Vec::with_capacity(header.len());
+    for (name, info) in &header {
+        if name == "__metadata__" {
+            continue;
+        }
+        let dtype = info["dtype"].as_str().unwrap_or_default();
+        let width = match dtype {
+            "F32" => 4,
+            "BF16" | "F16" => 2,
+            other => {
+                return Err(ModelError::Dtype {
+                    name: name.clone(),
+                    dtype: other.to_string(),
+                });
+            }
+        };
+        let shape: Vec<usize> = info["shape"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .filter_map(|d| d.as_u64().map(|d| d as usize))
+                    .collect()
+            })
+            .ok_or_else(|| bad(format!("{name}: no shape")))?;
+        let offsets = info["data_offsets"]
+            .as_array()
+            .and_then(|o| Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?)))
+            .ok_or_else(|| bad(format!("{name}: no data_offsets")))?;
+        let count: usize = shape.iter().product();
+        if offsets.1 < offsets.0
+            || offsets.1 - offsets.0 != (count * width) as u64
+            || data_start + offsets.1 > file_len
+        {
+            return Err(bad(format!(
+                "{name}: offsets {offsets:?} do not hold {count} {dtype} values inside the file"
+            )));
+        }
+        entries.push((offsets.0, name.clone(), dtype, shape, count));
+    }
+    entries.sort_by_key(|e| e.0);
+    let mut out = TensorMap::new();
+    for (begin, name, dtype, shape, count) in entries {
+        file.seek(SeekFrom::Start(data_start + begin))
+            .map_err(|source| io_err(path, source))?;
+        let read_err = |e: std::io::Error| bad(format!("{name}: {e}"));
+        let data = if dtype == "F32" {
+            let mut data = vec![0f32; count];
+            file.read_exact(bytemuck::cast_slice_mut(&mut data))
+                .map_err(read_err)?;
+            if cfg!(target_endian = "big") {
+                data.iter_mut()
+                    .for_each(|x| *x = f32::from_bits(u32::from_le(x.to_bits())));
+            }
+            data
+        } else {
+            let mut raw = vec![0u16; count];
+            file.read_exact(bytemuck::cast_slice_mut(&mut raw))
+                .map_err(read_err)?;
+            let widen = if dtype == "BF16" {
+                |b: u16| half::bf16::from_bits(u16::from_le(b)).to_f32()
+            } else {
+                |b: u16| half::f16::from_bits(u16::from_le(b)).to_f32()
+            };
+            raw.into_iter().map(widen).collect()
+        };
+        out.insert(name, HostTensor { shape, data });
     }
     Ok(out)
 }
@@ -431,20 +580,36 @@ pub fn safetensors_to_tensors(bytes: &[u8], path: Option<&Path>) -> Result<Tenso
 /// Encodes named tensors as one safetensors buffer (f32, `format = pt` metadata so
 /// `transformers` accepts it).
 pub fn tensors_to_safetensors(tensors: &TensorMap) -> Result<Vec<u8>, ModelError> {
+    tensors_to_safetensors_as(tensors, WeightDtype::F32)
+}
+
+/// [`tensors_to_safetensors`] in `dtype`.
+pub fn tensors_to_safetensors_as(
+    tensors: &TensorMap,
+    dtype: WeightDtype,
+) -> Result<Vec<u8>, ModelError> {
     let bytes: Vec<(&String, Vec<u8>, &Vec<usize>)> = tensors
         .iter()
         .map(|(n, t)| {
-            (
-                n,
-                bytemuck::cast_slice::<f32, u8>(&t.data).to_vec(),
-                &t.shape,
-            )
+            let b = match dtype {
+                WeightDtype::F32 => bytemuck::cast_slice::<f32, u8>(&t.data).to_vec(),
+                WeightDtype::Bf16 => t
+                    .data
+                    .iter()
+                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
+                    .collect(),
+            };
+            (n, b, &t.shape)
         })
         .collect();
+    let st_dtype = match dtype {
+        WeightDtype::F32 => Dtype::F32,
+        WeightDtype::Bf16 => Dtype::BF16,
+    };
     let views = bytes
         .iter()
         .map(|(n, b, s)| {
-            TensorView::new(Dtype::F32, s.to_vec(), b)
+            TensorView::new(st_dtype, s.to_vec(), b)
                 .map(|v| (n.as_str(), v))
                 .map_err(|e| ModelError::Safetensors {
                     path: None,
@@ -476,4 +641,86 @@ pub fn tensors_checksum(tensors: &TensorMap) -> String {
         h.update(bytemuck::cast_slice(&t.data));
     }
     format!("{:016x}", h.digest())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::Architecture;
+    use burn::backend::NdArray;
+
+    fn tiny() -> Policy<NdArray> {
+        let cfg = PolicyConfig::tiny(Architecture::Qwen2, 50).with_qkv_bias(true);
+        Policy::random(&cfg, 3, &Default::default()).expect("random policy")
+    }
+
+    /// A bf16 checkpoint: half the bytes, `torch_dtype` says so, every value is its f32
+    /// rounded to bf16, and the streaming reader agrees with the whole-buffer decoder.
+    #[test]
+    fn bf16_checkpoints_round_trip() {
+        let model = tiny();
+        let dir = tempfile::tempdir().expect("tmp");
+        let (f32_dir, bf16_dir) = (dir.path().join("f32"), dir.path().join("bf16"));
+        model.save_hf(&f32_dir).expect("save f32");
+        model
+            .save_hf_as(&bf16_dir, WeightDtype::Bf16)
+            .expect("save bf16");
+        let size = |d: &Path| {
+            std::fs::metadata(d.join("model.safetensors"))
+                .expect("weights")
+                .len() as f64
+        };
+        let ratio = size(&bf16_dir) / size(&f32_dir);
+        assert!((0.49..0.55).contains(&ratio), "bf16/f32 size {ratio}");
+        let config = std::fs::read_to_string(bf16_dir.join("config.json")).expect("config");
+        assert!(config.contains("\"torch_dtype\": \"bfloat16\""), "{config}");
+
+        let exact = model.to_tensors().expect("tensors");
+        let streamed = read_hf_tensors(&bf16_dir).expect("read bf16");
+        let whole = std::fs::read(bf16_dir.join("model.safetensors")).expect("bytes");
+        assert_eq!(
+            streamed,
+            safetensors_to_tensors(&whole, None).expect("decode")
+        );
+        assert_eq!(streamed.len(), exact.len());
+        for (name, t) in &exact {
+            let back = &streamed[name];
+            assert_eq!(back.shape, t.shape, "{name}");
+            for (a, b) in t.data.iter().zip(&back.data) {
+                assert_eq!(half::bf16::from_f32(*a).to_f32(), *b, "{name}");
+            }
+        }
+        let reloaded: Policy<NdArray> = load_hf(&bf16_dir, &Default::default()).expect("load");
+        assert_eq!(reloaded.to_tensors().expect("tensors"), streamed);
+        assert_eq!(read_hf_tensors(&f32_dir).expect("read f32"), exact);
+    }
+
+    /// A file cut short or with offsets past its end is refused with the file named.
+    #[test]
+    fn damaged_files_are_refused_by_name() {
+        let dir = tempfile::tempdir().expect("tmp");
+        tiny().save_hf(dir.path()).expect("save");
+        let path = dir.path().join("model.safetensors");
+        let bytes = std::fs::read(&path).expect("bytes");
+        std::fs::write(&path, &bytes[..bytes.len() - 10]).expect("truncate");
+        let err = read_hf_tensors(dir.path())
+            .expect_err("truncated")
+            .to_string();
+        assert!(
+            err.contains("model.safetensors") && err.contains("offsets"),
+            "{err}"
+        );
+        std::fs::write(&path, &bytes[..6]).expect("truncate");
+        let err = read_hf_tensors(dir.path())
+            .expect_err("no header")
+            .to_string();
+        assert!(err.contains("header"), "{err}");
+        let mut huge = bytes.clone();
+        huge[..8].copy_from_slice(&u64::MAX.to_le_bytes());
+        std::fs::write(&path, &huge).expect("write");
+        let err = read_hf_tensors(dir.path())
+            .expect_err("header length")
+            .to_string();
+        assert!(err.contains("header length"), "{err}");
+    }
 }

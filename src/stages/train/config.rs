@@ -43,6 +43,8 @@ crate::settings! {
         pub keep_versions: usize = 3,
         /// Checkpoint every this many steps (entries are acked only after a checkpoint).
         pub checkpoint_every: u64 = 10,
+        /// Dtype of each checkpoint's model.safetensors: f32 or bf16 (half the size; the trainer resumes from its own f32 record either way).
+        pub save_dtype: crate::model::hf::WeightDtype = crate::model::hf::WeightDtype::F32,
         /// Where checkpoints go.
         #[arg(value_name = "DIR")]
         pub checkpoint_dir: PathBuf = PathBuf::from("checkpoints"),

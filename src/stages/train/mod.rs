@@ -12,8 +12,10 @@
 //! - [`intake`]: which groups are trained and when (pure, unit-tested);
 //! - [`loss`]: the objective and the step's statistics;
 //! - [`trainer`]: model, optimizer, state, steps;
+//! - [`adamw`]: the optimizer's update, one in-place pass per parameter;
 //! - [`checkpoint`]: the checkpoint layout `run` and `replay` share.
 
+pub mod adamw;
 pub mod checkpoint;
 mod config;
 pub mod intake;
@@ -195,7 +197,7 @@ impl<'a> Loop<'a> {
     /// Offers a polled batch to the intake; what it refuses is counted and done with. A
     /// group the model cannot run (see [`Limits`](crate::schema::Limits)) is dead-lettered.
     async fn admit(&mut self, batch: Vec<Delivery<ScoredGroup>>) -> Result<(), StageError> {
-        let limits = self.trainer.model.config().limits();
+        let limits = self.trainer.model().config().limits();
         for d in batch {
             if let Err(r) = limits.scored(&d.message) {
                 crate::metrics::error(Stage::Train, r.reason);
@@ -377,7 +379,7 @@ impl<'a> Loop<'a> {
         let trainer = &self.trainer;
         let payload = tokio::task::block_in_place(|| {
             if self.publisher.in_process() {
-                trainer.model.valid().to_tensors().map(Payload::Tensors)
+                trainer.model().valid().to_tensors().map(Payload::Tensors)
             } else {
                 trainer.weights_blob().map(Payload::Blob)
             }

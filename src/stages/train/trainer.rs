@@ -2,6 +2,7 @@
 //! batch of groups, checkpoints written and resumed through [`super::checkpoint`].
 
 use super::TrainerSettings;
+use super::adamw::{self, FusedAdamW, GradScaleHandle};
 use super::checkpoint::{self, CheckpointError, MODEL_RECORD, OPTIM_RECORD};
 use super::intake::DropReason;
 use super::loss::{self, Samples};
@@ -10,10 +11,10 @@ use crate::model::{ModelError, Policy, TrainBackend};
 use crate::schema::{ScoredGroup, StepRecord};
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
-use burn::optim::{AdamW, AdamWConfig, GradientsAccumulator, GradientsParams, Optimizer};
+use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
+use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
-use burn::tensor::{ElementConversion, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, HashSet, VecDeque};
 use std::path::PathBuf;
@@ -22,7 +23,9 @@ use std::time::Instant;
 /// Group ids remembered for de-duplication.
 const REMEMBERED_GROUPS: usize = 100_000;
 
-type Optim = OptimizerAdaptor<AdamW, Policy<TrainBackend>, TrainBackend>;
+type Optim = OptimizerAdaptor<FusedAdamW, Policy<TrainBackend>, TrainBackend>;
+/// The optimizer and the handle that sets its gradient factor (clipping).
+type OptimParts = (Optim, GradScaleHandle);
 type Reference = Policy<<TrainBackend as AutodiffBackend>::InnerBackend>;
 
 /// Persistent trainer state, saved as `state.json` in each checkpoint.
@@ -53,16 +56,19 @@ impl TrainerState {
     }
 }
 
-/// Global L2 norm of the gradients.
+/// Global L2 norm of the gradients, read in place (each gradient is handed back to
+/// `grads` around the same buffer).
 struct GradNorm<'a> {
-    grads: &'a GradientsParams,
+    grads: &'a mut GradientsParams,
     sum_sq: f64,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for GradNorm<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(g) = self.grads.get::<B::InnerBackend, D>(param.id) {
-            self.sum_sq += g.square().sum().into_scalar().elem::<f64>();
+        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
+            let (sum_sq, g) = adamw::sum_squares(g);
+            self.sum_sq += sum_sq;
+            self.grads.register::<B::InnerBackend, D>(param.id, g);
         }
     }
 }
@@ -124,25 +130,13 @@ impl<B: burn::tensor::backend::Backend> burn::module::ModuleMapper<B> for GradsA
     }
 }
 
-/// Scales the gradients by `factor`.
-struct GradScale<'a> {
-    grads: &'a mut GradientsParams,
-    factor: f32,
-}
-
-impl<B: AutodiffBackend> ModuleVisitor<B> for GradScale<'_> {
-    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-            self.grads
-                .register::<B::InnerBackend, D>(param.id, g.mul_scalar(self.factor));
-        }
-    }
-}
-
 /// Model, optimizer and state; one `step` per batch of groups.
 pub struct Trainer {
-    pub model: Policy<TrainBackend>,
+    /// `None` only while the optimizer holds it: handed over rather than cloned, so the
+    /// update can reuse the parameters' buffers (see [`super::adamw`]).
+    model: Option<Policy<TrainBackend>>,
     optim: Optim,
+    grad_scale: GradScaleHandle,
     reference: Option<Reference>,
     pub state: TrainerState,
     /// `state.recent_groups` as a set: the duplicate check runs for every incoming group.
@@ -151,33 +145,41 @@ pub struct Trainer {
 }
 
 impl Trainer {
-    fn optimizer(cfg: &TrainerSettings) -> Optim {
-        AdamWConfig::new()
-            .with_weight_decay(cfg.train.weight_decay as f32)
-            .init()
+    fn optimizer(cfg: &TrainerSettings) -> OptimParts {
+        let adamw = FusedAdamW::new(cfg.train.weight_decay as f32);
+        let handle = adamw.grad_scale_handle();
+        (adamw.adaptor(), handle)
+    }
+
+    /// The model being trained.
+    pub fn model(&self) -> &Policy<TrainBackend> {
+        self.model
+            .as_ref()
+            .expect("the trainer's model is only absent during an optimizer step")
     }
 
     /// From the newest checkpoint in `checkpoint_dir` if there is one, else from `model`.
     pub fn start(cfg: &TrainerSettings) -> Result<Self, CheckpointError> {
-        let (model, state, optim) = match checkpoint::latest(&cfg.train.checkpoint_dir) {
-            Some(dir) => Self::resume(cfg, &dir)?,
-            None => {
-                let dir =
-                    cfg.policy.model.as_ref().ok_or_else(|| {
+        let (model, state, (optim, grad_scale)) =
+            match checkpoint::latest(&cfg.train.checkpoint_dir) {
+                Some(dir) => Self::resume(cfg, &dir)?,
+                None => {
+                    let dir = cfg.policy.model.as_ref().ok_or_else(|| {
                         CheckpointError::NoModel(cfg.train.checkpoint_dir.clone())
                     })?;
-                let model = load_hf(dir, &Default::default())?;
-                (model, TrainerState::default(), Self::optimizer(cfg))
-            }
-        };
+                    let model = load_hf(dir, &Default::default())?;
+                    (model, TrainerState::default(), Self::optimizer(cfg))
+                }
+            };
         let reference = match (&cfg.policy.model, cfg.train.kl_coef > 0.0) {
             (Some(dir), true) => Some(load_hf(dir, &Default::default())?),
             (None, true) => return Err(CheckpointError::NoReference),
             (_, false) => None,
         };
         Ok(Trainer {
-            model,
+            model: Some(model),
             optim,
+            grad_scale,
             reference,
             trained_ids: state.recent_groups.iter().cloned().collect(),
             state,
@@ -189,7 +191,7 @@ impl Trainer {
     fn resume(
         cfg: &TrainerSettings,
         dir: &std::path::Path,
-    ) -> Result<(Policy<TrainBackend>, TrainerState, Optim), CheckpointError> {
+    ) -> Result<(Policy<TrainBackend>, TrainerState, OptimParts), CheckpointError> {
         let device = Default::default();
         let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
         let model: Policy<TrainBackend> = load_hf(dir, &device)?;
@@ -201,8 +203,9 @@ impl Trainer {
             .map_err(|e| CheckpointError::format(dir, "optimizer record", e))?;
         let state = checkpoint::read_state(dir)?;
         tracing::info!(checkpoint = %dir.display(), version = state.version, "resuming");
-        let optim = Self::optimizer(cfg).load_record(optim_record);
-        Ok((model.load_record(record), state, optim))
+        let (optim, grad_scale) = Self::optimizer(cfg);
+        let optim = optim.load_record(optim_record);
+        Ok((model.load_record(record), state, (optim, grad_scale)))
     }
 
     /// One optimizer step on `groups`. A non-finite loss or gradient skips the step and
@@ -211,23 +214,23 @@ impl Trainer {
         let started = Instant::now();
         let (mut grads, mut stats) = self.gradients(groups)?;
         let mut norm = GradNorm {
-            grads: &grads,
+            grads: &mut grads,
             sum_sq: 0.0,
         };
-        self.model.visit(&mut norm);
+        self.model().visit(&mut norm);
         stats.grad_norm = norm.sum_sq.sqrt();
         if stats.loss.is_finite() && stats.grad_norm.is_finite() {
             let max = f64::from(self.cfg.train.max_grad_norm);
-            if stats.grad_norm > max {
-                let factor = (max / stats.grad_norm) as f32;
-                self.model.visit(&mut GradScale {
-                    grads: &mut grads,
-                    factor,
-                });
-            }
-            self.model = self
-                .optim
-                .step(self.cfg.train.lr, self.model.clone(), grads);
+            self.grad_scale.set(if stats.grad_norm > max {
+                (max / stats.grad_norm) as f32
+            } else {
+                1.0
+            });
+            let model = self
+                .model
+                .take()
+                .expect("the model is present between steps");
+            self.model = Some(self.optim.step(self.cfg.train.lr, model, grads));
             self.trained(groups);
         } else {
             stats.skipped = true;
@@ -261,11 +264,17 @@ impl Trainer {
         let mut parts = Vec::new();
         for range in samples.micro_batches(self.cfg.train.micro_batch_tokens) {
             let reference = self.reference.as_ref();
-            let (l, part) =
-                loss::part(&self.model, reference, &samples, range, n_tokens, &self.cfg)?;
+            let (l, part) = loss::part(
+                self.model(),
+                reference,
+                &samples,
+                range,
+                n_tokens,
+                &self.cfg,
+            )?;
             sum.accumulate(
-                &self.model,
-                GradientsParams::from_grads(l.backward(), &self.model),
+                self.model(),
+                GradientsParams::from_grads(l.backward(), self.model()),
             );
             parts.push(part);
         }
@@ -280,7 +289,7 @@ impl Trainer {
     ) -> Result<(crate::model::hf::TensorMap, StepRecord), ModelError> {
         let (grads, stats) = self.gradients(groups)?;
         let as_weights = self
-            .model
+            .model()
             .valid()
             .map(&mut GradsAsWeights { grads: &grads });
         Ok((as_weights.to_tensors()?, stats))
@@ -305,17 +314,19 @@ impl Trainer {
 
     /// Weights as a blob for publication.
     pub fn weights_blob(&self) -> Result<Vec<u8>, ModelError> {
-        self.model.valid().to_bytes()
+        self.model().valid().to_bytes()
     }
 
     /// Writes a complete checkpoint, then points `latest` at it.
     pub fn checkpoint(&self) -> Result<PathBuf, CheckpointError> {
         let root = &self.cfg.train.checkpoint_dir;
         let dir = checkpoint::dir_for(root, self.state.step);
-        self.model.valid().save_hf(&dir)?;
+        self.model()
+            .valid()
+            .save_hf_as(&dir, self.cfg.train.save_dtype)?;
         let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
         recorder
-            .record(self.model.clone().into_record(), dir.join(MODEL_RECORD))
+            .record(self.model().clone().into_record(), dir.join(MODEL_RECORD))
             .map_err(|e| CheckpointError::format(&dir, "model record", e))?;
         recorder
             .record(

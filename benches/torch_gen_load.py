@@ -5,6 +5,7 @@
     python benches/torch_gen_load.py generate DIR DTYPE PROMPT NEW ROWS
 
 DTYPE is float32 or bfloat16: the dtype the weights are held (and, in PyTorch, computed) in.
+DEVICE=cuda runs on the GPU (scripts/gpu_check.py); the CPU otherwise.
 `load` times `from_pretrained` on DIR; `generate` runs ROWS rows of PROMPT tokens and NEW
 sampled tokens each (temperature 1, no stop token) with a lean KV-cache loop, after a 4-token
 warm-up. Each prints one JSON object with the time and the process's peak resident memory
@@ -20,6 +21,12 @@ import torch
 import transformers
 
 torch.set_num_threads(int(os.environ.get("THREADS", os.cpu_count())))
+DEVICE = os.environ.get("DEVICE", "cpu")
+
+
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
 
 
 def peak_mb():
@@ -30,13 +37,16 @@ def load(path, dtype):
     base = peak_mb()
     t = time.perf_counter()
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
+    model.to(DEVICE)
+    sync()
     secs = time.perf_counter() - t
     return model, secs, base
 
 
 @torch.inference_mode()
 def generate(model, prompt, new, rows, vocab):
-    ids = torch.tensor([[(i * 31 + j * 7) % vocab for j in range(prompt)] for i in range(rows)])
+    ids = torch.tensor([[(i * 31 + j * 7) % vocab for j in range(prompt)] for i in range(rows)],
+                       device=DEVICE)
     out = model(input_ids=ids, use_cache=True)
     past, logits = out.past_key_values, out.logits[:, -1].float()
     for _ in range(new - 1):
@@ -58,13 +68,16 @@ def main():
     prompt, new, rows = (int(a) for a in sys.argv[4:7])
     vocab = model.config.vocab_size
     generate(model, prompt, 4, rows, vocab)
+    sync()
     t = time.perf_counter()
     tokens = generate(model, prompt, new, rows, vocab)
+    sync()
     secs = time.perf_counter() - t
     print(json.dumps({"rows": rows, "prompt": prompt, "new": new, "tokens": tokens,
                       "seconds": round(secs, 3), "tokens_per_s": round(tokens / secs, 2),
                       "peak_rss_mb": round(peak_mb()), "dtype": dtype,
-                      "torch": torch.__version__, "threads": torch.get_num_threads()}))
+                      "torch": torch.__version__, "threads": torch.get_num_threads(),
+                      "device": DEVICE}))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import torch
 import transformers
 
 torch.set_num_threads(int(os.environ.get("THREADS", os.cpu_count())))
+DEVICE = os.environ.get("DEVICE", "cpu")  # cuda: scripts/gpu_check.py
 
 
 def batch(size, vocab):
@@ -55,11 +56,11 @@ def part_loss(model, part, n_tokens):
     # Samples of one micro-batch share their lengths here (fixed-shape batch), so they stack.
     p = len(part[0][0])
     c = len(part[0][1])
-    ids = torch.tensor([s[0] + s[1] for s in part])
+    ids = torch.tensor([s[0] + s[1] for s in part], device=DEVICE)
     logits = model(ids).logits[:, p - 1:p - 1 + c]
-    lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor([s[1] for s in part]).unsqueeze(-1)).squeeze(-1)
-    mu = torch.tensor([s[2] for s in part])
-    adv = torch.tensor([s[3] for s in part]).unsqueeze(-1)
+    lp = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor([s[1] for s in part], device=DEVICE).unsqueeze(-1)).squeeze(-1)
+    mu = torch.tensor([s[2] for s in part], device=DEVICE)
+    adv = torch.tensor([s[3] for s in part], device=DEVICE).unsqueeze(-1)
     ratio = torch.exp(lp - mu)
     per_token = -torch.minimum(ratio * adv, torch.clamp(ratio, 0.8, 1.28) * adv)
     return per_token.sum() / n_tokens
@@ -67,7 +68,7 @@ def part_loss(model, part, n_tokens):
 
 def main():
     path, micro, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).train()
+    model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(DEVICE).train()
     vocab = model.config.vocab_size
     size = "0.5b" if vocab > 1000 else "small"
     samples = batch(size, vocab)
@@ -81,6 +82,8 @@ def main():
             part_loss(model, part, n_tokens).backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
+        if DEVICE == "cuda":
+            torch.cuda.synchronize()
         dt = time.perf_counter() - t
         print(f"step {i}: {dt:.3f} s", file=sys.stderr)
         if i > 0:
@@ -89,7 +92,8 @@ def main():
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     print(json.dumps({"size": size, "micro_batch_tokens": micro, "steps": steps,
                       "step_s": round(times[len(times) // 2], 4), "peak_rss_mb": round(peak_mb),
-                      "torch": torch.__version__, "threads": torch.get_num_threads()}))
+                      "torch": torch.__version__, "threads": torch.get_num_threads(),
+                      "device": DEVICE}))
 
 
 if __name__ == "__main__":

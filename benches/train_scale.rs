@@ -246,6 +246,9 @@ fn main() {
             model
                 .save_hf_as(Path::new(out), WeightDtype::Bf16)
                 .expect("save");
+            let weights = Path::new(out).join("model.safetensors");
+            let bytes = std::fs::metadata(weights).map_or(0, |m| m.len());
+            println!("{{\"bf16\": \"{out}\", \"bytes\": {bytes}}}");
         }
         ["step", dir, micro, steps] => step(
             Path::new(dir),

@@ -17,6 +17,10 @@ use burn::tensor::{Int, Tensor, TensorData};
 /// produced here) would not turn into NaN, and gradients stay clean.
 pub(crate) const MASKED: f32 = -1e9;
 
+/// Rows up to which the tied LM head multiplies the embedding as stored (see
+/// [`Policy::project`]): decode steps, not training batches.
+const FEW_ROWS: usize = 128;
+
 #[derive(Module, Debug)]
 pub struct Mlp<B: Backend> {
     pub gate: Linear<B>,
@@ -205,6 +209,13 @@ impl<B: Backend> Policy<B> {
     pub(crate) fn project(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         match &self.head {
             Some(head) => head.forward(x),
+            // A few rows (a decode step): `(E · xᵀ)ᵀ` reads the embedding `[vocab, hidden]`
+            // as stored. `x · Eᵀ` would hand the backend a transposed view of the whole
+            // embedding, which Flex copies to contiguous memory on every call (544 MB per
+            // token for a 151,936 × 896 vocabulary).
+            None if x.dims()[0] <= FEW_ROWS => {
+                self.embed.weight.val().matmul(x.transpose()).transpose()
+            }
             None => x.matmul(self.embed.weight.val().transpose()),
         }
     }

@@ -324,8 +324,12 @@ impl<B: Backend> Generator<B> {
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(prompt, [1, l]), &device);
         let mut cache = model.empty_cache(1);
         let positions: Vec<usize> = (0..l).collect();
-        let logits = model.forward_with(tokens, &positions, AttnMode::Cached(&mut cache));
-        let last = logits_rows(logits.slice([0..1, l - 1..l]).reshape([1, vocab]))?;
+        // Only the last position's logits are needed: the LM head runs on one row, not on
+        // the whole prompt (at a 151,936-id vocabulary, 35 GFLOP saved per 128-token prompt).
+        let hidden = model.trunk(tokens, &positions, AttnMode::Cached(&mut cache));
+        let d = model.config().hidden_size;
+        let last = model.project(hidden.slice([0..1, l - 1..l]).reshape([1, d]));
+        let last = logits_rows(last.reshape([1, vocab]))?;
         cache.repeat_rows(req.n);
         let (mut keep, mut rows, mut done) = (Vec::new(), Vec::new(), Vec::new());
         for i in 0..req.n {

@@ -34,7 +34,7 @@ SHAPES = {
     "0.5b": dict(vocab_size=151936, hidden_size=896, intermediate_size=4864,
                  num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                  max_position_embeddings=32768, rope_theta=1000000.0),
-    "small": dict(vocab_size=1024, hidden_size=128, intermediate_size=384,
+    "small": dict(vocab_size=512, hidden_size=128, intermediate_size=384,
                   num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
                   max_position_embeddings=2048, rope_theta=10000.0),
 }
@@ -105,15 +105,15 @@ def main():
     out = pathlib.Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     model_dir = out / f"model-{args.size}"
-    results = [{"check": "machine", "device": device, "torch": torch.__version__,
-                "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None}]
+    results = []
 
     def report(r):
         results.append(r)
         print(json.dumps(r), flush=True)
         (out / "gpu-check.json").write_text(json.dumps(results, indent=1))
 
-    report(results[0])
+    report({"check": "machine", "device": device, "torch": torch.__version__,
+            "gpu": torch.cuda.get_device_name(0) if device == "cuda" else None})
     t = time.perf_counter()
     cfg = make_model(args.size, model_dir)
     report({"check": "model", "size": args.size, "seconds": round(time.perf_counter() - t, 1)})

@@ -117,3 +117,54 @@ fn a_nan_loss_skips_the_step_and_keeps_the_weights() {
     assert!(!stats.skipped && stats.loss.is_finite());
     assert_eq!(trainer.state.version, 1);
 }
+
+/// `--save-dtype bf16`: the checkpoint's model.safetensors is bf16 (half the bytes,
+/// `torch_dtype: bfloat16`, each value the f32 weight rounded), and a trainer resumed from
+/// it continues from its own f32 weights, not from the rounded ones.
+#[test]
+fn bf16_checkpoints_hold_rounded_weights_and_resume_at_f32() {
+    use burn::module::AutodiffModule;
+    use rlstream::model::hf::{WeightDtype, read_hf_tensors};
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = PolicyConfig::tiny(Architecture::Qwen2, 32);
+    let model = Policy::<InferBackend>::random(&cfg, 8, &Default::default()).unwrap();
+    model.save_hf(&dir.path().join("model")).unwrap();
+    let g = group(&model);
+    let tc = TrainerSettings {
+        policy: PolicySettings {
+            model: Some(dir.path().join("model")),
+            ..PolicySettings::default()
+        },
+        train: TrainConfig {
+            lr: 1e-2,
+            save_dtype: WeightDtype::Bf16,
+            checkpoint_dir: dir.path().join("ckpt"),
+            ..TrainConfig::default()
+        },
+    };
+    let mut trainer = Trainer::start(&tc).unwrap();
+    trainer.step(&[&g]).unwrap();
+    let saved = trainer.checkpoint().unwrap();
+    let exact = trainer.model().valid().to_tensors().unwrap();
+    let config = std::fs::read_to_string(saved.join("config.json")).unwrap();
+    assert!(config.contains("\"torch_dtype\": \"bfloat16\""), "{config}");
+    let file = std::fs::metadata(saved.join("model.safetensors"))
+        .unwrap()
+        .len();
+    let f32_bytes: usize = exact.values().map(|t| t.data.len() * 4).sum();
+    assert!(
+        (file as f64) < 0.55 * f32_bytes as f64,
+        "{file} bytes for {f32_bytes} of f32"
+    );
+    let rounded = read_hf_tensors(&saved).unwrap();
+    let mut differ = 0;
+    for (name, t) in &exact {
+        for (a, b) in t.data.iter().zip(&rounded[name].data) {
+            assert_eq!(half::bf16::from_f32(*a).to_f32(), *b, "{name}");
+            differ += usize::from(a != b);
+        }
+    }
+    assert!(differ > 0, "bf16 rounding should change some weights");
+    let resumed = Trainer::start(&tc).unwrap();
+    assert_eq!(resumed.model().valid().to_tensors().unwrap(), exact);
+}

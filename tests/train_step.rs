@@ -10,6 +10,17 @@ use rlstream::schema::ScoredGroup;
 use rlstream::stages::train::TrainerSettings;
 use rlstream::stages::train::{LossKind, Trainer};
 
+/// Trainer settings starting from the model saved under `dir/model`.
+fn settings(dir: &std::path::Path, train: TrainConfig) -> TrainerSettings {
+    TrainerSettings {
+        policy: PolicySettings {
+            model: Some(dir.join("model")),
+            ..PolicySettings::default()
+        },
+        train,
+    }
+}
+
 fn group(model: &Policy<InferBackend>) -> ScoredGroup {
     let rewards: Vec<f32> = (0..8).map(|i| if i < 2 { 1.0 } else { 0.0 }).collect();
     common::sampled_group(model, "g", vec![4, 9, 2], 6, 3, rewards)
@@ -41,18 +52,15 @@ fn a_step_raises_good_completions_and_lowers_bad_ones() {
     let g = group(&model);
     let before = seq_logprobs(&model, &g);
     for loss in [LossKind::Ppo, LossKind::Tis, LossKind::Reinforce] {
-        let tc = TrainerSettings {
-            policy: PolicySettings {
-                model: Some(dir.path().join("model")),
-                ..PolicySettings::default()
-            },
-            train: TrainConfig {
+        let tc = settings(
+            dir.path(),
+            TrainConfig {
                 loss,
                 lr: 1e-2,
                 checkpoint_dir: dir.path().join(format!("ckpt-{loss:?}")),
                 ..TrainConfig::default()
             },
-        };
+        );
         let mut trainer = Trainer::start(&tc).unwrap();
         let stats = trainer.step(&[&g]).unwrap();
         assert!(!stats.skipped);
@@ -93,17 +101,14 @@ fn a_nan_loss_skips_the_step_and_keeps_the_weights() {
     model.save_hf(&dir.path().join("model")).unwrap();
     let mut g = group(&model);
     g.advantages[3] = f32::NAN;
-    let tc = TrainerSettings {
-        policy: PolicySettings {
-            model: Some(dir.path().join("model")),
-            ..PolicySettings::default()
-        },
-        train: TrainConfig {
+    let tc = settings(
+        dir.path(),
+        TrainConfig {
             lr: 1e-2,
             checkpoint_dir: dir.path().join("ckpt"),
             ..TrainConfig::default()
         },
-    };
+    );
     let mut trainer = Trainer::start(&tc).unwrap();
     let before = trainer.weights_blob().unwrap();
     let stats = trainer.step(&[&g]).unwrap();
@@ -130,18 +135,15 @@ fn bf16_checkpoints_hold_rounded_weights_and_resume_at_f32() {
     let model = Policy::<InferBackend>::random(&cfg, 8, &Default::default()).unwrap();
     model.save_hf(&dir.path().join("model")).unwrap();
     let g = group(&model);
-    let tc = TrainerSettings {
-        policy: PolicySettings {
-            model: Some(dir.path().join("model")),
-            ..PolicySettings::default()
-        },
-        train: TrainConfig {
+    let tc = settings(
+        dir.path(),
+        TrainConfig {
             lr: 1e-2,
             save_dtype: WeightDtype::Bf16,
             checkpoint_dir: dir.path().join("ckpt"),
             ..TrainConfig::default()
         },
-    };
+    );
     let mut trainer = Trainer::start(&tc).unwrap();
     trainer.step(&[&g]).unwrap();
     let saved = trainer.checkpoint().unwrap();

@@ -17,6 +17,7 @@ pub use crate::stages::generate::{GenArgs, GenConfig};
 pub use crate::stages::policy::{PolicyArgs, PolicySettings};
 pub use crate::stages::score::{ScoreArgs, ScoreConfig};
 pub use crate::stages::train::{TrainArgs, TrainConfig};
+pub use crate::weights::{WeightsArgs, WeightsConfig};
 
 /// Prefix of environment overrides.
 pub const ENV_PREFIX: &str = "RLSTREAM__";
@@ -77,6 +78,8 @@ crate::settings! {
         pub score: ScoreConfig,
         /// `[train]`.
         pub train: TrainConfig,
+        /// `[weights]`: how versions travel from the trainer to the generators.
+        pub weights: WeightsConfig,
         /// `[run]`: the one-process pipeline's own settings.
         pub run: RunConfig,
     }
@@ -180,6 +183,7 @@ impl Config {
         self.generator.validate()?;
         self.score.validate()?;
         self.train.validate()?;
+        self.weights.validate()?;
         Ok(())
     }
 }

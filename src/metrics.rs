@@ -27,6 +27,13 @@ pub const SAMPLE_STALENESS_VERSIONS: &str = "rlstream_sample_staleness_versions"
 pub const WEIGHT_SWAP_STALL_SECONDS: &str = "rlstream_weight_swap_stall_seconds";
 pub const WEIGHT_SYNC_SECONDS: &str = "rlstream_weight_sync_seconds";
 pub const TRAIN_STEP_SECONDS: &str = "rlstream_train_step_seconds";
+pub const WEIGHTS_VERSION_BYTES: &str = "rlstream_weights_version_bytes";
+pub const WEIGHTS_PUBLISHED_BYTES_TOTAL: &str = "rlstream_weights_published_bytes_total";
+pub const WEIGHTS_ENCODE_SECONDS: &str = "rlstream_weights_encode_seconds";
+pub const WEIGHTS_STORE_BYTES: &str = "rlstream_weights_store_bytes";
+pub const WEIGHTS_STORE_MAX_BYTES: &str = "rlstream_weights_store_max_bytes";
+pub const WEIGHTS_PHASE_SECONDS: &str = "rlstream_weights_phase_seconds";
+pub const WEIGHTS_PUBLISH_TO_SWAP_SECONDS: &str = "rlstream_weights_publish_to_swap_seconds";
 /// A histogram: its `_sum` is the total wait, so `rate(..._sum)` is the fraction of time
 /// the trainer waits for data. (A fractional-seconds `_total` counter is not expressible
 /// with integer counters, and a gauge may not carry the `_total` suffix.)
@@ -67,6 +74,9 @@ const HISTOGRAMS: &[(&str, &[f64])] = &[
     (SAMPLE_STALENESS_VERSIONS, STALENESS_BUCKETS),
     (WEIGHT_SWAP_STALL_SECONDS, STALL_BUCKETS),
     (WEIGHT_SYNC_SECONDS, SYNC_BUCKETS),
+    (WEIGHTS_ENCODE_SECONDS, SYNC_BUCKETS),
+    (WEIGHTS_PHASE_SECONDS, SYNC_BUCKETS),
+    (WEIGHTS_PUBLISH_TO_SWAP_SECONDS, SYNC_BUCKETS),
     (TRAIN_STEP_SECONDS, STEP_BUCKETS),
     (TRAIN_WAIT_SECONDS, STEP_BUCKETS),
     (SCORE_SECONDS, SCORE_BUCKETS),
@@ -165,6 +175,41 @@ fn describe() {
         Unit::Seconds,
         "Time to move one weight version: publish (stage train) or fetch, verify and build (stage gen)."
     );
+    describe_gauge!(
+        WEIGHTS_VERSION_BYTES,
+        Unit::Bytes,
+        "Stored size of the last published weight version, by kind (full, delta)."
+    );
+    describe_counter!(
+        WEIGHTS_PUBLISHED_BYTES_TOTAL,
+        Unit::Bytes,
+        "Bytes of weight versions written to the store, by kind (full, delta)."
+    );
+    describe_histogram!(
+        WEIGHTS_ENCODE_SECONDS,
+        Unit::Seconds,
+        "Trainer time to encode a weight version (checksum, delta and zstd)."
+    );
+    describe_gauge!(
+        WEIGHTS_STORE_BYTES,
+        Unit::Bytes,
+        "Bytes the published weight versions occupy in their store."
+    );
+    describe_gauge!(
+        WEIGHTS_STORE_MAX_BYTES,
+        Unit::Bytes,
+        "weights.max_bytes, the bound on the store (0: none)."
+    );
+    describe_histogram!(
+        WEIGHTS_PHASE_SECONDS,
+        Unit::Seconds,
+        "Generator time per phase of taking a weight version (fetch, decode, verify, build)."
+    );
+    describe_histogram!(
+        WEIGHTS_PUBLISH_TO_SWAP_SECONDS,
+        Unit::Seconds,
+        "From the trainer starting to publish a version to this generator swapping it in."
+    );
     describe_histogram!(
         TRAIN_STEP_SECONDS,
         Unit::Seconds,
@@ -217,7 +262,10 @@ fn describe() {
 
 /// Errors each stage can count, by kind; see [`started`].
 const ERROR_KINDS: &[(Stage, &[&str])] = &[
-    (Stage::Gen, &["bus", "tokenize", "weights_rejected"]),
+    (
+        Stage::Gen,
+        &["bus", "tokenize", "weights_rejected", "weights_unavailable"],
+    ),
     (Stage::Score, &["scorer"]),
     (Stage::Train, &["nonfinite_step"]),
 ];
@@ -270,6 +318,31 @@ pub fn holds(stage: Stage, version: u64) {
 /// One weight version moved: published by the trainer or fetched and built by a generator.
 pub fn weight_sync(stage: Stage, seconds: f64) {
     histogram!(WEIGHT_SYNC_SECONDS, "stage" => stage.as_str()).record(seconds);
+}
+
+/// The trainer wrote a weight version of `bytes` (a delta or a whole version) after
+/// `encode_s` of encoding.
+pub fn weights_published(delta: bool, bytes: u64, encode_s: f64) {
+    let kind = if delta { "delta" } else { "full" };
+    gauge!(WEIGHTS_VERSION_BYTES, "kind" => kind).set(bytes as f64);
+    counter!(WEIGHTS_PUBLISHED_BYTES_TOTAL, "kind" => kind).increment(bytes);
+    histogram!(WEIGHTS_ENCODE_SECONDS).record(encode_s);
+}
+
+/// What the weight store holds, and its bound.
+pub fn weights_store(bytes: u64, max_bytes: u64) {
+    gauge!(WEIGHTS_STORE_BYTES).set(bytes as f64);
+    gauge!(WEIGHTS_STORE_MAX_BYTES).set(max_bytes as f64);
+}
+
+/// A generator spent `seconds` in one phase of taking a version.
+pub fn weight_phase(phase: &'static str, seconds: f64) {
+    histogram!(WEIGHTS_PHASE_SECONDS, "phase" => phase).record(seconds);
+}
+
+/// A generator swapped in a version `seconds` after the trainer began publishing it.
+pub fn publish_to_swap(seconds: f64) {
+    histogram!(WEIGHTS_PUBLISH_TO_SWAP_SECONDS).record(seconds);
 }
 
 /// A scorer scored one group.

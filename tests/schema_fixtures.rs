@@ -62,6 +62,17 @@ fn weights_announce() {
     check("WeightsAnnounce", examples::weights_announce());
 }
 
+/// A full version as schema 1.0 wrote it still decodes: the 2.0 fields take their
+/// defaults (a whole version in Redis chunks).
+#[test]
+fn weights_announce_1_0() {
+    let golden = std::fs::read(fixture_dir().join("WeightsAnnounce.v1.msgpack")).unwrap();
+    let decoded: schema::WeightsAnnounce = schema::decode(&golden).unwrap();
+    assert_eq!(decoded, examples::weights_announce_v1());
+    assert!(!decoded.is_delta());
+    assert_eq!(decoded.object_bytes(), decoded.bytes);
+}
+
 #[test]
 fn dead_letter() {
     check("DeadLetter", examples::dead_letter());

@@ -5,6 +5,7 @@
 use rlstream::cli::Cli;
 use rlstream::config::{
     Config, FeedConfig, GenConfig, PolicySettings, RunConfig, ScoreConfig, TrainConfig,
+    WeightsConfig,
 };
 use rlstream::settings::{Key, Section, show};
 
@@ -26,6 +27,11 @@ fn sections() -> Vec<(&'static str, Vec<Key>, &'static [&'static str])> {
         (ScoreConfig::NAME, ScoreConfig::keys(), &["score", "run"]),
         (TrainConfig::NAME, TrainConfig::keys(), &["train", "run"]),
         (RunConfig::NAME, RunConfig::keys(), &["run"]),
+        (
+            WeightsConfig::NAME,
+            WeightsConfig::keys(),
+            &["gen", "train"],
+        ),
     ]
 }
 

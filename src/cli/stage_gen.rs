@@ -1,7 +1,7 @@
 //! `rlstream gen`.
 
 use super::common::{StageArgs, connect, shutdown_signal};
-use crate::config::{Config, GenArgs, PolicyArgs};
+use crate::config::{Config, GenArgs, PolicyArgs, WeightsArgs};
 use crate::roles::Stage;
 use crate::stages::generate as gen_stage;
 use crate::weights::Transport;
@@ -15,6 +15,8 @@ pub struct Args {
     policy: PolicyArgs,
     #[command(flatten)]
     generator: GenArgs,
+    #[command(flatten)]
+    weights: WeightsArgs,
 }
 
 impl Args {
@@ -22,7 +24,11 @@ impl Args {
         self.stage.resolve(
             toml::Table::new(),
             env,
-            [self.policy.layer(), self.generator.layer()],
+            [
+                self.policy.layer(),
+                self.generator.layer(),
+                self.weights.layer(),
+            ],
         )
     }
 
@@ -40,7 +46,7 @@ impl Args {
             bus,
             &topo,
             slot,
-            Transport::Bus,
+            Transport::Store(cfg.weights.clone()),
             shutdown_signal(),
         )
         .await?;

@@ -1,7 +1,7 @@
 //! `rlstream train`.
 
 use super::common::{StageArgs, connect, shutdown_signal};
-use crate::config::{Config, PolicyArgs, TrainArgs};
+use crate::config::{Config, PolicyArgs, TrainArgs, WeightsArgs};
 use crate::roles::Stage;
 use crate::stages::train::{self, TrainerSettings};
 use crate::weights::Transport;
@@ -15,6 +15,8 @@ pub struct Args {
     policy: PolicyArgs,
     #[command(flatten)]
     train: TrainArgs,
+    #[command(flatten)]
+    weights: WeightsArgs,
 }
 
 impl Args {
@@ -22,7 +24,11 @@ impl Args {
         self.stage.resolve(
             toml::Table::new(),
             env,
-            [self.policy.layer(), self.train.layer()],
+            [
+                self.policy.layer(),
+                self.train.layer(),
+                self.weights.layer(),
+            ],
         )
     }
 
@@ -38,7 +44,7 @@ impl Args {
             &settings,
             bus,
             &topo,
-            Transport::Bus,
+            Transport::Store(cfg.weights.clone()),
             shutdown_signal(),
             |_| {},
         )

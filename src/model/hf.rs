@@ -49,9 +49,6 @@ impl WeightDtype {
     }
 }
 
-/// Format tag of published weight blobs.
-pub const BLOB_FORMAT: &str = "safetensors-f32";
-
 /// Every tensor a policy of this config has, with its HF name and shape.
 pub fn expected_tensors(cfg: &PolicyConfig) -> Vec<(String, Vec<usize>)> {
     let (d, hd, ff) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);

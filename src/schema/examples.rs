@@ -126,9 +126,33 @@ pub fn scored_group() -> ScoredGroup {
     }
 }
 
+/// A delta version in Redis chunks (schema 2.0): version 8 as the XOR against version 7,
+/// in a chain that starts at the keyframe version 5.
 pub fn weights_announce() -> WeightsAnnounce {
     WeightsAnnounce {
-        schema: SchemaVersion::CURRENT,
+        schema: <WeightsAnnounce as super::Message>::SCHEMA,
+        version: 8,
+        step: 8,
+        kind: WeightsKind::Full,
+        format: super::DELTA_FORMAT.into(),
+        dtype: "bf16".into(),
+        bytes: 4_194_304,
+        chunks: 1,
+        checksum: "0123456789abcdef".into(),
+        store: "redis".into(),
+        base: Some(7),
+        keyframe: Some(5),
+        stored_bytes: Some(81_920),
+        stored_checksum: Some("fedcba9876543210".into()),
+        started_us: EXAMPLE_TIME_US,
+        published_us: EXAMPLE_TIME_US + 12_000,
+    }
+}
+
+/// A full version as schema 1.0 wrote it: the fields of 2.0 take their defaults.
+pub fn weights_announce_v1() -> WeightsAnnounce {
+    WeightsAnnounce {
+        schema: SchemaVersion { major: 1, minor: 0 },
         version: 8,
         step: 8,
         kind: WeightsKind::Full,
@@ -137,6 +161,11 @@ pub fn weights_announce() -> WeightsAnnounce {
         bytes: 4_194_304,
         chunks: 4,
         checksum: "0123456789abcdef".into(),
+        store: "redis".into(),
+        base: None,
+        keyframe: None,
+        stored_bytes: None,
+        stored_checksum: None,
         started_us: EXAMPLE_TIME_US,
         published_us: EXAMPLE_TIME_US + 12_000,
     }

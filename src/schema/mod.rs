@@ -28,7 +28,7 @@ pub use prompt::Prompt;
 pub use rollout::{FinishReason, RolloutGroup, Sample, SamplingMask, SamplingParams, VersionRun};
 pub use scored::ScoredGroup;
 pub use step::{StepFieldError, StepRecord};
-pub use weights::{WeightsAnnounce, WeightsKind};
+pub use weights::{DELTA_FORMAT, WeightsAnnounce, WeightsKind};
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

@@ -1,8 +1,17 @@
 //! `WeightsAnnounce`: the trainer says a new policy version is ready to fetch.
 //!
-//! The weights themselves travel as `chunks` raw blobs under
-//! `{namespace}:weights:{version}:{chunk}`; the announce goes on the weights stream only
-//! after every chunk is written, so a reader never sees a version it cannot fetch.
+//! The version's bytes are one object in a store (`store`): `chunks` raw blobs under
+//! `{namespace}:weights:{version}:{chunk}` in Redis, or a file in a shared directory. The
+//! object is the whole version (a safetensors blob) or a delta against an earlier one
+//! (`base`): the XOR of the two blobs, compressed with zstd. `bytes` and `checksum` always
+//! describe the whole version, which is what a generator loads and verifies; the object's
+//! own size and checksum are `stored_bytes` and `stored_checksum`. The announce goes on the
+//! weights stream only after the object is written, so a reader never sees a version it
+//! cannot fetch.
+//!
+//! Schema 2.0: a 1.x reader would take a delta, or a version in a shared directory, for a
+//! full blob in Redis chunks, so the major changed. 1.x announces still decode (full
+//! versions in Redis).
 
 use super::{CodecError, Message, SchemaVersion};
 use serde::{Deserialize, Serialize};
@@ -15,19 +24,60 @@ pub struct WeightsAnnounce {
     /// Trainer step at publication (equal to `version` unless resumed from elsewhere).
     pub step: u64,
     pub kind: WeightsKind,
-    /// Byte layout of the blob (`rlstream-params-v1`).
+    /// Byte layout of the stored object: `safetensors-f32` or `safetensors-bf16` for a whole
+    /// version, [`DELTA_FORMAT`] for a delta.
     pub format: String,
-    /// Element type of the tensors in the blob (`f32`, `bf16`).
+    /// Element type of the tensors of the whole version (`f32`, `bf16`).
     pub dtype: String,
-    /// Total blob size in bytes.
+    /// Size of the whole version in bytes.
     pub bytes: u64,
-    /// Number of chunks the blob is split into.
+    /// Number of chunks the stored object is split into (1 for a file).
     pub chunks: u32,
-    /// xxh3-64 of the whole blob, as 16 lowercase hex digits.
+    /// xxh3-64 of the whole version, as 16 lowercase hex digits.
     pub checksum: String,
+    /// Where the object is: `redis` (chunks beside the streams) or `dir` (a file in the
+    /// shared directory). 1.x announces: `redis`.
+    #[serde(default = "redis")]
+    pub store: String,
+    /// A delta's base: the version its XOR is against.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base: Option<u64>,
+    /// A delta's keyframe: the whole version its chain of deltas starts from.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub keyframe: Option<u64>,
+    /// A delta's stored size in bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_bytes: Option<u64>,
+    /// xxh3-64 of a delta's stored bytes.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stored_checksum: Option<String>,
     /// When the trainer started and finished publishing, microseconds since the epoch.
     pub started_us: u64,
     pub published_us: u64,
+}
+
+/// `format` of a delta object: zstd of the XOR of the version's bytes with its base's.
+pub const DELTA_FORMAT: &str = "xor-zstd";
+
+fn redis() -> String {
+    "redis".into()
+}
+
+impl WeightsAnnounce {
+    /// Whether the stored object is a delta.
+    pub fn is_delta(&self) -> bool {
+        self.format == DELTA_FORMAT
+    }
+
+    /// The stored object's size: the delta's, or the whole version's.
+    pub fn object_bytes(&self) -> u64 {
+        self.stored_bytes.unwrap_or(self.bytes)
+    }
+
+    /// The stored object's checksum: the delta's, or the whole version's.
+    pub fn object_checksum(&self) -> &str {
+        self.stored_checksum.as_deref().unwrap_or(&self.checksum)
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -41,6 +91,7 @@ pub enum WeightsKind {
 
 impl Message for WeightsAnnounce {
     const KIND: &'static str = "WeightsAnnounce";
+    const SCHEMA: SchemaVersion = SchemaVersion { major: 2, minor: 0 };
     fn schema(&self) -> SchemaVersion {
         self.schema
     }
@@ -59,12 +110,43 @@ impl Message for WeightsAnnounce {
                 "must be at least 1",
             ));
         }
-        if self.checksum.len() != 16 || !self.checksum.bytes().all(|b| b.is_ascii_hexdigit()) {
-            return Err(CodecError::invalid(
-                Self::KIND,
-                "checksum",
-                format!("`{}` is not 16 hex digits", self.checksum),
-            ));
+        let hex16 = |field: &str, v: &str| {
+            if v.len() != 16 || !v.bytes().all(|b| b.is_ascii_hexdigit()) {
+                return Err(CodecError::invalid(
+                    Self::KIND,
+                    field,
+                    format!("`{v}` is not 16 hex digits"),
+                ));
+            }
+            Ok(())
+        };
+        hex16("checksum", &self.checksum)?;
+        if let Some(c) = &self.stored_checksum {
+            hex16("stored_checksum", c)?;
+        }
+        if self.is_delta() {
+            let (Some(base), Some(keyframe), Some(_), Some(_)) = (
+                self.base,
+                self.keyframe,
+                self.stored_bytes,
+                self.stored_checksum.as_ref(),
+            ) else {
+                return Err(CodecError::invalid(
+                    Self::KIND,
+                    "base",
+                    "a delta needs base, keyframe, stored_bytes and stored_checksum",
+                ));
+            };
+            if !(keyframe <= base && base < self.version) {
+                return Err(CodecError::invalid(
+                    Self::KIND,
+                    "base",
+                    format!(
+                        "a delta of version {} needs keyframe <= base < version (keyframe {keyframe}, base {base})",
+                        self.version
+                    ),
+                ));
+            }
         }
         Ok(())
     }

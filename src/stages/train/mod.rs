@@ -130,8 +130,17 @@ impl<'a> Loop<'a> {
         transport: Transport,
     ) -> Result<Loop<'a>, StageError> {
         let trainer = tokio::task::block_in_place(|| Trainer::start(cfg))?;
-        let publisher = Publisher::new(bus.clone(), topo.clone(), cfg.train.keep_versions)
-            .with_transport(transport);
+        let mut publisher = Publisher::new(bus.clone(), topo.clone(), cfg.train.keep_versions)
+            .with_transport(transport.clone());
+        if let Transport::Store(w) = &transport {
+            let dtype = w.resolve_dtype(cfg.policy.model.as_deref());
+            publisher = publisher.with_config(w, dtype)?;
+        }
+        publisher.check_fits(crate::weights::version_bytes(
+            trainer.model().config(),
+            publisher.dtype(),
+        ))?;
+        publisher.adopt().await?;
         // Read no more than a step's worth: what the trainer has not taken stays visible
         // as lag to the generators' in-flight bound.
         let opts = ConsumerOptions {

@@ -267,7 +267,7 @@ const ERROR_KINDS: &[(Stage, &[&str])] = &[
         &["bus", "tokenize", "weights_rejected", "weights_unavailable"],
     ),
     (Stage::Score, &["scorer"]),
-    (Stage::Train, &["nonfinite_step"]),
+    (Stage::Train, &["nonfinite_step", "weights_store"]),
 ];
 /// Why the trainer drops groups.
 const DROP_REASONS: &[&str] = &["stale", "duplicate", "nonfinite"];

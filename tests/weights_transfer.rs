@@ -170,7 +170,8 @@ async fn wrong_shapes_and_implausible_announces_are_rejected() {
     assert_eq!(f.poll(WAIT).await.unwrap(), None);
     assert_eq!(f.rejected, 1);
 
-    let mut huge = rlstream::schema::examples::weights_announce();
+    let mut huge = rlstream::schema::examples::weights_announce_v1();
+    huge.schema = rlstream::schema::examples::weights_announce().schema;
     huge.version = 3;
     huge.format = "safetensors-f32".into();
     huge.bytes = u64::MAX;

@@ -100,7 +100,15 @@ pub struct WeightsStatus {
     pub version: u64,
     pub format: String,
     pub bytes: u64,
+    /// Where the versions are stored (`redis`, `dir`, `memory`).
+    pub store: String,
+    /// The newest version's stored size (its delta's, for a delta).
+    pub stored_bytes: u64,
     pub published_s: f64,
+    /// What the versions occupy in their store and the bound (0: none), from the trainer's
+    /// last heartbeat in the window.
+    pub store_bytes: Option<u64>,
+    pub max_bytes: Option<u64>,
 }
 
 #[derive(Debug, Clone, Serialize, PartialEq)]
@@ -178,9 +186,13 @@ pub async fn collect(
                 .await
                 .map(|a| WeightsStatus {
                     version: a.version,
+                    stored_bytes: a.object_bytes(),
                     format: a.format,
                     bytes: a.bytes,
+                    store: a.store,
                     published_s: age_s(now_us, a.published_us),
+                    store_bytes: None,
+                    max_bytes: None,
                 });
         }
         streams.push(StreamStatus {
@@ -250,6 +262,13 @@ pub async fn collect(
             Some(Stage::Score) => scored += rate.unwrap_or(0.0),
             Some(Stage::Train) => trained += rate.unwrap_or(0.0),
             _ => {}
+        }
+        if role == Some(Stage::Train)
+            && let (Some(w), Some(b)) = (weights.as_mut(), beats.last())
+        {
+            let field = |k: &str| b.fields.get(k).map(|v| *v as u64);
+            w.store_bytes = field("weights_store_bytes");
+            w.max_bytes = field("weights_max_bytes");
         }
         let last_seen_s = age_s(now_us, last.time_us);
         processes.push(ProcessStatus {
@@ -423,14 +442,31 @@ pub fn render(s: &Status) -> String {
     }
     match &s.weights {
         Some(w) => {
+            let stored = if w.stored_bytes == w.bytes {
+                String::new()
+            } else {
+                format!(", stored as {:.2} MB", w.stored_bytes as f64 / 1e6)
+            };
             let _ = writeln!(
                 o,
-                "weights   version {} published {} ago ({}, {:.1} MB)",
+                "weights   version {} published {} ago ({}, {:.1} MB{stored}) in {}",
                 w.version,
                 seconds(w.published_s),
                 w.format,
-                w.bytes as f64 / 1e6
+                w.bytes as f64 / 1e6,
+                w.store
             );
+            if let Some(held) = w.store_bytes {
+                let bound = match w.max_bytes {
+                    Some(m) if m > 0 => format!(" of weights.max_bytes {:.1} MB", m as f64 / 1e6),
+                    _ => " (no bound: weights.max_bytes = 0)".into(),
+                };
+                let _ = writeln!(
+                    o,
+                    "          the store holds {:.1} MB{bound}",
+                    held as f64 / 1e6
+                );
+            }
         }
         None => {
             let _ = writeln!(o, "weights   none published yet");

@@ -124,6 +124,21 @@ impl Message for WeightsAnnounce {
         if let Some(c) = &self.stored_checksum {
             hex16("stored_checksum", c)?;
         }
+        if !self.is_delta()
+            && (self.base.is_some()
+                || self.keyframe.is_some()
+                || self.stored_bytes.is_some()
+                || self.stored_checksum.is_some())
+        {
+            return Err(CodecError::invalid(
+                Self::KIND,
+                "base",
+                format!(
+                    "a whole version (format `{}`) has no base, keyframe or stored size",
+                    self.format
+                ),
+            ));
+        }
         if self.is_delta() {
             let (Some(base), Some(keyframe), Some(_), Some(_)) = (
                 self.base,

@@ -279,6 +279,11 @@ impl Publisher {
         self.dtype
     }
 
+    /// weights.max_bytes (0: no bound).
+    pub fn max_bytes(&self) -> u64 {
+        self.cfg.max_bytes
+    }
+
     /// Bytes the published versions occupy in the store now.
     pub fn held_bytes(&self) -> u64 {
         self.held.iter().map(|h| h.bytes).sum()

@@ -32,14 +32,19 @@ use crate::bus::{Consumer, ConsumerOptions, Delivery, EntryId, SharedBus, Topolo
 use crate::model::{ModelError, fault};
 use crate::roles::{Stage, Stream};
 use crate::schema::{self, Event, SchemaVersion, ScoredGroup, StepRecord};
-use crate::weights::{Payload, Publisher, Transport};
+use crate::weights::{Payload, Publisher, Transport, WeightsError};
+
 use burn::module::AutodiffModule;
 use bytes::Bytes;
 use intake::{DropReason, Intake, staleness};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::future::Future;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+/// How long the trainer retries publishing into a weights store that fails (full,
+/// unmounted) before it stops with the store's error.
+const STORE_PATIENCE: Duration = Duration::from_secs(300);
 
 /// What a trainer runs with: its own `[train]` section and the shared `[policy]` one. Saved
 /// beside each checkpoint as `train_config.toml`, in the same sections as the config file.
@@ -97,11 +102,15 @@ pub async fn run(
     crate::metrics::holds(Stage::Train, lp.trainer.state.version);
     tokio::pin!(shutdown);
     while !lp.done() {
-        let fields = [
+        let mut fields = vec![
             ("step", lp.trainer.state.step as f64),
             ("trained_groups", lp.trainer.state.trained_groups as f64),
             ("buffered_groups", lp.intake.len() as f64),
         ];
+        if !lp.publisher.in_process() {
+            fields.push(("weights_store_bytes", lp.publisher.held_bytes() as f64));
+            fields.push(("weights_max_bytes", lp.publisher.max_bytes() as f64));
+        }
         heartbeat.beat(lp.trainer.state.version, &fields).await;
         let batch = tokio::select! {
             biased;
@@ -385,18 +394,39 @@ impl<'a> Loop<'a> {
     /// Publishes the trainer's current weights in the form the transport takes.
     async fn publish_weights(&mut self) -> Result<(), StageError> {
         let began = Instant::now();
-        let trainer = &self.trainer;
-        let payload = tokio::task::block_in_place(|| {
-            if self.publisher.in_process() {
-                trainer.model().valid().to_tensors().map(Payload::Tensors)
-            } else {
-                trainer.weights_blob().map(Payload::Blob)
+        let mut wait = Duration::from_secs(1);
+        loop {
+            // Host tensors: handed over in process, or encoded by the publisher in the
+            // dtype on the wire.
+            let payload = tokio::task::block_in_place(|| {
+                self.trainer
+                    .model()
+                    .valid()
+                    .to_tensors()
+                    .map(Payload::Tensors)
+            })?;
+            let state = &self.trainer.state;
+            match self
+                .publisher
+                .publish_payload(state.version, state.step, payload)
+                .await
+            {
+                Ok(_) => break,
+                // A store that is full or unreachable may recover (space freed, a share
+                // remounted): retry for a while, then stop with its error.
+                Err(e @ WeightsError::Store { .. }) if began.elapsed() < STORE_PATIENCE => {
+                    crate::metrics::error(Stage::Train, "weights_store");
+                    tracing::error!(
+                        version = state.version,
+                        error = %e,
+                        "cannot publish weights; retrying in {wait:?} (free space in the store or fix its mount; the trainer stops after {STORE_PATIENCE:?})"
+                    );
+                    tokio::time::sleep(wait).await;
+                    wait = (wait * 2).min(Duration::from_secs(30));
+                }
+                Err(e) => return Err(e.into()),
             }
-        })?;
-        let state = &self.trainer.state;
-        self.publisher
-            .publish_payload(state.version, state.step, payload)
-            .await?;
+        }
         crate::metrics::weight_sync(Stage::Train, began.elapsed().as_secs_f64());
         Ok(())
     }

@@ -6,7 +6,16 @@
 //! cargo bench --bench train_scale -- load DIR                # load time and peak memory
 //! cargo bench --bench train_scale -- generate DIR PROMPT NEW ROWS   # tokens/s, peak memory
 //! cargo bench --bench train_scale -- bf16 DIR OUT            # DIR's weights as bf16 in OUT
+//! cargo bench --bench train_scale -- weights DIR LRS STEPS STORE   # version sizes, publish-to-swap
 //! ```
+//!
+//! `weights` trains DIR's model for STEPS steps at each learning rate of LRS (comma
+//! separated) on the fixed batch and publishes every version, bf16 with deltas, through
+//! STORE (`redis` at `RLSTREAM_BENCH_REDIS`, default 127.0.0.1:6379, or `dir` in a temporary
+//! directory) to a follower running as a generator's does. One JSON line per version: the
+//! sizes of the version as f32 and bf16 and of its bf16 delta, the share of bf16 values
+//! unchanged, the encode time, the time from the start of publication to the follower's
+//! swap, and the bytes the store holds.
 //!
 //! SIZE is `small` (the 0.8M-parameter config of `benches/model.rs`, batch 32 × (16 prompt +
 //! 48 completion) tokens) or `0.5b` (Qwen2.5-0.5B's shape: 494M parameters, batch 8 × (32 +
@@ -15,6 +24,7 @@
 //! and prints the median step time and the process's peak resident memory. Writing the
 //! checkpoint in its own process keeps model construction out of that peak.
 
+use burn::module::AutodiffModule;
 use rlstream::config::{PolicySettings, TrainConfig};
 use rlstream::model::hf::{WeightDtype, load_hf};
 use rlstream::model::sampler::{Generator, Request};
@@ -24,6 +34,7 @@ use rlstream::schema::{
 };
 use rlstream::stages::train::{Trainer, TrainerSettings};
 use std::path::Path;
+use std::sync::Arc;
 use std::time::Instant;
 
 #[global_allocator]
@@ -123,26 +134,36 @@ fn write(size: &str, dir: &Path) {
     );
 }
 
-fn step(dir: &Path, micro: usize, steps: usize) {
+/// The size DIR's checkpoint has (by its vocabulary) and that vocabulary.
+fn size_of(dir: &Path) -> (&'static str, u32) {
     let config: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(dir.join("config.json")).expect("config.json"),
     )
     .expect("json");
     let vocab = config["vocab_size"].as_u64().expect("vocab_size") as u32;
-    let size = if vocab > 1000 { "0.5b" } else { "small" };
-    let ckpt = tempfile::tempdir().expect("tmp");
-    let settings = TrainerSettings {
+    (if vocab > 1000 { "0.5b" } else { "small" }, vocab)
+}
+
+/// The trainer's settings for DIR's model at `lr`, checkpointing to `ckpt`.
+fn trainer_settings(dir: &Path, ckpt: &Path, lr: f64, micro: usize) -> TrainerSettings {
+    TrainerSettings {
         policy: PolicySettings {
             model: Some(dir.to_path_buf()),
             ..PolicySettings::default()
         },
         train: TrainConfig {
             micro_batch_tokens: micro,
-            lr: 1e-5,
-            checkpoint_dir: ckpt.path().to_path_buf(),
+            lr,
+            checkpoint_dir: ckpt.to_path_buf(),
             ..TrainConfig::default()
         },
-    };
+    }
+}
+
+fn step(dir: &Path, micro: usize, steps: usize) {
+    let (size, vocab) = size_of(dir);
+    let ckpt = tempfile::tempdir().expect("tmp");
+    let settings = trainer_settings(dir, ckpt.path(), 1e-5, micro);
     let mut trainer = Trainer::start(&settings).expect("trainer");
     let groups = batch(size, vocab);
     let refs: Vec<&ScoredGroup> = groups.iter().collect();
@@ -225,6 +246,146 @@ fn generate(dir: &Path, prompt: usize, new: usize, rows: usize) {
     );
 }
 
+/// Trains and publishes versions through a store; see the module docs.
+fn weights(dir: &Path, lrs: &[f64], steps: usize, store: &str) {
+    use rlstream::bus::{RedisBus, SharedBus, Topology};
+    use rlstream::model::hf::tensors_to_safetensors_as;
+    use rlstream::weights::{
+        Follower, ModelSlot, Publisher, StoreKind, Transport, Versioned, WeightsConfig, delta,
+    };
+    let (size, vocab) = size_of(dir);
+    let groups = batch(size, vocab);
+    let refs: Vec<&ScoredGroup> = groups.iter().collect();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let url =
+        std::env::var("RLSTREAM_BENCH_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
+    let shared = tempfile::tempdir().expect("tmp");
+    for &lr in lrs {
+        let ckpt = tempfile::tempdir().expect("tmp");
+        let settings = trainer_settings(dir, ckpt.path(), lr, 0);
+        let mut trainer = Trainer::start(&settings).expect("trainer");
+        let model_cfg = trainer.model().config().clone();
+        let ns = format!("bench-weights-{}-{lr:e}", std::process::id());
+        let cfg = WeightsConfig {
+            store: if store == "dir" {
+                StoreKind::Dir
+            } else {
+                StoreKind::Redis
+            },
+            store_dir: Some(shared.path().to_path_buf()),
+            ..WeightsConfig::default()
+        };
+        let (bus, topo): (SharedBus, Topology) = rt.block_on(async {
+            let bus: SharedBus = Arc::new(RedisBus::connect(&url).await.expect("redis"));
+            (bus, Topology::default().with_namespace(&ns).expect("ns"))
+        });
+        let mut publisher = Publisher::new(bus.clone(), topo.clone(), 2)
+            .with_config(&cfg, WeightDtype::Bf16)
+            .expect("publisher");
+        let initial = Policy::<InferBackend>::from_tensors(
+            &model_cfg,
+            &trainer.model().valid().to_tensors().expect("tensors"),
+            &Default::default(),
+        )
+        .expect("model");
+        let slot = ModelSlot::new(Versioned {
+            version: 0,
+            policy: initial,
+        });
+        type Swap = (u64, Instant, Vec<(&'static str, f64)>);
+        let (swapped_tx, swapped_rx) = std::sync::mpsc::channel::<Swap>();
+        let follow = {
+            let mut f = Follower::new(bus.clone(), topo.clone(), model_cfg.clone(), slot.clone())
+                .with_transport(Transport::Store(cfg.clone()));
+            rt.spawn(async move {
+                loop {
+                    match f.poll(std::time::Duration::from_millis(20)).await {
+                        Ok(Some(v)) => {
+                            let at = Instant::now();
+                            if swapped_tx.send((v, at, f.last_phases().to_vec())).is_err() {
+                                break;
+                            }
+                        }
+                        Ok(None) => {}
+                        Err(e) => panic!("follower: {e}"),
+                    }
+                }
+            })
+        };
+        let mut prev: Option<Vec<u8>> = None;
+        for version in 1..=steps as u64 + 1 {
+            if version > 1 {
+                let t = Instant::now();
+                let record = trainer.step(&refs).expect("step");
+                assert!(!record.skipped, "a skipped step changes nothing");
+                eprintln!(
+                    "lr {lr:e}: step {} in {:.1} s",
+                    version - 1,
+                    t.elapsed().as_secs_f64()
+                );
+            }
+            let tensors = trainer.model().valid().to_tensors().expect("tensors");
+            let f32_bytes = tensors_to_safetensors_as(&tensors, WeightDtype::F32)
+                .expect("f32")
+                .len();
+            let bf16 = tensors_to_safetensors_as(&tensors, WeightDtype::Bf16).expect("bf16");
+            drop(tensors);
+            let (delta_bytes, unchanged, delta_s) = match &prev {
+                Some(p) => {
+                    let t = Instant::now();
+                    let d = delta::encode(p, &bf16).expect("same layout");
+                    let s = t.elapsed().as_secs_f64();
+                    let same = p
+                        .chunks_exact(2)
+                        .zip(bf16.chunks_exact(2))
+                        .filter(|(a, b)| a == b)
+                        .count();
+                    (d.len(), same as f64 / (p.len() / 2) as f64, s)
+                }
+                None => (0, 0.0, 0.0),
+            };
+            let t = Instant::now();
+            let a = rt
+                .block_on(publisher.publish(version, version, &bf16))
+                .expect("publish");
+            let publish_s = t.elapsed().as_secs_f64();
+            let (v, at, phases) = swapped_rx.recv().expect("follower swapped");
+            let phases: Vec<String> = phases
+                .iter()
+                .map(|(p, s)| format!("\"{p}\": {s:.3}"))
+                .collect();
+            assert_eq!(v, version, "the follower took every version in turn");
+            println!(
+                "{{\"lr\": {lr:e}, \"store\": \"{store}\", \"version\": {version}, \
+                 \"f32_bytes\": {f32_bytes}, \"bf16_bytes\": {}, \"delta_bytes\": {delta_bytes}, \
+                 \"published_as\": \"{}\", \"stored_bytes\": {}, \"bf16_unchanged\": {unchanged:.4}, \
+                 \"delta_encode_s\": {delta_s:.3}, \"publish_s\": {publish_s:.3}, \
+                 \"publish_to_swap_s\": {:.3}, \"phases_s\": {{{}}}, \"store_held_bytes\": {}, \
+                 \"peak_rss_mb\": {:.0}}}",
+                bf16.len(),
+                if a.is_delta() { "delta" } else { "full" },
+                a.object_bytes(),
+                at.duration_since(t).as_secs_f64(),
+                phases.join(", "),
+                publisher.held_bytes(),
+                peak_rss_mb()
+            );
+            prev = Some(bf16);
+        }
+        follow.abort();
+        rt.block_on(async {
+            let keys: Vec<String> = (1..=steps as u64 + 1)
+                .flat_map(|v| (0..1024).map(move |c| (v, c)))
+                .map(|(v, c)| topo.weights_chunk_key(v, c))
+                .collect();
+            let _ = bus.delete(&keys).await;
+        });
+    }
+}
+
 fn main() {
     rlstream::cpu::select_blas_kernels();
     let args: Vec<String> = std::env::args()
@@ -250,6 +411,14 @@ fn main() {
             let bytes = std::fs::metadata(weights).map_or(0, |m| m.len());
             println!("{{\"bf16\": \"{out}\", \"bytes\": {bytes}}}");
         }
+        ["weights", dir, lrs, steps, store] => weights(
+            Path::new(dir),
+            &lrs.split(',')
+                .map(|x| x.parse().expect("LRS: learning rates, comma separated"))
+                .collect::<Vec<f64>>(),
+            steps.parse().expect("STEPS: a count"),
+            store,
+        ),
         ["step", dir, micro, steps] => step(
             Path::new(dir),
             micro.parse().expect("MICRO: a token count"),
@@ -263,7 +432,7 @@ fn main() {
         }
         _ => panic!(
             "usage: write SIZE DIR | step DIR MICRO STEPS | load DIR | \
-             generate DIR PROMPT NEW ROWS | bf16 DIR OUT"
+             generate DIR PROMPT NEW ROWS | bf16 DIR OUT | weights DIR LRS STEPS STORE"
         ),
     }
 }

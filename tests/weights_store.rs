@@ -606,3 +606,89 @@ async fn a_trainer_killed_halfway_through_a_version_leaves_nothing_wrong() {
         }
     }
 }
+
+/// A trainer started from a bf16 checkpoint publishes bf16 (its config.json says so) while
+/// it trains in f32; the generator holds exactly the bf16 rounding of the trainer's weights.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bf16_checkpoint_is_published_in_bf16() {
+    use rlstream::config::{PolicySettings, TrainConfig};
+    use rlstream::stages::train::{self, TrainerSettings};
+    let dir = tempfile::tempdir().unwrap();
+    let ns = common::unique_ns("wbf16");
+    let (bus, topo) = redis(&ns).await;
+    let model = Policy::<InferBackend>::random(&model_config(), 5, &Default::default()).unwrap();
+    let model_dir = dir.path().join("model");
+    model.save_hf_as(&model_dir, WeightDtype::Bf16).unwrap();
+    let start =
+        rlstream::model::hf::load_hf::<InferBackend>(&model_dir, &Default::default()).unwrap();
+    let payloads: Vec<Bytes> = (0..4u32)
+        .map(|i| {
+            let g = common::sampled_group(
+                &start,
+                &format!("g{i}"),
+                vec![i + 1, 3],
+                4,
+                u64::from(i),
+                vec![1.0, 0.0, 0.0, 1.0],
+            );
+            Bytes::from(schema::encode(&g).unwrap())
+        })
+        .collect();
+    bus.publish(&topo.key("scored"), &payloads, None)
+        .await
+        .unwrap();
+    let settings = TrainerSettings {
+        policy: PolicySettings {
+            model: Some(model_dir),
+            groups_per_step: 4,
+            max_lag: 1000,
+            ..PolicySettings::default()
+        },
+        train: TrainConfig {
+            steps: 1,
+            lr: 1e-2,
+            checkpoint_dir: dir.path().join("ckpt"),
+            ..TrainConfig::default()
+        },
+    };
+    let cfg = WeightsConfig::default();
+    let done = train::run(
+        &settings,
+        bus.clone(),
+        &topo,
+        Transport::Store(cfg.clone()),
+        std::future::pending::<()>(),
+        |_| {},
+    )
+    .await
+    .unwrap();
+    assert_eq!(done.version, 1);
+    let a = announces(&bus, &topo).await;
+    assert_eq!(a.len(), 1);
+    assert_eq!(
+        (a[0].dtype.as_str(), a[0].format.as_str()),
+        ("bf16", "safetensors-bf16")
+    );
+    let (mut f, slot) = follower(&bus, &topo, &cfg);
+    assert_eq!(settle(&mut f).await, Some(1));
+    // The trainer's f32 weights after its step, from its checkpoint, rounded to bf16.
+    let ckpt = dir.path().join("ckpt");
+    let name = std::fs::read_to_string(ckpt.join("latest")).unwrap();
+    let trained =
+        rlstream::model::hf::load_hf::<InferBackend>(&ckpt.join(name.trim()), &Default::default())
+            .unwrap()
+            .to_tensors()
+            .unwrap();
+    let rounded = tensors_to_safetensors_as(&trained, WeightDtype::Bf16).unwrap();
+    let want =
+        Policy::<InferBackend>::from_bytes(&model_config(), &rounded, &Default::default()).unwrap();
+    assert_eq!(
+        slot.load().policy.to_tensors().unwrap(),
+        want.to_tensors().unwrap()
+    );
+    assert_ne!(
+        trained,
+        want.to_tensors().unwrap(),
+        "the trainer keeps f32 weights that bf16 does not hold"
+    );
+}

@@ -627,6 +627,53 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn the_weights_line_shows_the_store_and_its_bound() {
+        let bus = MemoryBus::new();
+        let topo = Topology::default();
+        let now = schema::now_us();
+        let mut a = schema::examples::weights_announce();
+        a.published_us = now - 1_000_000;
+        bus.publish(
+            &topo.key(Stream::Weights),
+            &[Bytes::from(schema::encode(&a).expect("encode"))],
+            None,
+        )
+        .await
+        .expect("publish");
+        let beat = event(
+            "heartbeat",
+            "train",
+            "t1",
+            8,
+            now - 500_000,
+            &[
+                ("step", 8.0),
+                ("weights_store_bytes", 12_500_000.0),
+                ("weights_max_bytes", 50_000_000.0),
+            ],
+        );
+        bus.publish(&topo.key(Stream::Events), &[beat], None)
+            .await
+            .expect("publish");
+        let s = collect(&bus, &topo, "memory", Duration::from_secs(60))
+            .await
+            .expect("status");
+        let w = s.weights.as_ref().expect("weights");
+        assert_eq!(
+            (w.store_bytes, w.max_bytes),
+            (Some(12_500_000), Some(50_000_000))
+        );
+        let text = render(&s);
+        for want in [
+            "weights   version 8",
+            "(xor-zstd, 4.2 MB, stored as 0.08 MB) in redis",
+            "the store holds 12.5 MB of weights.max_bytes 50.0 MB",
+        ] {
+            assert!(text.contains(want), "missing {want:?} in\n{text}");
+        }
+    }
+
+    #[tokio::test]
     async fn an_idle_namespace_says_so() {
         let bus = MemoryBus::new();
         let topo = Topology::default()

@@ -2,75 +2,132 @@
 //!
 //! Two nearby versions of a safetensors blob have the same header and the same layout, and
 //! most of their values are bit-identical (in bf16 at RL learning rates, nearly all), so the
-//! XOR is mostly zero bytes and compresses to a small fraction of the version. Both sides
-//! stream in 1 MiB pieces: no XOR buffer the size of the model is ever built.
+//! XOR is mostly zero bytes and compresses to a small fraction of the version.
+//!
+//! The version is cut into segments of [`SEGMENT`] bytes, each XORed and compressed as its
+//! own zstd frame, so both sides use every core and no XOR buffer the size of the model is
+//! built. Layout (little-endian):
+//!
+//! ```text
+//! "RLXD" | total: u64 | segment: u64 | frames: u32 | frame lengths: u64 × frames | frames
+//! ```
 
-use std::io::{Read, Write};
+use rayon::prelude::*;
 
 /// zstd level: the fastest levels already remove the runs of zero bytes that make up most
 /// of a delta; higher ones cost encode time for little.
 pub const ZSTD_LEVEL: i32 = 1;
 
-const PIECE: usize = 1 << 20;
+/// Bytes per independently compressed segment.
+pub const SEGMENT: usize = 16 << 20;
+
+const MAGIC: &[u8; 4] = b"RLXD";
+const HEADER: usize = 4 + 8 + 8 + 4;
 
 #[derive(Debug, thiserror::Error)]
 pub enum DeltaError {
-    #[error("delta base has {base} bytes and the version {version}: not the same layout")]
-    Length { base: usize, version: usize },
     #[error("delta does not decompress: {0}")]
     Corrupt(String),
-    #[error("delta decompresses to {found} bytes or more, its base has {expected}")]
+    #[error("delta is for {found} bytes, its base has {expected}")]
     Size { expected: usize, found: usize },
 }
 
-/// `zstd(base XOR next)`; `None` when the two are not the same length (a changed layout
-/// needs a full version).
+/// `zstd(base XOR next)` in segments; `None` when the two are not the same length (a
+/// changed layout needs a full version).
 pub fn encode(base: &[u8], next: &[u8]) -> Option<Vec<u8>> {
+    encode_with(base, next, SEGMENT)
+}
+
+fn encode_with(base: &[u8], next: &[u8], segment: usize) -> Option<Vec<u8>> {
     if base.len() != next.len() {
         return None;
     }
-    let mut enc = zstd::stream::Encoder::new(Vec::new(), ZSTD_LEVEL).ok()?;
-    let mut piece = vec![0u8; PIECE.min(base.len())];
-    for (a, b) in base.chunks(PIECE).zip(next.chunks(PIECE)) {
-        let out = &mut piece[..a.len()];
-        xor_into(out, a, b);
-        enc.write_all(out).ok()?;
+    let frames: Vec<Vec<u8>> = base
+        .par_chunks(segment)
+        .zip(next.par_chunks(segment))
+        .map(|(a, b)| {
+            let mut x = vec![0u8; a.len()];
+            xor_into(&mut x, a, b);
+            zstd::bulk::compress(&x, ZSTD_LEVEL)
+        })
+        .collect::<Result<_, _>>()
+        .ok()?;
+    let body: usize = frames.iter().map(Vec::len).sum();
+    let mut out = Vec::with_capacity(HEADER + 8 * frames.len() + body);
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&(base.len() as u64).to_le_bytes());
+    out.extend_from_slice(&(segment as u64).to_le_bytes());
+    out.extend_from_slice(&(frames.len() as u32).to_le_bytes());
+    for f in &frames {
+        out.extend_from_slice(&(f.len() as u64).to_le_bytes());
     }
-    enc.finish().ok()
+    for f in &frames {
+        out.extend_from_slice(f);
+    }
+    Some(out)
 }
 
 /// Applies a delta to `base` in place: afterwards `base` holds the version the delta was
 /// made for. On error `base` may be partly changed and must be discarded.
 pub fn apply(base: &mut [u8], delta: &[u8]) -> Result<(), DeltaError> {
-    let mut dec =
-        zstd::stream::Decoder::new(delta).map_err(|e| DeltaError::Corrupt(e.to_string()))?;
-    let mut piece = vec![0u8; PIECE.min(base.len().max(1))];
-    let mut at = 0;
-    loop {
-        let n = dec
-            .read(&mut piece)
-            .map_err(|e| DeltaError::Corrupt(e.to_string()))?;
-        if n == 0 {
-            break;
-        }
-        if at + n > base.len() {
-            return Err(DeltaError::Size {
-                expected: base.len(),
-                found: at + n,
-            });
-        }
-        for (d, x) in base[at..at + n].iter_mut().zip(&piece[..n]) {
-            *d ^= x;
-        }
-        at += n;
+    let corrupt = |why: &str| DeltaError::Corrupt(why.to_string());
+    if delta.len() < HEADER || &delta[..4] != MAGIC {
+        return Err(corrupt("no delta header"));
     }
-    if at != base.len() {
+    let u64_at = |at: usize| {
+        let mut b = [0u8; 8];
+        b.copy_from_slice(&delta[at..at + 8]);
+        u64::from_le_bytes(b)
+    };
+    let total = u64_at(4);
+    let segment = u64_at(12);
+    let mut n = [0u8; 4];
+    n.copy_from_slice(&delta[20..24]);
+    let frames = u32::from_le_bytes(n) as usize;
+    if total != base.len() as u64 {
         return Err(DeltaError::Size {
             expected: base.len(),
-            found: at,
+            found: usize::try_from(total).unwrap_or(usize::MAX),
         });
     }
-    Ok(())
+    let segment = usize::try_from(segment)
+        .ok()
+        .filter(|s| *s > 0)
+        .ok_or_else(|| corrupt("segment size 0"))?;
+    if frames != base.len().div_ceil(segment) || HEADER + 8 * frames > delta.len() {
+        return Err(corrupt("frame count does not match the sizes"));
+    }
+    let mut spans = Vec::with_capacity(frames);
+    let mut at = HEADER + 8 * frames;
+    for i in 0..frames {
+        let len = usize::try_from(u64_at(HEADER + 8 * i)).unwrap_or(usize::MAX);
+        let end = at
+            .checked_add(len)
+            .filter(|e| *e <= delta.len())
+            .ok_or_else(|| corrupt("a frame runs past the end"))?;
+        spans.push((at, end));
+        at = end;
+    }
+    if at != delta.len() {
+        return Err(corrupt("bytes after the last frame"));
+    }
+    base.par_chunks_mut(segment)
+        .zip(spans.par_iter())
+        .try_for_each(|(out, &(from, to))| {
+            let x = zstd::bulk::decompress(&delta[from..to], out.len())
+                .map_err(|e| DeltaError::Corrupt(e.to_string()))?;
+            if x.len() != out.len() {
+                return Err(DeltaError::Corrupt(format!(
+                    "a segment decompresses to {} bytes, not {}",
+                    x.len(),
+                    out.len()
+                )));
+            }
+            for (d, v) in out.iter_mut().zip(&x) {
+                *d ^= v;
+            }
+            Ok(())
+        })
 }
 
 fn xor_into(out: &mut [u8], a: &[u8], b: &[u8]) {
@@ -103,36 +160,50 @@ mod tests {
     }
 
     #[test]
-    fn round_trip_across_pieces() {
-        let base = bytes(3 * PIECE + 13, 1);
+    fn round_trip_across_segments() {
+        let base = bytes(3 * 4096 + 13, 1);
         let mut next = base.clone();
-        for i in (0..next.len()).step_by(997) {
+        for i in (0..next.len()).step_by(97) {
             next[i] ^= 0x5a;
         }
-        let d = encode(&base, &next).unwrap();
-        assert!(d.len() < base.len() / 20, "{} bytes", d.len());
+        let d = encode_with(&base, &next, 4096).unwrap();
+        assert!(d.len() < base.len() / 4, "{} bytes", d.len());
         let mut got = base.clone();
         apply(&mut got, &d).unwrap();
+        assert_eq!(got, next);
+        let one = encode(&base, &next).unwrap();
+        let mut got = base.clone();
+        apply(&mut got, &one).unwrap();
         assert_eq!(got, next);
     }
 
     #[test]
     fn wrong_base_or_garbage_is_an_error() {
-        let base = bytes(1000, 2);
-        let next = bytes(1000, 3);
-        assert!(encode(&base, &next[..999]).is_none());
-        let d = encode(&base, &next).unwrap();
-        let mut short = base[..999].to_vec();
+        let base = bytes(10_000, 2);
+        let next = bytes(10_000, 3);
+        assert!(encode(&base, &next[..9_999]).is_none());
+        let d = encode_with(&base, &next, 4096).unwrap();
+        let mut short = base[..9_999].to_vec();
         assert!(matches!(
             apply(&mut short, &d),
             Err(DeltaError::Size { .. })
         ));
-        let mut long = [base.clone(), vec![0]].concat();
-        assert!(matches!(apply(&mut long, &d), Err(DeltaError::Size { .. })));
         let mut b = base.clone();
         assert!(matches!(
-            apply(&mut b, b"not zstd at all"),
+            apply(&mut b, b"not a delta at all, not even close"),
             Err(DeltaError::Corrupt(_))
         ));
+        for cut in [HEADER, d.len() - 1] {
+            let mut b = base.clone();
+            assert!(
+                matches!(apply(&mut b, &d[..cut]), Err(DeltaError::Corrupt(_))),
+                "cut at {cut}"
+            );
+        }
+        let mut flipped = d.clone();
+        let last = flipped.len() - 3;
+        flipped[last] ^= 0xff;
+        let mut b = base.clone();
+        assert!(apply(&mut b, &flipped).is_err() || b != next);
     }
 }

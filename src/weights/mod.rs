@@ -485,11 +485,10 @@ impl Publisher {
         let full = blob.len() as u64;
         self.check_fits(full)?;
         let blob = Arc::new(blob);
+        // The checksum of the whole version runs beside the delta's encoding.
         let whole_checksum = {
             let b = blob.clone();
             tokio::task::spawn_blocking(move || checksum(&b))
-                .await
-                .map_err(|e| ModelError::Unsupported(format!("checksum task failed: {e}")))?
         };
         let mut object: Option<(Arc<Vec<u8>>, u64, u64)> = None;
         if let (true, Some((base, prev)), Some((keyframe, chain))) =
@@ -512,6 +511,9 @@ impl Publisher {
                 }
             }
         }
+        let whole_checksum = whole_checksum
+            .await
+            .map_err(|e| ModelError::Unsupported(format!("checksum task failed: {e}")))?;
         let encode_s = began.elapsed().as_secs_f64();
         let (stored, base, keyframe) = match object {
             Some((d, base, keyframe)) => (d, Some(base), Some(keyframe)),
@@ -767,6 +769,8 @@ pub struct Follower<B: Backend> {
     seen: BTreeMap<u64, WeightsAnnounce>,
     /// The bytes of the newest version assembled and verified.
     held: Option<(u64, Vec<u8>)>,
+    /// Seconds per phase of the last version taken, in order.
+    phases: Vec<(&'static str, f64)>,
     /// Versions rejected (bad checksum, bad shape), for reporting.
     pub rejected: u64,
     /// The newest version announced and not rejected: how far the trainer is ahead of the
@@ -800,6 +804,7 @@ where
             keep_bytes: true,
             seen: BTreeMap::new(),
             held: None,
+            phases: Vec::new(),
             rejected: 0,
             announced: Arc::new(AtomicU64::new(version)),
         }
@@ -817,6 +822,17 @@ where
         }
         self.keep_bytes = cfg.delta;
         self
+    }
+
+    /// Seconds spent in each phase (fetch, decode, verify, build) of the last version
+    /// this follower took or tried to take.
+    pub fn last_phases(&self) -> &[(&'static str, f64)] {
+        &self.phases
+    }
+
+    fn phase(&mut self, name: &'static str, seconds: f64) {
+        crate::metrics::weight_phase(name, seconds);
+        self.phases.push((name, seconds));
     }
 
     /// The newest version announced on the weights stream and not rejected (the slot's
@@ -874,6 +890,7 @@ where
             return Ok(None);
         }
         self.announced.fetch_max(a.version, Ordering::Relaxed);
+        self.phases.clear();
         let began = Instant::now();
         let swapped = self.sync(a.clone(), current).await?;
         if swapped.is_some() {
@@ -1004,7 +1021,7 @@ where
         } else {
             let store = self.store_for(&at)?;
             let full = fetch_object(store.as_ref(), &at).await?;
-            crate::metrics::weight_phase("fetch", began.elapsed().as_secs_f64());
+            self.phase("fetch", began.elapsed().as_secs_f64());
             // The keyframe replaces whatever was held.
             self.held = None;
             full
@@ -1013,7 +1030,7 @@ where
             let t = Instant::now();
             let store = self.store_for(&d)?;
             let object = fetch_object(store.as_ref(), &d).await?;
-            crate::metrics::weight_phase("fetch", t.elapsed().as_secs_f64());
+            self.phase("fetch", t.elapsed().as_secs_f64());
             if bytes.len() as u64 != d.bytes {
                 return Err(WeightsError::Size {
                     version: d.version,
@@ -1030,8 +1047,10 @@ where
             })
             .await
             .map_err(|e| ModelError::Unsupported(format!("delta task failed: {e}")))??;
-            crate::metrics::weight_phase("decode", t.elapsed().as_secs_f64());
+            self.phase("decode", t.elapsed().as_secs_f64());
+            let t = Instant::now();
             bytes = verify(&d, bytes).await?;
+            self.phase("verify", t.elapsed().as_secs_f64());
         }
         // A keyframe was checked against its checksum as it was fetched, each delta's result
         // after it was applied.
@@ -1073,7 +1092,7 @@ where
         let built = tokio::task::spawn_blocking(move || make(&config, &B::Device::default()))
             .await
             .map_err(|e| ModelError::Unsupported(format!("weight build task failed: {e}")))?;
-        crate::metrics::weight_phase("build", began.elapsed().as_secs_f64());
+        self.phase("build", began.elapsed().as_secs_f64());
         match built {
             Ok((policy, held)) => {
                 self.held = held;
@@ -1091,9 +1110,8 @@ where
 
 /// Checks assembled bytes against the whole-version checksum of their announce.
 async fn verify(a: &WeightsAnnounce, bytes: Vec<u8>) -> Result<Vec<u8>, WeightsError> {
-    let t = Instant::now();
     let (version, expected) = (a.version, a.checksum.clone());
-    let out = tokio::task::spawn_blocking(move || {
+    tokio::task::spawn_blocking(move || {
         let found = checksum(&bytes);
         if found == expected {
             Ok(bytes)
@@ -1106,7 +1124,5 @@ async fn verify(a: &WeightsAnnounce, bytes: Vec<u8>) -> Result<Vec<u8>, WeightsE
         }
     })
     .await
-    .map_err(|e| ModelError::Unsupported(format!("checksum task failed: {e}")))?;
-    crate::metrics::weight_phase("verify", t.elapsed().as_secs_f64());
-    out
+    .map_err(|e| ModelError::Unsupported(format!("checksum task failed: {e}")))?
 }

@@ -379,8 +379,10 @@ impl Publisher {
                 self.announce(&announce).await?;
                 Ok(announce)
             }
-            (Payload::Blob(b), _) => self.publish_blob(version, step, b).await,
+            (Payload::Blob(b), _) => self.publish_blob(version, step, b, schema::now_us()).await,
             (Payload::Tensors(t), Transport::Bus | Transport::Store(_)) => {
+                // Publication starts with the encoding: publish-to-swap counts it.
+                let started_us = schema::now_us();
                 let dtype = self.dtype;
                 let blob =
                     tokio::task::spawn_blocking(move || tensors_to_safetensors_as(&t, dtype))
@@ -388,7 +390,7 @@ impl Publisher {
                         .map_err(|e| {
                             ModelError::Unsupported(format!("weights encoder failed: {e}"))
                         })??;
-                self.publish_blob(version, step, blob).await
+                self.publish_blob(version, step, blob, started_us).await
             }
         }
     }
@@ -409,7 +411,8 @@ impl Publisher {
         step: u64,
         blob: &[u8],
     ) -> Result<WeightsAnnounce, WeightsError> {
-        self.publish_blob(version, step, blob.to_vec()).await
+        self.publish_blob(version, step, blob.to_vec(), schema::now_us())
+            .await
     }
 
     /// Whether a generator asked for a keyframe.
@@ -479,8 +482,8 @@ impl Publisher {
         version: u64,
         step: u64,
         blob: Vec<u8>,
+        started_us: u64,
     ) -> Result<WeightsAnnounce, WeightsError> {
-        let started_us = schema::now_us();
         let began = Instant::now();
         let full = blob.len() as u64;
         self.check_fits(full)?;

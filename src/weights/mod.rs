@@ -63,10 +63,7 @@ pub fn version_bytes(cfg: &PolicyConfig, dtype: WeightDtype) -> u64 {
         WeightDtype::F32 => 4,
         WeightDtype::Bf16 => 2,
     };
-    crate::model::hf::expected_tensors(cfg)
-        .iter()
-        .map(|(_, shape)| shape.iter().product::<usize>() as u64 * width)
-        .sum()
+    cfg.num_params() as u64 * width
 }
 
 /// Whether `format` is a whole version a follower can load.

@@ -11,11 +11,11 @@
 
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
-use burn::tensor::backend::{AutodiffBackend, Backend};
+use burn::tensor::backend::AutodiffBackend;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
 use rlstream::model::sampler::{Generator, Request};
-use rlstream::model::{Architecture, Policy, PolicyConfig};
+use rlstream::model::{Architecture, Kernels, Policy, PolicyConfig};
 use rlstream::schema::SamplingParams;
 use std::time::Duration;
 
@@ -56,7 +56,7 @@ fn requests() -> Vec<Request> {
         .collect()
 }
 
-fn bench_generate<B: Backend>(c: &mut Criterion, name: &str) {
+fn bench_generate<B: Kernels>(c: &mut Criterion, name: &str) {
     let model = Policy::<B>::random(&bench_config(), 1, &Default::default()).unwrap();
     let reqs = requests();
     let mut g = c.benchmark_group("model/generate_b32_p16_t128");
@@ -68,7 +68,7 @@ fn bench_generate<B: Backend>(c: &mut Criterion, name: &str) {
     g.finish();
 }
 
-fn bench_train<B: AutodiffBackend>(c: &mut Criterion, name: &str) {
+fn bench_train<B: AutodiffBackend + Kernels>(c: &mut Criterion, name: &str) {
     let mut model = Policy::<B>::random(&bench_config(), 2, &Default::default()).unwrap();
     let mut optim = AdamWConfig::new().with_weight_decay(0.01).init();
     let seqs: Vec<(Vec<u32>, Vec<u32>)> = (0..BATCH)

@@ -2,11 +2,12 @@
 //! same log-probs (mismatch zero when nothing is stale), continuous batching does not change
 //! results, weight swaps between passes are tagged, and bad checkpoints get clear errors.
 
-use burn::tensor::backend::Backend;
 use rlstream::model::hf::{self, HostTensor};
 use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
 use rlstream::model::sampler::{Completion, Generator, Request};
-use rlstream::model::{Architecture, InferBackend, ModelError, Policy, PolicyConfig, TrainBackend};
+use rlstream::model::{
+    Architecture, InferBackend, Kernels, ModelError, Policy, PolicyConfig, TrainBackend,
+};
 use rlstream::schema::SamplingParams;
 use std::path::PathBuf;
 
@@ -54,7 +55,7 @@ fn scored_seqs<'a>(reqs: &'a [Request], done: &'a [Completion]) -> Vec<ScoredSeq
         .collect()
 }
 
-fn trainer_logprobs<BB: Backend>(
+fn trainer_logprobs<BB: Kernels>(
     model: &Policy<BB>,
     reqs: &[Request],
     done: &[Completion],

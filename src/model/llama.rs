@@ -7,9 +7,9 @@
 //! batch: the cache is left-aligned per row and masked before each row's start.
 
 use super::config::PolicyConfig;
+use super::kernels::Kernels;
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear, RmsNorm};
-use burn::tensor::activation::{silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
@@ -28,11 +28,23 @@ pub struct Mlp<B: Backend> {
     pub down: Linear<B>,
 }
 
-impl<B: Backend> Mlp<B> {
+impl<B: Kernels> Mlp<B> {
     fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        self.down
-            .forward(silu(self.gate.forward(x.clone())) * self.up.forward(x))
+        let [b, l, _] = x.dims();
+        let gate = self.gate.forward(x.clone());
+        let f = gate.dims()[2];
+        let up = self.up.forward(x).reshape([b * l, f]);
+        let act = B::swiglu(gate.reshape([b * l, f]), up);
+        self.down.forward(act.reshape([b, l, f]))
     }
+}
+
+/// `norm` over the last dimension of `x` (the fused kernel on rows).
+fn rms_norm<B: Kernels, const D: usize>(norm: &RmsNorm<B>, x: Tensor<B, D>) -> Tensor<B, D> {
+    let dims = x.dims();
+    let d = dims[D - 1];
+    let rows = dims[..D - 1].iter().product();
+    B::rms_norm(x.reshape([rows, d]), norm.gamma.val(), norm.epsilon).reshape(dims)
 }
 
 #[derive(Module, Debug)]
@@ -114,22 +126,13 @@ fn rope_tables<B: Backend>(cfg: &PolicyConfig, device: &B::Device) -> (Tensor<B,
     )
 }
 
-/// `x * cos + rotate_half(x) * sin` with `rotate_half([a, b]) = [-b, a]` (the HF layout).
-fn apply_rope<B: Backend>(x: Tensor<B, 4>, cos: Tensor<B, 4>, sin: Tensor<B, 4>) -> Tensor<B, 4> {
-    let [b, h, l, hd] = x.dims();
-    let half = hd / 2;
-    let x1 = x.clone().slice([0..b, 0..h, 0..l, 0..half]);
-    let x2 = x.clone().slice([0..b, 0..h, 0..l, half..hd]);
-    let rotated = Tensor::cat(vec![x2.neg(), x1], 3);
-    x * cos + rotated * sin
-}
-
-impl<B: Backend> Attention<B> {
+impl<B: Kernels> Attention<B> {
+    /// `cos` and `sin` are each row's rotary tables `[b, l, head_dim]`.
     fn forward(
         &self,
         x: Tensor<B, 3>,
-        cos: Tensor<B, 4>,
-        sin: Tensor<B, 4>,
+        cos: Tensor<B, 3>,
+        sin: Tensor<B, 3>,
         bias: Tensor<B, 4>,
         layer_cache: Option<&mut (Tensor<B, 4>, Tensor<B, 4>)>,
     ) -> Tensor<B, 3> {
@@ -137,22 +140,27 @@ impl<B: Backend> Attention<B> {
         let (h, kvh, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let g = h / kvh;
         let norm = |t: Tensor<B, 4>, n: &Option<RmsNorm<B>>| match n {
-            Some(n) => n.forward(t),
+            Some(n) => rms_norm(n, t),
             None => t,
         };
-        let q = norm(
-            self.q.forward(x.clone()).reshape([b, l, h, hd]),
-            &self.q_norm,
-        )
-        .swap_dims(1, 2);
-        let k = norm(
-            self.k.forward(x.clone()).reshape([b, l, kvh, hd]),
-            &self.k_norm,
-        )
-        .swap_dims(1, 2);
+        // Rotary positions also lay q and k out as `[b, heads, l, hd]`.
+        let q = B::rope(
+            norm(
+                self.q.forward(x.clone()).reshape([b, l, h, hd]),
+                &self.q_norm,
+            ),
+            cos.clone(),
+            sin.clone(),
+        );
+        let k = B::rope(
+            norm(
+                self.k.forward(x.clone()).reshape([b, l, kvh, hd]),
+                &self.k_norm,
+            ),
+            cos,
+            sin,
+        );
         let v = self.v.forward(x).reshape([b, l, kvh, hd]).swap_dims(1, 2);
-        let q = apply_rope(q, cos.clone(), sin.clone());
-        let k = apply_rope(k, cos, sin);
         let (k, v) = match layer_cache {
             Some(cache) => {
                 let k = Tensor::cat(vec![cache.0.clone(), k], 2);
@@ -167,11 +175,9 @@ impl<B: Backend> Attention<B> {
         // one matmul per kv head serves all its query heads without copying K and V.
         let q = q.reshape([b, kvh, g * l, hd]);
         let scale = (hd as f64).powf(-0.5);
-        let scores = q.matmul(k.swap_dims(2, 3)).mul_scalar(scale);
+        let scores = q.matmul(k.swap_dims(2, 3)).reshape([b, kvh * g, l, t]);
         // bias is [b or 1, 1, l, t]: broadcast over kv heads and their query groups.
-        let bb = bias.dims()[0];
-        let scores = scores.reshape([b, kvh, g, l, t]) + bias.reshape([bb, 1, 1, l, t]);
-        let probs = softmax(scores, 4).reshape([b, kvh, g * l, t]);
+        let probs = B::attn_softmax(scores, bias, scale).reshape([b, kvh, g * l, t]);
         let out = probs
             .matmul(v)
             .reshape([b, h, l, hd])
@@ -190,20 +196,6 @@ impl<B: Backend> Policy<B> {
         self.rope_cos.device()
     }
 
-    /// Logits `[batch, len, vocab]` of token ids `[batch, len]` at `positions`
-    /// (`[batch, len]`, each row's own), attending as `mode` says.
-    pub(crate) fn forward_with(
-        &self,
-        tokens: Tensor<B, 2, Int>,
-        positions: &[usize],
-        mode: AttnMode<'_, B>,
-    ) -> Tensor<B, 3> {
-        let x = self.trunk(tokens, positions, mode);
-        let [b, l, d] = x.dims();
-        self.project(x.reshape([b * l, d]))
-            .reshape([b, l, self.config.vocab_size])
-    }
-
     /// Logits `[rows, vocab]` of final hidden states `[rows, hidden]` (the LM head, or the
     /// tied embedding).
     pub(crate) fn project(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
@@ -218,6 +210,36 @@ impl<B: Backend> Policy<B> {
             }
             None => x.matmul(self.embed.weight.val().transpose()),
         }
+    }
+
+    /// An empty cache for `rows` rows.
+    pub fn empty_cache(&self, rows: usize) -> KvCache<B> {
+        let device = self.device();
+        let (kvh, hd) = (self.config.num_kv_heads, self.config.head_dim);
+        let empty = || Tensor::<B, 4>::zeros([rows, kvh, 0, hd], &device);
+        KvCache {
+            layers: (0..self.config.num_layers)
+                .map(|_| (empty(), empty()))
+                .collect(),
+            starts: vec![0; rows],
+            len: 0,
+        }
+    }
+}
+
+impl<B: Kernels> Policy<B> {
+    /// Logits `[batch, len, vocab]` of token ids `[batch, len]` at `positions`
+    /// (`[batch, len]`, each row's own), attending as `mode` says.
+    pub(crate) fn forward_with(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        positions: &[usize],
+        mode: AttnMode<'_, B>,
+    ) -> Tensor<B, 3> {
+        let x = self.trunk(tokens, positions, mode);
+        let [b, l, d] = x.dims();
+        self.project(x.reshape([b * l, d]))
+            .reshape([b, l, self.config.vocab_size])
     }
 
     /// Final hidden states `[batch, len, hidden]` (after the last norm): everything but
@@ -242,8 +264,8 @@ impl<B: Backend> Policy<B> {
             .rope_cos
             .clone()
             .select(0, pos.clone())
-            .reshape([b, 1, l, hd]);
-        let sin = self.rope_sin.clone().select(0, pos).reshape([b, 1, l, hd]);
+            .reshape([b, l, hd]);
+        let sin = self.rope_sin.clone().select(0, pos).reshape([b, l, hd]);
         let mut x = self.embed.forward(tokens);
         match mode {
             AttnMode::Full => {
@@ -261,7 +283,7 @@ impl<B: Backend> Policy<B> {
                 cache.len = total;
             }
         }
-        self.norm.forward(x)
+        rms_norm(&self.norm, x)
     }
 
     /// Logits of whole sequences `[batch, len]` from position 0 (the trainer's view; also
@@ -279,36 +301,22 @@ impl<B: Backend> Policy<B> {
         let positions: Vec<usize> = (0..b).flat_map(|_| 0..l).collect();
         self.trunk(tokens, &positions, AttnMode::Full)
     }
-
-    /// An empty cache for `rows` rows.
-    pub fn empty_cache(&self, rows: usize) -> KvCache<B> {
-        let device = self.device();
-        let (kvh, hd) = (self.config.num_kv_heads, self.config.head_dim);
-        let empty = || Tensor::<B, 4>::zeros([rows, kvh, 0, hd], &device);
-        KvCache {
-            layers: (0..self.config.num_layers)
-                .map(|_| (empty(), empty()))
-                .collect(),
-            starts: vec![0; rows],
-            len: 0,
-        }
-    }
 }
 
-impl<B: Backend> Block<B> {
+impl<B: Kernels> Block<B> {
     fn forward(
         &self,
         x: Tensor<B, 3>,
-        cos: Tensor<B, 4>,
-        sin: Tensor<B, 4>,
+        cos: Tensor<B, 3>,
+        sin: Tensor<B, 3>,
         bias: Tensor<B, 4>,
         cache: Option<&mut (Tensor<B, 4>, Tensor<B, 4>)>,
     ) -> Tensor<B, 3> {
         let h = x.clone()
             + self
                 .attn
-                .forward(self.attn_norm.forward(x), cos, sin, bias, cache);
-        h.clone() + self.mlp.forward(self.mlp_norm.forward(h))
+                .forward(rms_norm(&self.attn_norm, x), cos, sin, bias, cache);
+        h.clone() + self.mlp.forward(rms_norm(&self.mlp_norm, h))
     }
 }
 

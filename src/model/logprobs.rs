@@ -4,9 +4,9 @@
 //! log-probs: logits are divided by the same temperature and, when the sampler recorded a
 //! mask (top-k/top-p truncation), renormalised over the same kept ids.
 
+use super::kernels::{Kernels, reference::logsumexp};
 use super::llama::{MASKED, Policy};
 use crate::schema::SamplingMask;
-use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
 /// One sequence to score.
@@ -24,8 +24,9 @@ pub struct ScoredSeq<'a> {
 /// log-softmax: the trunk runs over prompt + completion, then the hidden states of those
 /// positions are gathered (`[batch × max_completion, hidden]`) before the vocabulary-sized
 /// work. Each log-prob is `logit[token] − logsumexp(logits)` (over the kept ids when the
-/// sampler recorded a mask), without materialising the full log-softmax.
-pub fn completion_logprobs<B: Backend>(
+/// sampler recorded a mask), without materialising the full log-softmax: one fused kernel
+/// ([`Kernels::token_logprobs`]) when no row has a mask.
+pub fn completion_logprobs<B: Kernels>(
     model: &Policy<B>,
     seqs: &[ScoredSeq<'_>],
     temperature: f32,
@@ -48,7 +49,7 @@ pub fn completion_logprobs<B: Backend>(
     // predicted at position `p − 1 + j` (`p`: its prompt length, at least 1).
     let mut input = vec![0i64; b * lmax];
     let mut rows = vec![0i64; b * cmax];
-    let mut target = vec![0i64; b * cmax];
+    let mut target = vec![0u32; b * cmax];
     let mut valid = vec![0f32; b * cmax];
     for (r, s) in seqs.iter().enumerate() {
         for (t, &tok) in s.prompt.iter().chain(s.completion).enumerate() {
@@ -59,7 +60,7 @@ pub fn completion_logprobs<B: Backend>(
             let k = r * cmax + j;
             let jj = j.min(s.completion.len().saturating_sub(1));
             rows[k] = (r * lmax + p - 1 + jj) as i64;
-            target[k] = s.completion.get(j).map_or(0, |&t| i64::from(t));
+            target[k] = s.completion.get(j).copied().unwrap_or(0);
             valid[k] = if j < s.completion.len() { 1.0 } else { 0.0 };
         }
     }
@@ -69,19 +70,20 @@ pub fn completion_logprobs<B: Backend>(
     let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [b * cmax]), &device);
     let picked = hidden.reshape([b * lmax, d]).select(0, rows);
     let logits = model.project(picked);
+    let n = b * cmax;
+    let valid = Tensor::<B, 2>::from_data(TensorData::new(valid, [b, cmax]), &device);
+    let full = B::token_logprobs(logits.clone(), &target, temperature).reshape([b, cmax]);
+    if seqs.iter().all(|s| s.mask.is_none()) {
+        return (full * valid.clone(), valid);
+    }
     let scaled = if temperature > 0.0 && temperature != 1.0 {
         logits.div_scalar(temperature)
     } else {
         logits
     };
-    let n = b * cmax;
+    let target: Vec<i64> = target.iter().map(|&t| i64::from(t)).collect();
     let target = Tensor::<B, 2, Int>::from_data(TensorData::new(target, [n, 1]), &device);
-    let valid = Tensor::<B, 2>::from_data(TensorData::new(valid, [b, cmax]), &device);
-    let tok = scaled.clone().gather(1, target.clone());
-    let full = (tok.clone() - logsumexp(scaled.clone())).reshape([b, cmax]);
-    if seqs.iter().all(|s| s.mask.is_none()) {
-        return (full * valid.clone(), valid);
-    }
+    let tok = scaled.clone().gather(1, target);
     // Renormalise over the kept ids: gather the kept logits per step (padded with the
     // sampled token, masked out) and take a log-sum-exp over them.
     let kmax = seqs
@@ -119,11 +121,4 @@ pub fn completion_logprobs<B: Backend>(
     let use_mask = Tensor::<B, 2>::from_data(TensorData::new(use_mask, [b, cmax]), &device);
     let out = masked * use_mask.clone() + full * (use_mask.neg() + 1.0);
     (out * valid.clone(), valid)
-}
-
-/// `log Σ exp(x)` over the last dimension of `[rows, n]`, as `[rows, 1]`; the shift by the
-/// row maximum carries no gradient (it cancels).
-fn logsumexp<B: Backend>(x: Tensor<B, 2>) -> Tensor<B, 2> {
-    let m = x.clone().max_dim(1).detach();
-    (x - m.clone()).exp().sum_dim(1).log() + m
 }

@@ -7,6 +7,8 @@
 //!   as one byte blob for publication.
 //! - [`sampler`]: batched generation with an incremental KV cache and continuous batching,
 //!   returning per-token behaviour log-probs and sampling masks.
+//! - [`kernels`]: RMSNorm, rotary positions, the attention softmax, SwiGLU and the token
+//!   log-prob as fused backend operations with their own backward (native on NdArray).
 //! - [`logprobs`]: the trainer's teacher-forced log-probs, optionally renormalised over a
 //!   recorded sampling mask, with gradients.
 //! - [`fault`]: catching a panicking forward pass, and the hook that injects one.
@@ -16,12 +18,14 @@ pub mod chat;
 pub mod config;
 pub mod fault;
 pub mod hf;
+pub mod kernels;
 pub mod llama;
 pub mod logprobs;
 pub mod sampler;
 pub mod tokenizer;
 
 pub use config::{Architecture, PolicyConfig};
+pub use kernels::Kernels;
 pub use llama::{KvCache, Policy};
 
 /// The CPU backend generation runs on. Chosen by measurement (`cargo bench --bench model`,

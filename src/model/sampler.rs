@@ -11,8 +11,8 @@
 //! was drawn from (temperature, then top-k, then top-p, renormalised), and, when top-k/top-p
 //! truncated the vocabulary, the ids that survived.
 
-use super::ModelError;
 use super::llama::{AttnMode, KvCache, Policy};
+use super::{Kernels, ModelError};
 use crate::schema::{FinishReason, SamplingMask, SamplingParams, VersionRun};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -266,7 +266,7 @@ fn logits_rows<B: Backend>(logits: Tensor<B, 2>) -> Result<Vec<f32>, ModelError>
 
 /// One decode step of `rows` (each feeding its last token) over `cache`, which it extends:
 /// the host logits `[rows, vocab]`.
-fn decode_pass<'a, B: Backend>(
+fn decode_pass<'a, B: Kernels>(
     model: &Policy<B>,
     cache: &mut KvCache<B>,
     rows: impl ExactSizeIterator<Item = &'a Row>,
@@ -281,7 +281,7 @@ fn decode_pass<'a, B: Backend>(
     logits_rows(logits.reshape([b, model.config().vocab_size]))
 }
 
-impl<B: Backend> Generator<B> {
+impl<B: Kernels> Generator<B> {
     pub fn new() -> Self {
         Self::default()
     }

@@ -4,7 +4,7 @@
 
 use super::{LossKind, TrainerSettings};
 use crate::model::logprobs::{ScoredSeq, completion_logprobs};
-use crate::model::{ModelError, Policy};
+use crate::model::{Kernels, ModelError, Policy};
 use crate::schema::{ScoredGroup, StepRecord};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
@@ -90,14 +90,17 @@ pub struct Part {
 /// The loss of the samples in `range`: their per-token surrogate (and KL) summed and
 /// divided by `n_tokens`, the whole batch's token count, so that the parts of a batch add
 /// up to its loss and their gradients to its gradient.
-pub fn part<B: AutodiffBackend>(
+pub fn part<B: AutodiffBackend + Kernels>(
     model: &Policy<B>,
     reference: Option<&Policy<B::InnerBackend>>,
     samples: &Samples,
     range: Range<usize>,
     n_tokens: f32,
     cfg: &TrainerSettings,
-) -> Result<(Tensor<B, 1>, Part), ModelError> {
+) -> Result<(Tensor<B, 1>, Part), ModelError>
+where
+    B::InnerBackend: Kernels,
+{
     let device = model.device();
     let seqs = &samples.seqs[range.clone()];
     let b = seqs.len();

@@ -1,0 +1,380 @@
+//! Native [`Kernels`] for [`NdArray`]: one pass over contiguous f32 rows, split over the
+//! cores by rayon, each output written once into a fresh buffer. A tensor of another dtype
+//! takes the composed path.
+
+use super::{Kernels, inv_temperature, reference};
+use burn::backend::NdArray;
+use burn::backend::ndarray::NdArrayTensor;
+use burn::tensor::{DType, Tensor, TensorPrimitive};
+use ndarray::{ArcArray, IxDyn};
+use rayon::prelude::*;
+
+/// Rows handed to one rayon task: about 16k values, so small tensors stay on one core.
+fn min_rows(row_len: usize) -> usize {
+    (16_384 / row_len.max(1)).max(1)
+}
+
+/// A tensor's values as a contiguous f32 array (a copy only if it is a strided view).
+struct Host(ArcArray<f32, IxDyn>);
+
+impl Host {
+    fn of<const D: usize>(t: Tensor<NdArray, D>) -> Host {
+        match t.into_primitive().tensor() {
+            NdArrayTensor::F32(storage) => {
+                let a = storage.into_shared();
+                if a.is_standard_layout() {
+                    Host(a)
+                } else {
+                    Host(a.as_standard_layout().into_owned().into_shared())
+                }
+            }
+            // `all_f32` was checked first.
+            _ => unreachable!("the f32 kernel was handed a tensor of another dtype"),
+        }
+    }
+
+    fn slice(&self) -> &[f32] {
+        self.0
+            .as_slice()
+            .unwrap_or_else(|| unreachable!("standard layout is contiguous"))
+    }
+}
+
+fn all_f32(dtypes: &[DType]) -> bool {
+    dtypes.iter().all(|d| *d == DType::F32)
+}
+
+fn tensor<const D: usize>(values: Vec<f32>, shape: [usize; D]) -> Tensor<NdArray, D> {
+    let array = ArcArray::from_shape_vec(IxDyn(&shape), values)
+        .unwrap_or_else(|e| unreachable!("kernel output sized to its shape: {e}"));
+    Tensor::from_primitive(TensorPrimitive::Float(NdArrayTensor::from(array)))
+}
+
+fn sigmoid(x: f32) -> f32 {
+    1.0 / (1.0 + (-x).exp())
+}
+
+impl Kernels for NdArray {
+    fn rms_norm(x: Tensor<Self, 2>, gamma: Tensor<Self, 1>, eps: f64) -> Tensor<Self, 2> {
+        Self::rms_norm_saved(x, gamma, eps).0
+    }
+
+    fn rms_norm_saved(
+        x: Tensor<Self, 2>,
+        gamma: Tensor<Self, 1>,
+        eps: f64,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
+        if !all_f32(&[x.dtype(), gamma.dtype()]) {
+            return reference::rms_norm_saved(x, gamma, eps);
+        }
+        let [n, d] = x.dims();
+        let (x, gamma) = (Host::of(x), Host::of(gamma));
+        let (xs, g) = (x.slice(), gamma.slice());
+        let mut y = vec![0f32; n * d];
+        let mut inv = vec![0f32; n];
+        y.par_chunks_mut(d.max(1))
+            .zip(inv.par_iter_mut())
+            .enumerate()
+            .with_min_len(min_rows(d))
+            .for_each(|(i, (yr, r))| {
+                let xr = &xs[i * d..(i + 1) * d];
+                let ss: f32 = xr.iter().map(|v| v * v).sum();
+                *r = 1.0 / (ss / d as f32 + eps as f32).sqrt();
+                for ((o, &v), &w) in yr.iter_mut().zip(xr).zip(g) {
+                    *o = v * *r * w;
+                }
+            });
+        (tensor(y, [n, d]), tensor(inv, [n, 1]))
+    }
+
+    fn rms_norm_backward(
+        x: Tensor<Self, 2>,
+        gamma: Tensor<Self, 1>,
+        inv_rms: Tensor<Self, 2>,
+        dy: Tensor<Self, 2>,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 1>) {
+        if !all_f32(&[x.dtype(), gamma.dtype(), inv_rms.dtype(), dy.dtype()]) {
+            return reference::rms_norm_backward(x, gamma, inv_rms, dy);
+        }
+        let [n, d] = x.dims();
+        let (x, gamma, inv, dy) = (
+            Host::of(x),
+            Host::of(gamma),
+            Host::of(inv_rms),
+            Host::of(dy),
+        );
+        let (xs, g, r, dys) = (x.slice(), gamma.slice(), inv.slice(), dy.slice());
+        let mut dx = vec![0f32; n * d];
+        let chunk = min_rows(d);
+        // dgamma: partial sums per chunk of rows, added up after.
+        let dgamma = dx
+            .par_chunks_mut(d.max(1) * chunk)
+            .enumerate()
+            .map(|(c, block)| {
+                let mut dg = vec![0f32; d];
+                for (k, dxr) in block.chunks_mut(d.max(1)).enumerate() {
+                    let i = c * chunk + k;
+                    let (xr, dyr, ri) = (&xs[i * d..(i + 1) * d], &dys[i * d..(i + 1) * d], r[i]);
+                    let mut dot = 0f32;
+                    for j in 0..d {
+                        dot += dyr[j] * g[j] * xr[j];
+                        dg[j] += dyr[j] * xr[j] * ri;
+                    }
+                    let c3 = ri * ri * ri * dot / d as f32;
+                    for j in 0..d {
+                        dxr[j] = ri * dyr[j] * g[j] - xr[j] * c3;
+                    }
+                }
+                dg
+            })
+            .reduce(
+                || vec![0f32; d],
+                |mut a, b| {
+                    a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
+                    a
+                },
+            );
+        (tensor(dx, [n, d]), tensor(dgamma, [d]))
+    }
+
+    fn rope(x: Tensor<Self, 4>, cos: Tensor<Self, 3>, sin: Tensor<Self, 3>) -> Tensor<Self, 4> {
+        if !all_f32(&[x.dtype(), cos.dtype(), sin.dtype()]) {
+            return reference::rope(x, cos, sin);
+        }
+        let [b, l, h, hd] = x.dims();
+        let half = hd / 2;
+        let (x, cos, sin) = (Host::of(x), Host::of(cos), Host::of(sin));
+        let (xs, cs, ss) = (x.slice(), cos.slice(), sin.slice());
+        let mut y = vec![0f32; b * h * l * hd];
+        // Output block (row bi, head hi) is [l, hd], contiguous.
+        y.par_chunks_mut((l * hd).max(1))
+            .enumerate()
+            .with_min_len(min_rows(l * hd))
+            .for_each(|(bh, block)| {
+                let (bi, hi) = (bh / h, bh % h);
+                for (li, out) in block.chunks_mut(hd.max(1)).enumerate() {
+                    let src = &xs[((bi * l + li) * h + hi) * hd..][..hd];
+                    let t = (bi * l + li) * hd;
+                    let (c, s) = (&cs[t..t + hd], &ss[t..t + hd]);
+                    for j in 0..half {
+                        out[j] = src[j] * c[j] - src[j + half] * s[j];
+                        out[j + half] = src[j + half] * c[j + half] + src[j] * s[j + half];
+                    }
+                }
+            });
+        tensor(y, [b, h, l, hd])
+    }
+
+    fn rope_backward(
+        dy: Tensor<Self, 4>,
+        cos: Tensor<Self, 3>,
+        sin: Tensor<Self, 3>,
+    ) -> Tensor<Self, 4> {
+        if !all_f32(&[dy.dtype(), cos.dtype(), sin.dtype()]) {
+            return reference::rope_backward(dy, cos, sin);
+        }
+        let [b, h, l, hd] = dy.dims();
+        let half = hd / 2;
+        let (dy, cos, sin) = (Host::of(dy), Host::of(cos), Host::of(sin));
+        let (dys, cs, ss) = (dy.slice(), cos.slice(), sin.slice());
+        let mut dx = vec![0f32; b * l * h * hd];
+        // Output block (row bi, position li) is [h, hd], contiguous.
+        dx.par_chunks_mut((h * hd).max(1))
+            .enumerate()
+            .with_min_len(min_rows(h * hd))
+            .for_each(|(bl, block)| {
+                let (bi, li) = (bl / l, bl % l);
+                let t = bl * hd;
+                let (c, s) = (&cs[t..t + hd], &ss[t..t + hd]);
+                for (hi, out) in block.chunks_mut(hd.max(1)).enumerate() {
+                    let g = &dys[((bi * h + hi) * l + li) * hd..][..hd];
+                    for j in 0..half {
+                        out[j] = g[j] * c[j] + g[j + half] * s[j + half];
+                        out[j + half] = g[j + half] * c[j + half] - g[j] * s[j];
+                    }
+                }
+            });
+        tensor(dx, [b, l, h, hd])
+    }
+
+    fn attn_softmax(scores: Tensor<Self, 4>, bias: Tensor<Self, 4>, scale: f64) -> Tensor<Self, 4> {
+        let [b, m, l, t] = scores.dims();
+        let bb = bias.dims()[0];
+        if !all_f32(&[scores.dtype(), bias.dtype()])
+            || bias.dims() != [bb, 1, l, t]
+            || (bb != 1 && bb != b)
+        {
+            return reference::attn_softmax(scores, bias, scale);
+        }
+        let (scores, bias) = (Host::of(scores), Host::of(bias));
+        let (xs, bs) = (scores.slice(), bias.slice());
+        let scale = scale as f32;
+        let mut y = vec![0f32; b * m * l * t];
+        y.par_chunks_mut(t.max(1))
+            .enumerate()
+            .with_min_len(min_rows(t))
+            .for_each(|(row, out)| {
+                let (bi, li) = (row / (m * l), row % l);
+                let br = &bs[((if bb == 1 { 0 } else { bi }) * l + li) * t..][..t];
+                let xr = &xs[row * t..][..t];
+                let mut max = f32::NEG_INFINITY;
+                for ((o, &v), &bv) in out.iter_mut().zip(xr).zip(br) {
+                    *o = v * scale + bv;
+                    max = max.max(*o);
+                }
+                let mut sum = 0f32;
+                for o in out.iter_mut() {
+                    *o = (*o - max).exp();
+                    sum += *o;
+                }
+                let inv = 1.0 / sum;
+                out.iter_mut().for_each(|o| *o *= inv);
+            });
+        tensor(y, [b, m, l, t])
+    }
+
+    fn attn_softmax_backward(
+        probs: Tensor<Self, 4>,
+        dprobs: Tensor<Self, 4>,
+        scale: f64,
+    ) -> Tensor<Self, 4> {
+        if !all_f32(&[probs.dtype(), dprobs.dtype()]) {
+            return reference::attn_softmax_backward(probs, dprobs, scale);
+        }
+        let shape = probs.dims();
+        let t = shape[3];
+        let (probs, dprobs) = (Host::of(probs), Host::of(dprobs));
+        let (ps, dps) = (probs.slice(), dprobs.slice());
+        let scale = scale as f32;
+        let mut ds = vec![0f32; ps.len()];
+        ds.par_chunks_mut(t.max(1))
+            .enumerate()
+            .with_min_len(min_rows(t))
+            .for_each(|(row, out)| {
+                let (pr, dr) = (&ps[row * t..][..t], &dps[row * t..][..t]);
+                let dot: f32 = pr.iter().zip(dr).map(|(p, d)| p * d).sum();
+                for ((o, &p), &d) in out.iter_mut().zip(pr).zip(dr) {
+                    *o = scale * p * (d - dot);
+                }
+            });
+        tensor(ds, shape)
+    }
+
+    fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
+        if !all_f32(&[gate.dtype(), up.dtype()]) {
+            return reference::swiglu(gate, up);
+        }
+        let shape = gate.dims();
+        let (gate, up) = (Host::of(gate), Host::of(up));
+        let (gs, us) = (gate.slice(), up.slice());
+        let mut y = vec![0f32; gs.len()];
+        y.par_chunks_mut(4096)
+            .zip(gs.par_chunks(4096).zip(us.par_chunks(4096)))
+            .with_min_len(4)
+            .for_each(|(out, (g, u))| {
+                for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
+                    *o = g * sigmoid(g) * u;
+                }
+            });
+        tensor(y, shape)
+    }
+
+    fn swiglu_backward(
+        gate: Tensor<Self, 2>,
+        up: Tensor<Self, 2>,
+        dy: Tensor<Self, 2>,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
+        if !all_f32(&[gate.dtype(), up.dtype(), dy.dtype()]) {
+            return reference::swiglu_backward(gate, up, dy);
+        }
+        let shape = gate.dims();
+        let (gate, up, dy) = (Host::of(gate), Host::of(up), Host::of(dy));
+        let (gs, us, dys) = (gate.slice(), up.slice(), dy.slice());
+        let mut dg = vec![0f32; gs.len()];
+        let mut du = vec![0f32; gs.len()];
+        dg.par_chunks_mut(4096)
+            .zip(du.par_chunks_mut(4096))
+            .enumerate()
+            .with_min_len(4)
+            .for_each(|(c, (dgc, duc))| {
+                let o = c * 4096;
+                for k in 0..dgc.len() {
+                    let (g, u, d) = (gs[o + k], us[o + k], dys[o + k]);
+                    let s = sigmoid(g);
+                    dgc[k] = d * u * s * (1.0 + g * (1.0 - s));
+                    duc[k] = d * g * s;
+                }
+            });
+        (tensor(dg, shape), tensor(du, shape))
+    }
+
+    fn token_logprobs(
+        logits: Tensor<Self, 2>,
+        targets: &[u32],
+        temperature: f32,
+    ) -> Tensor<Self, 2> {
+        Self::token_logprobs_saved(logits, targets, temperature).0
+    }
+
+    fn token_logprobs_saved(
+        logits: Tensor<Self, 2>,
+        targets: &[u32],
+        temperature: f32,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
+        let [n, v] = logits.dims();
+        if logits.dtype() != DType::F32
+            || targets.len() != n
+            || targets.iter().any(|&t| t as usize >= v)
+        {
+            return reference::token_logprobs_saved(logits, targets, temperature);
+        }
+        let k = inv_temperature(temperature);
+        let logits = Host::of(logits);
+        let zs = logits.slice();
+        let mut lp = vec![0f32; n];
+        let mut lse = vec![0f32; n];
+        lp.par_iter_mut()
+            .zip(lse.par_iter_mut())
+            .enumerate()
+            .with_min_len(min_rows(v))
+            .for_each(|(i, (lp, lse))| {
+                let zr = &zs[i * v..][..v];
+                let max = zr.iter().fold(f32::NEG_INFINITY, |m, &z| m.max(z * k));
+                let sum: f32 = zr.iter().map(|&z| (z * k - max).exp()).sum();
+                *lse = max + sum.ln();
+                *lp = zr[targets[i] as usize] * k - *lse;
+            });
+        (tensor(lp, [n, 1]), tensor(lse, [n, 1]))
+    }
+
+    fn token_logprobs_backward(
+        logits: Tensor<Self, 2>,
+        lse: Tensor<Self, 2>,
+        targets: &[u32],
+        temperature: f32,
+        dy: Tensor<Self, 2>,
+    ) -> Tensor<Self, 2> {
+        let [n, v] = logits.dims();
+        if !all_f32(&[logits.dtype(), lse.dtype(), dy.dtype()])
+            || targets.len() != n
+            || targets.iter().any(|&t| t as usize >= v)
+        {
+            return reference::token_logprobs_backward(logits, lse, targets, temperature, dy);
+        }
+        let k = inv_temperature(temperature);
+        let (logits, lse, dy) = (Host::of(logits), Host::of(lse), Host::of(dy));
+        let (zs, ls, dys) = (logits.slice(), lse.slice(), dy.slice());
+        let mut dz = vec![0f32; n * v];
+        dz.par_chunks_mut(v.max(1))
+            .enumerate()
+            .with_min_len(min_rows(v))
+            .for_each(|(i, out)| {
+                let (zr, l, dk) = (&zs[i * v..][..v], ls[i], dys[i] * k);
+                for (o, &z) in out.iter_mut().zip(zr) {
+                    *o = -dk * (z * k - l).exp();
+                }
+                out[targets[i] as usize] += dk;
+            });
+        tensor(dz, [n, v])
+    }
+}

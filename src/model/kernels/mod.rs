@@ -1,0 +1,152 @@
+//! Fused kernels for the decoder's element-wise work, each with its own backward.
+//!
+//! Composed from burn's tensor operations, an RMSNorm is six operations forward and about
+//! twice as many backward, each allocating a whole tensor; rotary positions, the masked
+//! attention softmax, SwiGLU and the token log-prob are similar. On a CPU at small sizes
+//! that per-operation cost, not the matrix products, is most of a training step. [`Kernels`]
+//! names these five blocks as backend operations:
+//!
+//! - every backend gets the composition in [`reference`] (burn's own operations, the exact
+//!   arithmetic the model had before these kernels existed), forward and backward;
+//! - [`NdArray`](burn::backend::NdArray), the trainer's CPU backend, overrides them with
+//!   one-pass kernels over both cores ([`cpu`]);
+//! - [`Autodiff`](burn::backend::Autodiff) over any `Kernels` backend records each block as
+//!   one node whose backward calls the inner backend's backward kernel ([`autodiff`]), so
+//!   the graph holds one saved tensor per block instead of a dozen.
+//!
+//! `tests/grad_parity.rs` checks the loss and every gradient against PyTorch through these
+//! kernels; the unit tests below check each native kernel, forward and backward, against
+//! the composition on random inputs.
+
+mod autodiff;
+mod cpu;
+pub mod reference;
+
+use burn::tensor::Tensor;
+use burn::tensor::backend::Backend;
+
+/// The decoder's fused blocks. Shapes are fixed by the caller (the model flattens leading
+/// dimensions into rows). Every method has the composed default; a backend overrides the
+/// ones it has native kernels for.
+pub trait Kernels: Backend {
+    /// RMSNorm over the rows of `x` `[n, d]`: `x / sqrt(mean(x²) + eps) * gamma`.
+    fn rms_norm(x: Tensor<Self, 2>, gamma: Tensor<Self, 1>, eps: f64) -> Tensor<Self, 2> {
+        reference::rms_norm(x, gamma, eps)
+    }
+
+    /// [`Kernels::rms_norm`] and the inverse RMS of each row `[n, 1]`, for the backward.
+    fn rms_norm_saved(
+        x: Tensor<Self, 2>,
+        gamma: Tensor<Self, 1>,
+        eps: f64,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
+        reference::rms_norm_saved(x, gamma, eps)
+    }
+
+    /// Gradients of `x` and `gamma` from the output's gradient `dy`.
+    fn rms_norm_backward(
+        x: Tensor<Self, 2>,
+        gamma: Tensor<Self, 1>,
+        inv_rms: Tensor<Self, 2>,
+        dy: Tensor<Self, 2>,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 1>) {
+        reference::rms_norm_backward(x, gamma, inv_rms, dy)
+    }
+
+    /// Rotary positions in the Hugging Face half-rotation layout, `x · cos + rotate_half(x)
+    /// · sin`, on `x` `[b, l, heads, hd]` with each row's tables `cos`, `sin` `[b, l, hd]`;
+    /// the result is laid out `[b, heads, l, hd]`, as attention reads it.
+    fn rope(x: Tensor<Self, 4>, cos: Tensor<Self, 3>, sin: Tensor<Self, 3>) -> Tensor<Self, 4> {
+        reference::rope(x, cos, sin)
+    }
+
+    /// The gradient `[b, l, heads, hd]` of [`Kernels::rope`]'s input from the output's
+    /// gradient `dy` `[b, heads, l, hd]`.
+    fn rope_backward(
+        dy: Tensor<Self, 4>,
+        cos: Tensor<Self, 3>,
+        sin: Tensor<Self, 3>,
+    ) -> Tensor<Self, 4> {
+        reference::rope_backward(dy, cos, sin)
+    }
+
+    /// Attention probabilities `softmax(scores · scale + bias)` over the last dimension of
+    /// `scores` `[b, heads, l, t]`, with `bias` `[1 or b, 1, l, t]` (0 or
+    /// [`MASKED`](super::llama::MASKED)) broadcast over heads.
+    fn attn_softmax(scores: Tensor<Self, 4>, bias: Tensor<Self, 4>, scale: f64) -> Tensor<Self, 4> {
+        reference::attn_softmax(scores, bias, scale)
+    }
+
+    /// The gradient of the scores from the probabilities and their gradient.
+    fn attn_softmax_backward(
+        probs: Tensor<Self, 4>,
+        dprobs: Tensor<Self, 4>,
+        scale: f64,
+    ) -> Tensor<Self, 4> {
+        reference::attn_softmax_backward(probs, dprobs, scale)
+    }
+
+    /// SwiGLU's gate: `silu(gate) · up` on `[n, f]`.
+    fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
+        reference::swiglu(gate, up)
+    }
+
+    /// Gradients of `gate` and `up` from the output's gradient `dy`.
+    fn swiglu_backward(
+        gate: Tensor<Self, 2>,
+        up: Tensor<Self, 2>,
+        dy: Tensor<Self, 2>,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
+        reference::swiglu_backward(gate, up, dy)
+    }
+
+    /// The log-prob `[n, 1]` of `targets[i]` under `softmax(logits[i] / temperature)` for
+    /// logits `[n, vocab]` (temperature 1 when it is not positive). Every target is below
+    /// the vocabulary size (the trainer refuses other messages first).
+    fn token_logprobs(
+        logits: Tensor<Self, 2>,
+        targets: &[u32],
+        temperature: f32,
+    ) -> Tensor<Self, 2> {
+        reference::token_logprobs(logits, targets, temperature)
+    }
+
+    /// [`Kernels::token_logprobs`] and each row's log-sum-exp `[n, 1]` of the scaled
+    /// logits, for the backward.
+    fn token_logprobs_saved(
+        logits: Tensor<Self, 2>,
+        targets: &[u32],
+        temperature: f32,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
+        reference::token_logprobs_saved(logits, targets, temperature)
+    }
+
+    /// The gradient of the logits from the log-probs' gradient `dy` `[n, 1]`.
+    fn token_logprobs_backward(
+        logits: Tensor<Self, 2>,
+        lse: Tensor<Self, 2>,
+        targets: &[u32],
+        temperature: f32,
+        dy: Tensor<Self, 2>,
+    ) -> Tensor<Self, 2> {
+        reference::token_logprobs_backward(logits, lse, targets, temperature, dy)
+    }
+}
+
+/// The factor the logits are multiplied by: `1 / temperature`, or 1 when the temperature
+/// is not positive (greedy decoding records log-probs of the unscaled distribution).
+pub(crate) fn inv_temperature(temperature: f32) -> f32 {
+    if temperature > 0.0 && temperature != 1.0 {
+        1.0 / temperature
+    } else {
+        1.0
+    }
+}
+
+impl Kernels for burn::backend::Flex {}
+
+#[cfg(feature = "cuda")]
+impl Kernels for burn::backend::Cuda {}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,240 @@
+//! Each kernel against its composition, forward and backward, on random inputs:
+//!
+//! - `Autodiff<NdArray>` runs the native kernels inside one graph node each;
+//! - `Autodiff<Flex>` runs the composed forward and the written-out backward inside one node;
+//!
+//! both are compared with burn differentiating the composition itself, operation by
+//! operation. A wrong native kernel or a wrong derivative fails here.
+
+use super::{Kernels, reference};
+use crate::model::llama::MASKED;
+use burn::backend::{Autodiff, Flex, NdArray};
+use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::{Distribution, Tensor, TensorData};
+
+fn values<B: AutodiffBackend, const D: usize>(t: &Tensor<B, D>) -> Vec<f32> {
+    t.to_data()
+        .convert::<f32>()
+        .into_vec::<f32>()
+        .unwrap_or_default()
+}
+
+fn close(a: &[f32], b: &[f32], tol: f32, what: &str) {
+    assert_eq!(a.len(), b.len(), "{what}: lengths");
+    assert!(!a.is_empty(), "{what}: empty");
+    for (i, (x, y)) in a.iter().zip(b).enumerate() {
+        let bound = tol * (1.0 + x.abs().max(y.abs()));
+        assert!((x - y).abs() <= bound, "{what}[{i}]: {x} vs {y}");
+    }
+}
+
+fn random<B: AutodiffBackend, const D: usize>(shape: [usize; D], seed: u64) -> Tensor<B, D> {
+    B::seed(&Default::default(), seed);
+    Tensor::random(shape, Distribution::Normal(0.0, 1.0), &Default::default())
+}
+
+/// `Σ out · w` for a fixed random `w`, so every output element gets its own gradient.
+fn weighted<B: AutodiffBackend, const D: usize>(out: Tensor<B, D>, seed: u64) -> Tensor<B, 1> {
+    let w = random::<B, D>(out.dims(), seed).detach();
+    (out * w).sum()
+}
+
+/// Forward values and the gradients of `inputs` from `f`, then from `g`, compared.
+fn check<B, const D: usize, const E: usize>(
+    inputs: Vec<Tensor<B, D>>,
+    f: impl Fn(&[Tensor<B, D>]) -> Tensor<B, E>,
+    g: impl Fn(&[Tensor<B, D>]) -> Tensor<B, E>,
+    tol: f32,
+    what: &str,
+) where
+    B: AutodiffBackend + Kernels,
+{
+    let run = |h: &dyn Fn(&[Tensor<B, D>]) -> Tensor<B, E>| {
+        let xs: Vec<Tensor<B, D>> = inputs
+            .iter()
+            .map(|x| x.clone().detach().require_grad())
+            .collect();
+        let out = h(&xs);
+        let fwd = values(&out);
+        let grads = weighted(out, 99).backward();
+        let dx: Vec<Vec<f32>> = xs
+            .iter()
+            .map(|x| {
+                x.grad(&grads)
+                    .map(|g| {
+                        g.to_data()
+                            .convert::<f32>()
+                            .into_vec::<f32>()
+                            .unwrap_or_default()
+                    })
+                    .unwrap_or_default()
+            })
+            .collect();
+        (fwd, dx)
+    };
+    let (fa, ga) = run(&f);
+    let (fb, gb) = run(&g);
+    close(&fa, &fb, tol, &format!("{what} forward"));
+    for (i, (a, b)) in ga.iter().zip(&gb).enumerate() {
+        close(a, b, tol, &format!("{what} gradient of input {i}"));
+    }
+}
+
+fn rms_norm<B: AutodiffBackend + Kernels>() {
+    let x = random::<B, 2>([37, 24], 1);
+    let gamma = random::<B, 2>([1, 24], 2);
+    check(
+        vec![x, gamma],
+        |v| B::rms_norm(v[0].clone(), v[1].clone().reshape([24]), 1e-6),
+        |v| reference::rms_norm(v[0].clone(), v[1].clone().reshape([24]), 1e-6),
+        1e-5,
+        "rms_norm",
+    );
+}
+
+fn rope<B: AutodiffBackend + Kernels>() {
+    let (b, l, h, hd) = (3, 5, 4, 8);
+    let x = random::<B, 4>([b, l, h, hd], 3);
+    // Tables in the HF layout (both halves alike) and not (halves differ): the kernel and
+    // its backward may not assume either.
+    for (seed, halves_alike) in [(4, true), (5, false)] {
+        let mut cos = values(&random::<B, 3>([b, l, hd], seed));
+        let mut sin = values(&random::<B, 3>([b, l, hd], seed + 10));
+        if halves_alike {
+            for row in 0..b * l {
+                for j in 0..hd / 2 {
+                    cos[row * hd + j + hd / 2] = cos[row * hd + j];
+                    sin[row * hd + j + hd / 2] = sin[row * hd + j];
+                }
+            }
+        }
+        let dev = Default::default();
+        let cos = Tensor::<B, 3>::from_data(TensorData::new(cos, [b, l, hd]), &dev);
+        let sin = Tensor::<B, 3>::from_data(TensorData::new(sin, [b, l, hd]), &dev);
+        check(
+            vec![x.clone()],
+            |v| B::rope(v[0].clone(), cos.clone(), sin.clone()),
+            |v| reference::rope(v[0].clone(), cos.clone(), sin.clone()),
+            1e-5,
+            "rope",
+        );
+    }
+}
+
+fn attn_softmax<B: AutodiffBackend + Kernels>() {
+    let (b, m, l) = (2, 3, 6);
+    let t = l;
+    let scores = random::<B, 4>([b, m, l, t], 6);
+    let dev = Default::default();
+    // Causal, broadcast over the batch, and one bias per row (padding before a start).
+    let causal: Vec<f32> = (0..l)
+        .flat_map(|i| (0..t).map(move |j| if j <= i { 0.0 } else { MASKED }))
+        .collect();
+    let per_row: Vec<f32> = (0..b)
+        .flat_map(|r| {
+            (0..l)
+                .flat_map(move |i| (0..t).map(move |j| if j <= i && j >= r { 0.0 } else { MASKED }))
+        })
+        .collect();
+    for (bias, rows) in [(causal, 1), (per_row, b)] {
+        let bias = Tensor::<B, 4>::from_data(TensorData::new(bias, [rows, 1, l, t]), &dev);
+        check(
+            vec![scores.clone()],
+            |v| B::attn_softmax(v[0].clone(), bias.clone(), 0.35),
+            |v| reference::attn_softmax(v[0].clone(), bias.clone(), 0.35),
+            1e-5,
+            "attn_softmax",
+        );
+    }
+}
+
+fn swiglu<B: AutodiffBackend + Kernels>() {
+    // More values than one parallel chunk, and not a multiple of it.
+    let gate = random::<B, 2>([9, 1000], 7).mul_scalar(3.0);
+    let up = random::<B, 2>([9, 1000], 8);
+    check(
+        vec![gate, up],
+        |v| B::swiglu(v[0].clone(), v[1].clone()),
+        |v| reference::swiglu(v[0].clone(), v[1].clone()),
+        1e-5,
+        "swiglu",
+    );
+}
+
+fn token_logprobs<B: AutodiffBackend + Kernels>() {
+    let logits = random::<B, 2>([7, 50], 9).mul_scalar(4.0);
+    let targets = [0u32, 49, 3, 17, 17, 25, 8];
+    for temperature in [1.0f32, 0.7, 0.0] {
+        check(
+            vec![logits.clone()],
+            |v| B::token_logprobs(v[0].clone(), &targets, temperature),
+            |v| {
+                let z = if temperature > 0.0 && temperature != 1.0 {
+                    v[0].clone().div_scalar(temperature)
+                } else {
+                    v[0].clone()
+                };
+                let ids = Tensor::from_data(
+                    TensorData::new(
+                        targets.iter().map(|&t| i64::from(t)).collect::<Vec<_>>(),
+                        [7, 1],
+                    ),
+                    &Default::default(),
+                );
+                z.clone().gather(1, ids) - reference::logsumexp(z)
+            },
+            1e-5,
+            "token_logprobs",
+        );
+    }
+}
+
+type Native = Autodiff<NdArray>;
+type Composed = Autodiff<Flex>;
+
+#[test]
+fn rms_norm_native_and_written_out_backward_match_the_composition() {
+    rms_norm::<Native>();
+    rms_norm::<Composed>();
+}
+
+#[test]
+fn rope_native_and_written_out_backward_match_the_composition() {
+    rope::<Native>();
+    rope::<Composed>();
+}
+
+#[test]
+fn attention_softmax_native_and_written_out_backward_match_the_composition() {
+    attn_softmax::<Native>();
+    attn_softmax::<Composed>();
+}
+
+#[test]
+fn swiglu_native_and_written_out_backward_match_the_composition() {
+    swiglu::<Native>();
+    swiglu::<Composed>();
+}
+
+#[test]
+fn token_logprobs_native_and_written_out_backward_match_the_composition() {
+    token_logprobs::<Native>();
+    token_logprobs::<Composed>();
+}
+
+#[test]
+fn a_kernel_that_is_wrong_fails_the_comparison() {
+    // The comparison itself can fail: an RMSNorm without its gamma does not pass as one.
+    let x = random::<Native, 2>([4, 8], 11);
+    let gamma = random::<Native, 2>([1, 8], 12);
+    let wrong = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+        check(
+            vec![x, gamma],
+            |v| Native::rms_norm(v[0].clone(), v[1].clone().reshape([8]), 1e-6),
+            |v| reference::rms_norm(v[0].clone(), v[1].clone().reshape([8]).ones_like(), 1e-6),
+            1e-5,
+            "wrong",
+        )
+    }));
+    assert!(wrong.is_err());
+}

@@ -29,14 +29,17 @@ pub struct Mlp<B: Backend> {
 }
 
 impl<B: Kernels> Mlp<B> {
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let [b, l, _] = x.dims();
-        let gate = self.gate.forward(x.clone());
-        let f = gate.dims()[2];
-        let up = self.up.forward(x).reshape([b * l, f]);
-        let act = B::swiglu(gate.reshape([b * l, f]), up);
-        self.down.forward(act.reshape([b, l, f]))
+    /// On rows `[n, hidden]`.
+    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        let gate = linear(&self.gate, x.clone());
+        let up = linear(&self.up, x);
+        linear(&self.down, B::swiglu(gate, up))
     }
+}
+
+/// `layer` on rows `[n, in]` (the fused kernel: one matrix product each way).
+fn linear<B: Kernels>(layer: &Linear<B>, x: Tensor<B, 2>) -> Tensor<B, 2> {
+    B::linear_rows(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()))
 }
 
 /// `norm` over the last dimension of `x` (the fused kernel on rows).
@@ -136,7 +139,8 @@ impl<B: Kernels> Attention<B> {
         bias: Tensor<B, 4>,
         layer_cache: Option<&mut (Tensor<B, 4>, Tensor<B, 4>)>,
     ) -> Tensor<B, 3> {
-        let [b, l, _] = x.dims();
+        let [b, l, d] = x.dims();
+        let x = x.reshape([b * l, d]);
         let (h, kvh, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let g = h / kvh;
         let norm = |t: Tensor<B, 4>, n: &Option<RmsNorm<B>>| match n {
@@ -146,7 +150,7 @@ impl<B: Kernels> Attention<B> {
         // Rotary positions also lay q and k out as `[b, heads, l, hd]`.
         let q = B::rope(
             norm(
-                self.q.forward(x.clone()).reshape([b, l, h, hd]),
+                linear(&self.q, x.clone()).reshape([b, l, h, hd]),
                 &self.q_norm,
             ),
             cos.clone(),
@@ -154,13 +158,13 @@ impl<B: Kernels> Attention<B> {
         );
         let k = B::rope(
             norm(
-                self.k.forward(x.clone()).reshape([b, l, kvh, hd]),
+                linear(&self.k, x.clone()).reshape([b, l, kvh, hd]),
                 &self.k_norm,
             ),
             cos,
             sin,
         );
-        let v = self.v.forward(x).reshape([b, l, kvh, hd]).swap_dims(1, 2);
+        let v = linear(&self.v, x).reshape([b, l, kvh, hd]).swap_dims(1, 2);
         let (k, v) = match layer_cache {
             Some(cache) => {
                 let k = Tensor::cat(vec![cache.0.clone(), k], 2);
@@ -182,8 +186,8 @@ impl<B: Kernels> Attention<B> {
             .matmul(v)
             .reshape([b, h, l, hd])
             .swap_dims(1, 2)
-            .reshape([b, l, h * hd]);
-        self.o.forward(out)
+            .reshape([b * l, h * hd]);
+        linear(&self.o, out).reshape([b, l, d])
     }
 }
 
@@ -316,7 +320,9 @@ impl<B: Kernels> Block<B> {
             + self
                 .attn
                 .forward(rms_norm(&self.attn_norm, x), cos, sin, bias, cache);
-        h.clone() + self.mlp.forward(rms_norm(&self.mlp_norm, h))
+        let [b, l, d] = h.dims();
+        let rows = rms_norm(&self.mlp_norm, h.clone()).reshape([b * l, d]);
+        h + self.mlp.forward(rows).reshape([b, l, d])
     }
 }
 

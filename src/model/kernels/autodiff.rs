@@ -23,6 +23,51 @@ fn p<B: Kernels, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
 }
 
 #[derive(Debug)]
+struct LinearBackward;
+
+impl<B: Kernels> Backward<B, 2> for LinearBackward {
+    /// x, weight.
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [px, pw] = ops.parents;
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, w) = ops.state;
+        let (dx, dw, _) = B::linear_rows_backward(t(x), t(w), false, t(dy));
+        if let Some(node) = px {
+            grads.register::<B>(node.id, p(dx));
+        }
+        if let Some(node) = pw {
+            grads.register::<B>(node.id, p(dw));
+        }
+    }
+}
+
+#[derive(Debug)]
+struct LinearBiasBackward;
+
+impl<B: Kernels> Backward<B, 3> for LinearBiasBackward {
+    /// x, weight.
+    type State = (FloatTensor<B>, FloatTensor<B>);
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [px, pw, pb] = ops.parents;
+        let dy = grads.consume::<B>(&ops.node);
+        let (x, w) = ops.state;
+        let (dx, dw, db) = B::linear_rows_backward(t(x), t(w), true, t(dy));
+        if let Some(node) = px {
+            grads.register::<B>(node.id, p(dx));
+        }
+        if let Some(node) = pw {
+            grads.register::<B>(node.id, p(dw));
+        }
+        if let (Some(node), Some(db)) = (pb, db) {
+            grads.register::<B>(node.id, p(db));
+        }
+    }
+}
+
+#[derive(Debug)]
 struct RmsNormBackward;
 
 impl<B: Kernels> Backward<B, 2> for RmsNormBackward {
@@ -118,6 +163,48 @@ impl<B: Kernels> Backward<B, 1> for TokenLogprobsBackward {
 }
 
 impl<B: Kernels, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
+    fn linear_rows(
+        x: Tensor<Self, 2>,
+        weight: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+    ) -> Tensor<Self, 2> {
+        let (x, w) = (
+            x.into_primitive().tensor(),
+            weight.into_primitive().tensor(),
+        );
+        let state = (x.primitive.clone(), w.primitive.clone());
+        let out = match bias {
+            None => {
+                let y = p(B::linear_rows(t(x.primitive), t(w.primitive), None));
+                match LinearBackward
+                    .prepare::<C>([x.node.clone(), w.node.clone()])
+                    .compute_bound()
+                    .stateful()
+                {
+                    OpsKind::Tracked(prep) => prep.finish(state, y),
+                    OpsKind::UnTracked(prep) => prep.finish(y),
+                }
+            }
+            Some(bias) => {
+                let bias = bias.into_primitive().tensor();
+                let y = p(B::linear_rows(
+                    t(x.primitive),
+                    t(w.primitive),
+                    Some(t(bias.primitive)),
+                ));
+                match LinearBiasBackward
+                    .prepare::<C>([x.node.clone(), w.node.clone(), bias.node.clone()])
+                    .compute_bound()
+                    .stateful()
+                {
+                    OpsKind::Tracked(prep) => prep.finish(state, y),
+                    OpsKind::UnTracked(prep) => prep.finish(y),
+                }
+            }
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(out))
+    }
+
     fn rms_norm(x: Tensor<Self, 2>, gamma: Tensor<Self, 1>, eps: f64) -> Tensor<Self, 2> {
         let (x, gamma) = (x.into_primitive().tensor(), gamma.into_primitive().tensor());
         let (y, inv_rms) =

@@ -6,7 +6,8 @@ use super::{Kernels, inv_temperature, reference};
 use burn::backend::NdArray;
 use burn::backend::ndarray::NdArrayTensor;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
-use ndarray::{ArcArray, IxDyn};
+use ndarray::linalg::general_mat_mul;
+use ndarray::{ArcArray, Array2, ArrayView2, Ix2, IxDyn};
 use rayon::prelude::*;
 
 /// Rows handed to one rayon task: about 16k values, so small tensors stay on one core.
@@ -33,6 +34,13 @@ impl Host {
         }
     }
 
+    fn matrix(&self) -> ArrayView2<'_, f32> {
+        self.0
+            .view()
+            .into_dimensionality::<Ix2>()
+            .unwrap_or_else(|e| unreachable!("a rank-2 tensor: {e}"))
+    }
+
     fn slice(&self) -> &[f32] {
         self.0
             .as_slice()
@@ -50,11 +58,73 @@ fn tensor<const D: usize>(values: Vec<f32>, shape: [usize; D]) -> Tensor<NdArray
     Tensor::from_primitive(TensorPrimitive::Float(NdArrayTensor::from(array)))
 }
 
+fn matrix_tensor(a: Array2<f32>) -> Tensor<NdArray, 2> {
+    Tensor::from_primitive(TensorPrimitive::Float(NdArrayTensor::from(
+        a.into_dyn().into_shared(),
+    )))
+}
+
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
 }
 
 impl Kernels for NdArray {
+    /// One matrix product on the operands as stored (BLAS reads a transposed view through
+    /// its transpose flag), the bias written first and added by the product's `beta`.
+    fn linear_rows(
+        x: Tensor<Self, 2>,
+        weight: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+    ) -> Tensor<Self, 2> {
+        let bias_f32 = bias.as_ref().is_none_or(|b| b.dtype() == DType::F32);
+        if !all_f32(&[x.dtype(), weight.dtype()]) || !bias_f32 {
+            return reference::linear(x, weight, bias);
+        }
+        let n = x.dims()[0];
+        let out = weight.dims()[1];
+        let (x, w) = (Host::of(x), Host::of(weight));
+        let (mut y, beta) = match bias {
+            Some(bias) => {
+                let bias = Host::of(bias);
+                let row = bias.slice();
+                let mut v = Vec::with_capacity(n * out);
+                (0..n).for_each(|_| v.extend_from_slice(row));
+                let y = Array2::from_shape_vec((n, out), v)
+                    .unwrap_or_else(|e| unreachable!("bias rows sized to the output: {e}"));
+                (y, 1.0)
+            }
+            None => (Array2::zeros((n, out)), 0.0),
+        };
+        general_mat_mul(1.0, &x.matrix(), &w.matrix(), beta, &mut y);
+        matrix_tensor(y)
+    }
+
+    fn linear_rows_backward(
+        x: Tensor<Self, 2>,
+        weight: Tensor<Self, 2>,
+        bias: bool,
+        dy: Tensor<Self, 2>,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>, Option<Tensor<Self, 1>>) {
+        if !all_f32(&[x.dtype(), weight.dtype(), dy.dtype()]) {
+            return reference::linear_backward(x, weight, bias, dy);
+        }
+        let [n, d_in] = x.dims();
+        let d_out = weight.dims()[1];
+        let (x, w, dy) = (Host::of(x), Host::of(weight), Host::of(dy));
+        let mut dx = Array2::zeros((n, d_in));
+        general_mat_mul(1.0, &dy.matrix(), &w.matrix().t(), 0.0, &mut dx);
+        let mut dw = Array2::zeros((d_in, d_out));
+        general_mat_mul(1.0, &x.matrix().t(), &dy.matrix(), 0.0, &mut dw);
+        let db = bias.then(|| {
+            let mut db = vec![0f32; d_out];
+            for row in dy.slice().chunks(d_out.max(1)) {
+                db.iter_mut().zip(row).for_each(|(a, b)| *a += b);
+            }
+            tensor(db, [d_out])
+        });
+        (matrix_tensor(dx), matrix_tensor(dw), db)
+    }
+
     fn rms_norm(x: Tensor<Self, 2>, gamma: Tensor<Self, 1>, eps: f64) -> Tensor<Self, 2> {
         Self::rms_norm_saved(x, gamma, eps).0
     }

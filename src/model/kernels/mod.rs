@@ -1,10 +1,11 @@
 //! Fused kernels for the decoder's element-wise work, each with its own backward.
 //!
-//! Composed from burn's tensor operations, an RMSNorm is six operations forward and about
+//! Composed from burn's tensor operations, a linear layer on `[batch, len, in]` runs one
+//! matrix product per row in its backward and copies every transposed operand; an RMSNorm is six operations forward and about
 //! twice as many backward, each allocating a whole tensor; rotary positions, the masked
 //! attention softmax, SwiGLU and the token log-prob are similar. On a CPU at small sizes
 //! that per-operation cost, not the matrix products, is most of a training step. [`Kernels`]
-//! names these five blocks as backend operations:
+//! names these six blocks as backend operations:
 //!
 //! - every backend gets the composition in [`reference`] (burn's own operations, the exact
 //!   arithmetic the model had before these kernels existed), forward and backward;
@@ -29,6 +30,26 @@ use burn::tensor::backend::Backend;
 /// dimensions into rows). Every method has the composed default; a backend overrides the
 /// ones it has native kernels for.
 pub trait Kernels: Backend {
+    /// `x · weight + bias` for `x` `[n, in]` and `weight` `[in, out]` (burn's layout).
+    fn linear_rows(
+        x: Tensor<Self, 2>,
+        weight: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+    ) -> Tensor<Self, 2> {
+        reference::linear(x, weight, bias)
+    }
+
+    /// Gradients of `x`, `weight` and (when `bias`) the bias from the output's gradient
+    /// `dy` `[n, out]`.
+    fn linear_rows_backward(
+        x: Tensor<Self, 2>,
+        weight: Tensor<Self, 2>,
+        bias: bool,
+        dy: Tensor<Self, 2>,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>, Option<Tensor<Self, 1>>) {
+        reference::linear_backward(x, weight, bias, dy)
+    }
+
     /// RMSNorm over the rows of `x` `[n, d]`: `x / sqrt(mean(x²) + eps) * gamma`.
     fn rms_norm(x: Tensor<Self, 2>, gamma: Tensor<Self, 1>, eps: f64) -> Tensor<Self, 2> {
         reference::rms_norm(x, gamma, eps)

@@ -7,6 +7,32 @@ use burn::tensor::activation::{sigmoid, silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
 
+/// burn's `Linear::forward` on rows.
+pub fn linear<B: Backend>(
+    x: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    bias: Option<Tensor<B, 1>>,
+) -> Tensor<B, 2> {
+    let y = x.matmul(weight);
+    match bias {
+        Some(bias) => y + bias.unsqueeze(),
+        None => y,
+    }
+}
+
+/// `dx = dy · weightᵀ`, `dweight = xᵀ · dy`, `dbias = Σ_rows dy`.
+pub fn linear_backward<B: Backend>(
+    x: Tensor<B, 2>,
+    weight: Tensor<B, 2>,
+    bias: bool,
+    dy: Tensor<B, 2>,
+) -> (Tensor<B, 2>, Tensor<B, 2>, Option<Tensor<B, 1>>) {
+    let db = bias.then(|| dy.clone().sum_dim(0).squeeze_dim(0));
+    let dx = dy.clone().matmul(weight.transpose());
+    let dw = x.transpose().matmul(dy);
+    (dx, dw, db)
+}
+
 /// burn's `RmsNorm::forward`, the statistics in f32 whatever the tensor's dtype.
 pub fn rms_norm<B: Backend>(x: Tensor<B, 2>, gamma: Tensor<B, 1>, eps: f64) -> Tensor<B, 2> {
     let dtype = x.dtype();

@@ -80,6 +80,28 @@ fn check<B, const D: usize, const E: usize>(
     }
 }
 
+fn linear<B: AutodiffBackend + Kernels>() {
+    let x = random::<B, 2>([19, 12], 13);
+    let w = random::<B, 2>([12, 9], 14);
+    let bias = random::<B, 2>([1, 9], 15);
+    check(
+        vec![x.clone(), w.clone(), bias],
+        |v| B::linear_rows(v[0].clone(), v[1].clone(), Some(v[2].clone().reshape([9]))),
+        |v| reference::linear(v[0].clone(), v[1].clone(), Some(v[2].clone().reshape([9]))),
+        1e-5,
+        "linear with bias",
+    );
+    // A transposed view as the input (what a strided caller hands over).
+    let xt = random::<B, 2>([12, 19], 16);
+    check(
+        vec![xt, w],
+        |v| B::linear_rows(v[0].clone().transpose(), v[1].clone(), None),
+        |v| reference::linear(v[0].clone().transpose(), v[1].clone(), None),
+        1e-5,
+        "linear without bias",
+    );
+}
+
 fn rms_norm<B: AutodiffBackend + Kernels>() {
     let x = random::<B, 2>([37, 24], 1);
     let gamma = random::<B, 2>([1, 24], 2);
@@ -191,6 +213,12 @@ fn token_logprobs<B: AutodiffBackend + Kernels>() {
 
 type Native = Autodiff<NdArray>;
 type Composed = Autodiff<Flex>;
+
+#[test]
+fn linear_native_and_written_out_backward_match_the_composition() {
+    linear::<Native>();
+    linear::<Composed>();
+}
 
 #[test]
 fn rms_norm_native_and_written_out_backward_match_the_composition() {

@@ -29,17 +29,31 @@ pub struct Mlp<B: Backend> {
 }
 
 impl<B: Kernels> Mlp<B> {
-    /// On rows `[n, hidden]`.
-    fn forward(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
         let gate = linear(&self.gate, x.clone());
         let up = linear(&self.up, x);
-        linear(&self.down, B::swiglu(gate, up))
+        let [b, l, f] = gate.dims();
+        let act = B::swiglu(gate.reshape([b * l, f]), up.reshape([b * l, f]));
+        linear(&self.down, act.reshape([b, l, f]))
     }
 }
 
-/// `layer` on rows `[n, in]` (the fused kernel: one matrix product each way).
-fn linear<B: Kernels>(layer: &Linear<B>, x: Tensor<B, 2>) -> Tensor<B, 2> {
-    B::linear_rows(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()))
+/// `layer` over the last dimension of `x`: on rows through the fused kernel where the
+/// backend has a native one (one matrix product each way), else burn's `Linear`.
+fn linear<B: Kernels, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
+    if !B::NATIVE_LINEAR {
+        return layer.forward(x);
+    }
+    let dims = x.dims();
+    let rows = dims[..D - 1].iter().product();
+    let y = B::linear_rows(
+        x.reshape([rows, dims[D - 1]]),
+        layer.weight.val(),
+        layer.bias.as_ref().map(|b| b.val()),
+    );
+    let mut out = dims;
+    out[D - 1] = y.dims()[1];
+    y.reshape(out)
 }
 
 /// `norm` over the last dimension of `x` (the fused kernel on rows).
@@ -139,8 +153,7 @@ impl<B: Kernels> Attention<B> {
         bias: Tensor<B, 4>,
         layer_cache: Option<&mut (Tensor<B, 4>, Tensor<B, 4>)>,
     ) -> Tensor<B, 3> {
-        let [b, l, d] = x.dims();
-        let x = x.reshape([b * l, d]);
+        let [b, l, _] = x.dims();
         let (h, kvh, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let g = h / kvh;
         let norm = |t: Tensor<B, 4>, n: &Option<RmsNorm<B>>| match n {
@@ -186,8 +199,8 @@ impl<B: Kernels> Attention<B> {
             .matmul(v)
             .reshape([b, h, l, hd])
             .swap_dims(1, 2)
-            .reshape([b * l, h * hd]);
-        linear(&self.o, out).reshape([b, l, d])
+            .reshape([b, l, h * hd]);
+        linear(&self.o, out)
     }
 }
 
@@ -198,22 +211,6 @@ impl<B: Backend> Policy<B> {
 
     pub fn device(&self) -> B::Device {
         self.rope_cos.device()
-    }
-
-    /// Logits `[rows, vocab]` of final hidden states `[rows, hidden]` (the LM head, or the
-    /// tied embedding).
-    pub(crate) fn project(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
-        match &self.head {
-            Some(head) => head.forward(x),
-            // A few rows (a decode step): `(E · xᵀ)ᵀ` reads the embedding `[vocab, hidden]`
-            // as stored. `x · Eᵀ` would hand the backend a transposed view of the whole
-            // embedding, which Flex copies to contiguous memory on every call (544 MB per
-            // token for a 151,936 × 896 vocabulary).
-            None if x.dims()[0] <= FEW_ROWS => {
-                self.embed.weight.val().matmul(x.transpose()).transpose()
-            }
-            None => x.matmul(self.embed.weight.val().transpose()),
-        }
     }
 
     /// An empty cache for `rows` rows.
@@ -232,6 +229,25 @@ impl<B: Backend> Policy<B> {
 }
 
 impl<B: Kernels> Policy<B> {
+    /// Logits `[rows, vocab]` of final hidden states `[rows, hidden]` (the LM head, or the
+    /// tied embedding).
+    pub(crate) fn project(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        match &self.head {
+            Some(head) => linear(head, x),
+            // A few rows (a decode step): `(E · xᵀ)ᵀ` reads the embedding `[vocab, hidden]`
+            // as stored. `x · Eᵀ` would hand the backend a transposed view of the whole
+            // embedding, which Flex copies to contiguous memory on every call (544 MB per
+            // token for a 151,936 × 896 vocabulary).
+            None if x.dims()[0] <= FEW_ROWS && !B::NATIVE_LINEAR => {
+                self.embed.weight.val().matmul(x.transpose()).transpose()
+            }
+            // Many rows (training, prefill), or a backend whose products read a transposed
+            // view as stored: `x · Eᵀ`. The CPU kernel also writes the embedding's gradient
+            // in the embedding's own layout.
+            None => B::linear_rows(x, self.embed.weight.val().transpose(), None),
+        }
+    }
+
     /// Logits `[batch, len, vocab]` of token ids `[batch, len]` at `positions`
     /// (`[batch, len]`, each row's own), attending as `mode` says.
     pub(crate) fn forward_with(
@@ -320,9 +336,7 @@ impl<B: Kernels> Block<B> {
             + self
                 .attn
                 .forward(rms_norm(&self.attn_norm, x), cos, sin, bias, cache);
-        let [b, l, d] = h.dims();
-        let rows = rms_norm(&self.mlp_norm, h.clone()).reshape([b * l, d]);
-        h + self.mlp.forward(rows).reshape([b, l, d])
+        h.clone() + self.mlp.forward(rms_norm(&self.mlp_norm, h))
     }
 }
 

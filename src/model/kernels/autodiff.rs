@@ -163,6 +163,8 @@ impl<B: Kernels> Backward<B, 1> for TokenLogprobsBackward {
 }
 
 impl<B: Kernels, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
+    const NATIVE_LINEAR: bool = B::NATIVE_LINEAR;
+
     fn linear_rows(
         x: Tensor<Self, 2>,
         weight: Tensor<Self, 2>,

@@ -15,23 +15,43 @@ fn min_rows(row_len: usize) -> usize {
     (16_384 / row_len.max(1)).max(1)
 }
 
-/// A tensor's values as a contiguous f32 array (a copy only if it is a strided view).
+/// A tensor's values as an f32 array: contiguous in row-major order ([`Host::of`], a copy
+/// only if it is a strided view), or for matrix products also a transposed one
+/// ([`Host::matrix_of`]: BLAS reads either order).
 struct Host(ArcArray<f32, IxDyn>);
 
 impl Host {
-    fn of<const D: usize>(t: Tensor<NdArray, D>) -> Host {
+    fn array<const D: usize>(t: Tensor<NdArray, D>) -> ArcArray<f32, IxDyn> {
         match t.into_primitive().tensor() {
-            NdArrayTensor::F32(storage) => {
-                let a = storage.into_shared();
-                if a.is_standard_layout() {
-                    Host(a)
-                } else {
-                    Host(a.as_standard_layout().into_owned().into_shared())
-                }
-            }
+            NdArrayTensor::F32(storage) => storage.into_shared(),
             // `all_f32` was checked first.
             _ => unreachable!("the f32 kernel was handed a tensor of another dtype"),
         }
+    }
+
+    fn of<const D: usize>(t: Tensor<NdArray, D>) -> Host {
+        let a = Self::array(t);
+        if a.is_standard_layout() {
+            Host(a)
+        } else {
+            Host(a.as_standard_layout().into_owned().into_shared())
+        }
+    }
+
+    /// A matrix as stored when it is row- or column-major (a transposed view is not
+    /// copied), otherwise a row-major copy.
+    fn matrix_of(t: Tensor<NdArray, 2>) -> Host {
+        let a = Self::array(t);
+        if a.is_standard_layout() || a.t().is_standard_layout() {
+            Host(a)
+        } else {
+            Host(a.as_standard_layout().into_owned().into_shared())
+        }
+    }
+
+    /// Whether the matrix is stored column-major (the transpose of a row-major one).
+    fn is_transposed(&self) -> bool {
+        !self.0.is_standard_layout()
     }
 
     fn matrix(&self) -> ArrayView2<'_, f32> {
@@ -69,6 +89,8 @@ fn sigmoid(x: f32) -> f32 {
 }
 
 impl Kernels for NdArray {
+    const NATIVE_LINEAR: bool = true;
+
     /// One matrix product on the operands as stored (BLAS reads a transposed view through
     /// its transpose flag), the bias written first and added by the product's `beta`.
     fn linear_rows(
@@ -82,7 +104,7 @@ impl Kernels for NdArray {
         }
         let n = x.dims()[0];
         let out = weight.dims()[1];
-        let (x, w) = (Host::of(x), Host::of(weight));
+        let (x, w) = (Host::matrix_of(x), Host::matrix_of(weight));
         let (mut y, beta) = match bias {
             Some(bias) => {
                 let bias = Host::of(bias);
@@ -110,18 +132,26 @@ impl Kernels for NdArray {
         }
         let [n, d_in] = x.dims();
         let d_out = weight.dims()[1];
-        let (x, w, dy) = (Host::of(x), Host::of(weight), Host::of(dy));
+        let (x, w, dy) = (
+            Host::matrix_of(x),
+            Host::matrix_of(weight),
+            Host::matrix_of(dy),
+        );
         let mut dx = Array2::zeros((n, d_in));
         general_mat_mul(1.0, &dy.matrix(), &w.matrix().t(), 0.0, &mut dx);
-        let mut dw = Array2::zeros((d_in, d_out));
-        general_mat_mul(1.0, &x.matrix().t(), &dy.matrix(), 0.0, &mut dw);
-        let db = bias.then(|| {
-            let mut db = vec![0f32; d_out];
-            for row in dy.slice().chunks(d_out.max(1)) {
-                db.iter_mut().zip(row).for_each(|(a, b)| *a += b);
-            }
-            tensor(db, [d_out])
-        });
+        // The weight's gradient in the weight's own order: a transposed view (a tied
+        // embedding read as the output head) gets `(dyᵀ · x)ᵀ`, so the gradient reaches the
+        // embedding row-major, without a transposing copy.
+        let dw = if w.is_transposed() {
+            let mut dwt = Array2::zeros((d_out, d_in));
+            general_mat_mul(1.0, &dy.matrix().t(), &x.matrix(), 0.0, &mut dwt);
+            dwt.reversed_axes()
+        } else {
+            let mut dw = Array2::zeros((d_in, d_out));
+            general_mat_mul(1.0, &x.matrix().t(), &dy.matrix(), 0.0, &mut dw);
+            dw
+        };
+        let db = bias.then(|| tensor(dy.matrix().sum_axis(ndarray::Axis(0)).to_vec(), [d_out]));
         (matrix_tensor(dx), matrix_tensor(dw), db)
     }
 
@@ -176,8 +206,10 @@ impl Kernels for NdArray {
         let (xs, g, r, dys) = (x.slice(), gamma.slice(), inv.slice(), dy.slice());
         let mut dx = vec![0f32; n * d];
         let chunk = min_rows(d);
-        // dgamma: partial sums per chunk of rows, added up after.
-        let dgamma = dx
+        // dgamma: partial sums per fixed chunk of rows, added up in chunk order after, so
+        // the result does not depend on how rayon scheduled the chunks (runs repeat bit for
+        // bit).
+        let partials: Vec<Vec<f32>> = dx
             .par_chunks_mut(d.max(1) * chunk)
             .enumerate()
             .map(|(c, block)| {
@@ -197,13 +229,11 @@ impl Kernels for NdArray {
                 }
                 dg
             })
-            .reduce(
-                || vec![0f32; d],
-                |mut a, b| {
-                    a.iter_mut().zip(&b).for_each(|(a, b)| *a += b);
-                    a
-                },
-            );
+            .collect();
+        let mut dgamma = vec![0f32; d];
+        for part in &partials {
+            dgamma.iter_mut().zip(part).for_each(|(a, b)| *a += b);
+        }
         (tensor(dx, [n, d]), tensor(dgamma, [d]))
     }
 

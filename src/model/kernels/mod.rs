@@ -30,6 +30,13 @@ use burn::tensor::backend::Backend;
 /// dimensions into rows). Every method has the composed default; a backend overrides the
 /// ones it has native kernels for.
 pub trait Kernels: Backend {
+    /// Whether [`Kernels::linear_rows`] is a native kernel that reads its operands as stored,
+    /// transposed views included. The model then runs every linear layer on rows through
+    /// it, and the tied output head at any number of rows; otherwise it keeps burn's
+    /// `Linear` on the input's own rank (Flex's matrix product parallelises, and rounds,
+    /// by that shape).
+    const NATIVE_LINEAR: bool = false;
+
     /// `x · weight + bias` for `x` `[n, in]` and `weight` `[in, out]` (burn's layout).
     fn linear_rows(
         x: Tensor<Self, 2>,

@@ -100,6 +100,17 @@ fn linear<B: AutodiffBackend + Kernels>() {
         1e-5,
         "linear without bias",
     );
+    // A transposed weight: a tied embedding `[vocab, hidden]` read as the output head,
+    // whose gradient the CPU kernel writes in the embedding's own layout.
+    let x = random::<B, 2>([19, 12], 17);
+    let embedding = random::<B, 2>([30, 12], 18);
+    check(
+        vec![x, embedding],
+        |v| B::linear_rows(v[0].clone(), v[1].clone().transpose(), None),
+        |v| reference::linear(v[0].clone(), v[1].clone().transpose(), None),
+        1e-5,
+        "linear on a transposed weight",
+    );
 }
 
 fn rms_norm<B: AutodiffBackend + Kernels>() {

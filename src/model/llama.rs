@@ -29,31 +29,25 @@ pub struct Mlp<B: Backend> {
 }
 
 impl<B: Kernels> Mlp<B> {
-    fn forward(&self, x: Tensor<B, 3>) -> Tensor<B, 3> {
-        let gate = linear(&self.gate, x.clone());
-        let up = linear(&self.up, x);
-        let [b, l, f] = gate.dims();
-        let act = B::swiglu(gate.reshape([b * l, f]), up.reshape([b * l, f]));
-        linear(&self.down, act.reshape([b, l, f]))
+    /// On the rows `[b × l, hidden]` of a `[b, l]` batch.
+    fn forward(&self, x: Tensor<B, 2>, bl: [usize; 2]) -> Tensor<B, 2> {
+        let gate = linear(&self.gate, x.clone(), bl);
+        let up = linear(&self.up, x, bl);
+        linear(&self.down, B::swiglu(gate, up), bl)
     }
 }
 
-/// `layer` over the last dimension of `x`: on rows through the fused kernel where the
-/// backend has a native one (one matrix product each way), else burn's `Linear`.
-fn linear<B: Kernels, const D: usize>(layer: &Linear<B>, x: Tensor<B, D>) -> Tensor<B, D> {
-    if !B::NATIVE_LINEAR {
-        return layer.forward(x);
+/// `layer` on the rows `[b × l, in]` of a `[b, l]` batch: through the fused kernel where
+/// the backend has a native one (one matrix product each way), else burn's `Linear` on
+/// `[b, l, in]` (Flex's matrix product parallelises, and rounds, by that shape).
+fn linear<B: Kernels>(layer: &Linear<B>, x: Tensor<B, 2>, [b, l]: [usize; 2]) -> Tensor<B, 2> {
+    if B::NATIVE_LINEAR {
+        return B::linear_rows(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()));
     }
-    let dims = x.dims();
-    let rows = dims[..D - 1].iter().product();
-    let y = B::linear_rows(
-        x.reshape([rows, dims[D - 1]]),
-        layer.weight.val(),
-        layer.bias.as_ref().map(|b| b.val()),
-    );
-    let mut out = dims;
-    out[D - 1] = y.dims()[1];
-    y.reshape(out)
+    let d = x.dims()[1];
+    let y = layer.forward(x.reshape([b, l, d]));
+    let out = y.dims()[2];
+    y.reshape([b * l, out])
 }
 
 /// `norm` over the last dimension of `x` (the fused kernel on rows).
@@ -153,7 +147,8 @@ impl<B: Kernels> Attention<B> {
         bias: Tensor<B, 4>,
         layer_cache: Option<&mut (Tensor<B, 4>, Tensor<B, 4>)>,
     ) -> Tensor<B, 3> {
-        let [b, l, _] = x.dims();
+        let [b, l, d] = x.dims();
+        let x = x.reshape([b * l, d]);
         let (h, kvh, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let g = h / kvh;
         let norm = |t: Tensor<B, 4>, n: &Option<RmsNorm<B>>| match n {
@@ -163,7 +158,7 @@ impl<B: Kernels> Attention<B> {
         // Rotary positions also lay q and k out as `[b, heads, l, hd]`.
         let q = B::rope(
             norm(
-                linear(&self.q, x.clone()).reshape([b, l, h, hd]),
+                linear(&self.q, x.clone(), [b, l]).reshape([b, l, h, hd]),
                 &self.q_norm,
             ),
             cos.clone(),
@@ -171,13 +166,15 @@ impl<B: Kernels> Attention<B> {
         );
         let k = B::rope(
             norm(
-                linear(&self.k, x.clone()).reshape([b, l, kvh, hd]),
+                linear(&self.k, x.clone(), [b, l]).reshape([b, l, kvh, hd]),
                 &self.k_norm,
             ),
             cos,
             sin,
         );
-        let v = linear(&self.v, x).reshape([b, l, kvh, hd]).swap_dims(1, 2);
+        let v = linear(&self.v, x, [b, l])
+            .reshape([b, l, kvh, hd])
+            .swap_dims(1, 2);
         let (k, v) = match layer_cache {
             Some(cache) => {
                 let k = Tensor::cat(vec![cache.0.clone(), k], 2);
@@ -199,8 +196,8 @@ impl<B: Kernels> Attention<B> {
             .matmul(v)
             .reshape([b, h, l, hd])
             .swap_dims(1, 2)
-            .reshape([b, l, h * hd]);
-        linear(&self.o, out)
+            .reshape([b * l, h * hd]);
+        linear(&self.o, out, [b, l]).reshape([b, l, d])
     }
 }
 
@@ -233,7 +230,10 @@ impl<B: Kernels> Policy<B> {
     /// tied embedding).
     pub(crate) fn project(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         match &self.head {
-            Some(head) => linear(head, x),
+            Some(head) if B::NATIVE_LINEAR => {
+                B::linear_rows(x, head.weight.val(), head.bias.as_ref().map(|b| b.val()))
+            }
+            Some(head) => head.forward(x),
             // A few rows (a decode step): `(E · xᵀ)ᵀ` reads the embedding `[vocab, hidden]`
             // as stored. `x · Eᵀ` would hand the backend a transposed view of the whole
             // embedding, which Flex copies to contiguous memory on every call (544 MB per
@@ -336,7 +336,9 @@ impl<B: Kernels> Block<B> {
             + self
                 .attn
                 .forward(rms_norm(&self.attn_norm, x), cos, sin, bias, cache);
-        h.clone() + self.mlp.forward(rms_norm(&self.mlp_norm, h))
+        let [b, l, d] = h.dims();
+        let rows = rms_norm(&self.mlp_norm, h.clone()).reshape([b * l, d]);
+        h + self.mlp.forward(rows, [b, l]).reshape([b, l, d])
     }
 }
 

@@ -22,6 +22,30 @@ fn p<B: Kernels, const D: usize>(t: Tensor<B, D>) -> FloatTensor<B> {
     t.into_primitive().tensor()
 }
 
+/// The output `y` of a block as one graph node over `parents` whose backward is `op`,
+/// keeping `state` for it when any parent needs a gradient.
+fn record<B, C, O, const N: usize, const D: usize>(
+    op: O,
+    parents: [&FloatTensor<Autodiff<B, C>>; N],
+    state: O::State,
+    y: FloatTensor<B>,
+) -> Tensor<Autodiff<B, C>, D>
+where
+    B: Kernels,
+    C: CheckpointStrategy,
+    O: Backward<B, N>,
+{
+    let out = match op
+        .prepare::<C>(parents.map(|t| t.node.clone()))
+        .compute_bound()
+        .stateful()
+    {
+        OpsKind::Tracked(prep) => prep.finish(state, y),
+        OpsKind::UnTracked(prep) => prep.finish(y),
+    };
+    Tensor::from_primitive(TensorPrimitive::Float(out))
+}
+
 #[derive(Debug)]
 struct LinearBackward;
 
@@ -175,51 +199,29 @@ impl<B: Kernels, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
             weight.into_primitive().tensor(),
         );
         let state = (x.primitive.clone(), w.primitive.clone());
-        let out = match bias {
+        match bias {
             None => {
-                let y = p(B::linear_rows(t(x.primitive), t(w.primitive), None));
-                match LinearBackward
-                    .prepare::<C>([x.node.clone(), w.node.clone()])
-                    .compute_bound()
-                    .stateful()
-                {
-                    OpsKind::Tracked(prep) => prep.finish(state, y),
-                    OpsKind::UnTracked(prep) => prep.finish(y),
-                }
+                let y = B::linear_rows(t(x.primitive.clone()), t(w.primitive.clone()), None);
+                record(LinearBackward, [&x, &w], state, p(y))
             }
             Some(bias) => {
                 let bias = bias.into_primitive().tensor();
-                let y = p(B::linear_rows(
-                    t(x.primitive),
-                    t(w.primitive),
-                    Some(t(bias.primitive)),
-                ));
-                match LinearBiasBackward
-                    .prepare::<C>([x.node.clone(), w.node.clone(), bias.node.clone()])
-                    .compute_bound()
-                    .stateful()
-                {
-                    OpsKind::Tracked(prep) => prep.finish(state, y),
-                    OpsKind::UnTracked(prep) => prep.finish(y),
-                }
+                let y = B::linear_rows(
+                    t(x.primitive.clone()),
+                    t(w.primitive.clone()),
+                    Some(t(bias.primitive.clone())),
+                );
+                record(LinearBiasBackward, [&x, &w, &bias], state, p(y))
             }
-        };
-        Tensor::from_primitive(TensorPrimitive::Float(out))
+        }
     }
 
     fn rms_norm(x: Tensor<Self, 2>, gamma: Tensor<Self, 1>, eps: f64) -> Tensor<Self, 2> {
         let (x, gamma) = (x.into_primitive().tensor(), gamma.into_primitive().tensor());
         let (y, inv_rms) =
             B::rms_norm_saved(t(x.primitive.clone()), t(gamma.primitive.clone()), eps);
-        let out = match RmsNormBackward
-            .prepare::<C>([x.node.clone(), gamma.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish((x.primitive, gamma.primitive, p(inv_rms)), p(y)),
-            OpsKind::UnTracked(prep) => prep.finish(p(y)),
-        };
-        Tensor::from_primitive(TensorPrimitive::Float(out))
+        let state = (x.primitive.clone(), gamma.primitive.clone(), p(inv_rms));
+        record(RmsNormBackward, [&x, &gamma], state, p(y))
     }
 
     fn rope(x: Tensor<Self, 4>, cos: Tensor<Self, 3>, sin: Tensor<Self, 3>) -> Tensor<Self, 4> {
@@ -227,48 +229,25 @@ impl<B: Kernels, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
         // The tables are constants: their inner values only.
         let cos = p::<B, 3>(cos.inner());
         let sin = p::<B, 3>(sin.inner());
-        let y = B::rope(t(x.primitive), t(cos.clone()), t(sin.clone()));
-        let out = match RopeBackward
-            .prepare::<C>([x.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish((cos, sin), p(y)),
-            OpsKind::UnTracked(prep) => prep.finish(p(y)),
-        };
-        Tensor::from_primitive(TensorPrimitive::Float(out))
+        let y = B::rope(t(x.primitive.clone()), t(cos.clone()), t(sin.clone()));
+        record(RopeBackward, [&x], (cos, sin), p(y))
     }
 
     fn attn_softmax(scores: Tensor<Self, 4>, bias: Tensor<Self, 4>, scale: f64) -> Tensor<Self, 4> {
         let scores = scores.into_primitive().tensor();
-        let bias = bias.inner();
-        let probs = p(B::attn_softmax(t(scores.primitive), bias, scale));
-        let out = match SoftmaxBackward
-            .prepare::<C>([scores.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish((probs.clone(), scale), probs),
-            OpsKind::UnTracked(prep) => prep.finish(probs),
-        };
-        Tensor::from_primitive(TensorPrimitive::Float(out))
+        let probs = p(B::attn_softmax(
+            t(scores.primitive.clone()),
+            bias.inner(),
+            scale,
+        ));
+        record(SoftmaxBackward, [&scores], (probs.clone(), scale), probs)
     }
 
     fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
         let (gate, up) = (gate.into_primitive().tensor(), up.into_primitive().tensor());
-        let y = p(B::swiglu(
-            t(gate.primitive.clone()),
-            t(up.primitive.clone()),
-        ));
-        let out = match SwigluBackward
-            .prepare::<C>([gate.node.clone(), up.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish((gate.primitive, up.primitive), y),
-            OpsKind::UnTracked(prep) => prep.finish(y),
-        };
-        Tensor::from_primitive(TensorPrimitive::Float(out))
+        let y = B::swiglu(t(gate.primitive.clone()), t(up.primitive.clone()));
+        let state = (gate.primitive.clone(), up.primitive.clone());
+        record(SwigluBackward, [&gate, &up], state, p(y))
     }
 
     fn token_logprobs(
@@ -278,17 +257,12 @@ impl<B: Kernels, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
     ) -> Tensor<Self, 2> {
         let logits = logits.into_primitive().tensor();
         let (lp, lse) = B::token_logprobs_saved(t(logits.primitive.clone()), targets, temperature);
-        let out = match TokenLogprobsBackward
-            .prepare::<C>([logits.node.clone()])
-            .compute_bound()
-            .stateful()
-        {
-            OpsKind::Tracked(prep) => prep.finish(
-                (logits.primitive, p(lse), Arc::from(targets), temperature),
-                p(lp),
-            ),
-            OpsKind::UnTracked(prep) => prep.finish(p(lp)),
-        };
-        Tensor::from_primitive(TensorPrimitive::Float(out))
+        let state = (
+            logits.primitive.clone(),
+            p(lse),
+            Arc::from(targets),
+            temperature,
+        );
+        record(TokenLogprobsBackward, [&logits], state, p(lp))
     }
 }

@@ -42,12 +42,17 @@ impl<B: Kernels> Mlp<B> {
 /// `[b, l, in]` (Flex's matrix product parallelises, and rounds, by that shape).
 fn linear<B: Kernels>(layer: &Linear<B>, x: Tensor<B, 2>, [b, l]: [usize; 2]) -> Tensor<B, 2> {
     if B::NATIVE_LINEAR {
-        return B::linear_rows(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()));
+        return native_linear(layer, x);
     }
     let d = x.dims()[1];
     let y = layer.forward(x.reshape([b, l, d]));
     let out = y.dims()[2];
     y.reshape([b * l, out])
+}
+
+/// `layer` on rows through [`Kernels::linear_rows`].
+fn native_linear<B: Kernels>(layer: &Linear<B>, x: Tensor<B, 2>) -> Tensor<B, 2> {
+    B::linear_rows(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()))
 }
 
 /// `norm` over the last dimension of `x` (the fused kernel on rows).
@@ -230,9 +235,7 @@ impl<B: Kernels> Policy<B> {
     /// tied embedding).
     pub(crate) fn project(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
         match &self.head {
-            Some(head) if B::NATIVE_LINEAR => {
-                B::linear_rows(x, head.weight.val(), head.bias.as_ref().map(|b| b.val()))
-            }
+            Some(head) if B::NATIVE_LINEAR => native_linear(head, x),
             Some(head) => head.forward(x),
             // A few rows (a decode step): `(E · xᵀ)ᵀ` reads the embedding `[vocab, hidden]`
             // as stored. `x · Eᵀ` would hand the backend a transposed view of the whole

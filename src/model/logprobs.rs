@@ -4,7 +4,8 @@
 //! log-probs: logits are divided by the same temperature and, when the sampler recorded a
 //! mask (top-k/top-p truncation), renormalised over the same kept ids.
 
-use super::kernels::{Kernels, reference::logsumexp};
+use super::kernels::Kernels;
+use super::kernels::reference::{logsumexp, scaled, target_ids};
 use super::llama::{MASKED, Policy};
 use crate::schema::SamplingMask;
 use burn::tensor::{Int, Tensor, TensorData};
@@ -76,14 +77,8 @@ pub fn completion_logprobs<B: Kernels>(
     if seqs.iter().all(|s| s.mask.is_none()) {
         return (full * valid.clone(), valid);
     }
-    let scaled = if temperature > 0.0 && temperature != 1.0 {
-        logits.div_scalar(temperature)
-    } else {
-        logits
-    };
-    let target: Vec<i64> = target.iter().map(|&t| i64::from(t)).collect();
-    let target = Tensor::<B, 2, Int>::from_data(TensorData::new(target, [n, 1]), &device);
-    let tok = scaled.clone().gather(1, target);
+    let scaled = scaled(logits, temperature);
+    let tok = scaled.clone().gather(1, target_ids::<B>(&target, &device));
     // Renormalise over the kept ids: gather the kept logits per step (padded with the
     // sampled token, masked out) and take a log-sum-exp over them.
     let kmax = seqs

@@ -161,10 +161,16 @@ pub trait Kernels: Backend {
     }
 }
 
-/// The factor the logits are multiplied by: `1 / temperature`, or 1 when the temperature
-/// is not positive (greedy decoding records log-probs of the unscaled distribution).
+/// Whether log-probs at `temperature` are of the logits divided by it: not at 1, and not
+/// when it is not positive (greedy decoding records log-probs of the unscaled distribution).
+pub(crate) fn tempered(temperature: f32) -> bool {
+    temperature > 0.0 && temperature != 1.0
+}
+
+/// The factor the native kernels multiply the logits by: `1 / temperature` where
+/// [`tempered`], else 1.
 pub(crate) fn inv_temperature(temperature: f32) -> f32 {
-    if temperature > 0.0 && temperature != 1.0 {
+    if tempered(temperature) {
         1.0 / temperature
     } else {
         1.0

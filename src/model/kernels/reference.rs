@@ -130,15 +130,17 @@ pub fn swiglu_backward<B: Backend>(
     (dgate, dup)
 }
 
-fn scaled<B: Backend>(logits: Tensor<B, 2>, temperature: f32) -> Tensor<B, 2> {
-    if temperature > 0.0 && temperature != 1.0 {
+/// The logits divided by the temperature where [`tempered`](super::tempered).
+pub(crate) fn scaled<B: Backend>(logits: Tensor<B, 2>, temperature: f32) -> Tensor<B, 2> {
+    if super::tempered(temperature) {
         logits.div_scalar(temperature)
     } else {
         logits
     }
 }
 
-fn target_ids<B: Backend>(targets: &[u32], device: &B::Device) -> Tensor<B, 2, Int> {
+/// Token ids as a `[n, 1]` index tensor.
+pub(crate) fn target_ids<B: Backend>(targets: &[u32], device: &B::Device) -> Tensor<B, 2, Int> {
     let ids: Vec<i64> = targets.iter().map(|&t| i64::from(t)).collect();
     Tensor::from_data(TensorData::new(ids, [targets.len(), 1]), device)
 }

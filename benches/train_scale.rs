@@ -7,7 +7,15 @@
 //! cargo bench --bench train_scale -- generate DIR PROMPT NEW ROWS   # tokens/s, peak memory
 //! cargo bench --bench train_scale -- bf16 DIR OUT            # DIR's weights as bf16 in OUT
 //! cargo bench --bench train_scale -- weights DIR LRS STEPS STORE   # version sizes, publish-to-swap
+//! cargo bench --bench train_scale -- step-lora DIR MICRO STEPS RANK    # `step` training a LoRA adapter
+//! cargo bench --bench train_scale -- generate-lora DIR PROMPT NEW ROWS RANK  # merged vs unmerged adapter
 //! ```
+//!
+//! `step-lora` is `step` with a rank-RANK adapter (alpha 32) on every linear module and the
+//! base frozen; it also prints the adapter's parameters and the bytes of one adapter version
+//! on the wire in bf16 against a whole bf16 version. `generate-lora` times `generate` three
+//! ways in one process: the base alone, the base with an adapter applied unmerged in every
+//! forward pass, and the adapter merged into a copy of the base (plus the merge itself).
 //!
 //! `weights` trains DIR's model for STEPS steps at each learning rate of LRS (comma
 //! separated) on the fixed batch and publishes every version, bf16 with deltas, through
@@ -146,6 +154,11 @@ fn size_of(dir: &Path) -> (&'static str, u32) {
 
 /// The trainer's settings for DIR's model at `lr`, checkpointing to `ckpt`.
 fn trainer_settings(dir: &Path, ckpt: &Path, lr: f64, micro: usize) -> TrainerSettings {
+    lora_settings(dir, ckpt, lr, micro, 0)
+}
+
+/// [`trainer_settings`] training a rank-`rank` adapter (0: every weight).
+fn lora_settings(dir: &Path, ckpt: &Path, lr: f64, micro: usize, rank: usize) -> TrainerSettings {
     TrainerSettings {
         policy: PolicySettings {
             model: Some(dir.to_path_buf()),
@@ -155,15 +168,16 @@ fn trainer_settings(dir: &Path, ckpt: &Path, lr: f64, micro: usize) -> TrainerSe
             micro_batch_tokens: micro,
             lr,
             checkpoint_dir: ckpt.to_path_buf(),
+            lora_rank: rank,
             ..TrainConfig::default()
         },
     }
 }
 
-fn step(dir: &Path, micro: usize, steps: usize) {
+fn step(dir: &Path, micro: usize, steps: usize, rank: usize) {
     let (size, vocab) = size_of(dir);
     let ckpt = tempfile::tempdir().expect("tmp");
-    let settings = trainer_settings(dir, ckpt.path(), 1e-5, micro);
+    let settings = lora_settings(dir, ckpt.path(), 1e-5, micro, rank);
     let mut trainer = Trainer::start(&settings).expect("trainer");
     let groups = batch(size, vocab);
     let refs: Vec<&ScoredGroup> = groups.iter().collect();
@@ -185,9 +199,28 @@ fn step(dir: &Path, micro: usize, steps: usize) {
         eprintln!("step {i}: {:.3} s", t.elapsed().as_secs_f64());
     }
     times.sort_by(f64::total_cmp);
+    let cfg = trainer.model().config().clone();
+    let lora = match trainer.adapter() {
+        Some(a) => {
+            let params = a.spec.num_params(&cfg);
+            let blob = rlstream::model::hf::tensors_to_safetensors_as(
+                &trainer.model().valid().adapter_tensors().expect("adapter"),
+                WeightDtype::Bf16,
+            )
+            .expect("encode");
+            format!(
+                ", \"lora_rank\": {rank}, \"trainable_params\": {params}, \
+                 \"sync_bytes_bf16\": {}, \"full_bytes_bf16\": {}, \"sync_share\": {:.5}",
+                blob.len(),
+                cfg.num_params() * 2,
+                blob.len() as f64 / (cfg.num_params() * 2) as f64
+            )
+        }
+        None => format!(", \"trainable_params\": {}", cfg.num_params()),
+    };
     println!(
         "{{\"size\": \"{size}\", \"micro_batch_tokens\": {micro}, \"steps\": {steps}, \
-         \"step_s\": {:.4}, \"peak_rss_mb\": {:.0}, \"blas\": \"{}\"}}",
+         \"step_s\": {:.4}, \"peak_rss_mb\": {:.0}, \"blas\": \"{}\"{lora}}}",
         times[times.len() / 2],
         peak_rss_mb(),
         rlstream::cpu::blas_core().unwrap_or_else(|| "none".into())
@@ -213,6 +246,60 @@ fn load(dir: &Path) {
 /// stop token): one warm-up run of 4 tokens, then the timed run.
 fn generate(dir: &Path, prompt: usize, new: usize, rows: usize) {
     let model: Policy<InferBackend> = load_hf(dir, &Default::default()).expect("load");
+    let (secs, tokens) = time_generation(&model, prompt, new, rows);
+    println!(
+        "{{\"rows\": {rows}, \"prompt\": {prompt}, \"new\": {new}, \"tokens\": {tokens}, \
+         \"seconds\": {secs:.3}, \"tokens_per_s\": {:.2}, \"peak_rss_mb\": {:.0}}}",
+        tokens as f64 / secs,
+        peak_rss_mb()
+    );
+}
+
+/// Generation with a rank-`rank` adapter on every linear module (random, nonzero), applied
+/// unmerged and merged, against the base alone; see the module docs.
+fn generate_lora(dir: &Path, prompt: usize, new: usize, rows: usize, rank: usize) {
+    use rlstream::model::lora::{LoraSpec, Target};
+    let base: Policy<InferBackend> = load_hf(dir, &Default::default()).expect("load");
+    let spec = LoraSpec {
+        rank,
+        alpha: 32.0,
+        dropout: 0.0,
+        targets: Target::ALL.to_vec(),
+    };
+    let fresh = base
+        .clone()
+        .with_fresh_adapter(&spec, 1)
+        .expect("adapter");
+    // A trained adapter's B is not zero; the timing does not depend on the values.
+    let tensors = fresh.adapter_tensors().expect("tensors");
+    let tensors = tensors
+        .into_iter()
+        .map(|(n, mut t)| {
+            if n.contains(".lora_B.") {
+                t.data.iter_mut().enumerate().for_each(|(i, v)| *v = ((i % 7) as f32 - 3.0) * 1e-3);
+            }
+            (n, t)
+        })
+        .collect();
+    let t = Instant::now();
+    let unmerged = base.clone().with_adapter(&spec, &tensors).expect("adapter");
+    let attach_s = t.elapsed().as_secs_f64();
+    let t = Instant::now();
+    let merged = unmerged.merged();
+    let merge_s = t.elapsed().as_secs_f64() + attach_s;
+    let mut line = format!(
+        "{{\"rows\": {rows}, \"prompt\": {prompt}, \"new\": {new}, \"rank\": {rank}, \
+         \"attach_s\": {attach_s:.3}, \"merge_s\": {merge_s:.3}"
+    );
+    for (name, model) in [("base", &base), ("unmerged", &unmerged), ("merged", &merged)] {
+        let (secs, tokens) = time_generation(model, prompt, new, rows);
+        line += &format!(", \"{name}_tokens_per_s\": {:.2}", tokens as f64 / secs);
+    }
+    println!("{line}, \"peak_rss_mb\": {:.0}}}", peak_rss_mb());
+}
+
+/// Seconds and tokens of generating NEW tokens for ROWS rows after a warm-up run.
+fn time_generation(model: &Policy<InferBackend>, prompt: usize, new: usize, rows: usize) -> (f64, usize) {
     let vocab = model.config().vocab_size;
     let requests = |new: usize| -> Vec<Request> {
         (0..rows)
@@ -233,17 +320,11 @@ fn generate(dir: &Path, prompt: usize, new: usize, rows: usize) {
             })
             .collect()
     };
-    Generator::generate(&model, 0, &requests(4)).expect("warm-up");
+    Generator::generate(model, 0, &requests(4)).expect("warm-up");
     let t = Instant::now();
-    let out = Generator::generate(&model, 0, &requests(new)).expect("generate");
+    let out = Generator::generate(model, 0, &requests(new)).expect("generate");
     let secs = t.elapsed().as_secs_f64();
-    let tokens: usize = out.iter().map(|c| c.tokens.len()).sum();
-    println!(
-        "{{\"rows\": {rows}, \"prompt\": {prompt}, \"new\": {new}, \"tokens\": {tokens}, \
-         \"seconds\": {secs:.3}, \"tokens_per_s\": {:.2}, \"peak_rss_mb\": {:.0}}}",
-        tokens as f64 / secs,
-        peak_rss_mb()
-    );
+    (secs, out.iter().map(|c| c.tokens.len()).sum())
 }
 
 /// Trains and publishes versions through a store; see the module docs.
@@ -423,16 +504,32 @@ fn main() {
             Path::new(dir),
             micro.parse().expect("MICRO: a token count"),
             steps.parse().expect("STEPS: a count"),
+            0,
+        ),
+        ["step-lora", dir, micro, steps, rank] => step(
+            Path::new(dir),
+            micro.parse().expect("MICRO: a token count"),
+            steps.parse().expect("STEPS: a count"),
+            rank.parse().expect("RANK: a LoRA rank"),
+        ),
+        ["generate-lora", dir, prompt, new, rows, rank] => generate_lora(
+            Path::new(dir),
+            prompt.parse().expect("PROMPT: a token count"),
+            new.parse().expect("NEW: a token count"),
+            rows.parse().expect("ROWS: a count"),
+            rank.parse().expect("RANK: a LoRA rank"),
         ),
         // `cargo bench` with no arguments (as CI's build check runs it): a quick small run.
         [] => {
             let dir = tempfile::tempdir().expect("tmp");
             write("small", dir.path());
-            step(dir.path(), 0, 2);
+            step(dir.path(), 0, 2, 0);
+            step(dir.path(), 0, 2, 16);
         }
         _ => panic!(
             "usage: write SIZE DIR | step DIR MICRO STEPS | load DIR | \
-             generate DIR PROMPT NEW ROWS | bf16 DIR OUT | weights DIR LRS STEPS STORE"
+             generate DIR PROMPT NEW ROWS | bf16 DIR OUT | weights DIR LRS STEPS STORE | \
+             step-lora DIR MICRO STEPS RANK | generate-lora DIR PROMPT NEW ROWS RANK"
         ),
     }
 }

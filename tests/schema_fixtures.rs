@@ -74,6 +74,20 @@ fn weights_announce_1_0() {
 }
 
 #[test]
+fn weights_announce_lora() {
+    check("WeightsAnnounce.lora", examples::weights_announce_lora());
+}
+
+/// A 2.0 announce (this build writes 2.1) decodes to the same value with no adapter.
+#[test]
+fn weights_announce_2_0() {
+    let golden = std::fs::read(fixture_dir().join("WeightsAnnounce.v2_0.msgpack")).unwrap();
+    let decoded: schema::WeightsAnnounce = schema::decode(&golden).unwrap();
+    assert_eq!(decoded, examples::weights_announce_v2_0());
+    assert_eq!(decoded.lora, None);
+}
+
+#[test]
 fn dead_letter() {
     check("DeadLetter", examples::dead_letter());
 }

@@ -39,7 +39,7 @@ impl Args {
             bail!("gen needs --model DIR (a Hugging Face checkpoint, e.g. from `rlstream sft`)");
         };
         let (topo, bus) = connect(&cfg, Stage::Gen).await?;
-        let slot = gen_stage::initial_slot(&dir)?;
+        let slot = gen_stage::initial_slot(&dir, cfg.generator.adapter.as_deref())?;
         let s = gen_stage::run(
             &cfg.policy,
             &cfg.generator,

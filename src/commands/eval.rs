@@ -32,6 +32,9 @@ crate::settings! {
         /// Model directory: a Hugging Face checkpoint (`OUT/sft`, `OUT/checkpoints/step-N`).
         #[arg(value_name = "DIR")]
         pub model: Option<PathBuf> = None,
+        /// A PEFT adapter directory (a LoRA trainer's checkpoint) applied to --model, the base it was trained on.
+        #[arg(value_name = "DIR")]
+        pub adapter: Option<PathBuf> = None,
         /// Built-in task whose held-out prompts to evaluate on.
         pub task: Option<BuiltinTask> = None,
         /// JSONL dataset to evaluate on instead of a task (its first --prompts items).
@@ -299,6 +302,24 @@ pub fn evaluate(
     Ok(result)
 }
 
+/// `model`, with `adapter` merged in when given. A LoRA checkpoint given as the model is
+/// refused with the way to load it.
+pub fn load_model(model: &Path, adapter: Option<&Path>) -> Result<Policy<InferBackend>, ModelError> {
+    let device = Default::default();
+    match adapter {
+        Some(a) => Ok(crate::model::lora::load_with_adapter(model, a, &device)?.merged()),
+        None if model.join(crate::model::lora::ADAPTER_CONFIG).exists()
+            && !model.join("config.json").exists() =>
+        {
+            Err(ModelError::Unsupported(format!(
+                "{} is a LoRA adapter, not a model: pass the base it was trained on as --model and this directory as --adapter",
+                model.display()
+            )))
+        }
+        None => load_hf(model, &device),
+    }
+}
+
 /// `rlstream eval`: checks the options, loads the model, evaluates, writes `--json`.
 pub fn run(opts: &EvalOptions, display: DisplayMode) -> Result<EvalResult, EvalError> {
     let usage = |m: &str| Err(EvalError::Usage(m.to_string()));
@@ -311,7 +332,7 @@ pub fn run(opts: &EvalOptions, display: DisplayMode) -> Result<EvalResult, EvalE
     if !(opts.temperature.is_finite() && opts.temperature > 0.0) {
         return usage("--temperature must be > 0 (greedy results are always reported too)");
     }
-    let model: Policy<InferBackend> = load_hf(dir, &Default::default())?;
+    let model: Policy<InferBackend> = load_model(dir, opts.adapter.as_deref())?;
     let mut set = match (&opts.task, &opts.dataset) {
         (Some(_), Some(_)) => return usage("give --task or --dataset, not both"),
         (None, None) => {

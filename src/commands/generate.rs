@@ -2,7 +2,6 @@
 //! `--json`, token ids and behaviour log-probs.
 
 use crate::model::chat::ChatTemplate;
-use crate::model::hf::load_hf;
 use crate::model::sampler::{Generator, Request};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{InferBackend, ModelError, Policy};
@@ -16,6 +15,9 @@ pub struct GenerateOptions {
     /// Model directory: config.json, model.safetensors (or a sharded index), tokenizer.
     #[arg(long, value_name = "DIR")]
     pub model: PathBuf,
+    /// A PEFT adapter directory (e.g. a LoRA trainer's checkpoint) applied to --model.
+    #[arg(long, value_name = "DIR")]
+    pub adapter: Option<PathBuf>,
     /// Prompt text (encoded with the model's tokenizer as is).
     #[arg(long, conflicts_with_all = ["prompt_ids", "chat"])]
     pub prompt: Option<String>,
@@ -99,8 +101,8 @@ pub fn run(opts: &GenerateOptions, out: &mut impl Write) -> Result<(), GenerateE
     if opts.n == 0 || opts.max_new_tokens == 0 {
         return usage("--n and --max-new-tokens must be at least 1".into());
     }
-    let device = Default::default();
-    let model: Policy<InferBackend> = load_hf(&opts.model, &device)?;
+    let model: Policy<InferBackend> =
+        crate::commands::eval::load_model(&opts.model, opts.adapter.as_deref())?;
     let tokenizer = Tokenizer::load(&opts.model).ok();
     let rendered = match &opts.chat {
         Some(user) => Some(render_chat(opts, user)?),

@@ -20,7 +20,6 @@ use crate::commands::eval::{self, Estimate, EvalResult, EvalSampling, EvalSet};
 use crate::commands::sft::{self, SftOptions};
 use crate::config::Config;
 use crate::display::{DisplayMode, Phase};
-use crate::model::hf::load_hf;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{InferBackend, Policy};
 use crate::report::{self, ReportFiles, RunProgress, StepRow};
@@ -454,7 +453,7 @@ pub async fn run(
     shutdown: impl Future<Output = ()>,
 ) -> Result<RunOutcome, StageError> {
     let (cfg, model_dir, warm_start_s) = prepare(opts, cfg)?;
-    let slot = gen_stage::initial_slot(&model_dir)?;
+    let slot = gen_stage::initial_slot(&model_dir, cfg.generator.adapter.as_deref())?;
     let params = slot.load().policy.config().num_params();
     let held = HeldOutEval::new(opts, &cfg);
     let mut held_out: Vec<HeldOut> = held.of(0, &slot.load().policy)?.into_iter().collect();
@@ -478,7 +477,7 @@ pub async fn run(
 
     // The checkpoint nearest halfway, then the trainer's final weights (its last checkpoint).
     for (step, dir) in held_out_checkpoints(&cfg.train.checkpoint_dir) {
-        let policy: Policy<InferBackend> = load_hf(&dir, &Default::default())?;
+        let policy: Policy<InferBackend> = train::checkpoint::load_policy(&dir, &model_dir)?;
         held_out.extend(held.of(step, &policy)?);
     }
     let facts = RunFacts {

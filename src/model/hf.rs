@@ -193,6 +193,7 @@ impl<B: Backend> Policy<B> {
                     up: asm.linear(mlp("up")?, None),
                     down: asm.linear(mlp("down")?, None),
                 },
+                lora: None,
             });
         }
         let head = if cfg.tie_embeddings {
@@ -235,8 +236,12 @@ impl<B: Backend> Policy<B> {
         Self::from_owned_tensors(cfg, tensors, device)
     }
 
-    /// Every parameter by HF name, copied to the host.
+    /// Every parameter by HF name, copied to the host. A model with an adapter gives its
+    /// merged weights (what a plain Hugging Face model of it holds).
     pub fn to_tensors(&self) -> Result<TensorMap, ModelError> {
+        if self.has_adapter() {
+            return self.merged().to_tensors();
+        }
         let mut on_device: Vec<(String, Vec<usize>, TensorData)> = Vec::new();
         let mut put2 = |name: String, t: Tensor<B, 2>, transpose: bool| {
             let t = if transpose { t.transpose() } else { t };
@@ -346,7 +351,7 @@ impl<B: Backend> Policy<B> {
 
 /// The `[cols, rows]` transpose of a row-major `[rows, cols]` matrix, in 32 × 32 tiles so
 /// that reads and writes both stay in cache (a 0.5B model's linear weights are 358M values).
-fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+pub(crate) fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
     use rayon::prelude::*;
     const TILE: usize = 32;
     let mut out = vec![0f32; rows * cols];

@@ -8,6 +8,7 @@
 
 use super::config::PolicyConfig;
 use super::kernels::Kernels;
+use super::lora::{BlockLora, Lora};
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::backend::Backend;
@@ -29,11 +30,12 @@ pub struct Mlp<B: Backend> {
 }
 
 impl<B: Kernels> Mlp<B> {
-    /// On the rows `[b × l, hidden]` of a `[b, l]` batch.
-    fn forward(&self, x: Tensor<B, 2>, bl: [usize; 2]) -> Tensor<B, 2> {
-        let gate = linear(&self.gate, x.clone(), bl);
-        let up = linear(&self.up, x, bl);
-        linear(&self.down, B::swiglu(gate, up), bl)
+    /// On the rows `[b × l, hidden]` of a `[b, l]` batch, with the layer's adapters.
+    fn forward(&self, x: Tensor<B, 2>, bl: [usize; 2], lora: Option<&BlockLora<B>>) -> Tensor<B, 2> {
+        let gate = adapted(&self.gate, lora.and_then(|l| l.gate.as_ref()), x.clone(), bl);
+        let up = adapted(&self.up, lora.and_then(|l| l.up.as_ref()), x, bl);
+        let down = lora.and_then(|l| l.down.as_ref());
+        adapted(&self.down, down, B::swiglu(gate, up), bl)
     }
 }
 
@@ -48,6 +50,27 @@ fn linear<B: Kernels>(layer: &Linear<B>, x: Tensor<B, 2>, [b, l]: [usize; 2]) ->
     let y = layer.forward(x.reshape([b, l, d]));
     let out = y.dims()[2];
     y.reshape([b * l, out])
+}
+
+/// [`linear`] plus the adapter's `x · A · B · scale` when there is one (unmerged, as
+/// PEFT computes it; dropout on the adapter's input while training).
+fn adapted<B: Kernels>(
+    layer: &Linear<B>,
+    lora: Option<&Lora<B>>,
+    x: Tensor<B, 2>,
+    bl: [usize; 2],
+) -> Tensor<B, 2> {
+    let Some(lora) = lora else {
+        return linear(layer, x, bl);
+    };
+    let y = linear(layer, x.clone(), bl);
+    let x = if lora.dropout > 0.0 && B::ad_enabled(&x.device()) {
+        burn::nn::DropoutConfig::new(lora.dropout).init().forward(x)
+    } else {
+        x
+    };
+    let down = B::linear_rows(x, lora.a.val(), None).mul_scalar(lora.scale);
+    y + B::linear_rows(down, lora.b.val(), None)
 }
 
 /// `layer` on rows through [`Kernels::linear_rows`].
@@ -83,6 +106,8 @@ pub struct Block<B: Backend> {
     pub attn: Attention<B>,
     pub mlp_norm: RmsNorm<B>,
     pub mlp: Mlp<B>,
+    /// LoRA adapters on this layer's linear modules (see [`super::lora`]).
+    pub lora: Option<BlockLora<B>>,
 }
 
 /// The policy. Build it with [`Policy::from_tensors`] (checkpoints, weight blobs) or
@@ -151,8 +176,12 @@ impl<B: Kernels> Attention<B> {
         sin: Tensor<B, 3>,
         bias: Tensor<B, 4>,
         layer_cache: Option<&mut (Tensor<B, 4>, Tensor<B, 4>)>,
+        lora: Option<&BlockLora<B>>,
     ) -> Tensor<B, 3> {
         let [b, l, d] = x.dims();
+        let at = |layer: &Linear<B>, t: fn(&BlockLora<B>) -> Option<&Lora<B>>, x: Tensor<B, 2>| {
+            adapted(layer, lora.and_then(t), x, [b, l])
+        };
         let x = x.reshape([b * l, d]);
         let (h, kvh, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let g = h / kvh;
@@ -163,7 +192,7 @@ impl<B: Kernels> Attention<B> {
         // Rotary positions also lay q and k out as `[b, heads, l, hd]`.
         let q = B::rope(
             norm(
-                linear(&self.q, x.clone(), [b, l]).reshape([b, l, h, hd]),
+                at(&self.q, |l| l.q.as_ref(), x.clone()).reshape([b, l, h, hd]),
                 &self.q_norm,
             ),
             cos.clone(),
@@ -171,13 +200,13 @@ impl<B: Kernels> Attention<B> {
         );
         let k = B::rope(
             norm(
-                linear(&self.k, x.clone(), [b, l]).reshape([b, l, kvh, hd]),
+                at(&self.k, |l| l.k.as_ref(), x.clone()).reshape([b, l, kvh, hd]),
                 &self.k_norm,
             ),
             cos,
             sin,
         );
-        let v = linear(&self.v, x, [b, l])
+        let v = at(&self.v, |l| l.v.as_ref(), x)
             .reshape([b, l, kvh, hd])
             .swap_dims(1, 2);
         let (k, v) = match layer_cache {
@@ -202,7 +231,7 @@ impl<B: Kernels> Attention<B> {
             .reshape([b, h, l, hd])
             .swap_dims(1, 2)
             .reshape([b * l, h * hd]);
-        linear(&self.o, out, [b, l]).reshape([b, l, d])
+        at(&self.o, |l| l.o.as_ref(), out).reshape([b, l, d])
     }
 }
 
@@ -335,13 +364,14 @@ impl<B: Kernels> Block<B> {
         bias: Tensor<B, 4>,
         cache: Option<&mut (Tensor<B, 4>, Tensor<B, 4>)>,
     ) -> Tensor<B, 3> {
+        let lora = self.lora.as_ref();
         let h = x.clone()
             + self
                 .attn
-                .forward(rms_norm(&self.attn_norm, x), cos, sin, bias, cache);
+                .forward(rms_norm(&self.attn_norm, x), cos, sin, bias, cache, lora);
         let [b, l, d] = h.dims();
         let rows = rms_norm(&self.mlp_norm, h.clone()).reshape([b * l, d]);
-        h + self.mlp.forward(rows, [b, l]).reshape([b, l, d])
+        h + self.mlp.forward(rows, [b, l], lora).reshape([b, l, d])
     }
 }
 

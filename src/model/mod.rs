@@ -11,6 +11,7 @@
 //!   log-prob as fused backend operations with their own backward (native on NdArray).
 //! - [`logprobs`]: the trainer's teacher-forced log-probs, optionally renormalised over a
 //!   recorded sampling mask, with gradients.
+//! - [`lora`]: LoRA adapters (frozen base, low-rank updates), in PEFT's format on disk.
 //! - [`fault`]: catching a panicking forward pass, and the hook that injects one.
 //! - [`tokenizer`]: Hugging Face `tokenizer.json` and a built-in character tokenizer.
 
@@ -21,6 +22,7 @@ pub mod hf;
 pub mod kernels;
 pub mod llama;
 pub mod logprobs;
+pub mod lora;
 pub mod sampler;
 pub mod tokenizer;
 

@@ -144,6 +144,7 @@ pub fn weights_announce() -> WeightsAnnounce {
         keyframe: Some(5),
         stored_bytes: Some(81_920),
         stored_checksum: Some("fedcba9876543210".into()),
+        lora: None,
         started_us: EXAMPLE_TIME_US,
         published_us: EXAMPLE_TIME_US + 12_000,
     }
@@ -166,8 +167,48 @@ pub fn weights_announce_v1() -> WeightsAnnounce {
         keyframe: None,
         stored_bytes: None,
         stored_checksum: None,
+        lora: None,
         started_us: EXAMPLE_TIME_US,
         published_us: EXAMPLE_TIME_US + 12_000,
+    }
+}
+
+/// A delta version as schema 2.0 wrote it (the fixture this build's 2.1 replaced).
+pub fn weights_announce_v2_0() -> WeightsAnnounce {
+    WeightsAnnounce {
+        schema: SchemaVersion { major: 2, minor: 0 },
+        ..weights_announce()
+    }
+}
+
+/// An adapter version (schema 2.1): a rank-16 adapter on every linear module, bf16, in
+/// Redis chunks, for the base whose checksum it names.
+pub fn weights_announce_lora() -> WeightsAnnounce {
+    WeightsAnnounce {
+        schema: <WeightsAnnounce as super::Message>::SCHEMA,
+        version: 12,
+        step: 12,
+        kind: WeightsKind::Lora,
+        format: "lora-safetensors-bf16".into(),
+        dtype: "bf16".into(),
+        bytes: 17_596_416,
+        chunks: 5,
+        checksum: "00112233445566aa".into(),
+        store: "redis".into(),
+        base: None,
+        keyframe: None,
+        stored_bytes: None,
+        stored_checksum: None,
+        lora: Some(super::AdapterInfo {
+            rank: 16,
+            alpha: 32.0,
+            targets: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+                .map(String::from)
+                .to_vec(),
+            base_checksum: "9f8e7d6c5b4a3210".into(),
+        }),
+        started_us: EXAMPLE_TIME_US,
+        published_us: EXAMPLE_TIME_US + 9_000,
     }
 }
 

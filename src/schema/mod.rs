@@ -28,7 +28,7 @@ pub use prompt::Prompt;
 pub use rollout::{FinishReason, RolloutGroup, Sample, SamplingMask, SamplingParams, VersionRun};
 pub use scored::ScoredGroup;
 pub use step::{StepFieldError, StepRecord};
-pub use weights::{DELTA_FORMAT, WeightsAnnounce, WeightsKind};
+pub use weights::{AdapterInfo, DELTA_FORMAT, LORA_FORMAT_PREFIX, WeightsAnnounce, WeightsKind};
 
 use serde::{Deserialize, Serialize};
 use std::fmt;

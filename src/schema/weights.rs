@@ -12,6 +12,12 @@
 //! Schema 2.0: a 1.x reader would take a delta, or a version in a shared directory, for a
 //! full blob in Redis chunks, so the major changed. 1.x announces still decode (full
 //! versions in Redis).
+//!
+//! Schema 2.1 adds adapter versions (`kind` `lora`, format `lora-safetensors-f32` /
+//! `lora-safetensors-bf16`): the whole adapter in PEFT's tensor names, never a delta, and
+//! [`AdapterInfo`] (rank, alpha, target modules and the checksum of the base it applies
+//! to). A 2.0 reader does not know the format and refuses the version rather than
+//! misreading it, so the minor suffices.
 
 use super::{CodecError, Message, SchemaVersion};
 use serde::{Deserialize, Serialize};
@@ -51,10 +57,31 @@ pub struct WeightsAnnounce {
     /// xxh3-64 of a delta's stored bytes.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stored_checksum: Option<String>,
+    /// An adapter version's shape and base (schema 2.1; `kind` `lora` only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lora: Option<AdapterInfo>,
     /// When the trainer started and finished publishing, microseconds since the epoch.
     pub started_us: u64,
     pub published_us: u64,
 }
+
+/// What a generator needs besides the tensors to apply an adapter version.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct AdapterInfo {
+    /// LoRA rank r.
+    pub rank: u32,
+    /// Scaling numerator: the update is `(alpha / rank) · A · B`.
+    pub alpha: f32,
+    /// Target modules by Hugging Face name (`q_proj`, `down_proj`).
+    pub targets: Vec<String>,
+    /// xxh3-64 of the base weights the adapter applies to (every tensor by name and shape,
+    /// f32 values, in name order), 16 hex digits. A generator whose base differs refuses
+    /// the version.
+    pub base_checksum: String,
+}
+
+/// `format` prefix of an adapter version (`lora-safetensors-bf16`).
+pub const LORA_FORMAT_PREFIX: &str = "lora-";
 
 /// `format` of a delta object: zstd of the XOR of the version's bytes with its base's.
 pub const DELTA_FORMAT: &str = "xor-zstd";
@@ -91,7 +118,7 @@ pub enum WeightsKind {
 
 impl Message for WeightsAnnounce {
     const KIND: &'static str = "WeightsAnnounce";
-    const SCHEMA: SchemaVersion = SchemaVersion { major: 2, minor: 0 };
+    const SCHEMA: SchemaVersion = SchemaVersion { major: 2, minor: 1 };
     fn schema(&self) -> SchemaVersion {
         self.schema
     }
@@ -121,6 +148,47 @@ impl Message for WeightsAnnounce {
             Ok(())
         };
         hex16("checksum", &self.checksum)?;
+        match (&self.kind, &self.lora) {
+            (WeightsKind::Lora, Some(info)) => {
+                hex16("lora.base_checksum", &info.base_checksum)?;
+                if info.rank == 0 || !(info.alpha.is_finite() && info.alpha > 0.0) {
+                    return Err(CodecError::invalid(
+                        Self::KIND,
+                        "lora",
+                        format!("rank {} and alpha {} must be > 0", info.rank, info.alpha),
+                    ));
+                }
+                if info.targets.is_empty() {
+                    return Err(CodecError::invalid(
+                        Self::KIND,
+                        "lora.targets",
+                        "must name at least one module",
+                    ));
+                }
+                if self.is_delta() {
+                    return Err(CodecError::invalid(
+                        Self::KIND,
+                        "format",
+                        "an adapter version is always whole, never a delta",
+                    ));
+                }
+            }
+            (WeightsKind::Lora, None) => {
+                return Err(CodecError::invalid(
+                    Self::KIND,
+                    "lora",
+                    "an adapter version (kind lora) needs its rank, alpha, targets and base checksum",
+                ));
+            }
+            (WeightsKind::Full, Some(_)) => {
+                return Err(CodecError::invalid(
+                    Self::KIND,
+                    "lora",
+                    "a full version (kind full) carries no adapter fields",
+                ));
+            }
+            (WeightsKind::Full, None) => {}
+        }
         if let Some(c) = &self.stored_checksum {
             hex16("stored_checksum", c)?;
         }

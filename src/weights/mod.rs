@@ -32,11 +32,16 @@ pub use store::{BlobStore, DirStore, RedisStore};
 
 use crate::bus::{BusError, EntryId, RangeBound, SharedBus, Topology};
 use crate::model::hf::{
-    TensorMap, WeightDtype, checksum, tensors_checksum, tensors_to_safetensors_as,
+    TensorMap, WeightDtype, checksum, safetensors_to_tensors, tensors_checksum,
+    tensors_to_safetensors_as,
 };
+use crate::model::lora::{LoraSpec, Target};
 use crate::model::{ModelError, Policy, PolicyConfig};
 use crate::roles::{Stage, Stream};
-use crate::schema::{self, CodecError, DELTA_FORMAT, Message, WeightsAnnounce, WeightsKind};
+use crate::schema::{
+    self, AdapterInfo, CodecError, DELTA_FORMAT, LORA_FORMAT_PREFIX, Message, WeightsAnnounce,
+    WeightsKind,
+};
 use arc_swap::ArcSwap;
 use burn::tensor::backend::Backend;
 use bytes::Bytes;
@@ -59,16 +64,34 @@ pub fn full_format(dtype: WeightDtype) -> &'static str {
 /// The size of a whole version of a `cfg` model in `dtype` (the tensors; the safetensors
 /// header adds a few kilobytes).
 pub fn version_bytes(cfg: &PolicyConfig, dtype: WeightDtype) -> u64 {
-    let width = match dtype {
-        WeightDtype::F32 => 4,
-        WeightDtype::Bf16 => 2,
-    };
-    cfg.num_params() as u64 * width
+    params_bytes(cfg.num_params(), dtype)
 }
 
 /// Whether `format` is a whole version a follower can load.
 fn is_full_format(format: &str) -> bool {
     format == "safetensors-f32" || format == "safetensors-bf16"
+}
+
+/// Format tag of a whole adapter in `dtype`: a safetensors blob in PEFT's tensor names.
+pub fn lora_format(dtype: WeightDtype) -> String {
+    format!("{LORA_FORMAT_PREFIX}{}", full_format(dtype))
+}
+
+/// Format tag of an adapter handed over in process.
+pub const LORA_IN_PROCESS_FORMAT: &str = "lora-in-process-f32";
+
+/// Whether `format` is an object a follower reads whole (a full version or an adapter).
+fn is_whole_format(format: &str) -> bool {
+    is_full_format(format) || format.strip_prefix(LORA_FORMAT_PREFIX).is_some_and(is_full_format)
+}
+
+/// The size of a version of `params` parameters in `dtype`.
+pub fn params_bytes(params: usize, dtype: WeightDtype) -> u64 {
+    let width = match dtype {
+        WeightDtype::F32 => 4,
+        WeightDtype::Bf16 => 2,
+    };
+    params as u64 * width
 }
 
 /// How weights travel from the trainer to the generators.
@@ -111,6 +134,53 @@ impl LocalWeights {
 pub enum Payload {
     Blob(Vec<u8>),
     Tensors(TensorMap),
+    /// A LoRA trainer's version: the whole adapter.
+    Adapter(AdapterVersion),
+}
+
+/// An adapter version: its tensors (PEFT names and layout), shape, and the base it applies
+/// to.
+pub struct AdapterVersion {
+    pub tensors: TensorMap,
+    pub spec: LoraSpec,
+    /// [`Policy::base_checksum`] of the trainer's frozen base.
+    pub base_checksum: String,
+}
+
+impl AdapterVersion {
+    fn info(&self) -> AdapterInfo {
+        AdapterInfo {
+            rank: self.spec.rank as u32,
+            alpha: self.spec.alpha,
+            targets: self
+                .spec
+                .targets
+                .iter()
+                .map(|t| t.module().to_string())
+                .collect(),
+            base_checksum: self.base_checksum.clone(),
+        }
+    }
+}
+
+/// The adapter an announce describes (dropout 0: generators do not train).
+fn announced_spec(version: u64, info: &AdapterInfo) -> Result<LoraSpec, WeightsError> {
+    let spec = LoraSpec {
+        rank: info.rank as usize,
+        alpha: info.alpha,
+        dropout: 0.0,
+        targets: Target::parse_list(&info.targets.join(",")).map_err(|reason| {
+            WeightsError::Format {
+                version,
+                format: format!("adapter targets: {reason}"),
+            }
+        })?,
+    };
+    spec.validate().map_err(|reason| WeightsError::Format {
+        version,
+        format: format!("adapter: {reason}"),
+    })?;
+    Ok(spec)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -370,11 +440,53 @@ impl Publisher {
                     keyframe: None,
                     stored_bytes: None,
                     stored_checksum: None,
+                    lora: None,
                     started_us,
                     published_us: schema::now_us(),
                 };
                 self.announce(&announce).await?;
                 Ok(announce)
+            }
+            (Payload::Adapter(a), Transport::InProcess(local)) => {
+                let started_us = schema::now_us();
+                let bytes = a.tensors.values().map(|h| h.data.len() as u64 * 4).sum();
+                let checksum = tensors_checksum(&a.tensors);
+                let lora = Some(a.info());
+                local.put(version, Arc::new(a.tensors), self.keep);
+                let announce = WeightsAnnounce {
+                    schema: WeightsAnnounce::SCHEMA,
+                    version,
+                    step,
+                    kind: WeightsKind::Lora,
+                    format: LORA_IN_PROCESS_FORMAT.into(),
+                    dtype: "f32".into(),
+                    bytes,
+                    chunks: 1,
+                    checksum,
+                    store: "memory".into(),
+                    base: None,
+                    keyframe: None,
+                    stored_bytes: None,
+                    stored_checksum: None,
+                    lora,
+                    started_us,
+                    published_us: schema::now_us(),
+                };
+                self.announce(&announce).await?;
+                Ok(announce)
+            }
+            (Payload::Adapter(a), Transport::Bus | Transport::Store(_)) => {
+                let started_us = schema::now_us();
+                let dtype = self.dtype;
+                let lora = a.info();
+                let tensors = a.tensors;
+                let blob = tokio::task::spawn_blocking(move || {
+                    tensors_to_safetensors_as(&tensors, dtype)
+                })
+                .await
+                .map_err(|e| ModelError::Unsupported(format!("weights encoder failed: {e}")))??;
+                self.publish_whole(version, step, blob, started_us, Some(lora))
+                    .await
             }
             (Payload::Blob(b), _) => self.publish_blob(version, step, b, schema::now_us()).await,
             (Payload::Tensors(t), Transport::Bus | Transport::Store(_)) => {
@@ -481,6 +593,20 @@ impl Publisher {
         blob: Vec<u8>,
         started_us: u64,
     ) -> Result<WeightsAnnounce, WeightsError> {
+        self.publish_whole(version, step, blob, started_us, None)
+            .await
+    }
+
+    /// [`Publisher::publish_blob`] for a full version (`lora` `None`) or a whole adapter
+    /// (never a delta).
+    async fn publish_whole(
+        &mut self,
+        version: u64,
+        step: u64,
+        blob: Vec<u8>,
+        started_us: u64,
+        lora: Option<AdapterInfo>,
+    ) -> Result<WeightsAnnounce, WeightsError> {
         let began = Instant::now();
         let full = blob.len() as u64;
         self.check_fits(full)?;
@@ -491,8 +617,8 @@ impl Publisher {
             tokio::task::spawn_blocking(move || checksum(&b))
         };
         let mut object: Option<(Arc<Vec<u8>>, u64, u64)> = None;
-        if let (true, Some((base, prev)), Some((keyframe, chain))) =
-            (self.cfg.delta, &self.prev, self.keyframe)
+        if let (true, None, Some((base, prev)), Some((keyframe, chain))) =
+            (self.cfg.delta, &lora, &self.prev, self.keyframe)
             && version > *base
             && version - keyframe < self.cfg.keyframe_every
             && !self.keyframe_requested().await?
@@ -531,9 +657,15 @@ impl Publisher {
             schema: WeightsAnnounce::SCHEMA,
             version,
             step,
-            kind: WeightsKind::Full,
+            kind: if lora.is_some() {
+                WeightsKind::Lora
+            } else {
+                WeightsKind::Full
+            },
             format: if base.is_some() {
                 DELTA_FORMAT.into()
+            } else if lora.is_some() {
+                lora_format(self.dtype)
             } else {
                 full_format(self.dtype).into()
             },
@@ -549,6 +681,7 @@ impl Publisher {
             keyframe,
             stored_bytes: base.map(|_| stored_bytes),
             stored_checksum,
+            lora: lora.clone(),
             started_us,
             published_us: schema::now_us(),
         };
@@ -570,7 +703,7 @@ impl Publisher {
                 self.bus.delete(&[keyframe_request_key(&self.topo)]).await?;
             }
         }
-        self.prev = self.cfg.delta.then_some((version, blob));
+        self.prev = (self.cfg.delta && lora.is_none()).then_some((version, blob));
         self.collect().await?;
         crate::metrics::weights_published(base.is_some(), stored_bytes, encode_s);
         crate::metrics::weights_store(self.held_bytes(), self.cfg.max_bytes);
@@ -713,6 +846,8 @@ pub struct Versioned<B: Backend> {
 pub struct ModelSlot<B: Backend> {
     model: Arc<ArcSwap<Versioned<B>>>,
     version: Arc<tokio::sync::watch::Sender<u64>>,
+    /// The pristine base adapter versions apply to, until a follower takes it.
+    base: Arc<Mutex<Option<Policy<B>>>>,
 }
 
 impl<B: Backend> Clone for ModelSlot<B> {
@@ -720,17 +855,32 @@ impl<B: Backend> Clone for ModelSlot<B> {
         ModelSlot {
             model: self.model.clone(),
             version: self.version.clone(),
+            base: self.base.clone(),
         }
     }
 }
 
 impl<B: Backend> ModelSlot<B> {
+    /// A slot starting at `model`, which is also the base adapter versions apply to.
     pub fn new(model: Versioned<B>) -> Self {
+        let base = model.policy.without_adapter();
+        Self::with_base(model, base)
+    }
+
+    /// A slot starting at `model` (e.g. a base with a starting adapter merged in) whose
+    /// adapter versions apply to `base`.
+    pub fn with_base(model: Versioned<B>, base: Policy<B>) -> Self {
         let version = tokio::sync::watch::Sender::new(model.version);
         ModelSlot {
             model: Arc::new(ArcSwap::from_pointee(model)),
             version: Arc::new(version),
+            base: Arc::new(Mutex::new(Some(base))),
         }
+    }
+
+    /// Takes the base out of the slot (the follower keeps it).
+    fn take_base(&self) -> Option<Policy<B>> {
+        self.base.lock().unwrap_or_else(|p| p.into_inner()).take()
     }
 
     /// The current model.
@@ -776,6 +926,11 @@ pub struct Follower<B: Backend> {
     /// The newest version announced and not rejected: how far the trainer is ahead of the
     /// slot, for the generator's in-flight bound.
     announced: Arc<AtomicU64>,
+    /// The pristine base adapter versions apply to (each is merged into a fresh copy of
+    /// it, so versions never accumulate), and its checksum once computed. Dropped when a
+    /// full version is swapped in: a full fine-tuning trainer sends no adapters.
+    base: Option<Arc<Policy<B>>>,
+    base_checksum: Option<String>,
 }
 
 /// How many announces a follower remembers (a chain is at most `keyframe_every` long).
@@ -787,6 +942,7 @@ where
 {
     pub fn new(bus: SharedBus, topo: Topology, config: PolicyConfig, slot: ModelSlot<B>) -> Self {
         let version = slot.load().version;
+        let base = slot.take_base().map(Arc::new);
         let redis = Arc::new(RedisStore {
             bus: bus.clone(),
             topo: topo.clone(),
@@ -807,7 +963,117 @@ where
             phases: Vec::new(),
             rejected: 0,
             announced: Arc::new(AtomicU64::new(version)),
+            base,
+            base_checksum: None,
         }
+    }
+
+    /// The checksum of the base, computed once (off the async threads).
+    async fn base_checksum(&mut self, base: &Arc<Policy<B>>) -> Result<String, WeightsError> {
+        if let Some(c) = &self.base_checksum {
+            return Ok(c.clone());
+        }
+        let b = base.clone();
+        let c = tokio::task::spawn_blocking(move || b.base_checksum())
+            .await
+            .map_err(|e| ModelError::Unsupported(format!("checksum task failed: {e}")))??;
+        self.base_checksum = Some(c.clone());
+        Ok(c)
+    }
+
+    /// Takes an adapter version: refused unless it names this generator's base; fetched
+    /// whole, verified, and merged into a fresh copy of the base.
+    async fn sync_adapter(
+        &mut self,
+        a: WeightsAnnounce,
+        current: u64,
+    ) -> Result<Option<u64>, WeightsError> {
+        let version = a.version;
+        let Some(info) = a.lora.clone() else {
+            self.reject();
+            tracing::error!(version, "an adapter version without its adapter fields; keeping version {current}");
+            return Ok(None);
+        };
+        let Some(base) = self.base.clone() else {
+            self.reject();
+            tracing::error!(
+                version,
+                "version {version} is a LoRA adapter and this generator holds no base model to apply it to: start gen with --model DIR, the trainer's base; keeping version {current}"
+            );
+            return Ok(None);
+        };
+        let mine = self.base_checksum(&base).await?;
+        if mine != info.base_checksum {
+            self.reject();
+            crate::metrics::error(Stage::Gen, "adapter_base_mismatch");
+            tracing::error!(
+                version,
+                adapter_base = %info.base_checksum,
+                generator_base = %mine,
+                "refused adapter version {version}: it applies to base {} but this generator's base is {mine}; start gen with the --model the trainer trains on; keeping version {current}",
+                info.base_checksum
+            );
+            return Ok(None);
+        }
+        let spec = match announced_spec(version, &info) {
+            Ok(s) => s,
+            Err(e) => {
+                self.reject();
+                tracing::error!(version, error = %e, "rejected adapter version; keeping version {current}");
+                return Ok(None);
+            }
+        };
+        let tensors = if a.format == LORA_IN_PROCESS_FORMAT {
+            let local = match &self.transport {
+                Transport::InProcess(local) => local.get(version),
+                Transport::Bus | Transport::Store(_) => None,
+            };
+            let Some(tensors) = local else {
+                self.reject();
+                tracing::error!(version, "the adapter was handed over in another process's memory and cannot be read here; keeping version {current}");
+                return Ok(None);
+            };
+            let found = tensors_checksum(&tensors);
+            if found != a.checksum {
+                self.reject();
+                tracing::error!(version, expected = %a.checksum, %found, "rejected adapter version: checksum mismatch; keeping version {current}");
+                return Ok(None);
+            }
+            tensors
+        } else {
+            let blob = match self.assemble(&a).await {
+                Ok(b) => b,
+                Err(e) if e.is_version_fault() => {
+                    self.reject();
+                    tracing::error!(version, error = %e, "rejected adapter version; keeping version {current}");
+                    return Ok(None);
+                }
+                Err(e @ WeightsError::MissingChunk { .. }) => {
+                    crate::metrics::error(Stage::Gen, "weights_unavailable");
+                    tracing::warn!(version, error = %e, "adapter version no longer in the store; keeping version {current} until the next");
+                    return Ok(None);
+                }
+                Err(e) => return Err(e),
+            };
+            let t = Instant::now();
+            let decoded = tokio::task::spawn_blocking(move || safetensors_to_tensors(&blob, None))
+                .await
+                .map_err(|e| ModelError::Unsupported(format!("decode task failed: {e}")))?;
+            self.phase("decode", t.elapsed().as_secs_f64());
+            match decoded {
+                Ok(t) => Arc::new(t),
+                Err(e) => {
+                    self.reject();
+                    tracing::error!(version, error = %e, "rejected adapter version; keeping version {current}");
+                    return Ok(None);
+                }
+            }
+        };
+        self.build(version, current, move |_, _| {
+            let adapted = base.as_ref().clone().with_adapter(&spec, &tensors)?;
+            Ok((adapted.merged(), None))
+        })
+        .await
     }
 
     /// Reads versions from the stores `cfg` names; with `delta` off, keeps no copy of the
@@ -908,6 +1174,9 @@ where
         a: WeightsAnnounce,
         current: u64,
     ) -> Result<Option<u64>, WeightsError> {
+        if a.kind == WeightsKind::Lora {
+            return self.sync_adapter(a, current).await;
+        }
         if a.format == IN_PROCESS_FORMAT {
             let local = match &self.transport {
                 Transport::InProcess(local) => local.get(a.version),
@@ -933,11 +1202,15 @@ where
                 tracing::error!(version = a.version, error = %e, "rejected new weights; keeping version {current}");
                 return Ok(None);
             }
-            return self
+            let swapped = self
                 .build(a.version, current, move |cfg, dev| {
                     Policy::<B>::from_tensors(cfg, &tensors, dev).map(|p| (p, None))
                 })
-                .await;
+                .await?;
+            if swapped.is_some() {
+                self.base = None;
+            }
+            return Ok(swapped);
         }
         let blob = match self.assemble(&a).await {
             Ok(b) => b,
@@ -960,11 +1233,16 @@ where
         };
         let keep = self.keep_bytes;
         let version = a.version;
-        self.build(version, current, move |cfg, dev| {
-            let p = Policy::<B>::from_bytes(cfg, &blob, dev)?;
-            Ok((p, keep.then_some((version, blob))))
-        })
-        .await
+        let swapped = self
+            .build(version, current, move |cfg, dev| {
+                let p = Policy::<B>::from_bytes(cfg, &blob, dev)?;
+                Ok((p, keep.then_some((version, blob))))
+            })
+            .await?;
+        if swapped.is_some() {
+            self.base = None;
+        }
+        Ok(swapped)
     }
 
     fn store_for(&self, a: &WeightsAnnounce) -> Result<Arc<dyn BlobStore>, WeightsError> {
@@ -992,7 +1270,7 @@ where
         let mut at = a.clone();
         let from_held = loop {
             if !at.is_delta() {
-                if !is_full_format(&at.format) {
+                if !is_whole_format(&at.format) || (at.kind == WeightsKind::Lora) != (a.kind == WeightsKind::Lora) {
                     return Err(WeightsError::Format {
                         version: at.version,
                         format: at.format.clone(),

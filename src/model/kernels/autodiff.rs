@@ -57,11 +57,11 @@ impl<B: Kernels> Backward<B, 2> for LinearBackward {
         let [px, pw] = ops.parents;
         let dy = grads.consume::<B>(&ops.node);
         let (x, w) = ops.state;
-        let (dx, dw, _) = B::linear_rows_backward(t(x), t(w), false, t(dy));
+        let (dx, dw, _) = B::linear_rows_backward(t(x), t(w), pw.is_some(), false, t(dy));
         if let Some(node) = px {
             grads.register::<B>(node.id, p(dx));
         }
-        if let Some(node) = pw {
+        if let (Some(node), Some(dw)) = (pw, dw) {
             grads.register::<B>(node.id, p(dw));
         }
     }
@@ -78,11 +78,11 @@ impl<B: Kernels> Backward<B, 3> for LinearBiasBackward {
         let [px, pw, pb] = ops.parents;
         let dy = grads.consume::<B>(&ops.node);
         let (x, w) = ops.state;
-        let (dx, dw, db) = B::linear_rows_backward(t(x), t(w), true, t(dy));
+        let (dx, dw, db) = B::linear_rows_backward(t(x), t(w), pw.is_some(), true, t(dy));
         if let Some(node) = px {
             grads.register::<B>(node.id, p(dx));
         }
-        if let Some(node) = pw {
+        if let (Some(node), Some(dw)) = (pw, dw) {
             grads.register::<B>(node.id, p(dw));
         }
         if let (Some(node), Some(db)) = (pb, db) {

@@ -124,11 +124,12 @@ impl Kernels for NdArray {
     fn linear_rows_backward(
         x: Tensor<Self, 2>,
         weight: Tensor<Self, 2>,
+        weight_grad: bool,
         bias: bool,
         dy: Tensor<Self, 2>,
-    ) -> (Tensor<Self, 2>, Tensor<Self, 2>, Option<Tensor<Self, 1>>) {
+    ) -> super::LinearGrads<Self> {
         if !all_f32(&[x.dtype(), weight.dtype(), dy.dtype()]) {
-            return reference::linear_backward(x, weight, bias, dy);
+            return reference::linear_backward(x, weight, weight_grad, bias, dy);
         }
         let [n, d_in] = x.dims();
         let d_out = weight.dims()[1];
@@ -142,17 +143,19 @@ impl Kernels for NdArray {
         // The weight's gradient in the weight's own order: a transposed view (a tied
         // embedding read as the output head) gets `(dyᵀ · x)ᵀ`, so the gradient reaches the
         // embedding row-major, without a transposing copy.
-        let dw = if w.is_transposed() {
+        let dw = if !weight_grad {
+            None
+        } else if w.is_transposed() {
             let mut dwt = Array2::zeros((d_out, d_in));
             general_mat_mul(1.0, &dy.matrix().t(), &x.matrix(), 0.0, &mut dwt);
-            dwt.reversed_axes()
+            Some(dwt.reversed_axes())
         } else {
             let mut dw = Array2::zeros((d_in, d_out));
             general_mat_mul(1.0, &x.matrix().t(), &dy.matrix(), 0.0, &mut dw);
-            dw
+            Some(dw)
         };
         let db = bias.then(|| tensor(dy.matrix().sum_axis(ndarray::Axis(0)).to_vec(), [d_out]));
-        (matrix_tensor(dx), matrix_tensor(dw), db)
+        (matrix_tensor(dx), dw.map(matrix_tensor), db)
     }
 
     fn rms_norm(x: Tensor<Self, 2>, gamma: Tensor<Self, 1>, eps: f64) -> Tensor<Self, 2> {

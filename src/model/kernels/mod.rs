@@ -26,6 +26,10 @@ pub mod reference;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
+/// The gradients of a linear layer on rows: input, weight (when wanted), bias (when it
+/// has one).
+pub type LinearGrads<B> = (Tensor<B, 2>, Option<Tensor<B, 2>>, Option<Tensor<B, 1>>);
+
 /// The decoder's fused blocks. Shapes are fixed by the caller (the model flattens leading
 /// dimensions into rows). Every method has the composed default; a backend overrides the
 /// ones it has native kernels for.
@@ -46,15 +50,17 @@ pub trait Kernels: Backend {
         reference::linear(x, weight, bias)
     }
 
-    /// Gradients of `x`, `weight` and (when `bias`) the bias from the output's gradient
-    /// `dy` `[n, out]`.
+    /// Gradients of `x`, of `weight` (when `weight_grad`: a frozen weight, such as a LoRA
+    /// base, needs none) and of the bias (when `bias`) from the output's gradient `dy`
+    /// `[n, out]`.
     fn linear_rows_backward(
         x: Tensor<Self, 2>,
         weight: Tensor<Self, 2>,
+        weight_grad: bool,
         bias: bool,
         dy: Tensor<Self, 2>,
-    ) -> (Tensor<Self, 2>, Tensor<Self, 2>, Option<Tensor<Self, 1>>) {
-        reference::linear_backward(x, weight, bias, dy)
+    ) -> LinearGrads<Self> {
+        reference::linear_backward(x, weight, weight_grad, bias, dy)
     }
 
     /// RMSNorm over the rows of `x` `[n, d]`: `x / sqrt(mean(x²) + eps) * gamma`.

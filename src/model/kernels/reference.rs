@@ -24,12 +24,13 @@ pub fn linear<B: Backend>(
 pub fn linear_backward<B: Backend>(
     x: Tensor<B, 2>,
     weight: Tensor<B, 2>,
+    weight_grad: bool,
     bias: bool,
     dy: Tensor<B, 2>,
-) -> (Tensor<B, 2>, Tensor<B, 2>, Option<Tensor<B, 1>>) {
+) -> super::LinearGrads<B> {
     let db = bias.then(|| dy.clone().sum_dim(0).squeeze_dim(0));
     let dx = dy.clone().matmul(weight.transpose());
-    let dw = x.transpose().matmul(dy);
+    let dw = weight_grad.then(|| x.transpose().matmul(dy));
     (dx, dw, db)
 }
 

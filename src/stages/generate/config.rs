@@ -31,6 +31,9 @@ crate::settings! {
         pub max_batch: usize = 64,
         /// A prompt too long for the context and max_new_tokens: keep it whole (`none`) or cut its start (`left`).
         pub truncate_prompt: TruncatePrompt = TruncatePrompt::None,
+        /// A PEFT adapter directory applied to --model before the first version arrives (adapter versions from a LoRA trainer replace it).
+        #[arg(value_name = "DIR")]
+        pub adapter: Option<std::path::PathBuf> = None,
         /// Consumer name, unique per generator process.
         pub name: String = "gen-0".into(),
     }

@@ -68,10 +68,26 @@ pub struct GenSummary {
     pub final_version: u64,
 }
 
-/// The model slot of a generator started from `model_dir`, at version 0.
-pub fn initial_slot(model_dir: &std::path::Path) -> Result<ModelSlot<InferBackend>, StageError> {
-    let policy: Policy<InferBackend> = load_hf(model_dir, &Default::default())?;
-    Ok(ModelSlot::new(Versioned { version: 0, policy }))
+/// The model slot of a generator started from `model_dir`, at version 0, with the PEFT
+/// adapter in `adapter` merged in when there is one (adapter versions then still apply to
+/// the pristine base).
+pub fn initial_slot(
+    model_dir: &std::path::Path,
+    adapter: Option<&std::path::Path>,
+) -> Result<ModelSlot<InferBackend>, StageError> {
+    let base: Policy<InferBackend> = load_hf(model_dir, &Default::default())?;
+    Ok(match adapter {
+        None => ModelSlot::new(Versioned {
+            version: 0,
+            policy: base,
+        }),
+        Some(dir) => {
+            let (spec, tensors) = crate::model::lora::read_adapter(dir)?;
+            let policy = base.clone().with_adapter(&spec, &tensors)?.merged();
+            tracing::info!(adapter = %dir.display(), rank = spec.rank, "starting from an adapter");
+            ModelSlot::with_base(Versioned { version: 0, policy }, base)
+        }
+    })
 }
 
 /// The weights follower: fetches, verifies and builds new versions off the decode thread

@@ -46,6 +46,20 @@ pub enum CheckpointError {
     NoModel(PathBuf),
     #[error("--kl-coef needs --model (the reference policy)")]
     NoReference,
+    #[error(
+        "{} is a LoRA checkpoint: it holds the adapter, not the model; pass the base it was trained on with --model DIR",
+        .0.display()
+    )]
+    LoraBase(PathBuf),
+    #[error(
+        "{} holds a full fine-tuning checkpoint but LoRA was asked for (--lora-rank/--lora-from); use another --checkpoint-dir",
+        .0.display()
+    )]
+    NotLora(PathBuf),
+    #[error(
+        "the LoRA checkpoint was trained on base {saved} but --model is base {found}: pass the base it was trained on"
+    )]
+    BaseMismatch { saved: String, found: String },
     #[error(transparent)]
     Model(#[from] ModelError),
 }
@@ -195,5 +209,19 @@ mod tests {
         std::fs::write(dir.join(STATE_FILE), "{").unwrap();
         let e = read_state(&dir).unwrap_err().to_string();
         assert!(e.contains("state.json"), "{e}");
+    }
+}
+
+/// The policy checkpoint `dir` holds, for generation: its model, or, for a LoRA checkpoint,
+/// `base` with the adapter merged in.
+pub fn load_policy<B: burn::tensor::backend::Backend>(
+    dir: &Path,
+    base: &Path,
+) -> Result<crate::model::Policy<B>, CheckpointError> {
+    let device = Default::default();
+    if dir.join(crate::model::lora::ADAPTER_FILE).exists() {
+        Ok(crate::model::lora::load_with_adapter::<B>(base, dir, &device)?.merged())
+    } else {
+        Ok(crate::model::hf::load_hf(dir, &device)?)
     }
 }

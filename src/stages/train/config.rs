@@ -50,6 +50,17 @@ crate::settings! {
         pub checkpoint_dir: PathBuf = PathBuf::from("checkpoints"),
         /// Stop after this many steps (0 runs until stopped).
         pub steps: u64 = 0,
+        /// LoRA: train rank-r adapters on a frozen base instead of every weight, and publish only the adapter (0: full fine-tuning; 16-32 is usual for RL).
+        pub lora_rank: usize = 0,
+        /// LoRA scaling numerator: the update is (alpha / rank) · A · B.
+        pub lora_alpha: f32 = 32.0,
+        /// Dropout on the adapters' input while training (0 for RL, so the trainer's forward is the sampler's).
+        pub lora_dropout: f32 = 0.0,
+        /// Modules the adapters sit on: all-linear, or a list of q,k,v,o,gate,up,down.
+        pub lora_targets: String = "all-linear".into(),
+        /// Start from this PEFT adapter directory (its adapter_config.json sets rank, alpha and targets) instead of a fresh adapter.
+        #[arg(value_name = "DIR")]
+        pub lora_from: Option<PathBuf> = None,
         /// Consumer name, unique per trainer process.
         pub name: String = "train-0".into(),
     }
@@ -82,6 +93,33 @@ impl TrainConfig {
                 "publish_every, checkpoint_every and keep_versions must be at least 1",
             ));
         }
+        if self.lora_from.is_none() && self.lora_rank > 0 {
+            self.lora_spec()
+                .map_err(|reason| invalid("train.lora_targets", reason))?;
+        }
+        if !(0.0..1.0).contains(&self.lora_dropout) {
+            return Err(invalid("train.lora_dropout", "must be in [0, 1)"));
+        }
+        if !(self.lora_alpha.is_finite() && self.lora_alpha > 0.0) {
+            return Err(invalid("train.lora_alpha", "must be > 0"));
+        }
         Ok(())
+    }
+
+    /// Whether the trainer trains adapters (a rank, or an adapter to start from).
+    pub fn lora(&self) -> bool {
+        self.lora_rank > 0 || self.lora_from.is_some()
+    }
+
+    /// The adapter these settings describe (a fresh one's shape).
+    pub fn lora_spec(&self) -> Result<crate::model::lora::LoraSpec, String> {
+        let spec = crate::model::lora::LoraSpec {
+            rank: self.lora_rank,
+            alpha: self.lora_alpha,
+            dropout: self.lora_dropout,
+            targets: crate::model::lora::Target::parse_list(&self.lora_targets)?,
+        };
+        spec.validate()?;
+        Ok(spec)
     }
 }

@@ -32,9 +32,8 @@ use crate::bus::{Consumer, ConsumerOptions, Delivery, EntryId, SharedBus, Topolo
 use crate::model::{ModelError, fault};
 use crate::roles::{Stage, Stream};
 use crate::schema::{self, Event, SchemaVersion, ScoredGroup, StepRecord};
-use crate::weights::{Payload, Publisher, Transport, WeightsError};
+use crate::weights::{Publisher, Transport, WeightsError};
 
-use burn::module::AutodiffModule;
 use bytes::Bytes;
 use intake::{DropReason, Intake, staleness};
 use serde::{Deserialize, Serialize};
@@ -145,10 +144,11 @@ impl<'a> Loop<'a> {
             let dtype = w.resolve_dtype(cfg.policy.model.as_deref());
             publisher = publisher.with_config(w, dtype)?;
         }
-        publisher.check_fits(crate::weights::version_bytes(
-            trainer.model().config(),
-            publisher.dtype(),
-        ))?;
+        let params = match trainer.adapter() {
+            Some(a) => a.spec.num_params(trainer.model().config()),
+            None => trainer.model().config().num_params(),
+        };
+        publisher.check_fits(crate::weights::params_bytes(params, publisher.dtype()))?;
         publisher.adopt().await?;
         // Read no more than a step's worth: what the trainer has not taken stays visible
         // as lag to the generators' in-flight bound.
@@ -398,13 +398,7 @@ impl<'a> Loop<'a> {
         loop {
             // Host tensors: handed over in process, or encoded by the publisher in the
             // dtype on the wire.
-            let payload = tokio::task::block_in_place(|| {
-                self.trainer
-                    .model()
-                    .valid()
-                    .to_tensors()
-                    .map(Payload::Tensors)
-            })?;
+            let payload = tokio::task::block_in_place(|| self.trainer.payload())?;
             let state = &self.trainer.state;
             match self
                 .publisher

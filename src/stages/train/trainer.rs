@@ -6,7 +6,9 @@ use super::adamw::{self, FusedAdamW, GradScaleHandle};
 use super::checkpoint::{self, CheckpointError, MODEL_RECORD, OPTIM_RECORD};
 use super::intake::DropReason;
 use super::loss::{self, Samples};
-use crate::model::hf::load_hf;
+use crate::model::hf::{WeightDtype, load_hf};
+use crate::model::lora::{self, LoraSpec};
+use crate::weights::{AdapterVersion, Payload};
 use crate::model::{ModelError, Policy, TrainBackend};
 use crate::schema::{ScoredGroup, StepRecord};
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
@@ -39,6 +41,10 @@ pub struct TrainerState {
     pub recent_groups: VecDeque<String>,
     /// Recently dropped group ids with the reason, for accounting.
     pub recent_dropped: VecDeque<(String, String)>,
+    /// LoRA: the checksum of the frozen base the adapter was trained on (a resume on
+    /// another base is refused).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub base_checksum: Option<String>,
 }
 
 impl TrainerState {
@@ -142,6 +148,16 @@ pub struct Trainer {
     /// `state.recent_groups` as a set: the duplicate check runs for every incoming group.
     trained_ids: HashSet<String>,
     cfg: TrainerSettings,
+    /// LoRA: the adapter's shape and the checksum of the frozen base.
+    lora: Option<Adapter>,
+}
+
+/// What a LoRA trainer knows of its adapter.
+#[derive(Debug, Clone)]
+pub struct Adapter {
+    pub spec: LoraSpec,
+    /// [`Policy::base_checksum`] of the frozen base.
+    pub base_checksum: String,
 }
 
 impl Trainer {
@@ -158,9 +174,10 @@ impl Trainer {
             .expect("the trainer's model is only absent during an optimizer step")
     }
 
-    /// From the newest checkpoint in `checkpoint_dir` if there is one, else from `model`.
+    /// From the newest checkpoint in `checkpoint_dir` if there is one, else from `model`
+    /// (with a fresh adapter, or the one in `lora_from`, when training LoRA).
     pub fn start(cfg: &TrainerSettings) -> Result<Self, CheckpointError> {
-        let (model, state, (optim, grad_scale)) =
+        let (model, mut state, (optim, grad_scale)) =
             match checkpoint::latest(&cfg.train.checkpoint_dir) {
                 Some(dir) => Self::resume(cfg, &dir)?,
                 None => {
@@ -168,10 +185,55 @@ impl Trainer {
                         CheckpointError::NoModel(cfg.train.checkpoint_dir.clone())
                     })?;
                     let model = load_hf(dir, &Default::default())?;
+                    let model = match (&cfg.train.lora_from, cfg.train.lora()) {
+                        (Some(from), _) => {
+                            let (spec, tensors) = lora::read_adapter(from)?;
+                            tracing::info!(adapter = %from.display(), rank = spec.rank, alpha = spec.alpha, "starting from an adapter");
+                            model.with_adapter(&spec, &tensors)?
+                        }
+                        (None, true) => {
+                            let spec = cfg.train.lora_spec().map_err(|reason| {
+                                ModelError::Config {
+                                    field: "train.lora_targets".into(),
+                                    reason,
+                                }
+                            })?;
+                            model.with_fresh_adapter(&spec, cfg.policy.seed)?
+                        }
+                        (None, false) => model,
+                    };
                     (model, TrainerState::default(), Self::optimizer(cfg))
                 }
             };
+        let lora = match adapter_spec(&model) {
+            Some(spec) => {
+                let base_checksum = model.valid().base_checksum()?;
+                if let Some(saved) = &state.base_checksum
+                    && *saved != base_checksum
+                {
+                    return Err(CheckpointError::BaseMismatch {
+                        saved: saved.clone(),
+                        found: base_checksum,
+                    });
+                }
+                state.base_checksum = Some(base_checksum.clone());
+                tracing::info!(
+                    rank = spec.rank,
+                    alpha = spec.alpha,
+                    adapter_params = spec.num_params(model.config()),
+                    base = %base_checksum,
+                    "training a LoRA adapter on a frozen base"
+                );
+                Some(Adapter {
+                    spec,
+                    base_checksum,
+                })
+            }
+            None => None,
+        };
         let reference = match (&cfg.policy.model, cfg.train.kl_coef > 0.0) {
+            // The base under the adapter is the initial policy; its tensors are shared.
+            (_, true) if lora.is_some() => Some(model.valid().without_adapter()),
             (Some(dir), true) => Some(load_hf(dir, &Default::default())?),
             (None, true) => return Err(CheckpointError::NoReference),
             (_, false) => None,
@@ -184,7 +246,13 @@ impl Trainer {
             trained_ids: state.recent_groups.iter().cloned().collect(),
             state,
             cfg: cfg.clone(),
+            lora,
         })
+    }
+
+    /// The adapter being trained, if this trainer trains LoRA.
+    pub fn adapter(&self) -> Option<&Adapter> {
+        self.lora.as_ref()
     }
 
     /// Model, state and optimizer as checkpoint `dir` saved them.
@@ -194,6 +262,26 @@ impl Trainer {
     ) -> Result<(Policy<TrainBackend>, TrainerState, OptimParts), CheckpointError> {
         let device = Default::default();
         let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+        if dir.join(lora::ADAPTER_FILE).exists() {
+            // A LoRA checkpoint holds the adapter; the base comes from --model.
+            let base = cfg
+                .policy
+                .model
+                .as_ref()
+                .ok_or_else(|| CheckpointError::LoraBase(dir.to_path_buf()))?;
+            let (spec, tensors) = lora::read_adapter(dir)?;
+            let model = load_hf::<TrainBackend>(base, &device)?.with_adapter(&spec, &tensors)?;
+            let optim_record = recorder
+                .load(dir.join(OPTIM_RECORD), &device)
+                .map_err(|e| CheckpointError::format(dir, "optimizer record", e))?;
+            let state = checkpoint::read_state(dir)?;
+            tracing::info!(checkpoint = %dir.display(), version = state.version, "resuming a LoRA adapter");
+            let (optim, grad_scale) = Self::optimizer(cfg);
+            return Ok((model, state, (optim.load_record(optim_record), grad_scale)));
+        }
+        if cfg.train.lora() {
+            return Err(CheckpointError::NotLora(dir.to_path_buf()));
+        }
         let model: Policy<TrainBackend> = load_hf(dir, &device)?;
         let record = recorder
             .load(dir.join(MODEL_RECORD), &device)
@@ -317,17 +405,44 @@ impl Trainer {
         self.model().valid().to_bytes()
     }
 
-    /// Writes a complete checkpoint, then points `latest` at it.
+    /// What a version publishes: every weight, or only the adapter with the base it
+    /// applies to.
+    pub fn payload(&self) -> Result<Payload, ModelError> {
+        let model = self.model().valid();
+        Ok(match &self.lora {
+            Some(a) => Payload::Adapter(AdapterVersion {
+                tensors: model.adapter_tensors()?,
+                spec: a.spec.clone(),
+                base_checksum: a.base_checksum.clone(),
+            }),
+            None => Payload::Tensors(model.to_tensors()?),
+        })
+    }
+
+    /// Writes a complete checkpoint, then points `latest` at it. A LoRA trainer writes the
+    /// adapter in PEFT's format (f32, so a resume is exact) instead of the model.
     pub fn checkpoint(&self) -> Result<PathBuf, CheckpointError> {
         let root = &self.cfg.train.checkpoint_dir;
         let dir = checkpoint::dir_for(root, self.state.step);
-        self.model()
-            .valid()
-            .save_hf_as(&dir, self.cfg.train.save_dtype)?;
         let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
-        recorder
-            .record(self.model().clone().into_record(), dir.join(MODEL_RECORD))
-            .map_err(|e| CheckpointError::format(&dir, "model record", e))?;
+        if let Some(a) = &self.lora {
+            let base = self
+                .cfg
+                .policy
+                .model
+                .as_ref()
+                .map(|p| p.display().to_string());
+            self.model()
+                .valid()
+                .save_adapter(&dir, &a.spec, base.as_deref(), WeightDtype::F32)?;
+        } else {
+            self.model()
+                .valid()
+                .save_hf_as(&dir, self.cfg.train.save_dtype)?;
+            recorder
+                .record(self.model().clone().into_record(), dir.join(MODEL_RECORD))
+                .map_err(|e| CheckpointError::format(&dir, "model record", e))?;
+        }
         recorder
             .record(
                 SortedRecord::new(self.optim.to_record()),
@@ -343,4 +458,21 @@ impl Trainer {
     pub fn seen(&self, group_id: &str) -> bool {
         self.trained_ids.contains(group_id)
     }
+}
+
+/// The spec of the adapter `model` carries (read back from its first adapted layer).
+fn adapter_spec<B: burn::tensor::backend::Backend>(model: &Policy<B>) -> Option<LoraSpec> {
+    let block = model.blocks.iter().find_map(|b| b.lora.as_ref())?;
+    let targets: Vec<lora::Target> = lora::Target::ALL
+        .into_iter()
+        .filter(|&t| block.get(t).is_some())
+        .collect();
+    let first = block.get(*targets.first()?)?;
+    let rank = first.a.val().dims()[1];
+    Some(LoraSpec {
+        rank,
+        alpha: (first.scale * rank as f64) as f32,
+        dropout: first.dropout as f32,
+        targets,
+    })
 }

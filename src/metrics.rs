@@ -178,12 +178,12 @@ fn describe() {
     describe_gauge!(
         WEIGHTS_VERSION_BYTES,
         Unit::Bytes,
-        "Stored size of the last published weight version, by kind (full, delta)."
+        "Stored size of the last published weight version, by kind (full, delta, lora: an adapter version)."
     );
     describe_counter!(
         WEIGHTS_PUBLISHED_BYTES_TOTAL,
         Unit::Bytes,
-        "Bytes of weight versions written to the store, by kind (full, delta)."
+        "Bytes of weight versions written to the store, by kind (full, delta, lora: an adapter version)."
     );
     describe_histogram!(
         WEIGHTS_ENCODE_SECONDS,
@@ -322,8 +322,7 @@ pub fn weight_sync(stage: Stage, seconds: f64) {
 
 /// The trainer wrote a weight version of `bytes` (a delta or a whole version) after
 /// `encode_s` of encoding.
-pub fn weights_published(delta: bool, bytes: u64, encode_s: f64) {
-    let kind = if delta { "delta" } else { "full" };
+pub fn weights_published(kind: &'static str, bytes: u64, encode_s: f64) {
     gauge!(WEIGHTS_VERSION_BYTES, "kind" => kind).set(bytes as f64);
     counter!(WEIGHTS_PUBLISHED_BYTES_TOTAL, "kind" => kind).increment(bytes);
     histogram!(WEIGHTS_ENCODE_SECONDS).record(encode_s);

@@ -442,3 +442,117 @@ async fn generators_sample_from_the_announced_adapter_never_the_base() {
         "the adapter versions barely moved the log-probs from the base's ({moved}): the test would not see sampling from the base\n{train}"
     );
 }
+
+/// Adapter versions through the weights protocol: a follower merges each whole adapter into
+/// a fresh copy of its base (in bf16 on the bus, f32 in process), refuses one made for
+/// another base and says so, and rejects a corrupt one, keeping its weights each time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn followers_take_adapter_versions_for_their_base_only() {
+    use bytes::Bytes;
+    use rlstream::bus::{MemoryBus, SharedBus, Topology};
+    use rlstream::schema::WeightsKind;
+    use rlstream::weights::{
+        AdapterVersion, Follower, LocalWeights, ModelSlot, Payload, Publisher, Transport,
+        Versioned, WeightsConfig,
+    };
+    use std::sync::Arc;
+    use std::time::Duration;
+    const WAIT: Duration = Duration::from_millis(200);
+
+    let base_dir = fixtures().join("models").join("qwen3");
+    let base: Policy<InferBackend> = load_hf(&base_dir, &Default::default()).unwrap();
+    let (spec, tensors) = fixture_adapter("qwen3", base.config());
+    let checksum = base.base_checksum().unwrap();
+    let version = |tensors: &TensorMap, base_checksum: &str| {
+        Payload::Adapter(AdapterVersion {
+            tensors: tensors.clone(),
+            spec: spec.clone(),
+            base_checksum: base_checksum.to_string(),
+        })
+    };
+    let expected = base
+        .clone()
+        .with_adapter(&spec, &tensors)
+        .unwrap()
+        .merged()
+        .to_tensors()
+        .unwrap();
+    let r = reference("qwen3");
+    for transport in [Transport::Bus, Transport::InProcess(LocalWeights::default())] {
+        let bus: SharedBus = Arc::new(MemoryBus::new());
+        let topo = Topology::default();
+        let slot = ModelSlot::new(Versioned {
+            version: 0,
+            policy: base.clone(),
+        });
+        let in_process = matches!(transport, Transport::InProcess(_));
+        let mut f = Follower::new(bus.clone(), topo.clone(), base.config().clone(), slot.clone())
+            .with_transport(transport.clone());
+        let cfg = WeightsConfig::default();
+        let mut publisher = Publisher::new(bus.clone(), topo.clone(), 2)
+            .with_transport(transport.clone())
+            .with_config(&cfg, WeightDtype::Bf16)
+            .unwrap();
+
+        let a = publisher
+            .publish_payload(1, 1, version(&tensors, &checksum))
+            .await
+            .unwrap();
+        assert_eq!(a.kind, WeightsKind::Lora);
+        assert_eq!(a.lora.as_ref().unwrap().base_checksum, checksum);
+        assert_eq!(f.poll(WAIT).await.unwrap(), Some(1));
+        let swapped = slot.load();
+        assert!(!swapped.policy.has_adapter(), "generators run the merged weights");
+        let got = logits(&swapped.policy, &r.inputs);
+        if in_process {
+            assert!(swapped.policy.to_tensors().unwrap() == expected);
+            assert!(max_diff(&got, &r.logits) < TOLERANCE);
+        } else {
+            // bf16 on the wire: the adapter's values rounded, the base untouched.
+            assert!(a.format.ends_with("bf16"), "{}", a.format);
+            let d = max_diff(&got, &r.logits);
+            assert!(d < 0.05 && d > 0.0, "bf16 adapter vs peft: {d}");
+        }
+
+        // Made for another base: refused, the slot keeps version 1.
+        publisher
+            .publish_payload(2, 2, version(&tensors, "0123456789abcdef"))
+            .await
+            .unwrap();
+        assert_eq!(f.poll(WAIT).await.unwrap(), None);
+        assert_eq!((f.rejected, slot.load().version), (1, 1));
+
+        if !in_process {
+            // Corrupt bytes after the announce: checksum mismatch, refused.
+            publisher
+                .publish_payload(3, 3, version(&tensors, &checksum))
+                .await
+                .unwrap();
+            bus.put_blobs(&[(topo.weights_chunk_key(3, 0), Bytes::from(vec![0u8; 64]))])
+                .await
+                .unwrap();
+            assert_eq!(f.poll(WAIT).await.unwrap(), None);
+            assert_eq!((f.rejected, slot.load().version), (2, 1));
+        }
+        // A later good version is taken, merged into the pristine base (not onto version 1).
+        let mut half = tensors.clone();
+        for t in half.values_mut() {
+            t.data.iter_mut().for_each(|v| *v *= 0.5);
+        }
+        publisher
+            .publish_payload(4, 4, version(&half, &checksum))
+            .await
+            .unwrap();
+        assert_eq!(f.poll(WAIT).await.unwrap(), Some(4));
+        let want = base
+            .clone()
+            .with_adapter(&spec, &half)
+            .unwrap()
+            .merged();
+        let d = max_diff(
+            &logits(&slot.load().policy, &r.inputs),
+            &logits(&want, &r.inputs),
+        );
+        assert!(d < if in_process { TOLERANCE } else { 0.05 }, "version 4: {d}");
+    }
+}

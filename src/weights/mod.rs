@@ -705,7 +705,12 @@ impl Publisher {
         }
         self.prev = (self.cfg.delta && lora.is_none()).then_some((version, blob));
         self.collect().await?;
-        crate::metrics::weights_published(base.is_some(), stored_bytes, encode_s);
+        let kind = match (&lora, base) {
+            (Some(_), _) => "lora",
+            (None, Some(_)) => "delta",
+            (None, None) => "full",
+        };
+        crate::metrics::weights_published(kind, stored_bytes, encode_s);
         crate::metrics::weights_store(self.held_bytes(), self.cfg.max_bytes);
         Ok(announce)
     }
@@ -1005,7 +1010,6 @@ where
         let mine = self.base_checksum(&base).await?;
         if mine != info.base_checksum {
             self.reject();
-            crate::metrics::error(Stage::Gen, "adapter_base_mismatch");
             tracing::error!(
                 version,
                 adapter_base = %info.base_checksum,

@@ -275,6 +275,13 @@ fn a_lora_trainer_trains_and_checkpoints_only_the_adapter() {
         !ckpt.join("model.safetensors").exists(),
         "a LoRA checkpoint does not copy the base"
     );
+    // AdamW's two moments of the adapter only: far less than one copy of the base.
+    let optim = std::fs::metadata(ckpt.join("trainer_optim.mpk")).unwrap().len();
+    let base_bytes = trainer.model().config().num_params() as u64 * 4;
+    assert!(
+        optim < base_bytes / 2,
+        "optimizer record {optim} bytes against a base of {base_bytes}"
+    );
     // PEFT's config names the modules and the base.
     let config: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(ckpt.join(lora::ADAPTER_CONFIG)).unwrap())

@@ -266,17 +266,17 @@ fn generate_lora(dir: &Path, prompt: usize, new: usize, rows: usize, rank: usize
         dropout: 0.0,
         targets: Target::ALL.to_vec(),
     };
-    let fresh = base
-        .clone()
-        .with_fresh_adapter(&spec, 1)
-        .expect("adapter");
+    let fresh = base.clone().with_fresh_adapter(&spec, 1).expect("adapter");
     // A trained adapter's B is not zero; the timing does not depend on the values.
     let tensors = fresh.adapter_tensors().expect("tensors");
     let tensors = tensors
         .into_iter()
         .map(|(n, mut t)| {
             if n.contains(".lora_B.") {
-                t.data.iter_mut().enumerate().for_each(|(i, v)| *v = ((i % 7) as f32 - 3.0) * 1e-3);
+                t.data
+                    .iter_mut()
+                    .enumerate()
+                    .for_each(|(i, v)| *v = ((i % 7) as f32 - 3.0) * 1e-3);
             }
             (n, t)
         })
@@ -291,7 +291,11 @@ fn generate_lora(dir: &Path, prompt: usize, new: usize, rows: usize, rank: usize
         "{{\"rows\": {rows}, \"prompt\": {prompt}, \"new\": {new}, \"rank\": {rank}, \
          \"attach_s\": {attach_s:.3}, \"merge_s\": {merge_s:.3}"
     );
-    for (name, model) in [("base", &base), ("unmerged", &unmerged), ("merged", &merged)] {
+    for (name, model) in [
+        ("base", &base),
+        ("unmerged", &unmerged),
+        ("merged", &merged),
+    ] {
         let (secs, tokens) = time_generation(model, prompt, new, rows);
         line += &format!(", \"{name}_tokens_per_s\": {:.2}", tokens as f64 / secs);
     }
@@ -299,7 +303,12 @@ fn generate_lora(dir: &Path, prompt: usize, new: usize, rows: usize, rank: usize
 }
 
 /// Seconds and tokens of generating NEW tokens for ROWS rows after a warm-up run.
-fn time_generation(model: &Policy<InferBackend>, prompt: usize, new: usize, rows: usize) -> (f64, usize) {
+fn time_generation(
+    model: &Policy<InferBackend>,
+    prompt: usize,
+    new: usize,
+    rows: usize,
+) -> (f64, usize) {
     let vocab = model.config().vocab_size;
     let requests = |new: usize| -> Vec<Request> {
         (0..rows)

@@ -68,8 +68,12 @@ struct Reference {
 
 fn reference(name: &str) -> Reference {
     let path = fixtures().join("lora").join(name).join("reference.json");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("{}: {e} (run scripts/make_lora_fixtures.py)", path.display()));
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| {
+        panic!(
+            "{}: {e} (run scripts/make_lora_fixtures.py)",
+            path.display()
+        )
+    });
     let v: serde_json::Value = serde_json::from_str(&text).unwrap();
     let flat = |k: &str| -> Vec<f32> {
         let nested: Vec<Vec<Vec<f32>>> = serde_json::from_value(v[k].clone()).unwrap();
@@ -86,12 +90,20 @@ fn logits<B: Kernels>(model: &Policy<B>, inputs: &[Vec<u32>]) -> Vec<f32> {
     let (b, l) = (inputs.len(), inputs[0].len());
     let ids: Vec<i64> = inputs.iter().flatten().map(|&t| i64::from(t)).collect();
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, l]), &model.device());
-    model.forward(tokens).into_data().convert::<f32>().into_vec().unwrap()
+    model
+        .forward(tokens)
+        .into_data()
+        .convert::<f32>()
+        .into_vec()
+        .unwrap()
 }
 
 fn max_diff(a: &[f32], b: &[f32]) -> f32 {
     assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs()).fold(0.0, f32::max)
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
 }
 
 /// Writes the fixture adapter of `name` through rlstream's writer into `dir`.
@@ -200,13 +212,28 @@ fn bad_adapters_are_refused_with_the_reason() {
         ..spec.clone()
     };
     let e = base.clone().with_adapter(&only_q, &tensors).unwrap_err();
-    assert!(e.to_string().contains("not one of the adapter's target"), "{e}");
+    assert!(
+        e.to_string().contains("not one of the adapter's target"),
+        "{e}"
+    );
 
     for (config, what) in [
-        (r#"{"peft_type":"LORA","r":4,"lora_alpha":8,"target_modules":["q_proj"],"use_dora":true}"#, "use_dora"),
-        (r#"{"peft_type":"LORA","r":4,"lora_alpha":8,"target_modules":["q_proj"],"use_rslora":true}"#, "use_rslora"),
-        (r#"{"peft_type":"LORA","r":4,"lora_alpha":8,"target_modules":["lm_head"]}"#, "lm_head"),
-        (r#"{"peft_type":"LORA","r":0,"lora_alpha":8,"target_modules":["q_proj"]}"#, "rank"),
+        (
+            r#"{"peft_type":"LORA","r":4,"lora_alpha":8,"target_modules":["q_proj"],"use_dora":true}"#,
+            "use_dora",
+        ),
+        (
+            r#"{"peft_type":"LORA","r":4,"lora_alpha":8,"target_modules":["q_proj"],"use_rslora":true}"#,
+            "use_rslora",
+        ),
+        (
+            r#"{"peft_type":"LORA","r":4,"lora_alpha":8,"target_modules":["lm_head"]}"#,
+            "lm_head",
+        ),
+        (
+            r#"{"peft_type":"LORA","r":0,"lora_alpha":8,"target_modules":["q_proj"]}"#,
+            "rank",
+        ),
         (r#"{"peft_type":"PREFIX_TUNING"}"#, "missing field"),
     ] {
         let e = LoraSpec::from_peft_json(config).unwrap_err();
@@ -236,7 +263,10 @@ fn a_lora_trainer_trains_and_checkpoints_only_the_adapter() {
     };
     let mut trainer = Trainer::start(&cfg).unwrap();
     let adapter = trainer.adapter().expect("a LoRA trainer").clone();
-    assert_eq!(adapter.spec.targets, vec![Target::Q, Target::V, Target::Down]);
+    assert_eq!(
+        adapter.spec.targets,
+        vec![Target::Q, Target::V, Target::Down]
+    );
     let sampler: Policy<InferBackend> = load_hf(&base_dir, &Default::default()).unwrap();
     assert_eq!(adapter.base_checksum, sampler.base_checksum().unwrap());
     let groups: Vec<_> = (0..2)
@@ -276,7 +306,9 @@ fn a_lora_trainer_trains_and_checkpoints_only_the_adapter() {
         "a LoRA checkpoint does not copy the base"
     );
     // AdamW's two moments of the adapter only: far less than one copy of the base.
-    let optim = std::fs::metadata(ckpt.join("trainer_optim.mpk")).unwrap().len();
+    let optim = std::fs::metadata(ckpt.join("trainer_optim.mpk"))
+        .unwrap()
+        .len();
     let base_bytes = trainer.model().config().num_params() as u64 * 4;
     assert!(
         optim < base_bytes / 2,
@@ -319,7 +351,9 @@ fn a_lora_trainer_trains_and_checkpoints_only_the_adapter() {
     Trainer::start(&full_first).unwrap().checkpoint().unwrap();
     let mut lora_after_full = full_first.clone();
     lora_after_full.train.lora_rank = 4;
-    let e = Trainer::start(&lora_after_full).err().expect("full checkpoint");
+    let e = Trainer::start(&lora_after_full)
+        .err()
+        .expect("full checkpoint");
     assert!(e.to_string().contains("full fine-tuning"), "{e}");
 }
 
@@ -350,7 +384,12 @@ async fn generators_sample_from_the_announced_adapter_never_the_base() {
     common::run_ok(&["sft", "--task", "reverse", "--out", m, "--steps", "200"]);
     let base_args = |extra: &[&str]| -> Vec<String> {
         let mut v: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-        v.extend(["--redis".into(), url.clone(), "--namespace".into(), ns.clone()]);
+        v.extend([
+            "--redis".into(),
+            url.clone(),
+            "--namespace".into(),
+            ns.clone(),
+        ]);
         v
     };
     common::run_ok(
@@ -363,8 +402,17 @@ async fn generators_sample_from_the_announced_adapter_never_the_base() {
     let ckpt = dir.path().join("ckpt");
     let generator = common::spawn(
         &base_args(&[
-            "gen", "--model", m, "--group-size", "4", "--max-new-tokens", "8", "--max-batch",
-            "16", "--max-lag", "1",
+            "gen",
+            "--model",
+            m,
+            "--group-size",
+            "4",
+            "--max-new-tokens",
+            "8",
+            "--max-batch",
+            "16",
+            "--max-lag",
+            "1",
         ]),
         &logs("gen"),
     );
@@ -428,8 +476,7 @@ async fn generators_sample_from_the_announced_adapter_never_the_base() {
                     continue;
                 }
                 let lp = models.entry(v).or_insert_with(|| {
-                    lora::load_with_adapter::<InferBackend>(&model, &adapter_dir, &device)
-                        .unwrap()
+                    lora::load_with_adapter::<InferBackend>(&model, &adapter_dir, &device).unwrap()
                 });
                 let tf = teacher_forced(lp, &g.prompt_tokens, &tokens);
                 worst = worst.max((tf[i] - behaviour[i]).abs());
@@ -438,8 +485,13 @@ async fn generators_sample_from_the_announced_adapter_never_the_base() {
             }
         }
     }
-    eprintln!("{compared} tokens under adapter versions: worst {worst}, moved from the base up to {moved}");
-    assert!(compared >= 20, "only {compared} tokens carried an adapter version");
+    eprintln!(
+        "{compared} tokens under adapter versions: worst {worst}, moved from the base up to {moved}"
+    );
+    assert!(
+        compared >= 20,
+        "only {compared} tokens carried an adapter version"
+    );
     assert!(
         worst < TOLERANCE,
         "behaviour vs base + adapter of the tagged version: {worst} over {compared} tokens"
@@ -485,7 +537,10 @@ async fn followers_take_adapter_versions_for_their_base_only() {
         .to_tensors()
         .unwrap();
     let r = reference("qwen3");
-    for transport in [Transport::Bus, Transport::InProcess(LocalWeights::default())] {
+    for transport in [
+        Transport::Bus,
+        Transport::InProcess(LocalWeights::default()),
+    ] {
         let bus: SharedBus = Arc::new(MemoryBus::new());
         let topo = Topology::default();
         let slot = ModelSlot::new(Versioned {
@@ -493,8 +548,13 @@ async fn followers_take_adapter_versions_for_their_base_only() {
             policy: base.clone(),
         });
         let in_process = matches!(transport, Transport::InProcess(_));
-        let mut f = Follower::new(bus.clone(), topo.clone(), base.config().clone(), slot.clone())
-            .with_transport(transport.clone());
+        let mut f = Follower::new(
+            bus.clone(),
+            topo.clone(),
+            base.config().clone(),
+            slot.clone(),
+        )
+        .with_transport(transport.clone());
         let cfg = WeightsConfig::default();
         let mut publisher = Publisher::new(bus.clone(), topo.clone(), 2)
             .with_transport(transport.clone())
@@ -509,7 +569,10 @@ async fn followers_take_adapter_versions_for_their_base_only() {
         assert_eq!(a.lora.as_ref().unwrap().base_checksum, checksum);
         assert_eq!(f.poll(WAIT).await.unwrap(), Some(1));
         let swapped = slot.load();
-        assert!(!swapped.policy.has_adapter(), "generators run the merged weights");
+        assert!(
+            !swapped.policy.has_adapter(),
+            "generators run the merged weights"
+        );
         let got = logits(&swapped.policy, &r.inputs);
         if in_process {
             assert!(swapped.policy.to_tensors().unwrap() == expected);
@@ -551,15 +614,14 @@ async fn followers_take_adapter_versions_for_their_base_only() {
             .await
             .unwrap();
         assert_eq!(f.poll(WAIT).await.unwrap(), Some(4));
-        let want = base
-            .clone()
-            .with_adapter(&spec, &half)
-            .unwrap()
-            .merged();
+        let want = base.clone().with_adapter(&spec, &half).unwrap().merged();
         let d = max_diff(
             &logits(&slot.load().policy, &r.inputs),
             &logits(&want, &r.inputs),
         );
-        assert!(d < if in_process { TOLERANCE } else { 0.05 }, "version 4: {d}");
+        assert!(
+            d < if in_process { TOLERANCE } else { 0.05 },
+            "version 4: {d}"
+        );
     }
 }

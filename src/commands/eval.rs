@@ -304,7 +304,10 @@ pub fn evaluate(
 
 /// `model`, with `adapter` merged in when given. A LoRA checkpoint given as the model is
 /// refused with the way to load it.
-pub fn load_model(model: &Path, adapter: Option<&Path>) -> Result<Policy<InferBackend>, ModelError> {
+pub fn load_model(
+    model: &Path,
+    adapter: Option<&Path>,
+) -> Result<Policy<InferBackend>, ModelError> {
     let device = Default::default();
     match adapter {
         Some(a) => Ok(crate::model::lora::load_with_adapter(model, a, &device)?.merged()),

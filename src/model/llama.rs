@@ -31,8 +31,18 @@ pub struct Mlp<B: Backend> {
 
 impl<B: Kernels> Mlp<B> {
     /// On the rows `[b × l, hidden]` of a `[b, l]` batch, with the layer's adapters.
-    fn forward(&self, x: Tensor<B, 2>, bl: [usize; 2], lora: Option<&BlockLora<B>>) -> Tensor<B, 2> {
-        let gate = adapted(&self.gate, lora.and_then(|l| l.gate.as_ref()), x.clone(), bl);
+    fn forward(
+        &self,
+        x: Tensor<B, 2>,
+        bl: [usize; 2],
+        lora: Option<&BlockLora<B>>,
+    ) -> Tensor<B, 2> {
+        let gate = adapted(
+            &self.gate,
+            lora.and_then(|l| l.gate.as_ref()),
+            x.clone(),
+            bl,
+        );
         let up = adapted(&self.up, lora.and_then(|l| l.up.as_ref()), x, bl);
         let down = lora.and_then(|l| l.down.as_ref());
         adapted(&self.down, down, B::swiglu(gate, up), bl)

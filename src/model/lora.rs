@@ -100,7 +100,9 @@ impl Target {
             }
         }
         if out.is_empty() {
-            return Err("no target modules: use all-linear or a list of q,k,v,o,gate,up,down".into());
+            return Err(
+                "no target modules: use all-linear or a list of q,k,v,o,gate,up,down".into(),
+            );
         }
         out.sort();
         Ok(out)
@@ -201,7 +203,10 @@ impl LoraSpec {
             (p.use_rslora, "use_rslora"),
             (p.use_dora, "use_dora"),
             (p.fan_in_fan_out, "fan_in_fan_out"),
-            (p.rank_pattern.is_some_and(|m| !m.is_empty()), "rank_pattern"),
+            (
+                p.rank_pattern.is_some_and(|m| !m.is_empty()),
+                "rank_pattern",
+            ),
             (
                 p.alpha_pattern.is_some_and(|m| !m.is_empty()),
                 "alpha_pattern",
@@ -265,7 +270,10 @@ impl LoraSpec {
 /// `(in, out)` of target `t` in a model of `cfg`.
 fn dims(cfg: &super::PolicyConfig, t: Target) -> (usize, usize) {
     let (d, ff) = (cfg.hidden_size, cfg.intermediate_size);
-    let (q, kv) = (cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim);
+    let (q, kv) = (
+        cfg.num_heads * cfg.head_dim,
+        cfg.num_kv_heads * cfg.head_dim,
+    );
     match t {
         Target::Q => (d, q),
         Target::K | Target::V => (d, kv),

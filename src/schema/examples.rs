@@ -202,9 +202,17 @@ pub fn weights_announce_lora() -> WeightsAnnounce {
         lora: Some(super::AdapterInfo {
             rank: 16,
             alpha: 32.0,
-            targets: ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-                .map(String::from)
-                .to_vec(),
+            targets: [
+                "q_proj",
+                "k_proj",
+                "v_proj",
+                "o_proj",
+                "gate_proj",
+                "up_proj",
+                "down_proj",
+            ]
+            .map(String::from)
+            .to_vec(),
             base_checksum: "9f8e7d6c5b4a3210".into(),
         }),
         started_us: EXAMPLE_TIME_US,

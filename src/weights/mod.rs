@@ -82,7 +82,10 @@ pub const LORA_IN_PROCESS_FORMAT: &str = "lora-in-process-f32";
 
 /// Whether `format` is an object a follower reads whole (a full version or an adapter).
 fn is_whole_format(format: &str) -> bool {
-    is_full_format(format) || format.strip_prefix(LORA_FORMAT_PREFIX).is_some_and(is_full_format)
+    is_full_format(format)
+        || format
+            .strip_prefix(LORA_FORMAT_PREFIX)
+            .is_some_and(is_full_format)
 }
 
 /// The size of a version of `params` parameters in `dtype`.
@@ -480,11 +483,12 @@ impl Publisher {
                 let dtype = self.dtype;
                 let lora = a.info();
                 let tensors = a.tensors;
-                let blob = tokio::task::spawn_blocking(move || {
-                    tensors_to_safetensors_as(&tensors, dtype)
-                })
-                .await
-                .map_err(|e| ModelError::Unsupported(format!("weights encoder failed: {e}")))??;
+                let blob =
+                    tokio::task::spawn_blocking(move || tensors_to_safetensors_as(&tensors, dtype))
+                        .await
+                        .map_err(|e| {
+                            ModelError::Unsupported(format!("weights encoder failed: {e}"))
+                        })??;
                 self.publish_whole(version, step, blob, started_us, Some(lora))
                     .await
             }
@@ -996,7 +1000,10 @@ where
         let version = a.version;
         let Some(info) = a.lora.clone() else {
             self.reject();
-            tracing::error!(version, "an adapter version without its adapter fields; keeping version {current}");
+            tracing::error!(
+                version,
+                "an adapter version without its adapter fields; keeping version {current}"
+            );
             return Ok(None);
         };
         let Some(base) = self.base.clone() else {
@@ -1034,7 +1041,10 @@ where
             };
             let Some(tensors) = local else {
                 self.reject();
-                tracing::error!(version, "the adapter was handed over in another process's memory and cannot be read here; keeping version {current}");
+                tracing::error!(
+                    version,
+                    "the adapter was handed over in another process's memory and cannot be read here; keeping version {current}"
+                );
                 return Ok(None);
             };
             let found = tensors_checksum(&tensors);
@@ -1274,7 +1284,9 @@ where
         let mut at = a.clone();
         let from_held = loop {
             if !at.is_delta() {
-                if !is_whole_format(&at.format) || (at.kind == WeightsKind::Lora) != (a.kind == WeightsKind::Lora) {
+                if !is_whole_format(&at.format)
+                    || (at.kind == WeightsKind::Lora) != (a.kind == WeightsKind::Lora)
+                {
                     return Err(WeightsError::Format {
                         version: at.version,
                         format: at.format.clone(),

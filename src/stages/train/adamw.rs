@@ -90,10 +90,14 @@ fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
 pub fn sum_squares<B: Backend, const D: usize>(g: Tensor<B, D>) -> (f64, Tensor<B, D>) {
     let (shape, device) = (g.shape(), g.device());
     let v = values(g);
-    let sum = v
+    // Each chunk's sum in parallel, then the chunks in order: a parallel reduction would
+    // add them in an order that depends on scheduling, and the clipping factor (and so the
+    // weights) would change in the last bits from run to run.
+    let chunks: Vec<f64> = v
         .par_chunks(CHUNK)
         .map(|c| c.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>())
-        .sum();
+        .collect();
+    let sum = chunks.iter().sum();
     (sum, Tensor::from_data(TensorData::new(v, shape), &device))
 }
 

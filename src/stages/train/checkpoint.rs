@@ -182,6 +182,20 @@ pub fn stage(
     Ok((cfg, state))
 }
 
+/// The policy checkpoint `dir` holds, for generation: its model, or, for a LoRA checkpoint,
+/// `base` with the adapter merged in.
+pub fn load_policy<B: burn::tensor::backend::Backend>(
+    dir: &Path,
+    base: &Path,
+) -> Result<crate::model::Policy<B>, CheckpointError> {
+    let device = Default::default();
+    if dir.join(crate::model::lora::ADAPTER_FILE).exists() {
+        Ok(crate::model::lora::load_with_adapter::<B>(base, dir, &device)?.merged())
+    } else {
+        Ok(crate::model::hf::load_hf(dir, &device)?)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -209,19 +223,5 @@ mod tests {
         std::fs::write(dir.join(STATE_FILE), "{").unwrap();
         let e = read_state(&dir).unwrap_err().to_string();
         assert!(e.contains("state.json"), "{e}");
-    }
-}
-
-/// The policy checkpoint `dir` holds, for generation: its model, or, for a LoRA checkpoint,
-/// `base` with the adapter merged in.
-pub fn load_policy<B: burn::tensor::backend::Backend>(
-    dir: &Path,
-    base: &Path,
-) -> Result<crate::model::Policy<B>, CheckpointError> {
-    let device = Default::default();
-    if dir.join(crate::model::lora::ADAPTER_FILE).exists() {
-        Ok(crate::model::lora::load_with_adapter::<B>(base, dir, &device)?.merged())
-    } else {
-        Ok(crate::model::hf::load_hf(dir, &device)?)
     }
 }

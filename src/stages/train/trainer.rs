@@ -8,9 +8,9 @@ use super::intake::DropReason;
 use super::loss::{self, Samples};
 use crate::model::hf::{WeightDtype, load_hf};
 use crate::model::lora::{self, LoraSpec};
-use crate::weights::{AdapterVersion, Payload};
 use crate::model::{ModelError, Policy, TrainBackend};
 use crate::schema::{ScoredGroup, StepRecord};
+use crate::weights::{AdapterVersion, Payload};
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
@@ -177,34 +177,34 @@ impl Trainer {
     /// From the newest checkpoint in `checkpoint_dir` if there is one, else from `model`
     /// (with a fresh adapter, or the one in `lora_from`, when training LoRA).
     pub fn start(cfg: &TrainerSettings) -> Result<Self, CheckpointError> {
-        let (model, mut state, (optim, grad_scale)) =
-            match checkpoint::latest(&cfg.train.checkpoint_dir) {
-                Some(dir) => Self::resume(cfg, &dir)?,
-                None => {
-                    let dir = cfg.policy.model.as_ref().ok_or_else(|| {
+        let (model, mut state, (optim, grad_scale)) = match checkpoint::latest(
+            &cfg.train.checkpoint_dir,
+        ) {
+            Some(dir) => Self::resume(cfg, &dir)?,
+            None => {
+                let dir =
+                    cfg.policy.model.as_ref().ok_or_else(|| {
                         CheckpointError::NoModel(cfg.train.checkpoint_dir.clone())
                     })?;
-                    let model = load_hf(dir, &Default::default())?;
-                    let model = match (&cfg.train.lora_from, cfg.train.lora()) {
-                        (Some(from), _) => {
-                            let (spec, tensors) = lora::read_adapter(from)?;
-                            tracing::info!(adapter = %from.display(), rank = spec.rank, alpha = spec.alpha, "starting from an adapter");
-                            model.with_adapter(&spec, &tensors)?
-                        }
-                        (None, true) => {
-                            let spec = cfg.train.lora_spec().map_err(|reason| {
-                                ModelError::Config {
-                                    field: "train.lora_targets".into(),
-                                    reason,
-                                }
-                            })?;
-                            model.with_fresh_adapter(&spec, cfg.policy.seed)?
-                        }
-                        (None, false) => model,
-                    };
-                    (model, TrainerState::default(), Self::optimizer(cfg))
-                }
-            };
+                let model = load_hf(dir, &Default::default())?;
+                let model = match (&cfg.train.lora_from, cfg.train.lora()) {
+                    (Some(from), _) => {
+                        let (spec, tensors) = lora::read_adapter(from)?;
+                        tracing::info!(adapter = %from.display(), rank = spec.rank, alpha = spec.alpha, "starting from an adapter");
+                        model.with_adapter(&spec, &tensors)?
+                    }
+                    (None, true) => {
+                        let spec = cfg.train.lora_spec().map_err(|reason| ModelError::Config {
+                            field: "train.lora_targets".into(),
+                            reason,
+                        })?;
+                        model.with_fresh_adapter(&spec, cfg.policy.seed)?
+                    }
+                    (None, false) => model,
+                };
+                (model, TrainerState::default(), Self::optimizer(cfg))
+            }
+        };
         let lora = match adapter_spec(&model) {
             Some(spec) => {
                 let base_checksum = model.valid().base_checksum()?;

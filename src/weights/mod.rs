@@ -423,60 +423,13 @@ impl Publisher {
     ) -> Result<WeightsAnnounce, WeightsError> {
         match (payload, &self.transport) {
             (Payload::Tensors(t), Transport::InProcess(local)) => {
-                let started_us = schema::now_us();
-                let bytes = t.values().map(|h| h.data.len() as u64 * 4).sum();
-                let checksum = tensors_checksum(&t);
-                local.put(version, Arc::new(t), self.keep);
-                let announce = WeightsAnnounce {
-                    schema: WeightsAnnounce::SCHEMA,
-                    version,
-                    step,
-                    kind: WeightsKind::Full,
-                    format: IN_PROCESS_FORMAT.into(),
-                    dtype: "f32".into(),
-                    bytes,
-                    // One in-memory object; the checksum covers names, shapes and values.
-                    chunks: 1,
-                    checksum,
-                    store: "memory".into(),
-                    base: None,
-                    keyframe: None,
-                    stored_bytes: None,
-                    stored_checksum: None,
-                    lora: None,
-                    started_us,
-                    published_us: schema::now_us(),
-                };
-                self.announce(&announce).await?;
-                Ok(announce)
+                let local = local.clone();
+                self.hand_over(&local, version, step, t, None).await
             }
             (Payload::Adapter(a), Transport::InProcess(local)) => {
-                let started_us = schema::now_us();
-                let bytes = a.tensors.values().map(|h| h.data.len() as u64 * 4).sum();
-                let checksum = tensors_checksum(&a.tensors);
-                let lora = Some(a.info());
-                local.put(version, Arc::new(a.tensors), self.keep);
-                let announce = WeightsAnnounce {
-                    schema: WeightsAnnounce::SCHEMA,
-                    version,
-                    step,
-                    kind: WeightsKind::Lora,
-                    format: LORA_IN_PROCESS_FORMAT.into(),
-                    dtype: "f32".into(),
-                    bytes,
-                    chunks: 1,
-                    checksum,
-                    store: "memory".into(),
-                    base: None,
-                    keyframe: None,
-                    stored_bytes: None,
-                    stored_checksum: None,
-                    lora,
-                    started_us,
-                    published_us: schema::now_us(),
-                };
-                self.announce(&announce).await?;
-                Ok(announce)
+                let (local, lora) = (local.clone(), a.info());
+                self.hand_over(&local, version, step, a.tensors, Some(lora))
+                    .await
             }
             (Payload::Adapter(a), Transport::Bus | Transport::Store(_)) => {
                 let started_us = schema::now_us();
@@ -506,6 +459,48 @@ impl Publisher {
                 self.publish_blob(version, step, blob, started_us).await
             }
         }
+    }
+
+    /// Hands `tensors` over in process and announces them: a full version, or an adapter
+    /// (`lora`).
+    async fn hand_over(
+        &mut self,
+        local: &LocalWeights,
+        version: u64,
+        step: u64,
+        tensors: TensorMap,
+        lora: Option<AdapterInfo>,
+    ) -> Result<WeightsAnnounce, WeightsError> {
+        let started_us = schema::now_us();
+        let bytes = tensors.values().map(|h| h.data.len() as u64 * 4).sum();
+        let checksum = tensors_checksum(&tensors);
+        local.put(version, Arc::new(tensors), self.keep);
+        let (kind, format) = match lora {
+            Some(_) => (WeightsKind::Lora, LORA_IN_PROCESS_FORMAT),
+            None => (WeightsKind::Full, IN_PROCESS_FORMAT),
+        };
+        let announce = WeightsAnnounce {
+            schema: WeightsAnnounce::SCHEMA,
+            version,
+            step,
+            kind,
+            format: format.into(),
+            dtype: "f32".into(),
+            bytes,
+            // One in-memory object; the checksum covers names, shapes and values.
+            chunks: 1,
+            checksum,
+            store: "memory".into(),
+            base: None,
+            keyframe: None,
+            stored_bytes: None,
+            stored_checksum: None,
+            lora,
+            started_us,
+            published_us: schema::now_us(),
+        };
+        self.announce(&announce).await?;
+        Ok(announce)
     }
 
     async fn announce(&self, announce: &WeightsAnnounce) -> Result<(), WeightsError> {

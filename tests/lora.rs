@@ -625,3 +625,116 @@ async fn followers_take_adapter_versions_for_their_base_only() {
         );
     }
 }
+
+/// `generate --adapter` samples from base + adapter: the log-prob of its first token is
+/// peft's; a LoRA directory given as the model is refused with the way to load it; and
+/// `train --lora-from` starts from that adapter.
+#[test]
+fn generate_and_train_take_an_adapter_directory() {
+    let base_dir = fixtures().join("models").join("qwen3");
+    let adapter_dir = fixtures().join("lora").join("qwen3");
+    let r = reference("qwen3");
+    let prompt = &r.inputs[0][..6];
+    let ids = prompt
+        .iter()
+        .map(u32::to_string)
+        .collect::<Vec<_>>()
+        .join(",");
+    let out = common::bin()
+        .args([
+            "generate",
+            "--model",
+            base_dir.to_str().unwrap(),
+            "--adapter",
+            adapter_dir.to_str().unwrap(),
+            "--prompt-ids",
+            &ids,
+            "--max-new-tokens",
+            "1",
+            "--json",
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let token = v["completions"][0]["ids"][0].as_u64().unwrap() as usize;
+    let got = v["completions"][0]["logprobs"][0].as_f64().unwrap() as f32;
+    // peft's logits at the prompt's last position, as a log-softmax.
+    let vocab = r.logits.len() / (r.inputs.len() * r.inputs[0].len());
+    let row = &r.logits[5 * vocab..6 * vocab];
+    let max = row.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    let lse = max + row.iter().map(|x| (x - max).exp()).sum::<f32>().ln();
+    let want = row[token] - lse;
+    assert!(
+        (got - want).abs() < TOLERANCE,
+        "generate --adapter: {got} vs peft {want}"
+    );
+
+    let out = common::bin()
+        .args([
+            "generate",
+            "--model",
+            adapter_dir.to_str().unwrap(),
+            "--prompt-ids",
+            &ids,
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success() && err.contains("--adapter"), "{err}");
+
+    use rlstream::stages::train::{TrainConfig, Trainer, TrainerSettings};
+    let dir = tempfile::tempdir().unwrap();
+    let mut cfg = TrainerSettings::default();
+    cfg.policy.model = Some(base_dir);
+    cfg.train = TrainConfig {
+        lora_from: Some(adapter_dir.clone()),
+        checkpoint_dir: dir.path().join("ckpt"),
+        ..TrainConfig::default()
+    };
+    let trainer = Trainer::start(&cfg).unwrap();
+    let (spec, tensors) = lora::read_adapter(&adapter_dir).unwrap();
+    assert_eq!(trainer.adapter().unwrap().spec, spec);
+    assert!(trainer.model().adapter_tensors().unwrap() == tensors);
+}
+
+/// `rlstream run --lora-rank` on the embedded bus: adapter versions handed over in process,
+/// LoRA checkpoints, and held-out evaluations of base + adapter in the report.
+#[test]
+fn run_trains_an_adapter_end_to_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("run");
+    common::run_ok(&[
+        "run",
+        "--task",
+        "sort",
+        "--sync",
+        "--sft-steps",
+        "20",
+        "--steps",
+        "4",
+        "--checkpoint-every",
+        "2",
+        "--eval-prompts",
+        "64",
+        "--lora-rank",
+        "4",
+        "--lr",
+        "2e-3",
+        "--out",
+        out.to_str().unwrap(),
+    ]);
+    let last = out.join("checkpoints/step-00000004");
+    assert!(last.join(lora::ADAPTER_FILE).exists());
+    assert!(!last.join("model.safetensors").exists());
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report/summary.json")).unwrap())
+            .unwrap();
+    let held_out = summary["held_out"].as_array().unwrap();
+    assert!(held_out.len() >= 2, "{held_out:?}");
+    assert_eq!(summary["config"]["train"]["lora_rank"], 4);
+}

@@ -531,6 +531,19 @@ impl<B: Backend> Policy<B> {
     }
 }
 
+/// A tensor name without the adapter's name some writers keep in it
+/// (`...q_proj.lora_A.default.weight` is `...q_proj.lora_A.weight`, as `save_pretrained`
+/// writes it).
+fn plain_name(name: String) -> String {
+    for which in ["lora_A", "lora_B"] {
+        let named = format!(".{which}.default.weight");
+        if let Some(stem) = name.strip_suffix(&named) {
+            return format!("{stem}.{which}.weight");
+        }
+    }
+    name
+}
+
 /// Writes `tensors` (PEFT names) and `spec` as a PEFT adapter directory.
 pub fn write_adapter(
     dir: &Path,
@@ -568,9 +581,10 @@ pub fn read_adapter(dir: &Path) -> Result<(LoraSpec, TensorMap), ModelError> {
         field: config.display().to_string(),
         reason,
     })?;
-    let tensors = super::hf::read_safetensors_file(&dir.join(ADAPTER_FILE))?;
-    // PEFT may save the adapter under its name (`...lora_A.default.weight`) in older
-    // versions; rlstream writes and reads the plain names.
+    let tensors = super::hf::read_safetensors_file(&dir.join(ADAPTER_FILE))?
+        .into_iter()
+        .map(|(name, t)| (plain_name(name), t))
+        .collect();
     Ok((spec, tensors))
 }
 
@@ -583,4 +597,48 @@ pub fn load_with_adapter<B: Backend>(
     let base = super::hf::load_hf::<B>(model_dir, device)?;
     let (spec, tensors) = read_adapter(adapter_dir)?;
     base.with_adapter(&spec, &tensors)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn target_lists_and_tensor_names() {
+        assert_eq!(
+            Target::parse_list("all-linear").unwrap(),
+            Target::ALL.to_vec()
+        );
+        assert_eq!(
+            Target::parse_list("v_proj, q ,q").unwrap(),
+            vec![Target::Q, Target::V]
+        );
+        assert!(Target::parse_list("q,embed").unwrap_err().contains("embed"));
+        assert!(Target::parse_list(" ").is_err());
+        assert_eq!(
+            peft_name(3, Target::Down, 'B'),
+            "base_model.model.model.layers.3.mlp.down_proj.lora_B.weight"
+        );
+        assert_eq!(
+            plain_name(
+                "base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight".into()
+            ),
+            "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+        );
+        let plain = peft_name(0, Target::Q, 'A');
+        assert_eq!(plain_name(plain.clone()), plain);
+    }
+
+    #[test]
+    fn peft_config_round_trips() {
+        let spec = LoraSpec {
+            rank: 16,
+            alpha: 32.0,
+            dropout: 0.05,
+            targets: vec![Target::Q, Target::Up],
+        };
+        let back = LoraSpec::from_peft_json(&spec.to_peft_json(Some("base"))).unwrap();
+        assert_eq!(back, spec);
+        assert_eq!(spec.scale(), 2.0);
+    }
 }

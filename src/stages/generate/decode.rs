@@ -11,7 +11,7 @@ use crate::schema::{self, Prompt, RolloutGroup, Sample, SamplingParams, SchemaVe
 use crate::stages::StageError;
 use crate::stages::policy::PolicySettings;
 use crate::weights::{ModelSlot, Versioned};
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -131,7 +131,7 @@ impl Decoder {
     /// Runs the loop on a thread of its own (named after the generator).
     pub fn spawn(
         self,
-        admit: mpsc::Receiver<Vec<Admit>>,
+        admit: mpsc::Receiver<Admit>,
         finished: tokio::sync::mpsc::UnboundedSender<Decoded>,
         stop: Arc<AtomicBool>,
     ) -> Result<std::thread::JoinHandle<Result<DecodeStats, ModelError>>, StageError> {
@@ -149,33 +149,26 @@ impl Decoder {
     /// tensor that cannot reach the host) stops the loop.
     pub fn run(
         mut self,
-        admit: mpsc::Receiver<Vec<Admit>>,
+        admit: mpsc::Receiver<Admit>,
         out: tokio::sync::mpsc::UnboundedSender<Decoded>,
         stop: Arc<AtomicBool>,
     ) -> Result<DecodeStats, ModelError> {
-        // Prompts received and not yet admitted (a read's prompts arrive together).
-        let mut waiting: VecDeque<Admit> = VecDeque::new();
         while !stop.load(Ordering::Relaxed) {
             // With nothing to decode, wait for a prompt *before* loading the model, so the
             // first prompt after a pause starts on the newest weights.
-            if self.generator.is_idle() && self.pending.is_empty() && waiting.is_empty() {
+            let mut first = None;
+            if self.generator.is_idle() && self.pending.is_empty() {
                 let idle = Instant::now();
-                let got = admit.recv_timeout(IDLE_WAIT).ok();
+                first = admit.recv_timeout(IDLE_WAIT).ok();
                 self.stats.idle_s += idle.elapsed().as_secs_f64();
-                match got {
-                    Some(batch) => waiting.extend(batch),
-                    None => continue,
+                if first.is_none() {
+                    continue;
                 }
             }
             let current = self.current_model();
             let mut decoded = Vec::new();
             while self.generator.active() + self.cfg.group_size <= self.cfg.max_batch {
-                if waiting.is_empty()
-                    && let Ok(batch) = admit.try_recv()
-                {
-                    waiting.extend(batch);
-                }
-                let Some(a) = waiting.pop_front() else {
+                let Some(a) = first.take().or_else(|| admit.try_recv().ok()) else {
                     break;
                 };
                 decoded.extend(self.admit(&current, a)?.map(Decoded::Failed));

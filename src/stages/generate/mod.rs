@@ -205,7 +205,7 @@ pub async fn run(
     };
     let stop = Arc::new(AtomicBool::new(false));
     let in_flight = Arc::new(AtomicUsize::new(0));
-    let (admit_tx, admit_rx) = mpsc::channel::<Vec<Admit>>();
+    let (admit_tx, admit_rx) = mpsc::channel::<Admit>();
     let (done_tx, done_rx) = tokio::sync::mpsc::unbounded_channel::<Decoded>();
     let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<Settled>();
     let decoder = Decoder::new(policy.clone(), cfg.clone(), slot.clone());

@@ -144,7 +144,7 @@ impl Reader {
     /// consumer stops holding them) and those the model failed on (dead-lettered here).
     pub async fn run(
         mut self,
-        admit: mpsc::Sender<Vec<Admit>>,
+        admit: mpsc::Sender<Admit>,
         mut settled: tokio::sync::mpsc::UnboundedReceiver<Settled>,
     ) -> Result<(), StageError> {
         let mut backoff = Duration::from_millis(100);
@@ -177,20 +177,15 @@ impl Reader {
                 }
                 Err(e) => return Err(StageError::from(e)),
             };
-            // The prompts of one read go to the decoder together: it admits them before its
-            // next forward pass, so what is decoded together does not depend on how fast
-            // this task hands them over (a `--sync` run's batches, and so its bits, repeat).
-            let mut admitted = Vec::with_capacity(batch.len());
             for d in batch {
                 let Some(a) = self.admission(d).await? else {
                     continue;
                 };
                 self.shared.in_flight.fetch_add(1, Ordering::Relaxed);
                 self.backlog += 1;
-                admitted.push(a);
-            }
-            if !admitted.is_empty() && admit.send(admitted).is_err() {
-                return Ok(());
+                if admit.send(a).is_err() {
+                    return Ok(());
+                }
             }
         }
         Ok(())

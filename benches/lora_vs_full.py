@@ -15,30 +15,12 @@ error over seeds; writes everything to OUT/lora_vs_full.json. Builds nothing: ru
 
 import argparse
 import json
-import math
 import os
-import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(ROOT, "target", "release", "rlstream")
-
-
-def rlstream(*args):
-    out = subprocess.run([BIN, *args], capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(f"rlstream {' '.join(args)} failed:\n{out.stderr[-3000:]}")
-    return out.stdout
-
-
-def mean_se(xs):
-    n = len(xs)
-    m = sum(xs) / n
-    if n < 2:
-        return m, float("nan")
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
-    return m, sd / math.sqrt(n)
+# The binary, the runner and the statistics of benches/learning.py.
+from learning import BIN, mean_se, rlstream
 
 
 def evaluate(out, name, seed, task, *model):

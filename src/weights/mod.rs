@@ -985,6 +985,37 @@ where
         Ok(c)
     }
 
+    /// The tensors of version `a` handed over in process, verified against its checksum;
+    /// `None` (the version rejected, and why logged) when this process does not hold them
+    /// or they do not match.
+    fn handed_over(&mut self, a: &WeightsAnnounce, current: u64) -> Option<Arc<TensorMap>> {
+        let local = match &self.transport {
+            Transport::InProcess(local) => local.get(a.version),
+            Transport::Bus | Transport::Store(_) => None,
+        };
+        let Some(tensors) = local else {
+            self.reject();
+            tracing::error!(
+                version = a.version,
+                "weights were handed over in another process's memory and cannot be read \
+                 here: run the trainer with the bus transport; keeping version {current}"
+            );
+            return None;
+        };
+        let found = tensors_checksum(&tensors);
+        if found != a.checksum {
+            self.reject();
+            let e = WeightsError::Checksum {
+                version: a.version,
+                expected: a.checksum.clone(),
+                found,
+            };
+            tracing::error!(version = a.version, error = %e, "rejected new weights; keeping version {current}");
+            return None;
+        }
+        Some(tensors)
+    }
+
     /// Takes an adapter version: refused unless it names this generator's base; fetched
     /// whole, verified, and merged into a fresh copy of the base.
     async fn sync_adapter(
@@ -1030,24 +1061,9 @@ where
             }
         };
         let tensors = if a.format == LORA_IN_PROCESS_FORMAT {
-            let local = match &self.transport {
-                Transport::InProcess(local) => local.get(version),
-                Transport::Bus | Transport::Store(_) => None,
-            };
-            let Some(tensors) = local else {
-                self.reject();
-                tracing::error!(
-                    version,
-                    "the adapter was handed over in another process's memory and cannot be read here; keeping version {current}"
-                );
+            let Some(tensors) = self.handed_over(&a, current) else {
                 return Ok(None);
             };
-            let found = tensors_checksum(&tensors);
-            if found != a.checksum {
-                self.reject();
-                tracing::error!(version, expected = %a.checksum, %found, "rejected adapter version: checksum mismatch; keeping version {current}");
-                return Ok(None);
-            }
             tensors
         } else {
             let blob = match self.assemble(&a).await {
@@ -1187,30 +1203,9 @@ where
             return self.sync_adapter(a, current).await;
         }
         if a.format == IN_PROCESS_FORMAT {
-            let local = match &self.transport {
-                Transport::InProcess(local) => local.get(a.version),
-                Transport::Bus | Transport::Store(_) => None,
-            };
-            let Some(tensors) = local else {
-                self.reject();
-                tracing::error!(
-                    version = a.version,
-                    "weights were handed over in another process's memory and cannot be read \
-                     here: run the trainer with the bus transport; keeping version {current}"
-                );
+            let Some(tensors) = self.handed_over(&a, current) else {
                 return Ok(None);
             };
-            let found = tensors_checksum(&tensors);
-            if found != a.checksum {
-                self.reject();
-                let e = WeightsError::Checksum {
-                    version: a.version,
-                    expected: a.checksum.clone(),
-                    found,
-                };
-                tracing::error!(version = a.version, error = %e, "rejected new weights; keeping version {current}");
-                return Ok(None);
-            }
             let swapped = self
                 .build(a.version, current, move |cfg, dev| {
                     Policy::<B>::from_tensors(cfg, &tensors, dev).map(|p| (p, None))

@@ -97,6 +97,23 @@ def check_rollout_semantics(msg):
             raise SystemExit(f"samples[{i}]: first version run does not start at 0")
 
 
+def check_scored_semantics(msg):
+    samples = msg["rollout"]["samples"]
+    for field in ("token_rewards", "ref_logprobs"):
+        arrays = msg.get(field)
+        if arrays is None:
+            continue
+        if len(arrays) != len(samples):
+            raise SystemExit(f"{field}: {len(arrays)} arrays for {len(samples)} samples")
+        for i, (a, s) in enumerate(zip(arrays, samples)):
+            n, want = len(f32s(a)), len(u32s(s["tokens"]))
+            if n != want:
+                raise SystemExit(f"{field}[{i}]: {n} values for {want} tokens")
+    # A 1.x trainer would train without token rewards: a group that carries them is 2.x.
+    if any(any(f32s(a)) for a in msg.get("token_rewards") or []) and msg["schema"][0] < 2:
+        raise SystemExit("token_rewards with non-zero rewards need schema major 2")
+
+
 def cmd_fixtures(_args):
     schemas, registry = load_registry()
     checked = 0
@@ -119,6 +136,7 @@ def cmd_fixtures(_args):
             check_rollout_semantics(msg)
         elif name == "ScoredGroup":
             check_rollout_semantics(msg["rollout"])
+            check_scored_semantics(msg)
         checked += 1
         print(f"ok  {path.name}: {len(raw)} bytes, valid against {name}.schema.json, .json twin matches")
     print(f"{checked} passed, 0 failed")

@@ -50,6 +50,7 @@ pub const IS_ESS: &str = "rlstream_is_ess";
 pub const CLIP_FRACTION: &str = "rlstream_clip_fraction";
 pub const KL: &str = "rlstream_kl";
 pub const ENTROPY: &str = "rlstream_entropy";
+pub const TEACHER_KL: &str = "rlstream_teacher_kl";
 pub const GRAD_NORM: &str = "rlstream_grad_norm";
 pub const BUILD_INFO: &str = "rlstream_build_info";
 
@@ -253,6 +254,10 @@ fn describe() {
         "Mismatch KL between behaviour and current policy on sampled tokens."
     );
     describe_gauge!(ENTROPY, "Mean negative log-prob of sampled tokens.");
+    describe_gauge!(
+        TEACHER_KL,
+        "KL(student || teacher) on the last step's sampled tokens (mean behaviour minus teacher log-prob), when a teacher scored them."
+    );
     describe_gauge!(GRAD_NORM, "Global gradient norm before clipping.");
     describe_gauge!(
         BUILD_INFO,
@@ -397,6 +402,9 @@ pub fn trained(s: &StepRecord, samples: u64) {
     gauge!(CLIP_FRACTION).set(s.clip_fraction);
     gauge!(KL).set(s.mismatch_kl);
     gauge!(ENTROPY).set(s.entropy);
+    if let Some(kl) = s.teacher_kl {
+        gauge!(TEACHER_KL).set(kl);
+    }
     gauge!(GRAD_NORM).set(s.grad_norm);
 }
 

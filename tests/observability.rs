@@ -352,8 +352,11 @@ async fn stages_export_what_the_dashboard_shows() {
         "--metrics-addr",
         &addrs["gen"],
     ]);
+    // The model as its own teacher: the teacher-KL panel fills too.
     let score_args = with_bus(&[
         "score",
+        "--teacher",
+        m,
         "--name",
         "score-a",
         "--metrics-addr",

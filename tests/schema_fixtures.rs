@@ -57,6 +57,20 @@ fn scored_group() {
     check("ScoredGroup", examples::scored_group());
 }
 
+/// A group as schema 1.0 wrote it still decodes, and a group without token rewards is
+/// still written as 1.0, so a 1.x trainer keeps reading what it reads right.
+#[test]
+fn scored_group_v1() {
+    check("ScoredGroup.v1", examples::scored_group_v1());
+    let mut g = examples::scored_group();
+    assert_eq!(g.schema, schema::SchemaVersion { major: 2, minor: 0 });
+    g.token_rewards = None;
+    assert_eq!(
+        schema::ScoredGroup::version_for(&g.token_rewards),
+        schema::SchemaVersion::CURRENT
+    );
+}
+
 #[test]
 fn weights_announce() {
     check("WeightsAnnounce", examples::weights_announce());

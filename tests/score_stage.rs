@@ -181,3 +181,97 @@ async fn a_completion_that_cannot_be_detokenized_dead_letters_its_group() {
         dead[0].error
     );
 }
+
+/// Completions of `rev:a,b,c=` (answer `c,b,a`), each ending with the stop token: all
+/// three steps right, the first step right, nothing right.
+fn stepped_group() -> RolloutGroup {
+    let tok = tasks::char_tokenizer();
+    let mut g = group();
+    g.prompt_tokens = tok.encode("rev:a,b,c=").into();
+    g.meta.insert("answer".into(), "c,b,a".into());
+    for (s, text) in g.samples.iter_mut().zip(["c,b,a", "c,a,b", "abc"]) {
+        let mut ids = tok.encode(text);
+        ids.push(0);
+        s.logprobs = vec![-0.5; ids.len()].into();
+        s.tokens = ids.into();
+    }
+    g
+}
+
+fn token_rewards(g: &ScoredGroup) -> Vec<Vec<f32>> {
+    g.token_rewards
+        .as_ref()
+        .expect("token rewards")
+        .iter()
+        .map(|r| r.to_vec())
+        .collect()
+}
+
+/// Per-step rewards: the text is split after each `,`, and each step's reward sits on its
+/// last token (the `,`, or the last character of the last step); the stop token gets none.
+/// The group carries token rewards, so it is written as schema 2.0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_external_scorer_places_step_rewards_on_each_steps_last_token() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/step_verifier.py");
+    let cfg = ScoreConfig {
+        scorer_cmd: Some(format!("python3 {script} --per step --separator ,")),
+        step_separator: Some(",".into()),
+        ..ScoreConfig::default()
+    };
+    let (_, out) = score_groups(cfg, Topology::default(), &[stepped_group()]).await;
+    assert_eq!(out.len(), 1);
+    assert_eq!(out[0].schema, schema::SchemaVersion { major: 2, minor: 0 });
+    assert_eq!(out[0].rewards, vec![1.0, 0.0, 0.0]);
+    assert_eq!(
+        token_rewards(&out[0]),
+        vec![
+            vec![0.0, 1.0, 0.0, 1.0, 1.0, 0.0],
+            vec![0.0, 1.0, 0.0, 0.0, 0.0, 0.0],
+            vec![0.0, 0.0, 0.0, 0.0],
+        ]
+    );
+}
+
+/// Per-token rewards by index land on those tokens; an answer that names a token past the
+/// completion is refused like any bad answer (retried, then dead-lettered with the reason).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_external_scorer_places_rewards_by_token_index_and_bad_ones_are_refused() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/step_verifier.py");
+    let cfg = ScoreConfig {
+        scorer_cmd: Some(format!("python3 {script} --per token")),
+        ..ScoreConfig::default()
+    };
+    let (_, out) = score_groups(cfg, Topology::default(), &[stepped_group()]).await;
+    assert_eq!(out.len(), 1);
+    assert_eq!(
+        token_rewards(&out[0]),
+        vec![
+            vec![0.1, 0.1, 0.1, 0.1, 0.1, 0.0],
+            vec![0.1, 0.1, 0.0, 0.1, 0.0, 0.0],
+            vec![0.0, 0.0, 0.0, 0.0],
+        ]
+    );
+
+    let topo = Topology {
+        claim_idle_ms: 100,
+        max_deliveries: 2,
+        block_ms: 50,
+        ..Topology::default()
+    };
+    for (args, separator, want) in [
+        ("--per token --bad index", None, "names token 6, but completion 0 has 6 tokens"),
+        ("--per step --separator , --bad steps", Some(","), "step_rewards[0] has 2 rewards for 3 steps"),
+        ("--per step", None, "step_rewards need steps: start score with --step-separator"),
+    ] {
+        let cfg = ScoreConfig {
+            scorer_cmd: Some(format!("python3 {script} {args}")),
+            step_separator: separator.map(String::from),
+            ..ScoreConfig::default()
+        };
+        let (bus, out) = score_groups(cfg, topo.clone(), &[stepped_group()]).await;
+        assert!(out.is_empty(), "{args}");
+        let dead = dead_letters(&bus, &topo).await;
+        assert_eq!(dead.len(), 1, "{args}");
+        assert!(dead[0].error.contains(want), "{args}: {}", dead[0].error);
+    }
+}

@@ -9,7 +9,7 @@ use crate::model::tokenizer::Tokenizer;
 use crate::roles::{Stage, Stream};
 use crate::schema::json::msgpack_to_json;
 use crate::schema::{
-    self, DeadLetter, Event, Prompt, RolloutGroup, Sample, ScoredGroup, StepRecord, WeightsAnnounce,
+    self, DeadLetter, Event, Floats, Prompt, RolloutGroup, Sample, ScoredGroup, StepRecord, WeightsAnnounce,
 };
 use crate::stages::{StageError, train};
 use crate::weights::{LocalWeights, Transport};
@@ -440,7 +440,14 @@ fn rollout_summary(g: &RolloutGroup) -> String {
     )
 }
 
-fn tokens_line(s: &Sample, tok: &Tokenizer) -> String {
+/// Each token as `"piece"(vVERSION LOGPROB)`, with `r±REWARD` where a reward sits on it
+/// and `t=TEACHER` where a teacher scored it.
+fn tokens_line(
+    s: &Sample,
+    tok: &Tokenizer,
+    token_rewards: Option<&[f32]>,
+    teacher: Option<&[f32]>,
+) -> String {
     let mut o = String::new();
     for (i, (&t, &lp)) in s.tokens.iter().zip(s.logprobs.iter()).enumerate() {
         // Tokens without text (end of sequence, special tokens) show as their id.
@@ -449,16 +456,32 @@ fn tokens_line(s: &Sample, tok: &Tokenizer) -> String {
             .ok()
             .filter(|p| !p.is_empty())
             .unwrap_or_else(|| format!("<{t}>"));
-        let _ = write!(o, "{piece:?}(v{} {lp:.2}) ", s.version_at(i));
+        let _ = write!(o, "{piece:?}(v{} {lp:.2}", s.version_at(i));
+        if let Some(&r) = token_rewards.and_then(|r| r.get(i))
+            && r != 0.0
+        {
+            let _ = write!(o, " r{r:+.3}");
+        }
+        if let Some(&t) = teacher.and_then(|t| t.get(i)) {
+            let _ = write!(o, " t{t:.2}");
+        }
+        o.push_str(") ");
     }
     o.trim_end().to_string()
 }
 
 fn text_block(id: EntryId, m: &Decoded, tok: &Tokenizer) -> String {
-    let (g, rewards) = match m {
+    let (g, scored) = match m {
         Decoded::Rollout(g) => (g, None),
-        Decoded::Scored(s) => (&s.rollout, Some(&s.rewards)),
+        Decoded::Scored(s) => (&s.rollout, Some(s)),
         other => return table_line(id, other) + "\n",
+    };
+    let rewards = scored.map(|s| &s.rewards);
+    let per_sample = |f: fn(&ScoredGroup) -> &Option<Vec<Floats>>, i: usize| {
+        scored
+            .and_then(|s| f(s).as_ref())
+            .and_then(|a| a.get(i))
+            .map(|a| a.as_slice())
     };
     let mut o = String::new();
     let prompt = tok
@@ -478,7 +501,13 @@ fn text_block(id: EntryId, m: &Decoded, tok: &Tokenizer) -> String {
             .and_then(|r| r.get(i))
             .map_or(String::new(), |r| format!(" reward {r:.2}"));
         let _ = writeln!(o, "  [{i}]{reward} {:?} {text:?}", s.finish);
-        let _ = writeln!(o, "      {}", tokens_line(s, tok));
+        let line = tokens_line(
+            s,
+            tok,
+            per_sample(|s| &s.token_rewards, i),
+            per_sample(|s| &s.ref_logprobs, i),
+        );
+        let _ = writeln!(o, "      {line}");
     }
     o
 }

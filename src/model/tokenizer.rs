@@ -110,6 +110,41 @@ impl Tokenizer {
         }
     }
 
+    /// Whether `other` maps every id to the same token as `self`: `Err` says how they differ.
+    /// Two tokenizers agree when they are of one kind with the same vocabulary (characters,
+    /// or Hugging Face tokens with their added tokens, id for id).
+    pub fn same_as(&self, other: &Tokenizer) -> Result<(), String> {
+        match (self, other) {
+            (Tokenizer::Char(a), Tokenizer::Char(b)) if a == b => Ok(()),
+            (Tokenizer::Char(a), Tokenizer::Char(b)) => Err(format!(
+                "character vocabularies differ ({} and {} ids)",
+                a.vocab_size(),
+                b.vocab_size()
+            )),
+            (Tokenizer::Hf(a), Tokenizer::Hf(b)) => {
+                let (va, vb) = (a.get_vocab(true), b.get_vocab(true));
+                if va.len() != vb.len() {
+                    return Err(format!("vocabularies of {} and {} tokens", va.len(), vb.len()));
+                }
+                let mut differ: Vec<(&u32, &String)> = va
+                    .iter()
+                    .filter(|(tok, id)| vb.get(*tok) != Some(id))
+                    .map(|(tok, id)| (id, tok))
+                    .collect();
+                differ.sort();
+                match differ.first() {
+                    None => Ok(()),
+                    Some((id, tok)) => Err(format!(
+                        "{} of {} tokens differ (id {id} is {tok:?} in one only)",
+                        differ.len(),
+                        va.len()
+                    )),
+                }
+            }
+            _ => Err("one is the built-in character tokenizer, the other a Hugging Face tokenizer".into()),
+        }
+    }
+
     /// Writes the built-in tokenizer next to a checkpoint (HF tokenizers are copied as is).
     pub fn save_char(t: &CharTokenizer, dir: &Path) -> Result<(), ModelError> {
         let path = dir.join(CHAR_TOKENIZER_FILE);

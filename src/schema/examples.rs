@@ -2,7 +2,7 @@
 //! benchmarks and tests all build from here, so they agree on what a message looks like.
 
 use super::{
-    DeadLetter, Event, FinishReason, Prompt, RolloutGroup, Sample, SamplingMask, SamplingParams,
+    DeadLetter, Event, FinishReason, Floats, Prompt, RolloutGroup, Sample, SamplingMask, SamplingParams,
     SchemaVersion, ScoredGroup, WeightsAnnounce, WeightsKind,
 };
 use std::collections::BTreeMap;
@@ -106,7 +106,34 @@ pub fn realistic_rollout_group() -> RolloutGroup {
     rollout_group(8, 256, 32_000, 8)
 }
 
+/// A group with rewards placed on tokens and a teacher's log-probs (schema 2.0).
 pub fn scored_group() -> ScoredGroup {
+    let rollout = rollout_group(2, 4, 16, 2);
+    let per_token = |f: fn(usize, usize) -> f32| -> Vec<Floats> {
+        rollout
+            .samples
+            .iter()
+            .enumerate()
+            .map(|(i, s)| (0..s.tokens.len()).map(|t| f(i, t)).collect::<Vec<f32>>().into())
+            .collect()
+    };
+    let token_rewards = Some(per_token(|i, t| if t == 3 { 1.0 - i as f32 } else { 0.0 }));
+    let ref_logprobs = Some(per_token(|i, t| -0.25 * (i + t + 1) as f32));
+    ScoredGroup {
+        schema: ScoredGroup::version_for(&token_rewards),
+        token_rewards,
+        ref_logprobs,
+        rollout,
+        rewards: vec![1.0, 0.0],
+        advantages: vec![0.70710677, -0.70710677],
+        scorer_id: "score-0".into(),
+        scored_us: EXAMPLE_TIME_US + 300_000,
+    }
+}
+
+/// A group as schema 1.0 wrote it: outcome rewards only (its `token_rewards`, all zero, were
+/// never produced by a 1.0 scorer).
+pub fn scored_group_v1() -> ScoredGroup {
     let rollout = rollout_group(2, 4, 16, 2);
     ScoredGroup {
         schema: SchemaVersion::CURRENT,

@@ -12,10 +12,15 @@ pub struct ScoredGroup {
     pub rewards: Vec<f32>,
     /// One advantage per sample (group-normalised by the scorer).
     pub advantages: Vec<f32>,
-    /// Optional per-token process rewards, one array per sample.
+    /// Optional rewards placed on tokens, one array per sample with one entry per completion
+    /// token: a reward sits on the token that earns it (a step's or turn's last token, or
+    /// every token for a teacher's signal). The trainer turns them into per-token
+    /// advantages added to the outcome advantage (`stages::train::credit`). Schema 2.0:
+    /// a group that carries them is written as 2.0, since a 1.x trainer would ignore them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_rewards: Option<Vec<Floats>>,
-    /// Optional teacher log-probs of each completion token (distillation), one per sample.
+    /// Optional teacher log-probs of each completion token at temperature 1 over the full
+    /// vocabulary (`score --teacher`), one array per sample.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ref_logprobs: Option<Vec<Floats>>,
     /// Which scorer produced the rewards (consumer name or external command).
@@ -25,6 +30,17 @@ pub struct ScoredGroup {
 }
 
 impl ScoredGroup {
+    /// The version a group is written as: 2.0 when it carries `token_rewards`, which a 1.x
+    /// trainer would silently train without; 1.0 otherwise, which every reader since 1.0
+    /// reads the same way.
+    pub fn version_for(token_rewards: &Option<Vec<Floats>>) -> SchemaVersion {
+        if token_rewards.is_some() {
+            Self::SCHEMA
+        } else {
+            SchemaVersion::CURRENT
+        }
+    }
+
     fn check_per_token(&self, field: &str, arrays: &Option<Vec<Floats>>) -> Result<(), CodecError> {
         let Some(arrays) = arrays else { return Ok(()) };
         let samples = &self.rollout.samples;
@@ -54,6 +70,7 @@ impl ScoredGroup {
 
 impl Message for ScoredGroup {
     const KIND: &'static str = "ScoredGroup";
+    const SCHEMA: SchemaVersion = SchemaVersion { major: 2, minor: 0 };
     fn schema(&self) -> SchemaVersion {
         self.schema
     }

@@ -27,6 +27,10 @@ pub struct StepRecord {
     pub mismatch_kl: f64,
     /// KL to the initial policy (k3), when `kl_coef` > 0.
     pub ref_kl: f64,
+    /// KL(student ‖ teacher) on the sampled tokens (mean behaviour − teacher log-prob) of
+    /// the step's groups a teacher scored; absent when none was.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub teacher_kl: Option<f64>,
     /// Mean negative log-prob of the sampled tokens (an entropy estimate).
     pub entropy: f64,
     pub grad_norm: f64,

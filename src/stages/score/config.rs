@@ -15,6 +15,18 @@ pub enum AdvantageKind {
 }
 crate::enum_setting!(AdvantageKind);
 
+/// What a teacher's log-probs become.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum DistillKind {
+    /// Nothing: they travel as `ref_logprobs` only.
+    None,
+    /// Per-token rewards distill_coef · (teacher − behaviour log-prob): on-policy
+    /// distillation by reverse KL.
+    ReverseKl,
+}
+crate::enum_setting!(DistillKind);
+
 crate::settings! {
     /// The `[score]` section.
     pub struct ScoreConfig, flags ScoreArgs, section "score" {
@@ -27,6 +39,18 @@ crate::settings! {
         pub scorer_timeout_s: f64 = 30.0,
         /// External scorer processes, each scoring one group at a time: a polled batch is scored this many groups at once.
         pub scorers: usize = 1,
+        /// Split each completion into steps after every occurrence of this string and send them to --scorer-cmd, which may answer one reward per step (`step_rewards`); a step's reward sits on its last token.
+        #[arg(value_name = "TEXT")]
+        pub step_separator: Option<String> = None,
+        /// Teacher model directory (any supported Hugging Face checkpoint with the student's tokenizer): each sampled token gets the teacher's log-prob at temperature 1 over the full vocabulary, one batched prefill per group.
+        #[arg(value_name = "DIR")]
+        pub teacher: Option<std::path::PathBuf> = None,
+        /// What the teacher's log-probs become: none (sent as ref_logprobs) or reverse-kl (per-token rewards distill_coef · (teacher − behaviour log-prob)).
+        pub distill: DistillKind = DistillKind::None,
+        /// Weight of the teacher's per-token rewards.
+        pub distill_coef: f32 = 1.0,
+        /// Weight of the outcome (verifier) advantage beside token rewards; 0 trains on token rewards alone (pure distillation).
+        pub outcome_coef: f32 = 1.0,
         /// Model directory whose tokenizer decodes completions; the built-in character tokenizer when absent.
         #[arg(value_name = "DIR")]
         pub tokenizer: Option<std::path::PathBuf> = None,
@@ -48,6 +72,20 @@ impl ScoreConfig {
             return Err(crate::settings::invalid(
                 "score.scorer_timeout_s",
                 "must be > 0",
+            ));
+        }
+        for (k, v) in [
+            ("score.distill_coef", self.distill_coef),
+            ("score.outcome_coef", self.outcome_coef),
+        ] {
+            if !(v.is_finite() && v >= 0.0) {
+                return Err(crate::settings::invalid(k, "must be >= 0"));
+            }
+        }
+        if self.step_separator.as_deref() == Some("") {
+            return Err(crate::settings::invalid(
+                "score.step_separator",
+                "must not be empty",
             ));
         }
         Ok(())

@@ -1,8 +1,15 @@
 //! `rlstream score`: reads rollout groups through the `score` group, rewards each completion
 //! with the task's verifier (or an external program), computes group advantages, and
 //! publishes scored groups. A rollout is acked only after its scored group is published.
+//!
+//! Beside the outcome reward a group may carry rewards placed on tokens (`token_rewards`):
+//! an external scorer's per-token or per-step rewards ([`steps`]), and a teacher's per-token
+//! signal ([`teacher`]); where both are present they add up. The trainer turns them into
+//! per-token advantages (`stages::train::credit`).
 
 mod config;
+pub mod steps;
+pub mod teacher;
 pub use config::*;
 
 use super::StageError;
@@ -10,13 +17,21 @@ use crate::bus::{Consumer, Delivery, SharedBus, Topology};
 use crate::model::ModelError;
 use crate::model::tokenizer::Tokenizer;
 use crate::roles::{Stage, Stream};
-use crate::schema::{self, RolloutGroup, SchemaVersion, ScoredGroup};
+use crate::schema::{self, Floats, RolloutGroup, ScoredGroup};
 use crate::tasks;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};
 use std::future::Future;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+
+/// Tokens of a completion that make its text: all but a final stop token.
+fn text_len(tokens: &[u32], stop: &[u32]) -> usize {
+    match tokens.last() {
+        Some(t) if stop.contains(t) => tokens.len() - 1,
+        _ => tokens.len(),
+    }
+}
 
 /// Added to the standard deviation so uniform groups get zero advantage, not NaN.
 const STD_EPS: f32 = 1e-6;
@@ -53,6 +68,12 @@ struct ExternalRequest<'a> {
     task: &'a str,
     prompt: String,
     completions: Vec<String>,
+    /// Each completion's token ids (the stop token included): what `token_rewards`
+    /// indices count.
+    tokens: Vec<&'a [u32]>,
+    /// Each completion split into steps (with `--step-separator`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    steps: Option<Vec<Vec<String>>>,
     meta: &'a std::collections::BTreeMap<String, String>,
 }
 
@@ -61,8 +82,24 @@ struct ExternalRequest<'a> {
 struct ExternalResponse {
     #[serde(default)]
     rewards: Option<Vec<f32>>,
+    /// Per completion, `[token index, reward]` pairs.
+    #[serde(default)]
+    token_rewards: Option<Vec<Vec<(usize, f32)>>>,
+    /// Per completion, one reward per step.
+    #[serde(default)]
+    step_rewards: Option<Vec<Vec<f32>>>,
     #[serde(default)]
     error: Option<String>,
+}
+
+/// What a scorer says about a group: one outcome reward per completion, and rewards placed
+/// on tokens when it gave any.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Scores {
+    pub rewards: Vec<f32>,
+    pub token_rewards: Option<Vec<Floats>>,
+    /// The teacher's log-prob of each token (`score --teacher`).
+    pub teacher: Option<Vec<Floats>>,
 }
 
 /// What went wrong with an external scorer. Each is worth a retry: the group goes back to
@@ -97,6 +134,8 @@ pub enum ScorerError {
     Count { got: usize, want: usize },
     #[error("scorer returned a non-finite reward {0}")]
     NonFinite(f32),
+    #[error("scorer answer: {0}")]
+    BadTokenRewards(String),
 }
 
 /// Why a group was not scored.
@@ -119,6 +158,13 @@ pub enum ScoreError {
     External(#[from] ScorerError),
     #[error(transparent)]
     Encode(#[from] crate::schema::CodecError),
+    /// The teacher cannot run the group (an id past its vocabulary, longer than its
+    /// context). Retrying cannot help; dead-lettered with the refusal's reason.
+    #[error("the teacher cannot score this group: {0}")]
+    TeacherInput(crate::schema::Refusal),
+    /// The teacher's computation failed (worth a retry).
+    #[error("teacher: {0}")]
+    TeacherFailed(String),
 }
 
 /// Dead-letter reason of a group whose text cannot be recovered.
@@ -133,7 +179,10 @@ impl ScoreError {
         match self {
             ScoreError::Detokenize { .. } => Some(DETOKENIZE),
             ScoreError::NoAnswer(_) => Some(NO_ANSWER),
-            ScoreError::External(_) | ScoreError::Encode(_) => None,
+            ScoreError::TeacherInput(r) => Some(r.reason),
+            ScoreError::External(_) | ScoreError::Encode(_) | ScoreError::TeacherFailed(_) => {
+                None
+            }
         }
     }
 }
@@ -181,7 +230,12 @@ impl External {
         Ok(())
     }
 
-    async fn score(&mut self, req: &ExternalRequest<'_>) -> Result<Vec<f32>, ScorerError> {
+    /// `step_ends[i][k]`: the last token of completion `i`'s step `k` (with a separator).
+    async fn score(
+        &mut self,
+        req: &ExternalRequest<'_>,
+        step_ends: Option<&[Vec<usize>]>,
+    ) -> Result<Scores, ScorerError> {
         if self.child.is_none() {
             self.spawn()?;
         }
@@ -241,7 +295,29 @@ impl External {
         if let Some(&bad) = rewards.iter().find(|r| !r.is_finite()) {
             return Err(ScorerError::NonFinite(bad));
         }
-        Ok(rewards)
+        let lens: Vec<usize> = req.tokens.iter().map(|t| t.len()).collect();
+        let token_rewards = match (resp.token_rewards, resp.step_rewards) {
+            (Some(_), Some(_)) => {
+                return Err(ScorerError::BadTokenRewards(
+                    "give token_rewards or step_rewards, not both".into(),
+                ));
+            }
+            (Some(pairs), None) => Some(steps::placed(&pairs, &lens)?),
+            (None, Some(per_step)) => {
+                let Some(ends) = step_ends else {
+                    return Err(ScorerError::BadTokenRewards(
+                        "step_rewards need steps: start score with --step-separator".into(),
+                    ));
+                };
+                Some(steps::step_rewards(&per_step, ends, &lens)?)
+            }
+            (None, None) => None,
+        };
+        Ok(Scores {
+            rewards,
+            token_rewards,
+            teacher: None,
+        })
     }
 }
 
@@ -251,6 +327,10 @@ pub struct Scorer {
     tokenizer: Tokenizer,
     /// Empty for the built-in verifiers.
     pool: Vec<External>,
+    step_separator: Option<String>,
+    teacher: Option<teacher::Teacher>,
+    distill: DistillKind,
+    distill_coef: f32,
 }
 
 impl Scorer {
@@ -266,18 +346,63 @@ impl Scorer {
                 .collect::<Result<Vec<_>, _>>()?,
             None => Vec::new(),
         };
-        Ok(Scorer { tokenizer, pool })
+        if cfg.distill != DistillKind::None && cfg.teacher.is_none() {
+            return Err(crate::settings::invalid(
+                "score.distill",
+                "distilling needs a teacher: give --teacher DIR",
+            )
+            .into());
+        }
+        if cfg.step_separator.is_some() && pool.is_empty() {
+            return Err(crate::settings::invalid(
+                "score.step_separator",
+                "steps are scored by an external scorer: give --scorer-cmd",
+            )
+            .into());
+        }
+        let teacher = match &cfg.teacher {
+            Some(dir) => Some(
+                teacher::Teacher::load(dir, &tokenizer)
+                    .map_err(|e| StageError::Other(e.to_string()))?,
+            ),
+            None => None,
+        };
+        Ok(Scorer {
+            tokenizer,
+            pool,
+            step_separator: cfg.step_separator.clone(),
+            teacher,
+            distill: cfg.distill,
+            distill_coef: cfg.distill_coef,
+        })
     }
 
     /// Completion text without its stop token.
     fn text(&self, tokens: &[u32], stop: &[u32], what: String) -> Result<String, ScoreError> {
-        let end = match tokens.last() {
-            Some(t) if stop.contains(t) => tokens.len() - 1,
-            _ => tokens.len(),
-        };
         self.tokenizer
-            .decode(&tokens[..end])
+            .decode(&tokens[..text_len(tokens, stop)])
             .map_err(|source| ScoreError::Detokenize { what, source })
+    }
+
+    /// Each completion's steps (texts, and the last token of each) with a separator.
+    fn steps(&self, g: &RolloutGroup) -> Result<Option<Vec<steps::Steps>>, ScoreError> {
+        let Some(sep) = &self.step_separator else {
+            return Ok(None);
+        };
+        g.samples
+            .iter()
+            .enumerate()
+            .map(|(i, s)| {
+                let n = text_len(&s.tokens, &g.sampling.stop_tokens);
+                steps::split(&self.tokenizer, &s.tokens, n, sep).map_err(|source| {
+                    ScoreError::Detokenize {
+                        what: format!("completion {i}"),
+                        source,
+                    }
+                })
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Some)
     }
 
     /// The completions' texts, and the prompt's when an external scorer needs it.
@@ -309,12 +434,19 @@ impl Scorer {
 
     /// Rewards of each group, in order. External scorers take up to one group each at a
     /// time, so a batch is scored pool-size groups at once.
-    pub async fn rewards(&mut self, groups: &[&RolloutGroup]) -> Vec<Result<Vec<f32>, ScoreError>> {
+    pub async fn rewards(&mut self, groups: &[&RolloutGroup]) -> Vec<Result<Scores, ScoreError>> {
         let prepared: Vec<Result<(Vec<String>, String), ScoreError>> =
             groups.iter().map(|g| self.texts(g)).collect();
-        let mut out: Vec<Option<Result<Vec<f32>, ScoreError>>> = Vec::with_capacity(groups.len());
+        let mut out: Vec<Option<Result<Scores, ScoreError>>> = Vec::with_capacity(groups.len());
         let mut waiting = Vec::new();
         for (i, (g, p)) in groups.iter().zip(prepared).enumerate() {
+            let steps = match self.steps(g) {
+                Ok(s) => s,
+                Err(e) => {
+                    out.push(Some(Err(e)));
+                    continue;
+                }
+            };
             match p {
                 Err(e) => out.push(Some(Err(e))),
                 Ok((texts, _)) if self.pool.is_empty() => out.push(Some(
@@ -324,10 +456,23 @@ impl Scorer {
                             tasks::score(t, &g.meta)
                                 .ok_or_else(|| ScoreError::NoAnswer(g.group_id.clone()))
                         })
-                        .collect(),
+                        .collect::<Result<Vec<f32>, ScoreError>>()
+                        .map(|rewards| Scores {
+                            rewards,
+                            token_rewards: None,
+                            teacher: None,
+                        }),
                 )),
                 Ok((completions, prompt)) => {
                     out.push(None);
+                    let (step_texts, ends) = match steps {
+                        Some(st) => {
+                            let (t, e): (Vec<Vec<String>>, Vec<Vec<usize>>) =
+                                st.into_iter().map(|s| (s.texts, s.last_tokens)).unzip();
+                            (Some(t), Some(e))
+                        }
+                        None => (None, None),
+                    };
                     waiting.push((
                         i,
                         ExternalRequest {
@@ -335,8 +480,11 @@ impl Scorer {
                             task: &g.task,
                             prompt,
                             completions,
+                            tokens: g.samples.iter().map(|s| s.tokens.as_slice()).collect(),
+                            steps: step_texts,
                             meta: &g.meta,
                         },
+                        ends,
                     ));
                 }
             }
@@ -345,14 +493,55 @@ impl Scorer {
             let calls = chunk
                 .iter()
                 .zip(self.pool.iter_mut())
-                .map(|((i, req), ext)| async move { (*i, ext.score(req).await) });
+                .map(|((i, req, ends), ext)| async move {
+                    (*i, ext.score(req, ends.as_deref()).await)
+                });
             for (i, r) in futures_util::future::join_all(calls).await {
                 out[i] = Some(r.map_err(ScoreError::from));
             }
         }
-        out.into_iter()
+        let mut out: Vec<Result<Scores, ScoreError>> = out
+            .into_iter()
             .map(|r| r.unwrap_or(Err(ScoreError::External(ScorerError::Exited))))
-            .collect()
+            .collect();
+        if let Some(teacher) = &self.teacher {
+            self.add_teacher(teacher, groups, &mut out).await;
+        }
+        out
+    }
+
+    /// The teacher's log-probs of the groups scored so far, kept as each group's
+    /// `ref_logprobs` (returned beside the scores) and, when distilling, added to its token
+    /// rewards.
+    async fn add_teacher(
+        &self,
+        teacher: &teacher::Teacher,
+        groups: &[&RolloutGroup],
+        out: &mut [Result<Scores, ScoreError>],
+    ) {
+        let todo: Vec<usize> = (0..groups.len()).filter(|&i| out[i].is_ok()).collect();
+        let picked: Vec<&RolloutGroup> = todo.iter().map(|&i| groups[i]).collect();
+        let logprobs = teacher.logprobs(&picked).await;
+        for (i, lp) in todo.into_iter().zip(logprobs) {
+            let (Ok(scores), g) = (&mut out[i], groups[i]) else {
+                continue;
+            };
+            let lp = match lp {
+                Ok(lp) => lp,
+                Err(e) => {
+                    out[i] = Err(e);
+                    continue;
+                }
+            };
+            if self.distill == DistillKind::ReverseKl {
+                let kl = teacher::reverse_kl_rewards(g, &lp, self.distill_coef);
+                scores.token_rewards = Some(match scores.token_rewards.take() {
+                    None => kl,
+                    Some(given) => steps::add(&given, &kl),
+                });
+            }
+            scores.teacher = Some(lp);
+        }
     }
 }
 
@@ -369,11 +558,19 @@ pub struct ScoreSummary {
 fn finish(
     cfg: &ScoreConfig,
     d: &Delivery<RolloutGroup>,
-    rewards: Vec<f32>,
+    scores: Scores,
     seconds: f64,
     summary: &mut ScoreSummary,
 ) -> Result<Bytes, ScoreError> {
-    let adv = advantages(&rewards, cfg.advantage);
+    let Scores {
+        rewards,
+        token_rewards,
+        teacher,
+    } = scores;
+    let mut adv = advantages(&rewards, cfg.advantage);
+    if cfg.outcome_coef != 1.0 {
+        adv.iter_mut().for_each(|a| *a *= cfg.outcome_coef);
+    }
     summary.reward_sum += rewards.iter().map(|&r| f64::from(r)).sum::<f64>();
     summary.samples += rewards.len() as u64;
     crate::metrics::scored(
@@ -382,12 +579,12 @@ fn finish(
         seconds,
     );
     let scored = ScoredGroup {
-        schema: SchemaVersion::CURRENT,
+        schema: ScoredGroup::version_for(&token_rewards),
         rollout: d.message.clone(),
         rewards,
         advantages: adv,
-        token_rewards: None,
-        ref_logprobs: None,
+        token_rewards,
+        ref_logprobs: teacher,
         scorer_id: cfg.name.clone(),
         scored_us: schema::now_us(),
     };

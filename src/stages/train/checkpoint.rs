@@ -102,6 +102,33 @@ pub fn latest(root: &Path) -> Option<PathBuf> {
 }
 
 /// Writes the state and settings into `dir` (the weights and records are already there).
+/// Files of a model directory that are not weights but that make a checkpoint a model
+/// directory of its own: its tokenizer and generation settings.
+const MODEL_SIDE_FILES: [&str; 5] = [
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "generation_config.json",
+    "chat_template.jinja",
+    crate::model::tokenizer::CHAR_TOKENIZER_FILE,
+];
+
+/// Copies the tokenizer and generation settings of the model directory `from` (those it
+/// has) into the checkpoint `dir`, so that a checkpoint serves as `--model`, `--teacher` or
+/// `eval --model` as it is.
+pub fn copy_tokenizer(from: &Path, dir: &Path) -> Result<(), CheckpointError> {
+    for name in MODEL_SIDE_FILES {
+        let src = from.join(name);
+        if src.is_file() && src != dir.join(name) {
+            std::fs::copy(&src, dir.join(name)).map_err(|source| CheckpointError::Io {
+                dir: dir.to_path_buf(),
+                what: format!("copy {}", src.display()),
+                source,
+            })?;
+        }
+    }
+    Ok(())
+}
+
 pub fn write_state(
     dir: &Path,
     state: &TrainerState,

@@ -37,6 +37,8 @@ crate::settings! {
         pub is_cap: f32 = 2.0,
         /// KL penalty to the initial policy (0 disables).
         pub kl_coef: f32 = 0.0,
+        /// Discount γ of rewards placed on tokens (a scorer's token_rewards): each token's advantage adds its return Σ γ^k·r over the rewards at or after it, less the group's mean; 1 credits a step's reward to every token before it, 0 keeps each reward on its own token.
+        pub token_discount: f32 = 1.0,
         /// Publish weights every this many steps.
         pub publish_every: u64 = 1,
         /// Versions of weights kept on the bus.
@@ -83,6 +85,9 @@ impl TrainConfig {
         }
         if !(self.is_cap.is_finite() && self.is_cap >= 1.0) {
             return Err(invalid("train.is_cap", "must be >= 1"));
+        }
+        if !(0.0..=1.0).contains(&self.token_discount) {
+            return Err(invalid("train.token_discount", "must be in [0, 1]"));
         }
         if !(self.max_grad_norm.is_finite() && self.max_grad_norm > 0.0) {
             return Err(invalid("train.max_grad_norm", "must be > 0"));

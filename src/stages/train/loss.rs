@@ -2,7 +2,7 @@
 //! TIS or capped-REINFORCE surrogate, the optional KL to the initial policy, and the step's
 //! statistics.
 
-use super::{LossKind, TrainerSettings};
+use super::{LossKind, TrainerSettings, credit};
 use crate::model::logprobs::{ScoredSeq, completion_logprobs};
 use crate::model::{Kernels, ModelError, Policy};
 use crate::schema::{ScoredGroup, StepRecord};
@@ -22,28 +22,50 @@ fn scalar<B: Backend>(t: Tensor<B, 1>) -> Result<f32, ModelError> {
         .ok_or_else(|| ModelError::HostCopy("a reduced tensor holds no value".into()))
 }
 
+/// A sample's advantage: its outcome advantage on every token, or one per token.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Advantage {
+    Outcome(f32),
+    PerToken(Vec<f32>),
+}
+
 /// The samples of a batch of groups, flattened: what the loss runs over.
 pub struct Samples<'a> {
     seqs: Vec<ScoredSeq<'a>>,
-    adv: Vec<f32>,
+    adv: Vec<Advantage>,
     behaviour: Vec<&'a [f32]>,
 }
 
 impl<'a> Samples<'a> {
-    pub fn of(groups: &[&'a ScoredGroup]) -> Self {
+    /// The groups' samples with their advantages: per token (by [`credit`]) for a group
+    /// that carries `token_rewards`, its outcome advantage broadcast otherwise. `discount`
+    /// is `train.token_discount`.
+    pub fn of(groups: &[&'a ScoredGroup], discount: f32) -> Self {
         let mut out = Samples {
             seqs: Vec::new(),
             adv: Vec::new(),
             behaviour: Vec::new(),
         };
         for g in groups {
-            for (s, a) in g.rollout.samples.iter().zip(&g.advantages) {
+            match &g.token_rewards {
+                Some(tr) => {
+                    let tr: Vec<&[f32]> = tr.iter().map(|r| r.as_slice()).collect();
+                    out.adv.extend(
+                        credit::token_advantages(&g.advantages, &tr, discount)
+                            .into_iter()
+                            .map(Advantage::PerToken),
+                    );
+                }
+                None => out
+                    .adv
+                    .extend(g.advantages.iter().map(|&a| Advantage::Outcome(a))),
+            }
+            for s in &g.rollout.samples {
                 out.seqs.push(ScoredSeq {
                     prompt: &g.rollout.prompt_tokens,
                     completion: &s.tokens,
                     mask: s.mask.as_ref(),
                 });
-                out.adv.push(*a);
                 out.behaviour.push(s.logprobs.as_slice());
             }
         }
@@ -111,7 +133,10 @@ where
     for (i, k) in range.enumerate() {
         let m = samples.behaviour[k];
         mu[i * c..i * c + m.len()].copy_from_slice(m);
-        a_tok[i * c..(i + 1) * c].fill(samples.adv[k]);
+        match &samples.adv[k] {
+            Advantage::Outcome(a) => a_tok[i * c..(i + 1) * c].fill(*a),
+            Advantage::PerToken(a) => a_tok[i * c..i * c + a.len()].copy_from_slice(a),
+        }
     }
     let mu = Tensor::<B, 2>::from_data(TensorData::new(mu, [b, c]), &device);
     let a_tok = Tensor::<B, 2>::from_data(TensorData::new(a_tok, [b, c]), &device);
@@ -148,8 +173,28 @@ pub fn stats(parts: &[Part], groups: &[&ScoredGroup], cfg: &TrainerSettings) -> 
     StepRecord {
         loss: parts.iter().map(|p| p.loss).sum(),
         ref_kl: parts.iter().map(|p| p.ref_kl).sum(),
+        teacher_kl: teacher_kl(groups),
         ..token_stats(&r, &v, &l, groups, cfg)
     }
+}
+
+/// KL(student ‖ teacher) on the sampled tokens of the groups a teacher scored: the mean of
+/// behaviour − teacher log-prob (the k1 estimate, the negated reverse-KL reward); `None`
+/// when no group carries teacher log-probs.
+fn teacher_kl(groups: &[&ScoredGroup]) -> Option<f64> {
+    let (mut sum, mut n) = (0f64, 0usize);
+    for g in groups {
+        let Some(teacher) = &g.ref_logprobs else {
+            continue;
+        };
+        for (s, t) in g.rollout.samples.iter().zip(teacher) {
+            for (&b, &t) in s.logprobs.iter().zip(t.iter()) {
+                sum += f64::from(b) - f64::from(t);
+                n += 1;
+            }
+        }
+    }
+    (n > 0).then(|| sum / n as f64)
 }
 
 /// The per-token surrogate loss (negated objective) of the configured kind.
@@ -225,5 +270,98 @@ fn token_stats(
         groups: groups.len() as u64,
         tokens: n as u64,
         ..StepRecord::default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::TrainBackend;
+    use crate::model::config::{Architecture, PolicyConfig};
+    use crate::schema::{SchemaVersion, examples};
+    use burn::tensor::backend::AutodiffBackend;
+
+    type Inner = <TrainBackend as AutodiffBackend>::InnerBackend;
+
+    fn host2(t: Tensor<Inner, 2>) -> Vec<f32> {
+        crate::model::host_f32(t.into_data()).unwrap()
+    }
+
+    /// One sample of two completion tokens whose token rewards, with γ = 0, give the
+    /// per-token advantages [+1, −1] (the group's mean reward is 0 and the outcome advantage
+    /// 0). Its behaviour log-probs are the model's own, so every ratio is 1 and the PPO
+    /// surrogate's gradient is −(1/N)·Σ_t A_t·∇log π(y_t) with N = 2 tokens: by hand,
+    /// −(∇lp₀ − ∇lp₁)/2, each ∇lp_t taken alone through the log-prob path. A broadcast
+    /// advantage of the same group (no token rewards, outcome 0) gives no gradient at all.
+    #[test]
+    fn per_token_advantages_give_the_hand_computed_gradient() {
+        let device = Default::default();
+        let model =
+            Policy::<TrainBackend>::random(&PolicyConfig::tiny(Architecture::Llama, 16), 3, &device)
+                .unwrap();
+        let mut rollout = examples::rollout_group(1, 2, 16, 0);
+        for s in &mut rollout.samples {
+            s.mask = None;
+        }
+        let seq = ScoredSeq {
+            prompt: &rollout.prompt_tokens,
+            completion: &rollout.samples[0].tokens,
+            mask: None,
+        };
+        // A backward pass consumes its graph: each token's log-prob gets a forward of its own.
+        let lp = || completion_logprobs(&model, &[seq], 1.0).0;
+        let per_token = |t: usize| {
+            let grads = lp().slice([0..1, t..t + 1]).sum().backward();
+            (
+                host2(model.embed.weight.val().grad(&grads).unwrap()),
+                model.norm.gamma.val().grad(&grads).unwrap(),
+            )
+        };
+        let ((e0, n0), (e1, n1)) = (per_token(0), per_token(1));
+        let behaviour = host(lp().detach()).unwrap();
+        rollout.samples[0].logprobs = behaviour.into();
+        let mut group = ScoredGroup {
+            schema: SchemaVersion { major: 2, minor: 0 },
+            rollout,
+            rewards: vec![0.0],
+            advantages: vec![0.0],
+            token_rewards: Some(vec![vec![1.0, -1.0].into()]),
+            ref_logprobs: None,
+            scorer_id: "hand".into(),
+            scored_us: 0,
+        };
+        let mut cfg = TrainerSettings::default();
+        cfg.train.token_discount = 0.0;
+        let loss_grads = |g: &ScoredGroup| {
+            let samples = Samples::of(&[g], cfg.train.token_discount);
+            assert_eq!(samples.tokens(), 2);
+            let (total, _) = part(&model, None, &samples, 0..1, 2.0, &cfg).unwrap();
+            let grads = total.backward();
+            (
+                host2(model.embed.weight.val().grad(&grads).unwrap()),
+                model.norm.gamma.val().grad(&grads).unwrap(),
+            )
+        };
+        let (e, n) = loss_grads(&group);
+        let want_e: Vec<f32> = e0.iter().zip(&e1).map(|(a, b)| -(a - b) / 2.0).collect();
+        let want_n = (n0 - n1).div_scalar(-2.0);
+        let diff = |a: &[f32], b: &[f32]| {
+            a.iter()
+                .zip(b)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max)
+        };
+        let scale = want_e.iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(scale > 1e-4, "the hand-computed gradient is not zero");
+        assert!(diff(&e, &want_e) < 1e-5 * scale.max(1.0), "embedding gradient");
+        let (n, want_n) = (
+            crate::model::host_f32(n.into_data()).unwrap(),
+            crate::model::host_f32(want_n.into_data()).unwrap(),
+        );
+        assert!(diff(&n, &want_n) < 1e-5, "final norm gradient");
+
+        group.token_rewards = None;
+        let (e, _) = loss_grads(&group);
+        assert!(e.iter().all(|&x| x == 0.0), "a zero outcome advantage moves nothing");
     }
 }

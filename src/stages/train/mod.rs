@@ -10,6 +10,7 @@
 //! ack) is not trained twice either.
 //!
 //! - [`intake`]: which groups are trained and when (pure, unit-tested);
+//! - [`credit`]: rewards placed on tokens become per-token advantages;
 //! - [`loss`]: the objective and the step's statistics;
 //! - [`trainer`]: model, optimizer, state, steps;
 //! - [`adamw`]: the optimizer's update, one in-place pass per parameter;
@@ -18,6 +19,7 @@
 pub mod adamw;
 pub mod checkpoint;
 mod config;
+pub mod credit;
 pub mod intake;
 mod loss;
 mod trainer;

@@ -346,7 +346,7 @@ impl Trainer {
         &self,
         groups: &[&ScoredGroup],
     ) -> Result<(GradientsParams, StepRecord), ModelError> {
-        let samples = Samples::of(groups);
+        let samples = Samples::of(groups, self.cfg.train.token_discount);
         let n_tokens = samples.tokens().max(1) as f32;
         let mut sum = GradientsAccumulator::<Policy<TrainBackend>>::new();
         let mut parts = Vec::new();
@@ -442,6 +442,9 @@ impl Trainer {
             recorder
                 .record(self.model().clone().into_record(), dir.join(MODEL_RECORD))
                 .map_err(|e| CheckpointError::format(&dir, "model record", e))?;
+            if let Some(from) = &self.cfg.policy.model {
+                checkpoint::copy_tokenizer(from, &dir)?;
+            }
         }
         recorder
             .record(

@@ -12,11 +12,12 @@ reward kept). Every `--every` steps the checkpoint of each arm is evaluated by `
 eval` on the same 1,000 held-out prompts x 4 samples at temperature 1.
 
     python3 benches/distill_vs_rl.py --seeds 1,2,3 [--steps 200] [--every 20]
-        [--teacher DIR] [--distill-coef 1] [--token-discount 1] [--out DIR]
+        [--teacher DIR] [--distill-coef 1] [--token-discount 0] [--out DIR]
 
 Prints the held-out curves (mean pass@1 over seeds, with its standard error) and each arm's
 wall-clock, the step at which distillation first reaches RL's final pass@1 on each seed,
-and writes OUT/distill_vs_rl.json and OUT/distill_vs_rl.svg. Builds nothing: run `cargo
+and writes OUT/distill_vs_rl-coefC-discountG.json and .svg (a second run with other
+settings in the same OUT reuses the RL arm and every evaluation already made). Builds nothing: run `cargo
 build --release` first.
 """
 
@@ -62,7 +63,8 @@ def curve(run_dir, sft, args, seed, name):
 
 
 def one_seed(args, out, seed, teacher):
-    rl, distill = os.path.join(out, f"seed-{seed}-rl"), os.path.join(out, f"seed-{seed}-distill")
+    rl = os.path.join(out, f"seed-{seed}-rl")
+    distill = os.path.join(out, f"seed-{seed}-distill-coef{args.distill_coef:g}-discount{args.token_discount:g}")
     common = ["--task", args.task, "--seed", str(seed), "--steps", str(args.steps),
               "--checkpoint-every", str(args.every), "--eval-prompts", "0", "--plain"]
     if not os.path.exists(os.path.join(rl, "report", "summary.json")):
@@ -127,9 +129,9 @@ def main():
     p.add_argument("--every", type=int, default=20)
     p.add_argument("--teacher", default=None, help="a teacher model directory (made when absent)")
     p.add_argument("--teacher-sft-steps", type=int, default=1000)
-    p.add_argument("--teacher-steps", type=int, default=1000)
+    p.add_argument("--teacher-steps", type=int, default=700)
     p.add_argument("--distill-coef", type=float, default=1.0)
-    p.add_argument("--token-discount", type=float, default=1.0)
+    p.add_argument("--token-discount", type=float, default=0.0)
     p.add_argument("--out", default=None)
     args = p.parse_args()
     if not os.path.exists(BIN):
@@ -147,7 +149,7 @@ def main():
 
     tp = teacher_eval["pass_at_1"]
     lines = [
-        f"Teacher: {teacher_eval.get('params', 'n/a')} parameters, held-out pass@1 "
+        f"Teacher: held-out pass@1 "
         f"{100 * tp['mean']:.1f}% ± {100 * 1.96 * tp['se']:.1f}"
         + (f" (made in {teacher_s:.0f} s)" if teacher_s else "") + ".",
         "",
@@ -178,11 +180,12 @@ def main():
     ]
     text = "\n".join(lines)
     print(text)
-    svg(rows, args.steps, tp["mean"], os.path.join(out, "distill_vs_rl.svg"))
-    with open(os.path.join(out, "distill_vs_rl.json"), "w") as f:
+    tag = f"coef{args.distill_coef:g}-discount{args.token_discount:g}"
+    svg(rows, args.steps, tp["mean"], os.path.join(out, f"distill_vs_rl-{tag}.svg"))
+    with open(os.path.join(out, f"distill_vs_rl-{tag}.json"), "w") as f:
         json.dump({"teacher": teacher, "teacher_eval": teacher_eval, "rows": rows, "reach": reach,
                    "table": text, "args": vars(args)}, f, indent=2)
-    print(f"\nwrote {out}/distill_vs_rl.json and distill_vs_rl.svg", file=sys.stderr)
+    print(f"\nwrote {out}/distill_vs_rl-{tag}.json and .svg", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,7 @@ use rlstream::bus::{RangeBound, RedisBus};
 use rlstream::model::config::{Architecture, PolicyConfig};
 use rlstream::model::tokenizer::{CharTokenizer, Tokenizer};
 use rlstream::model::{InferBackend, Policy};
-use rlstream::schema::{self, Floats, ScoredGroup, SchemaVersion};
+use rlstream::schema::{self, Floats, SchemaVersion, ScoredGroup};
 use std::collections::BTreeSet;
 use std::path::Path;
 use std::time::{Duration, Instant};
@@ -38,21 +38,40 @@ fn teacher_config() -> PolicyConfig {
 /// Log-probs of `completion` after `prompt` under `model` at temperature 1, computed apart
 /// from the scorer's path: the full logits of one forward pass, log-softmax in f64 on the
 /// host.
-fn reference_logprobs(model: &Policy<InferBackend>, prompt: &[u32], completion: &[u32]) -> Vec<f32> {
-    let ids: Vec<i64> = prompt.iter().chain(completion).map(|&t| i64::from(t)).collect();
+fn reference_logprobs(
+    model: &Policy<InferBackend>,
+    prompt: &[u32],
+    completion: &[u32],
+) -> Vec<f32> {
+    let ids: Vec<i64> = prompt
+        .iter()
+        .chain(completion)
+        .map(|&t| i64::from(t))
+        .collect();
     let l = ids.len();
     let tokens =
         Tensor::<InferBackend, 2, Int>::from_data(TensorData::new(ids, [1, l]), &model.device());
     let logits = model.forward(tokens);
     let v = logits.dims()[2];
-    let host: Vec<f32> = logits.into_data().convert::<f32>().to_vec().expect("host logits");
+    let host: Vec<f32> = logits
+        .into_data()
+        .convert::<f32>()
+        .to_vec()
+        .expect("host logits");
     completion
         .iter()
         .enumerate()
         .map(|(j, &tok)| {
             let row = &host[(prompt.len() - 1 + j) * v..(prompt.len() + j) * v];
-            let max = row.iter().fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
-            let lse = max + row.iter().map(|&x| (f64::from(x) - max).exp()).sum::<f64>().ln();
+            let max = row
+                .iter()
+                .fold(f64::NEG_INFINITY, |m, &x| m.max(f64::from(x)));
+            let lse = max
+                + row
+                    .iter()
+                    .map(|&x| (f64::from(x) - max).exp())
+                    .sum::<f64>()
+                    .ln();
             (f64::from(row[tok as usize]) - lse) as f32
         })
         .collect()
@@ -73,7 +92,12 @@ async fn teacher_scorers_on_redis_reward_teacher_minus_behaviour() {
     let logs = |n: &str| dir.path().join(format!("{n}.log"));
     let with_bus = |args: &[&str]| -> Vec<String> {
         let mut v: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        v.extend(["--redis".into(), url.clone(), "--namespace".into(), ns.clone()]);
+        v.extend([
+            "--redis".into(),
+            url.clone(),
+            "--namespace".into(),
+            ns.clone(),
+        ]);
         v
     };
     const GROUPS: usize = 6;
@@ -84,9 +108,20 @@ async fn teacher_scorers_on_redis_reward_teacher_minus_behaviour() {
             .collect::<Vec<_>>(),
     );
     assert!(fed.starts_with(&format!("fed {GROUPS} prompts")), "{fed}");
-    let (s, t) = (student.to_str().expect("utf-8"), teacher.to_str().expect("utf-8"));
+    let (s, t) = (
+        student.to_str().expect("utf-8"),
+        teacher.to_str().expect("utf-8"),
+    );
     let _gen = spawn(
-        &with_bus(&["gen", "--model", s, "--group-size", "3", "--max-new-tokens", "6"]),
+        &with_bus(&[
+            "gen",
+            "--model",
+            s,
+            "--group-size",
+            "3",
+            "--max-new-tokens",
+            "6",
+        ]),
         &logs("gen"),
     );
     let scorers: Vec<_> = ["score-a", "score-b"]
@@ -187,7 +222,10 @@ fn a_teacher_with_another_tokenizer_is_refused() {
             .expect("run rlstream");
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{err}");
-        assert!(err.contains("has another tokenizer than the student"), "{err}");
+        assert!(
+            err.contains("has another tokenizer than the student"),
+            "{err}"
+        );
         assert!(err.contains(why), "{err}");
     }
 }
@@ -232,7 +270,9 @@ fn run_distills_on_the_embedded_bus() {
         .lines()
         .map(|l| {
             let row: serde_json::Value = serde_json::from_str(l).expect("json");
-            row["teacher_kl"].as_f64().unwrap_or_else(|| panic!("no teacher_kl: {l}"))
+            row["teacher_kl"]
+                .as_f64()
+                .unwrap_or_else(|| panic!("no teacher_kl: {l}"))
         })
         .collect();
     assert_eq!(kl.len(), 30);
@@ -240,5 +280,8 @@ fn run_distills_on_the_embedded_bus() {
         kl[..5].iter().sum::<f64>() / 5.0,
         kl[kl.len() - 5..].iter().sum::<f64>() / 5.0,
     );
-    assert!(last < 0.7 * first, "KL(student ‖ teacher) {first:.3} → {last:.3}");
+    assert!(
+        last < 0.7 * first,
+        "KL(student ‖ teacher) {first:.3} → {last:.3}"
+    );
 }

@@ -259,9 +259,21 @@ async fn an_external_scorer_places_rewards_by_token_index_and_bad_ones_are_refus
         ..Topology::default()
     };
     for (args, separator, want) in [
-        ("--per token --bad index", None, "names token 6, but completion 0 has 6 tokens"),
-        ("--per step --separator , --bad steps", Some(","), "step_rewards[0] has 2 rewards for 3 steps"),
-        ("--per step", None, "step_rewards need steps: start score with --step-separator"),
+        (
+            "--per token --bad index",
+            None,
+            "names token 6, but completion 0 has 6 tokens",
+        ),
+        (
+            "--per step --separator , --bad steps",
+            Some(","),
+            "step_rewards[0] has 2 rewards for 3 steps",
+        ),
+        (
+            "--per step",
+            None,
+            "step_rewards need steps: start score with --step-separator",
+        ),
     ] {
         let cfg = ScoreConfig {
             scorer_cmd: Some(format!("python3 {script} {args}")),

@@ -9,7 +9,8 @@ use crate::model::tokenizer::Tokenizer;
 use crate::roles::{Stage, Stream};
 use crate::schema::json::msgpack_to_json;
 use crate::schema::{
-    self, DeadLetter, Event, Floats, Prompt, RolloutGroup, Sample, ScoredGroup, StepRecord, WeightsAnnounce,
+    self, DeadLetter, Event, Floats, Prompt, RolloutGroup, Sample, ScoredGroup, StepRecord,
+    WeightsAnnounce,
 };
 use crate::stages::{StageError, train};
 use crate::weights::{LocalWeights, Transport};
@@ -734,6 +735,26 @@ pub async fn retrain(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The text view marks each token that carries a reward (`r±…`) and the teacher's
+    /// log-prob (`t…`) where a teacher scored it.
+    #[test]
+    fn text_shows_token_rewards_and_teacher_logprobs() {
+        let g = crate::schema::examples::scored_group();
+        let tok = Tokenizer::Char(crate::model::tokenizer::CharTokenizer::new(
+            "abcdefghijklmn",
+        ));
+        let text = text_block(EntryId::new(1, 0), &Decoded::Scored(g.clone()), &tok);
+        let lines: Vec<&str> = text.lines().collect();
+        // Sample 0's reward of 1 sits on its last token; sample 1's reward there is 0.
+        let first = lines[3];
+        assert_eq!(first.matches(" r").count(), 1, "{text}");
+        assert!(first.ends_with("r+1.000 t-1.00)"), "{text}");
+        assert_eq!(first.matches(" t-").count(), 4, "{text}");
+        assert!(!lines[5].contains(" r"), "{text}");
+        let plain = text_block(EntryId::new(1, 0), &Decoded::Rollout(g.rollout), &tok);
+        assert!(!plain.contains(" t-") && !plain.contains(" r+"), "{plain}");
+    }
 
     #[test]
     fn points_parse_as_ids_times_and_ages() {

@@ -124,7 +124,11 @@ impl Tokenizer {
             (Tokenizer::Hf(a), Tokenizer::Hf(b)) => {
                 let (va, vb) = (a.get_vocab(true), b.get_vocab(true));
                 if va.len() != vb.len() {
-                    return Err(format!("vocabularies of {} and {} tokens", va.len(), vb.len()));
+                    return Err(format!(
+                        "vocabularies of {} and {} tokens",
+                        va.len(),
+                        vb.len()
+                    ));
                 }
                 let mut differ: Vec<(&u32, &String)> = va
                     .iter()
@@ -141,7 +145,10 @@ impl Tokenizer {
                     )),
                 }
             }
-            _ => Err("one is the built-in character tokenizer, the other a Hugging Face tokenizer".into()),
+            _ => Err(
+                "one is the built-in character tokenizer, the other a Hugging Face tokenizer"
+                    .into(),
+            ),
         }
     }
 

@@ -2,8 +2,8 @@
 //! benchmarks and tests all build from here, so they agree on what a message looks like.
 
 use super::{
-    DeadLetter, Event, FinishReason, Floats, Prompt, RolloutGroup, Sample, SamplingMask, SamplingParams,
-    SchemaVersion, ScoredGroup, WeightsAnnounce, WeightsKind,
+    DeadLetter, Event, FinishReason, Floats, Prompt, RolloutGroup, Sample, SamplingMask,
+    SamplingParams, SchemaVersion, ScoredGroup, WeightsAnnounce, WeightsKind,
 };
 use std::collections::BTreeMap;
 
@@ -114,7 +114,12 @@ pub fn scored_group() -> ScoredGroup {
             .samples
             .iter()
             .enumerate()
-            .map(|(i, s)| (0..s.tokens.len()).map(|t| f(i, t)).collect::<Vec<f32>>().into())
+            .map(|(i, s)| {
+                (0..s.tokens.len())
+                    .map(|t| f(i, t))
+                    .collect::<Vec<f32>>()
+                    .into()
+            })
             .collect()
     };
     let token_rewards = Some(per_token(|i, t| if t == 3 { 1.0 - i as f32 } else { 0.0 }));

@@ -180,9 +180,7 @@ impl ScoreError {
             ScoreError::Detokenize { .. } => Some(DETOKENIZE),
             ScoreError::NoAnswer(_) => Some(NO_ANSWER),
             ScoreError::TeacherInput(r) => Some(r.reason),
-            ScoreError::External(_) | ScoreError::Encode(_) | ScoreError::TeacherFailed(_) => {
-                None
-            }
+            ScoreError::External(_) | ScoreError::Encode(_) | ScoreError::TeacherFailed(_) => None,
         }
     }
 }
@@ -490,12 +488,13 @@ impl Scorer {
             }
         }
         for chunk in waiting.chunks(self.pool.len().max(1)) {
-            let calls = chunk
-                .iter()
-                .zip(self.pool.iter_mut())
-                .map(|((i, req, ends), ext)| async move {
-                    (*i, ext.score(req, ends.as_deref()).await)
-                });
+            let calls =
+                chunk
+                    .iter()
+                    .zip(self.pool.iter_mut())
+                    .map(|((i, req, ends), ext)| async move {
+                        (*i, ext.score(req, ends.as_deref()).await)
+                    });
             for (i, r) in futures_util::future::join_all(calls).await {
                 out[i] = Some(r.map_err(ScoreError::from));
             }

@@ -222,8 +222,14 @@ mod tests {
         assert_eq!(dense[0].as_slice(), &[0.5, 0.0, 0.0, -2.0]);
         assert_eq!(dense[1].as_slice(), &[0.0, 0.0]);
         for (pairs, want) in [
-            (vec![vec![(4, 1.0)], vec![]], "names token 4, but completion 0 has 4 tokens"),
-            (vec![vec![(1, 1.0), (1, 2.0)], vec![]], "names token 1 twice"),
+            (
+                vec![vec![(4, 1.0)], vec![]],
+                "names token 4, but completion 0 has 4 tokens",
+            ),
+            (
+                vec![vec![(1, 1.0), (1, 2.0)], vec![]],
+                "names token 1 twice",
+            ),
             (vec![vec![(1, f32::NAN)], vec![]], "non-finite"),
             (vec![vec![]], "1 lists in token_rewards for 2 completions"),
         ] {

@@ -52,12 +52,14 @@ impl Teacher {
             source,
         };
         let own = Tokenizer::load(dir).map_err(load)?;
-        student.same_as(&own).map_err(|why| TeacherError::Tokenizer {
-            dir: shown.clone(),
-            why,
-        })?;
-        let model = crate::model::hf::load_hf::<TeacherBackend>(dir, &Default::default())
-            .map_err(load)?;
+        student
+            .same_as(&own)
+            .map_err(|why| TeacherError::Tokenizer {
+                dir: shown.clone(),
+                why,
+            })?;
+        let model =
+            crate::model::hf::load_hf::<TeacherBackend>(dir, &Default::default()).map_err(load)?;
         tracing::info!(teacher = %shown, params = model.config().num_params(), "teacher loaded");
         Ok(Teacher {
             model: Arc::new(Mutex::new(model)),
@@ -67,17 +69,18 @@ impl Teacher {
     /// The teacher's log-prob of every completion token of each group, in order: one
     /// prefill per group, off the async runtime. A group the teacher cannot run (an id past
     /// its vocabulary, longer than its context) is refused with the reason.
-    pub async fn logprobs(
-        &self,
-        groups: &[&RolloutGroup],
-    ) -> Vec<Result<Vec<Floats>, ScoreError>> {
+    pub async fn logprobs(&self, groups: &[&RolloutGroup]) -> Vec<Result<Vec<Floats>, ScoreError>> {
         let owned: Vec<RolloutGroup> = groups.iter().map(|g| (*g).clone()).collect();
         let model = self.model.clone();
         let n = owned.len();
         let work = tokio::task::spawn_blocking(move || {
             let Ok(model) = model.lock() else {
                 return (0..owned.len())
-                    .map(|_| Err(ScoreError::TeacherFailed("the teacher's lock is poisoned".into())))
+                    .map(|_| {
+                        Err(ScoreError::TeacherFailed(
+                            "the teacher's lock is poisoned".into(),
+                        ))
+                    })
                     .collect();
             };
             owned.iter().map(|g| group_logprobs(&model, g)).collect()

@@ -296,9 +296,12 @@ mod tests {
     #[test]
     fn per_token_advantages_give_the_hand_computed_gradient() {
         let device = Default::default();
-        let model =
-            Policy::<TrainBackend>::random(&PolicyConfig::tiny(Architecture::Llama, 16), 3, &device)
-                .unwrap();
+        let model = Policy::<TrainBackend>::random(
+            &PolicyConfig::tiny(Architecture::Llama, 16),
+            3,
+            &device,
+        )
+        .unwrap();
         let mut rollout = examples::rollout_group(1, 2, 16, 0);
         for s in &mut rollout.samples {
             s.mask = None;
@@ -353,7 +356,10 @@ mod tests {
         };
         let scale = want_e.iter().fold(0f32, |m, x| m.max(x.abs()));
         assert!(scale > 1e-4, "the hand-computed gradient is not zero");
-        assert!(diff(&e, &want_e) < 1e-5 * scale.max(1.0), "embedding gradient");
+        assert!(
+            diff(&e, &want_e) < 1e-5 * scale.max(1.0),
+            "embedding gradient"
+        );
         let (n, want_n) = (
             crate::model::host_f32(n.into_data()).unwrap(),
             crate::model::host_f32(want_n.into_data()).unwrap(),
@@ -362,6 +368,9 @@ mod tests {
 
         group.token_rewards = None;
         let (e, _) = loss_grads(&group);
-        assert!(e.iter().all(|&x| x == 0.0), "a zero outcome advantage moves nothing");
+        assert!(
+            e.iter().all(|&x| x == 0.0),
+            "a zero outcome advantage moves nothing"
+        );
     }
 }

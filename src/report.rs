@@ -215,6 +215,8 @@ pub fn csv(rows: &[StepRow]) -> Result<String, ReportError> {
             .map(|c| match &v[*c] {
                 serde_json::Value::Number(n) => n.to_string(),
                 serde_json::Value::Bool(b) => u8::from(*b).to_string(),
+                // A field the step did not measure (teacher_kl without a teacher).
+                serde_json::Value::Null => String::new(),
                 other => other.to_string(),
             })
             .collect();
@@ -490,6 +492,12 @@ mod tests {
         assert!(lines[1].ends_with(",0,0,4"), "{}", lines[1]);
         let skipped = columns.iter().position(|c| *c == "skipped").unwrap();
         assert_eq!(lines[1].split(',').nth(skipped), Some("1"));
+        let teacher = columns.iter().position(|c| *c == "teacher_kl").unwrap();
+        assert_eq!(
+            lines[1].split(',').nth(teacher),
+            Some(""),
+            "not measured: empty"
+        );
         for l in &lines[1..] {
             assert_eq!(l.split(',').count(), columns.len(), "{l}");
         }

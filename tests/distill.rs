@@ -285,3 +285,77 @@ fn run_distills_on_the_embedded_bus() {
         "KL(student ‖ teacher) {first:.3} → {last:.3}"
     );
 }
+
+/// A group the teacher cannot run (longer than its context) is bad input: dead-lettered at
+/// once with the reason `context`, and the next group is still scored.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_group_longer_than_the_teachers_context_is_dead_lettered() {
+    use bytes::Bytes;
+    use rlstream::bus::{MemoryBus, SharedBus, Topology};
+    use rlstream::config::ScoreConfig;
+    use std::sync::Arc;
+    let dir = tempfile::tempdir().expect("tmp");
+    let teacher = dir.path().join("teacher");
+    char_model(&teacher, &teacher_config().with_max_position(12), 2);
+    let tok = rlstream::tasks::char_tokenizer();
+    let group = |id: &str, completion: &str| {
+        let mut g = schema::examples::rollout_group(2, 1, 40, 0);
+        g.group_id = id.into();
+        g.prompt_tokens = tok.encode("sort:321=").into();
+        g.meta.insert("answer".into(), "123".into());
+        for s in &mut g.samples {
+            let ids = tok.encode(completion);
+            s.logprobs = vec![-1.0; ids.len()].into();
+            s.tokens = ids.into();
+            s.mask = None;
+        }
+        Bytes::from(schema::encode(&g).expect("encode"))
+    };
+    let bus: SharedBus = Arc::new(MemoryBus::new());
+    let topo = Topology::default();
+    bus.publish(
+        &topo.key("rollouts"),
+        &[group("long", "1234"), group("fits", "123")],
+        None,
+    )
+    .await
+    .expect("publish");
+    let cfg = ScoreConfig {
+        teacher: Some(teacher),
+        ..ScoreConfig::default()
+    };
+    let (b, t) = (bus.clone(), topo.clone());
+    rlstream::stages::score::run(&cfg, b, &t, tokio::time::sleep(Duration::from_secs(3)))
+        .await
+        .expect("score");
+    let range = |key: String| {
+        let bus = bus.clone();
+        async move {
+            bus.range(&key, RangeBound::Open, RangeBound::Open, 10)
+                .await
+                .expect("range")
+        }
+    };
+    let scored = range(topo.key("scored")).await;
+    assert_eq!(scored.len(), 1);
+    let g: ScoredGroup = schema::decode(&scored[0].payload).expect("decode");
+    assert_eq!(g.rollout.group_id, "fits");
+    assert!(
+        g.ref_logprobs.is_some() && g.token_rewards.is_none(),
+        "no --distill"
+    );
+    assert_eq!(
+        g.schema,
+        SchemaVersion::CURRENT,
+        "no token rewards: still 1.0"
+    );
+    let dead = range(topo.dead_key()).await;
+    assert_eq!(dead.len(), 1);
+    let letter: schema::DeadLetter = schema::decode(&dead[0].payload).expect("decode");
+    assert_eq!(letter.reason, "context");
+    assert!(
+        letter.error.contains("the teacher cannot score this group"),
+        "{}",
+        letter.error
+    );
+}

@@ -546,6 +546,16 @@ fn prepare(opts: &RunOptions, mut cfg: Config) -> Result<(Config, PathBuf, f64),
         cfg.train.publish_every = 1;
     }
     cfg.validate()?;
+    if cfg.score.distill != crate::stages::score::DistillKind::None
+        && cfg.train.token_discount > 0.0
+    {
+        tracing::warn!(
+            token_discount = cfg.train.token_discount,
+            "distilling with --token-discount above 0 credits each token with the teacher's \
+             signal on every later token, which learns far slower than --token-discount 0 \
+             (README, \"Distillation\")"
+        );
+    }
     Ok((cfg, model_dir, warm_start_s))
 }
 

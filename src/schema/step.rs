@@ -28,8 +28,8 @@ pub struct StepRecord {
     /// KL to the initial policy (k3), when `kl_coef` > 0.
     pub ref_kl: f64,
     /// KL(student ‖ teacher) on the sampled tokens (mean behaviour − teacher log-prob) of
-    /// the step's groups a teacher scored; absent when none was.
-    #[serde(skip_serializing_if = "Option::is_none")]
+    /// the step's groups a teacher scored; none (not in the event's fields, null in the
+    /// report's JSON, empty in its CSV) when none was.
     pub teacher_kl: Option<f64>,
     /// Mean negative log-prob of the sampled tokens (an entropy estimate).
     pub entropy: f64,
@@ -124,9 +124,14 @@ mod tests {
             tokens: 96,
             staleness_max: 2,
             skipped: true,
+            teacher_kl: Some(0.125),
             ..StepRecord::default()
         };
         let f = r.to_fields();
+        assert_eq!(f["teacher_kl"], 0.125);
+        let none = StepRecord::default().to_fields();
+        assert!(!none.contains_key("teacher_kl"), "{none:?}");
+        assert_eq!(StepRecord::from_fields(&none).unwrap().teacher_kl, None);
         assert_eq!(f["step"], 3.0);
         assert_eq!(f["skipped"], 1.0);
         assert_eq!(StepRecord::from_fields(&f).unwrap(), r);

@@ -11,7 +11,7 @@ use crate::schema::{self, Prompt, RolloutGroup, Sample, SamplingParams, SchemaVe
 use crate::stages::StageError;
 use crate::stages::policy::PolicySettings;
 use crate::weights::{ModelSlot, Versioned};
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc;
@@ -19,6 +19,21 @@ use std::time::{Duration, Instant};
 
 /// How long the idle decode thread waits for a prompt before checking for shutdown.
 const IDLE_WAIT: Duration = Duration::from_millis(20);
+
+/// How long an idle decoder that got a prompt waits for the rest of that prompt's read
+/// before its first forward pass. The reader hands a read's prompts over one by one, with
+/// admission checks between them; waiting for the read's end makes a batch that starts
+/// from idle (every step of a `--sync` run) the same whatever the threads' timing, so its
+/// bits repeat. A reader held up inside a read (the in-flight bound) ends the wait.
+const READ_WAIT: Duration = Duration::from_millis(500);
+
+/// What the reader hands the decoder.
+pub enum ToDecoder {
+    /// An admitted prompt.
+    Prompt(Box<Admit>),
+    /// The prompts of one read have all been handed over.
+    ReadEnd,
+}
 
 /// A prompt on its way to the decode thread: its entry as read (for a dead letter), the
 /// message and the ids to decode from.
@@ -131,7 +146,7 @@ impl Decoder {
     /// Runs the loop on a thread of its own (named after the generator).
     pub fn spawn(
         self,
-        admit: mpsc::Receiver<Admit>,
+        admit: mpsc::Receiver<ToDecoder>,
         finished: tokio::sync::mpsc::UnboundedSender<Decoded>,
         stop: Arc<AtomicBool>,
     ) -> Result<std::thread::JoinHandle<Result<DecodeStats, ModelError>>, StageError> {
@@ -149,26 +164,39 @@ impl Decoder {
     /// tensor that cannot reach the host) stops the loop.
     pub fn run(
         mut self,
-        admit: mpsc::Receiver<Admit>,
+        admit: mpsc::Receiver<ToDecoder>,
         out: tokio::sync::mpsc::UnboundedSender<Decoded>,
         stop: Arc<AtomicBool>,
     ) -> Result<DecodeStats, ModelError> {
+        // Prompts received and not yet admitted (more than fit the batch).
+        let mut waiting: VecDeque<Admit> = VecDeque::new();
         while !stop.load(Ordering::Relaxed) {
             // With nothing to decode, wait for a prompt *before* loading the model, so the
-            // first prompt after a pause starts on the newest weights.
-            let mut first = None;
-            if self.generator.is_idle() && self.pending.is_empty() {
+            // first prompt after a pause starts on the newest weights; then for the rest of
+            // its read (READ_WAIT).
+            if self.generator.is_idle() && self.pending.is_empty() && waiting.is_empty() {
                 let idle = Instant::now();
-                first = admit.recv_timeout(IDLE_WAIT).ok();
+                if let Ok(ToDecoder::Prompt(a)) = admit.recv_timeout(IDLE_WAIT) {
+                    waiting.push_back(*a);
+                    while let Ok(ToDecoder::Prompt(a)) = admit.recv_timeout(READ_WAIT) {
+                        waiting.push_back(*a);
+                    }
+                }
                 self.stats.idle_s += idle.elapsed().as_secs_f64();
-                if first.is_none() {
+                if waiting.is_empty() {
                     continue;
                 }
             }
             let current = self.current_model();
             let mut decoded = Vec::new();
             while self.generator.active() + self.cfg.group_size <= self.cfg.max_batch {
-                let Some(a) = first.take().or_else(|| admit.try_recv().ok()) else {
+                let next = waiting.pop_front().or_else(|| {
+                    std::iter::from_fn(|| admit.try_recv().ok()).find_map(|m| match m {
+                        ToDecoder::Prompt(a) => Some(*a),
+                        ToDecoder::ReadEnd => None,
+                    })
+                });
+                let Some(a) = next else {
                     break;
                 };
                 decoded.extend(self.admit(&current, a)?.map(Decoded::Failed));

@@ -48,7 +48,7 @@ use crate::schema;
 use crate::tasks;
 use crate::weights::{Follower, ModelSlot, Transport, Versioned};
 use bytes::Bytes;
-use decode::{Admit, Decoded, Decoder, Finished};
+use decode::{Decoded, Decoder, Finished, ToDecoder};
 use reader::Settled;
 use reader::{Reader, Shared};
 use std::future::Future;
@@ -205,7 +205,7 @@ pub async fn run(
     };
     let stop = Arc::new(AtomicBool::new(false));
     let in_flight = Arc::new(AtomicUsize::new(0));
-    let (admit_tx, admit_rx) = mpsc::channel::<Admit>();
+    let (admit_tx, admit_rx) = mpsc::channel::<ToDecoder>();
     let (done_tx, done_rx) = tokio::sync::mpsc::unbounded_channel::<Decoded>();
     let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<Settled>();
     let decoder = Decoder::new(policy.clone(), cfg.clone(), slot.clone());

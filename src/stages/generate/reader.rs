@@ -4,7 +4,7 @@
 
 use super::GenConfig;
 use super::config::TruncatePrompt;
-use super::decode::{Admit, Failed};
+use super::decode::{Admit, Failed, ToDecoder};
 use crate::bus::{Bus, Consumer, ConsumerOptions, Delivery, EntryId, SharedBus, Topology};
 use crate::model::InferBackend;
 use crate::model::PolicyConfig;
@@ -144,7 +144,7 @@ impl Reader {
     /// consumer stops holding them) and those the model failed on (dead-lettered here).
     pub async fn run(
         mut self,
-        admit: mpsc::Sender<Admit>,
+        admit: mpsc::Sender<ToDecoder>,
         mut settled: tokio::sync::mpsc::UnboundedReceiver<Settled>,
     ) -> Result<(), StageError> {
         let mut backoff = Duration::from_millis(100);
@@ -177,15 +177,21 @@ impl Reader {
                 }
                 Err(e) => return Err(StageError::from(e)),
             };
+            let mut handed = false;
             for d in batch {
                 let Some(a) = self.admission(d).await? else {
                     continue;
                 };
                 self.shared.in_flight.fetch_add(1, Ordering::Relaxed);
                 self.backlog += 1;
-                if admit.send(a).is_err() {
+                handed = true;
+                if admit.send(ToDecoder::Prompt(Box::new(a))).is_err() {
                     return Ok(());
                 }
+            }
+            // An idle decoder waits for this before its first forward pass.
+            if handed && admit.send(ToDecoder::ReadEnd).is_err() {
+                return Ok(());
             }
         }
         Ok(())

@@ -101,6 +101,7 @@ fn batch(size: &str, vocab: u32) -> Vec<ScoredGroup> {
                     }],
                     finish: FinishReason::Length,
                     mask: None,
+                    env: Vec::new(),
                 })
                 .collect();
             ScoredGroup {

@@ -89,12 +89,23 @@ def pack_f32(values):
 
 
 def check_rollout_semantics(msg):
+    episodes = False
     for i, s in enumerate(msg["samples"]):
         tokens, logprobs = u32s(s["tokens"]), f32s(s["logprobs"])
         if len(tokens) != len(logprobs):
             raise SystemExit(f"samples[{i}]: {len(tokens)} tokens but {len(logprobs)} logprobs")
         if s["versions"][0][0] != 0:
             raise SystemExit(f"samples[{i}]: first version run does not start at 0")
+        end = 0
+        for start, n in s.get("env", []):
+            if n < 1 or start < end or start + n > len(tokens):
+                raise SystemExit(f"samples[{i}]: env span [{start}, {n}] overlaps, is empty or runs past the tokens")
+            end = start + n
+            episodes = True
+    # A 1.x trainer would train the environment's tokens: an episode is 2.x.
+    if episodes and msg["schema"][0] < 2:
+        raise SystemExit("a rollout with env spans needs schema major 2")
+    return episodes
 
 
 def check_scored_semantics(msg):
@@ -135,7 +146,8 @@ def cmd_fixtures(_args):
         if name == "RolloutGroup":
             check_rollout_semantics(msg)
         elif name == "ScoredGroup":
-            check_rollout_semantics(msg["rollout"])
+            if check_rollout_semantics(msg["rollout"]) and msg["schema"][0] < 3:
+                raise SystemExit("a scored episode needs schema major 3")
             check_scored_semantics(msg)
         checked += 1
         print(f"ok  {path.name}: {len(raw)} bytes, valid against {name}.schema.json, .json twin matches")

@@ -40,7 +40,10 @@ async fn a_scorer_dead_letters_each_bad_message_and_keeps_going() {
         g
     };
     let mut newer = good("newer");
-    newer.schema = SchemaVersion { major: 2, minor: 0 };
+    newer.schema = SchemaVersion {
+        major: <schema::RolloutGroup as schema::Message>::SCHEMA.major + 1,
+        minor: 0,
+    };
     let mut short = good("short");
     short.samples[1].logprobs.0.pop();
     let mut nan = good("nan");

@@ -77,6 +77,7 @@ fn groups(b: &Batch) -> Vec<ScoredGroup> {
                             offsets: m.offsets.clone().into(),
                             ids: m.ids.clone().into(),
                         }),
+                        env: Vec::new(),
                     })
                     .collect(),
                 ..rollout.clone()

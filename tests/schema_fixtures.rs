@@ -57,6 +57,17 @@ fn scored_group() {
     check("ScoredGroup", examples::scored_group());
 }
 
+/// Episodes: a rollout with environment spans is 2.0, its scored group 3.0.
+#[test]
+fn episodes() {
+    let g = examples::episode_group();
+    assert_eq!(g.schema, schema::SchemaVersion { major: 2, minor: 0 });
+    check("RolloutGroup.episode", g);
+    let s = examples::scored_episode();
+    assert_eq!(s.schema, schema::SchemaVersion { major: 3, minor: 0 });
+    check("ScoredGroup.episode", s);
+}
+
 /// A group as schema 1.0 wrote it still decodes, and a group without token rewards is
 /// still written as 1.0, so a 1.x trainer keeps reading what it reads right.
 #[test]
@@ -66,7 +77,7 @@ fn scored_group_v1() {
     assert_eq!(g.schema, schema::SchemaVersion { major: 2, minor: 0 });
     g.token_rewards = None;
     assert_eq!(
-        schema::ScoredGroup::version_for(&g.token_rewards),
+        schema::ScoredGroup::version_for(&g.rollout, &g.token_rewards),
         schema::SchemaVersion::CURRENT
     );
 }

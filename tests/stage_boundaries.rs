@@ -94,6 +94,7 @@ fn sample() -> impl Strategy<Value = Sample> {
                 versions,
                 finish: FinishReason::Length,
                 mask,
+                env: Vec::new(),
             }
         })
 }

@@ -442,7 +442,8 @@ fn rollout_summary(g: &RolloutGroup) -> String {
 }
 
 /// Each token as `"piece"(vVERSION LOGPROB)`, with `r±REWARD` where a reward sits on it
-/// and `t=TEACHER` where a teacher scored it.
+/// and `tTEACHER` where a teacher scored it; an episode's environment token as
+/// `"piece"(env)`.
 fn tokens_line(
     s: &Sample,
     tok: &Tokenizer,
@@ -450,6 +451,7 @@ fn tokens_line(
     teacher: Option<&[f32]>,
 ) -> String {
     let mut o = String::new();
+    let own = s.model_tokens();
     for (i, (&t, &lp)) in s.tokens.iter().zip(s.logprobs.iter()).enumerate() {
         // Tokens without text (end of sequence, special tokens) show as their id.
         let piece = tok
@@ -457,6 +459,11 @@ fn tokens_line(
             .ok()
             .filter(|p| !p.is_empty())
             .unwrap_or_else(|| format!("<{t}>"));
+        if !own[i] {
+            // An episode's environment token: context, with no version or log-prob.
+            let _ = write!(o, "{piece:?}(env) ");
+            continue;
+        }
         let _ = write!(o, "{piece:?}(v{} {lp:.2}", s.version_at(i));
         if let Some(&r) = token_rewards.and_then(|r| r.get(i))
             && r != 0.0
@@ -754,6 +761,16 @@ mod tests {
         assert!(!lines[5].contains(" r"), "{text}");
         let plain = text_block(EntryId::new(1, 0), &Decoded::Rollout(g.rollout), &tok);
         assert!(!plain.contains(" t-") && !plain.contains(" r+"), "{plain}");
+        // An episode: the environment's tokens show as such, the turns' rewards on the
+        // turns' last model tokens.
+        let e = crate::schema::examples::scored_episode();
+        let text = text_block(EntryId::new(1, 0), &Decoded::Scored(e), &tok);
+        let first = text.lines().nth(3).unwrap_or_default();
+        assert_eq!(first.matches("(env)").count(), 3, "{text}");
+        assert!(
+            first.contains("r-0.100)") && first.contains("r+1.000)"),
+            "{text}"
+        );
     }
 
     #[test]

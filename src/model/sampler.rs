@@ -51,6 +51,7 @@ impl From<Completion> for crate::schema::Sample {
             versions: c.versions,
             finish: c.finish,
             mask: c.mask,
+            env: Vec::new(),
         }
     }
 }

@@ -76,6 +76,7 @@ pub fn rollout_group(samples: usize, tokens: usize, vocab: u32, mask_k: u32) -> 
                     offsets: offsets.into(),
                     ids: kept.into(),
                 }),
+                env: Vec::new(),
             }
         })
         .collect();
@@ -98,6 +99,63 @@ pub fn rollout_group(samples: usize, tokens: usize, vocab: u32, mask_k: u32) -> 
         started_us: EXAMPLE_TIME_US,
         finished_us: EXAMPLE_TIME_US + 250_000,
         meta: BTreeMap::from([("answer".to_string(), "42".to_string())]),
+    }
+}
+
+/// A group of two episodes (schema 2.0), a guessing game over a 16-id vocabulary. Episode
+/// 0: a model turn (tokens 0–1), the environment's reply (2–4), a model turn (5–7) sampled
+/// after a weight swap between the turns. Episode 1: a model turn (0), the reply (1–2), a
+/// model turn (3–5) with a swap inside it. The environment's tokens carry log-prob 0.
+pub fn episode_group() -> RolloutGroup {
+    let sample = |tokens: Vec<u32>, logprobs: Vec<f32>, versions: Vec<(u32, u64)>, env| Sample {
+        tokens: tokens.into(),
+        logprobs: logprobs.into(),
+        versions: versions.into_iter().map(Into::into).collect(),
+        finish: FinishReason::Stop,
+        mask: None,
+        env,
+    };
+    let samples = vec![
+        sample(
+            vec![10, 11, 3, 4, 5, 12, 13, 0],
+            vec![-0.5, -0.25, 0.0, 0.0, 0.0, -1.0, -0.125, -0.75],
+            vec![(0, 7), (5, 8)],
+            vec![(2, 3).into()],
+        ),
+        sample(
+            vec![9, 3, 4, 10, 11, 0],
+            vec![-2.0, 0.0, 0.0, -0.5, -1.5, -0.25],
+            vec![(0, 7), (4, 8)],
+            vec![(1, 2).into()],
+        ),
+    ];
+    RolloutGroup {
+        schema: RolloutGroup::version_for(&samples),
+        group_id: "gen-0-000018".into(),
+        task: "guess".into(),
+        prompt_id: "guess-000007".into(),
+        samples,
+        ..rollout_group(2, 1, 16, 0)
+    }
+}
+
+/// The scored twin of [`episode_group`] (schema 3.0): each turn's reward on the turn's last
+/// model token.
+pub fn scored_episode() -> ScoredGroup {
+    let rollout = episode_group();
+    let token_rewards = Some(vec![
+        vec![0.0, -0.1, 0.0, 0.0, 0.0, 0.0, 0.0, 1.0].into(),
+        vec![-0.1, 0.0, 0.0, 0.0, 0.0, 0.0].into(),
+    ]);
+    ScoredGroup {
+        schema: ScoredGroup::version_for(&rollout, &token_rewards),
+        token_rewards,
+        ref_logprobs: None,
+        rollout,
+        rewards: vec![0.9, -0.1],
+        advantages: vec![1.0, -1.0],
+        scorer_id: "score-0".into(),
+        scored_us: EXAMPLE_TIME_US + 300_000,
     }
 }
 
@@ -125,7 +183,7 @@ pub fn scored_group() -> ScoredGroup {
     let token_rewards = Some(per_token(|i, t| if t == 3 { 1.0 - i as f32 } else { 0.0 }));
     let ref_logprobs = Some(per_token(|i, t| -0.25 * (i + t + 1) as f32));
     ScoredGroup {
-        schema: ScoredGroup::version_for(&token_rewards),
+        schema: ScoredGroup::version_for(&rollout, &token_rewards),
         token_rewards,
         ref_logprobs,
         rollout,

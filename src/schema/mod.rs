@@ -25,7 +25,9 @@ pub use event::Event;
 pub use limits::{Limits, Refusal};
 pub use packed::{Floats, Packable, Packed, Tokens};
 pub use prompt::Prompt;
-pub use rollout::{FinishReason, RolloutGroup, Sample, SamplingMask, SamplingParams, VersionRun};
+pub use rollout::{
+    FinishReason, RolloutGroup, Sample, SamplingMask, SamplingParams, Span, VersionRun,
+};
 pub use scored::ScoredGroup;
 pub use step::{StepFieldError, StepRecord};
 pub use weights::{AdapterInfo, DELTA_FORMAT, LORA_FORMAT_PREFIX, WeightsAnnounce, WeightsKind};

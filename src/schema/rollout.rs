@@ -1,5 +1,12 @@
 //! `RolloutGroup`: the G completions of one prompt, with everything the trainer needs to
 //! correct for off-policy data (behaviour log-probs, per-token versions, sampling masks).
+//!
+//! A sample may be an episode (schema 2.0): model turns and environment turns in one token
+//! sequence, exactly as the sampler saw it. The spans the environment wrote are listed in
+//! `env`; those tokens are context, never actions: the trainer computes no loss on them, and
+//! their log-probs, versions, kept sets and token rewards are ignored. A group with an
+//! episode is written as 2.0, since a 1.x trainer would train environment tokens as the
+//! model's own.
 
 use super::{CodecError, Floats, Message, SchemaVersion, Tokens, check_finite};
 use serde::{Deserialize, Serialize};
@@ -46,6 +53,35 @@ pub struct Sample {
     /// distribution; lets the trainer renormalise over the same support (Keep Sampling Mask).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mask: Option<SamplingMask>,
+    /// Episodes (schema 2.0): the spans of `tokens` the environment wrote, in order and not
+    /// overlapping. Empty for a single-turn completion.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub env: Vec<Span>,
+}
+
+/// `[start, len]` on the wire: tokens `start..start + len`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(from = "(u32, u32)", into = "(u32, u32)")]
+pub struct Span {
+    pub start: u32,
+    pub len: u32,
+}
+
+impl From<(u32, u32)> for Span {
+    fn from((start, len): (u32, u32)) -> Self {
+        Span { start, len }
+    }
+}
+impl From<Span> for (u32, u32) {
+    fn from(s: Span) -> Self {
+        (s.start, s.len)
+    }
+}
+
+impl Span {
+    pub fn range(&self) -> std::ops::Range<usize> {
+        self.start as usize..(self.start + self.len) as usize
+    }
 }
 
 /// `[start_index, version]` on the wire.
@@ -114,6 +150,19 @@ impl Sample {
         self.versions[idx.saturating_sub(1)].version
     }
 
+    /// Whether each token is the model's own (an action, 1) or the environment's (0).
+    pub fn model_tokens(&self) -> Vec<bool> {
+        let mut own = vec![true; self.tokens.len()];
+        for span in &self.env {
+            for t in span.range() {
+                if let Some(o) = own.get_mut(t) {
+                    *o = false;
+                }
+            }
+        }
+        own
+    }
+
     /// The oldest version in the sample: what staleness is measured by.
     pub fn oldest_version(&self) -> Option<u64> {
         self.versions.first().map(|r| r.version)
@@ -173,6 +222,26 @@ impl Sample {
                 format!("run starts at {} past the last token {}", last.start, n - 1),
             ));
         }
+        let mut end = 0u64;
+        for (j, span) in self.env.iter().enumerate() {
+            let at = format!("{}[{j}]", field("env"));
+            let (start, stop) = (
+                u64::from(span.start),
+                u64::from(span.start) + u64::from(span.len),
+            );
+            if span.len == 0 || start < end || stop > n as u64 {
+                return Err(CodecError::invalid(
+                    kind,
+                    at,
+                    format!(
+                        "span [{}, {}) must be non-empty, after the span before it and within the {n} tokens",
+                        start, stop
+                    ),
+                ));
+            }
+            end = stop;
+        }
+        let own = self.model_tokens();
         if let Some(mask) = &self.mask {
             if mask.offsets.len() != n + 1 {
                 return Err(CodecError::length(
@@ -192,7 +261,7 @@ impl Sample {
                     "must start at 0, not decrease, and end at the number of ids",
                 ));
             }
-            for i in 0..n {
+            for i in (0..n).filter(|&i| own[i]) {
                 if !mask.step(i).contains(&self.tokens[i]) {
                     return Err(CodecError::invalid(
                         kind,
@@ -232,6 +301,21 @@ impl RolloutGroup {
         self.samples.iter().filter_map(Sample::oldest_version).min()
     }
 
+    /// Whether any sample is an episode with environment turns.
+    pub fn has_episodes(&self) -> bool {
+        self.samples.iter().any(|s| !s.env.is_empty())
+    }
+
+    /// The version a group is written as: 2.0 when it holds an episode (a 1.x trainer would
+    /// train the environment's tokens), 1.0 otherwise.
+    pub fn version_for(samples: &[Sample]) -> SchemaVersion {
+        if samples.iter().any(|s| !s.env.is_empty()) {
+            Self::SCHEMA
+        } else {
+            SchemaVersion::CURRENT
+        }
+    }
+
     /// Completion tokens across all samples.
     pub fn completion_tokens(&self) -> usize {
         self.samples.iter().map(|s| s.tokens.len()).sum()
@@ -255,6 +339,7 @@ impl RolloutGroup {
 
 impl Message for RolloutGroup {
     const KIND: &'static str = "RolloutGroup";
+    const SCHEMA: SchemaVersion = SchemaVersion { major: 2, minor: 0 };
     fn schema(&self) -> SchemaVersion {
         self.schema
     }
@@ -275,9 +360,60 @@ mod tests {
             versions: vec![(0, 3).into(), (2, 4).into(), (4, 6).into()],
             finish: FinishReason::Length,
             mask: None,
+            env: Vec::new(),
         };
         let got: Vec<u64> = (0..5).map(|i| s.version_at(i)).collect();
         assert_eq!(got, vec![3, 3, 4, 4, 6]);
         assert_eq!(s.oldest_version(), Some(3));
+    }
+
+    /// Environment spans must be non-empty, in order, not overlapping and within the
+    /// tokens; an environment token needs no place in the kept set of a sampling mask.
+    #[test]
+    fn environment_spans_are_checked() {
+        let g = crate::schema::examples::episode_group();
+        assert!(g.validate_as("RolloutGroup").is_ok());
+        assert_eq!(
+            g.samples[0].model_tokens(),
+            vec![true, true, false, false, false, true, true, true]
+        );
+        for (spans, want) in [
+            (vec![(2, 0)], "samples[0].env[0]"),
+            (vec![(2, 3), (4, 1)], "samples[0].env[1]"),
+            (vec![(6, 3)], "within the 8 tokens"),
+        ] {
+            let mut bad = g.clone();
+            bad.samples[0].env = spans.into_iter().map(Into::into).collect();
+            let e = bad.validate_as("RolloutGroup").unwrap_err().to_string();
+            assert!(e.contains(want), "{e}");
+        }
+        let mut masked = g.clone();
+        let s = &mut masked.samples[0];
+        let offsets: Vec<u32> = (0..=s.tokens.len() as u32).collect();
+        // Each model token's kept set is itself; the environment's hold another id.
+        let ids: Vec<u32> = s
+            .tokens
+            .iter()
+            .zip(s.model_tokens())
+            .map(|(&t, own)| if own { t } else { 15 })
+            .collect();
+        s.mask = Some(SamplingMask {
+            offsets: offsets.into(),
+            ids: ids.into(),
+        });
+        assert!(masked.validate_as("RolloutGroup").is_ok());
+        assert_eq!(
+            RolloutGroup::version_for(&masked.samples),
+            RolloutGroup::SCHEMA
+        );
+        masked.samples.iter_mut().for_each(|s| s.env.clear());
+        assert!(
+            masked.validate_as("RolloutGroup").is_err(),
+            "now token 2 is the model's"
+        );
+        assert_eq!(
+            RolloutGroup::version_for(&masked.samples),
+            SchemaVersion::CURRENT
+        );
     }
 }

@@ -15,8 +15,9 @@ pub struct ScoredGroup {
     /// Optional rewards placed on tokens, one array per sample with one entry per completion
     /// token: a reward sits on the token that earns it (a step's or turn's last token, or
     /// every token for a teacher's signal). The trainer turns them into per-token
-    /// advantages added to the outcome advantage (`stages::train::credit`). Schema 2.0:
-    /// a group that carries them is written as 2.0, since a 1.x trainer would ignore them.
+    /// advantages added to the outcome advantage (`stages::train::credit`); rewards on an
+    /// episode's environment tokens are ignored. Schema 2.0: a group that carries them is
+    /// written as 2.0 (or later), since a 1.x trainer would ignore them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token_rewards: Option<Vec<Floats>>,
     /// Optional teacher log-probs of each completion token at temperature 1 over the full
@@ -30,12 +31,18 @@ pub struct ScoredGroup {
 }
 
 impl ScoredGroup {
-    /// The version a group is written as: 2.0 when it carries `token_rewards`, which a 1.x
-    /// trainer would silently train without; 1.0 otherwise, which every reader since 1.0
-    /// reads the same way.
-    pub fn version_for(token_rewards: &Option<Vec<Floats>>) -> SchemaVersion {
-        if token_rewards.is_some() {
+    /// The version a group is written as: 3.0 when its rollout holds an episode (a 2.x
+    /// trainer, which reads no environment spans, would train the environment's tokens);
+    /// 2.0 when it carries `token_rewards`, which a 1.x trainer would silently train
+    /// without; 1.0 otherwise, which every reader since 1.0 reads the same way.
+    pub fn version_for(
+        rollout: &RolloutGroup,
+        token_rewards: &Option<Vec<Floats>>,
+    ) -> SchemaVersion {
+        if rollout.has_episodes() {
             Self::SCHEMA
+        } else if token_rewards.is_some() {
+            SchemaVersion { major: 2, minor: 0 }
         } else {
             SchemaVersion::CURRENT
         }
@@ -70,7 +77,7 @@ impl ScoredGroup {
 
 impl Message for ScoredGroup {
     const KIND: &'static str = "ScoredGroup";
-    const SCHEMA: SchemaVersion = SchemaVersion { major: 2, minor: 0 };
+    const SCHEMA: SchemaVersion = SchemaVersion { major: 3, minor: 0 };
     fn schema(&self) -> SchemaVersion {
         self.schema
     }

@@ -578,7 +578,7 @@ fn finish(
         seconds,
     );
     let scored = ScoredGroup {
-        schema: ScoredGroup::version_for(&token_rewards),
+        schema: ScoredGroup::version_for(&d.message, &token_rewards),
         rollout: d.message.clone(),
         rewards,
         advantages: adv,

@@ -24,32 +24,48 @@
 //!   the gradient. With γ > 0 the return still varies with position (earlier tokens have
 //!   more rewards ahead of them); that spread is what the placed rewards say.
 //! - A zero is a reward of zero: no reward placed and a reward of 0 are the same thing.
+//! - In an episode, the environment's tokens are context: a reward placed on one is
+//!   ignored, and they do not count in `b` (their advantages are never used). `u` runs
+//!   over token positions, so γ discounts per token, environment tokens included.
 //!
 //! Without `token_rewards` a sample's outcome advantage is broadcast to its tokens.
 
 /// The per-token advantages of one group's samples. `token_rewards[i]` has one entry per
-/// completion token of sample `i` (the codec checks the lengths); `outcome[i]` is its
-/// outcome advantage; `discount` is γ in [0, 1].
-pub fn token_advantages(outcome: &[f32], token_rewards: &[&[f32]], discount: f32) -> Vec<Vec<f32>> {
+/// completion token of sample `i` (the codec checks the lengths); `own[i][t]` says whether
+/// token `t` is the model's (false: the environment's; empty: all the model's); `outcome[i]`
+/// is its outcome advantage; `discount` is γ in [0, 1].
+pub fn token_advantages(
+    outcome: &[f32],
+    token_rewards: &[&[f32]],
+    own: &[Vec<bool>],
+    discount: f32,
+) -> Vec<Vec<f32>> {
     let gamma = f64::from(discount);
+    let is_own = |i: usize, t: usize| own.get(i).and_then(|o| o.get(t)).copied().unwrap_or(true);
     let returns: Vec<Vec<f64>> = token_rewards
         .iter()
-        .map(|r| {
+        .enumerate()
+        .map(|(i, r)| {
             let mut g = vec![0f64; r.len()];
             let mut acc = 0f64;
             for t in (0..r.len()).rev() {
-                acc = f64::from(r[t]) + gamma * acc;
+                let reward = if is_own(i, t) { f64::from(r[t]) } else { 0.0 };
+                acc = reward + gamma * acc;
                 g[t] = acc;
             }
             g
         })
         .collect();
-    let n: usize = returns.iter().map(Vec::len).sum();
-    let baseline = if n == 0 {
-        0.0
-    } else {
-        returns.iter().flatten().sum::<f64>() / n as f64
-    };
+    let (mut sum, mut n) = (0f64, 0usize);
+    for (i, g) in returns.iter().enumerate() {
+        for (t, &x) in g.iter().enumerate() {
+            if is_own(i, t) {
+                sum += x;
+                n += 1;
+            }
+        }
+    }
+    let baseline = if n == 0 { 0.0 } else { sum / n as f64 };
     returns
         .iter()
         .zip(outcome)
@@ -92,16 +108,32 @@ mod tests {
         let r1: &[f32] = &[0.0, -1.0];
         let outcome = [0.2, -0.2];
         close(
-            &token_advantages(&outcome, &[r0, r1], 1.0),
+            &token_advantages(&outcome, &[r0, r1], &[], 1.0),
             &[&[1.4, 1.4, 0.4], &[-1.5, -1.5]],
         );
         close(
-            &token_advantages(&outcome, &[r0, r1], 0.5),
+            &token_advantages(&outcome, &[r0, r1], &[], 0.5),
             &[&[0.65, 1.275, 0.525], &[-0.875, -1.375]],
         );
         close(
-            &token_advantages(&outcome, &[r0, r1], 0.0),
+            &token_advantages(&outcome, &[r0, r1], &[], 0.0),
             &[&[0.1, 1.1, 0.6], &[-0.3, -1.3]],
+        );
+    }
+
+    /// An episode: sample 0's tokens 1 and 2 are the environment's. The reward placed on
+    /// token 2 (garbage) is ignored, and the baseline counts the model's tokens only.
+    /// γ = 1: G0 = [1, 1, 1, 1] (the reward on token 3 flows back through the environment's
+    /// tokens), G1 = [−1, −1]; over the 4 model tokens b = (1 + 1 − 1 − 1) / 4 = 0; with
+    /// outcome 0: A0 = [1, 1, 1, 1] (tokens 1, 2 unused), A1 = [−1, −1].
+    #[test]
+    fn environment_tokens_carry_no_reward_and_no_weight_in_the_baseline() {
+        let r0: &[f32] = &[0.0, 0.0, 9.0, 1.0];
+        let r1: &[f32] = &[0.0, -1.0];
+        let own = [vec![true, false, false, true], vec![]];
+        close(
+            &token_advantages(&[0.0, 0.0], &[r0, r1], &own, 1.0),
+            &[&[1.0, 1.0, 1.0, 1.0], &[-1.0, -1.0]],
         );
     }
 
@@ -109,10 +141,10 @@ mod tests {
     fn zero_token_rewards_broadcast_the_outcome() {
         let z: &[f32] = &[0.0; 4];
         close(
-            &token_advantages(&[0.7, -0.7], &[z, &z[..2]], 1.0),
+            &token_advantages(&[0.7, -0.7], &[z, &z[..2]], &[], 1.0),
             &[&[0.7; 4], &[-0.7; 2]],
         );
-        assert!(token_advantages(&[], &[], 1.0).is_empty());
-        close(&token_advantages(&[0.5], &[&[]], 1.0), &[&[]]);
+        assert!(token_advantages(&[], &[], &[], 1.0).is_empty());
+        close(&token_advantages(&[0.5], &[&[]], &[], 1.0), &[&[]]);
     }
 }

@@ -34,6 +34,9 @@ pub struct Samples<'a> {
     seqs: Vec<ScoredSeq<'a>>,
     adv: Vec<Advantage>,
     behaviour: Vec<&'a [f32]>,
+    /// Whether each completion token is the model's (an episode's environment tokens are
+    /// not); empty for a sample without environment turns.
+    own: Vec<Vec<bool>>,
 }
 
 impl<'a> Samples<'a> {
@@ -45,13 +48,26 @@ impl<'a> Samples<'a> {
             seqs: Vec::new(),
             adv: Vec::new(),
             behaviour: Vec::new(),
+            own: Vec::new(),
         };
         for g in groups {
+            let own: Vec<Vec<bool>> = g
+                .rollout
+                .samples
+                .iter()
+                .map(|s| {
+                    if s.env.is_empty() {
+                        Vec::new()
+                    } else {
+                        s.model_tokens()
+                    }
+                })
+                .collect();
             match &g.token_rewards {
                 Some(tr) => {
                     let tr: Vec<&[f32]> = tr.iter().map(|r| r.as_slice()).collect();
                     out.adv.extend(
-                        credit::token_advantages(&g.advantages, &tr, discount)
+                        credit::token_advantages(&g.advantages, &tr, &own, discount)
                             .into_iter()
                             .map(Advantage::PerToken),
                     );
@@ -68,13 +84,25 @@ impl<'a> Samples<'a> {
                 });
                 out.behaviour.push(s.logprobs.as_slice());
             }
+            out.own.extend(own);
         }
         out
     }
 
-    /// Completion tokens: what the loss is averaged over.
+    /// The model's completion tokens (an episode's environment tokens are context): what
+    /// the loss is averaged over.
     pub fn tokens(&self) -> usize {
-        self.seqs.iter().map(|s| s.completion.len()).sum()
+        self.seqs
+            .iter()
+            .zip(&self.own)
+            .map(|(s, own)| {
+                if own.is_empty() {
+                    s.completion.len()
+                } else {
+                    own.iter().filter(|&&o| o).count()
+                }
+            })
+            .sum()
     }
 
     /// Consecutive runs of samples of at most `max_tokens` prompt + completion tokens each
@@ -130,6 +158,8 @@ where
     let c = lp.dims()[1];
     let mut mu = vec![0f32; b * c];
     let mut a_tok = vec![0f32; b * c];
+    let mut context = false;
+    let mut own = vec![1f32; b * c];
     for (i, k) in range.enumerate() {
         let m = samples.behaviour[k];
         mu[i * c..i * c + m.len()].copy_from_slice(m);
@@ -137,7 +167,22 @@ where
             Advantage::Outcome(a) => a_tok[i * c..(i + 1) * c].fill(*a),
             Advantage::PerToken(a) => a_tok[i * c..i * c + a.len()].copy_from_slice(a),
         }
+        // An environment token is context: no loss, no ratio, no advantage; whatever its
+        // behaviour log-prob or reward says is never read.
+        for (t, &o) in samples.own[k].iter().enumerate() {
+            if !o {
+                context = true;
+                own[i * c + t] = 0.0;
+                mu[i * c + t] = 0.0;
+                a_tok[i * c + t] = 0.0;
+            }
+        }
     }
+    let valid = if context {
+        valid * Tensor::<B, 2>::from_data(TensorData::new(own, [b, c]), &device)
+    } else {
+        valid
+    };
     let mu = Tensor::<B, 2>::from_data(TensorData::new(mu, [b, c]), &device);
     let a_tok = Tensor::<B, 2>::from_data(TensorData::new(a_tok, [b, c]), &device);
     let log_ratio = (lp.clone() - mu) * valid.clone();
@@ -188,7 +233,14 @@ fn teacher_kl(groups: &[&ScoredGroup]) -> Option<f64> {
             continue;
         };
         for (s, t) in g.rollout.samples.iter().zip(teacher) {
-            for (&b, &t) in s.logprobs.iter().zip(t.iter()) {
+            let own = s.model_tokens();
+            for ((&b, &t), _) in s
+                .logprobs
+                .iter()
+                .zip(t.iter())
+                .zip(&own)
+                .filter(|(_, o)| **o)
+            {
                 sum += f64::from(b) - f64::from(t);
                 n += 1;
             }
@@ -372,5 +424,70 @@ mod tests {
             e.iter().all(|&x| x == 0.0),
             "a zero outcome advantage moves nothing"
         );
+    }
+
+    /// An episode's environment tokens are context: filling their behaviour log-probs and
+    /// token rewards with garbage (and a teacher's log-probs) changes neither the loss nor
+    /// the gradient, bit for bit, and they do not count in the tokens the loss averages.
+    #[test]
+    fn environment_tokens_do_not_reach_the_loss() {
+        let device = Default::default();
+        let model = Policy::<TrainBackend>::random(
+            &PolicyConfig::tiny(Architecture::Llama, 16),
+            4,
+            &device,
+        )
+        .unwrap();
+        let clean = examples::scored_episode();
+        let mut garbage = clean.clone();
+        for (i, s) in garbage.rollout.samples.iter_mut().enumerate() {
+            let own = s.model_tokens();
+            let mut lp = s.logprobs.to_vec();
+            let mut tr = garbage.token_rewards.as_ref().unwrap()[i].to_vec();
+            for t in (0..lp.len()).filter(|&t| !own[t]) {
+                lp[t] = -37.5 - t as f32;
+                tr[t] = 1e6;
+            }
+            s.logprobs = lp.into();
+            garbage.token_rewards.as_mut().unwrap()[i] = tr.into();
+        }
+        garbage.ref_logprobs = Some(
+            garbage
+                .rollout
+                .samples
+                .iter()
+                .map(|s| vec![-99.0; s.tokens.len()].into())
+                .collect(),
+        );
+        let mut cfg = TrainerSettings::default();
+        cfg.train.kl_coef = 0.0;
+        let run = |g: &ScoredGroup, discount: f32| {
+            let samples = Samples::of(&[g], discount);
+            let n = samples.tokens();
+            let (total, part) = part(&model, None, &samples, 0..2, n as f32, &cfg).unwrap();
+            let grads = total.backward();
+            let e = host2(model.embed.weight.val().grad(&grads).unwrap());
+            (n, part.loss, e)
+        };
+        for discount in [1.0, 0.0] {
+            let (n, loss, grad) = run(&clean, discount);
+            assert_eq!(n, 8 - 3 + 6 - 2, "model tokens only");
+            let (n2, loss2, grad2) = run(&garbage, discount);
+            assert_eq!(n2, n);
+            assert_eq!(loss.to_bits(), loss2.to_bits(), "loss, γ = {discount}");
+            assert!(
+                grad.iter()
+                    .zip(&grad2)
+                    .all(|(a, b)| a.to_bits() == b.to_bits()),
+                "gradient, γ = {discount}"
+            );
+            assert!(grad.iter().any(|&x| x != 0.0));
+        }
+        // The same garbage on a model token does change the loss: the test can fail.
+        let mut moved = clean.clone();
+        let mut lp = moved.rollout.samples[0].logprobs.to_vec();
+        lp[0] = -37.5;
+        moved.rollout.samples[0].logprobs = lp.into();
+        assert_ne!(run(&moved, 1.0).1.to_bits(), run(&clean, 1.0).1.to_bits());
     }
 }

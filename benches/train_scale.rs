@@ -9,7 +9,15 @@
 //! cargo bench --bench train_scale -- weights DIR LRS STEPS STORE   # version sizes, publish-to-swap
 //! cargo bench --bench train_scale -- step-lora DIR MICRO STEPS RANK    # `step` training a LoRA adapter
 //! cargo bench --bench train_scale -- generate-lora DIR PROMPT NEW ROWS RANK  # merged vs unmerged adapter
+//! cargo bench --bench train_scale -- teacher SIZE DIR GROUPS # a teacher scorer's prefill per group
 //! ```
+//!
+//! `teacher` scores SIZE's batch (each group: its prompt and completions) with DIR as the
+//! teacher, through the scorer's own code (`score --teacher`: one batched prefill per group,
+//! log-probs over the full vocabulary), and prints the median seconds per group over GROUPS
+//! groups after a warm-up one. DIR needs a tokenizer, which the student shares: copy one
+//! next to a written checkpoint (`tests/fixtures/tokenizers/qwen3/tokenizer.json` for
+//! `0.5b`).
 //!
 //! `step-lora` is `step` with a rank-RANK adapter (alpha 32) on every linear module and the
 //! base frozen; it also prints the adapter's parameters and the bytes of one adapter version
@@ -303,6 +311,42 @@ fn generate_lora(dir: &Path, prompt: usize, new: usize, rows: usize, rank: usize
     println!("{line}, \"peak_rss_mb\": {:.0}}}", peak_rss_mb());
 }
 
+/// The teacher scorer's prefill on SIZE's batch; see the module docs.
+fn teacher(size: &str, dir: &Path, groups: usize) {
+    use rlstream::model::tokenizer::Tokenizer;
+    use rlstream::stages::score::teacher::Teacher;
+    let student = Tokenizer::load(dir).expect("a tokenizer in DIR: see the module docs");
+    let t = Instant::now();
+    let teacher = Teacher::load(dir, &student).expect("teacher");
+    let load_s = t.elapsed().as_secs_f64();
+    let (cfg, _, per, prompt, completion) = shape(size);
+    let group = batch(size, cfg.vocab_size as u32).remove(0).rollout;
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime");
+    let mut times = Vec::with_capacity(groups);
+    for i in 0..=groups {
+        let t = Instant::now();
+        let out = rt.block_on(teacher.logprobs(&[&group]));
+        let secs = t.elapsed().as_secs_f64();
+        let lp = out.into_iter().next().expect("one group").expect("scored");
+        assert_eq!(lp.len(), per);
+        if i > 0 {
+            times.push(secs);
+        }
+    }
+    times.sort_by(f64::total_cmp);
+    let median = times[times.len() / 2];
+    println!(
+        "{{\"size\": \"{size}\", \"samples\": {per}, \"prompt\": {prompt}, \"completion\": {completion}, \
+         \"load_s\": {load_s:.2}, \"teacher_s_per_group\": {median:.3}, \
+         \"completion_tokens_per_s\": {:.1}, \"peak_rss_mb\": {:.0}}}",
+        (per * completion) as f64 / median,
+        peak_rss_mb()
+    );
+}
+
 /// Seconds and tokens of generating NEW tokens for ROWS rows after a warm-up run.
 fn time_generation(
     model: &Policy<InferBackend>,
@@ -529,6 +573,11 @@ fn main() {
             rows.parse().expect("ROWS: a count"),
             rank.parse().expect("RANK: a LoRA rank"),
         ),
+        ["teacher", size, dir, groups] => teacher(
+            size,
+            Path::new(dir),
+            groups.parse().expect("GROUPS: a count"),
+        ),
         // `cargo bench` with no arguments (as CI's build check runs it): a quick small run.
         [] => {
             let dir = tempfile::tempdir().expect("tmp");
@@ -539,7 +588,8 @@ fn main() {
         _ => panic!(
             "usage: write SIZE DIR | step DIR MICRO STEPS | load DIR | \
              generate DIR PROMPT NEW ROWS | bf16 DIR OUT | weights DIR LRS STEPS STORE | \
-             step-lora DIR MICRO STEPS RANK | generate-lora DIR PROMPT NEW ROWS RANK"
+             step-lora DIR MICRO STEPS RANK | generate-lora DIR PROMPT NEW ROWS RANK | \
+             teacher SIZE DIR GROUPS"
         ),
     }
 }

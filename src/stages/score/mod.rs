@@ -567,9 +567,7 @@ fn finish(
         teacher,
     } = scores;
     let mut adv = advantages(&rewards, cfg.advantage);
-    if cfg.outcome_coef != 1.0 {
-        adv.iter_mut().for_each(|a| *a *= cfg.outcome_coef);
-    }
+    adv.iter_mut().for_each(|a| *a *= cfg.outcome_coef);
     summary.reward_sum += rewards.iter().map(|&r| f64::from(r)).sum::<f64>();
     summary.samples += rewards.len() as u64;
     crate::metrics::scored(

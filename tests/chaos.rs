@@ -193,15 +193,8 @@ async fn kill_any_stage_lose_nothing() {
     let m = model.to_str().expect("utf-8").to_string();
     run_ok(&["sft", "--task", "reverse", "--out", &m, "--steps", "300"]);
     let with_bus = |v: &[&str]| -> Vec<String> {
-        let mut a: Vec<String> = v.iter().map(|s| s.to_string()).collect();
-        a.extend([
-            "--redis".into(),
-            url.clone(),
-            "--namespace".into(),
-            ns.clone(),
-            "--topology".into(),
-            topo_s.clone(),
-        ]);
+        let mut a = common::on_bus(v, &url, &ns);
+        a.extend(["--topology".into(), topo_s.clone()]);
         a
     };
     let fed = run_ok(

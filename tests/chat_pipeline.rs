@@ -32,18 +32,7 @@ async fn a_qwen3_chat_dataset_runs_through_feed_gen_score_and_train() {
     let data = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/math_chat.jsonl");
     let ns = common::unique_ns("chat");
     let url = common::redis_url();
-    let args = |extra: &[&str]| -> Vec<String> {
-        extra
-            .iter()
-            .map(|s| s.to_string())
-            .chain([
-                "--redis".into(),
-                url.clone(),
-                "--namespace".into(),
-                ns.clone(),
-            ])
-            .collect()
-    };
+    let args = |extra: &[&str]| common::on_bus(extra, &url, &ns);
     let log = |n: &str| dir.path().join(format!("{n}.log"));
 
     // Without the template's model, chat rows are refused with what to give.

@@ -90,16 +90,7 @@ async fn teacher_scorers_on_redis_reward_teacher_minus_behaviour() {
     let ns = unique_ns("distill");
     let url = redis_url();
     let logs = |n: &str| dir.path().join(format!("{n}.log"));
-    let with_bus = |args: &[&str]| -> Vec<String> {
-        let mut v: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        v.extend([
-            "--redis".into(),
-            url.clone(),
-            "--namespace".into(),
-            ns.clone(),
-        ]);
-        v
-    };
+    let with_bus = |args: &[&str]| common::on_bus(args, &url, &ns);
     const GROUPS: usize = 6;
     let fed = run_ok(
         &with_bus(&["feed", "--task", "sort", "--count", &GROUPS.to_string()])

@@ -382,16 +382,7 @@ async fn generators_sample_from_the_announced_adapter_never_the_base() {
     let model = dir.path().join("model");
     let m = model.to_str().unwrap();
     common::run_ok(&["sft", "--task", "reverse", "--out", m, "--steps", "200"]);
-    let base_args = |extra: &[&str]| -> Vec<String> {
-        let mut v: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-        v.extend([
-            "--redis".into(),
-            url.clone(),
-            "--namespace".into(),
-            ns.clone(),
-        ]);
-        v
-    };
+    let base_args = |extra: &[&str]| common::on_bus(extra, &url, &ns);
     common::run_ok(
         &base_args(&["feed", "--task", "reverse", "--count", "400", "--seed", "3"])
             .iter()

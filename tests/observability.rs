@@ -301,16 +301,7 @@ async fn stages_export_what_the_dashboard_shows() {
     let m = model.to_str().expect("utf-8 path");
     let log = |n: &str| dir.path().join(format!("{n}.log"));
     run_ok(&["sft", "--task", "sort", "--out", m, "--steps", "30"]);
-    let with_bus = |args: &[&str]| -> Vec<String> {
-        let mut v: Vec<String> = args.iter().map(|s| s.to_string()).collect();
-        v.extend([
-            "--redis".into(),
-            url.clone(),
-            "--namespace".into(),
-            ns.clone(),
-        ]);
-        v
-    };
+    let with_bus = |args: &[&str]| common::on_bus(args, &url, &ns);
     let as_str = |v: &[String]| v.iter().map(String::clone).collect::<Vec<_>>();
     // A malformed prompt first in line: the generator must dead-letter it, count it and
     // keep going.

@@ -54,16 +54,7 @@ async fn four_processes_learn_together() {
         "300",
     ]);
     assert!(sft.contains("held-out greedy accuracy"), "{sft}");
-    let common_args = |extra: &[&str]| -> Vec<String> {
-        let mut v: Vec<String> = extra.iter().map(|s| s.to_string()).collect();
-        v.extend([
-            "--redis".into(),
-            url.clone(),
-            "--namespace".into(),
-            ns.clone(),
-        ]);
-        v
-    };
+    let common_args = |extra: &[&str]| common::on_bus(extra, &url, &ns);
     let fed = run_ok(
         &common_args(&[
             "feed",

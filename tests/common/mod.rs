@@ -111,6 +111,15 @@ pub fn sampled_group(
 
 // ---- the real binary as a child process, and its metrics endpoint ----
 
+/// A command's arguments `args` with the bus flags `--redis URL --namespace NS` after them.
+pub fn on_bus(args: &[&str], url: &str, ns: &str) -> Vec<String> {
+    args.iter()
+        .copied()
+        .chain(["--redis", url, "--namespace", ns])
+        .map(String::from)
+        .collect()
+}
+
 pub fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_rlstream"))
 }

@@ -102,6 +102,12 @@ def check_rollout_semantics(msg):
                 raise SystemExit(f"samples[{i}]: env span [{start}, {n}] overlaps, is empty or runs past the tokens")
             end = start + n
             episodes = True
+        env = {t for start, n in s.get("env", []) for t in range(start, start + n)}
+        last = -1
+        for index, reward in s.get("turn_rewards", []):
+            if index <= last or index >= len(tokens) or index in env or reward != reward:
+                raise SystemExit(f"samples[{i}]: turn reward at {index} is out of order, past the tokens, on an env token or NaN")
+            last = index
     # A 1.x trainer would train the environment's tokens: an episode is 2.x.
     if episodes and msg["schema"][0] < 2:
         raise SystemExit("a rollout with env spans needs schema major 2")

@@ -8,6 +8,7 @@
 //! - [`model`]: the policy (Llama/Qwen2-family decoder in burn), Hugging Face checkpoints,
 //!   the KV-cache sampler and the trainer's log-probs.
 //! - [`tasks`]: built-in tasks, verifiers and JSONL datasets.
+//! - [`env`]: environments of multi-turn episodes (the built-in `guess` game).
 //! - [`stages`]: `feed`, `gen`, `score`, `train`, each `run(config, bus, topology, shutdown)`.
 //! - [`weights`]: weight publication and the generator's follower.
 //! - [`config`]: the config file / environment / flag precedence.
@@ -26,6 +27,7 @@ pub mod commands;
 pub mod config;
 pub mod cpu;
 pub mod display;
+pub mod env;
 pub mod metrics;
 pub mod model;
 pub mod report;

@@ -21,6 +21,9 @@ pub const SAMPLES_TOTAL: &str = "rlstream_samples_total";
 pub const SAMPLES_DROPPED_TOTAL: &str = "rlstream_samples_dropped_total";
 pub const ERRORS_TOTAL: &str = "rlstream_errors_total";
 pub const DEAD_LETTERS_TOTAL: &str = "rlstream_dead_letters_total";
+pub const EPISODES_TOTAL: &str = "rlstream_episodes_total";
+pub const EPISODE_TURNS_TOTAL: &str = "rlstream_episode_turns_total";
+pub const ENV_FAILURES_TOTAL: &str = "rlstream_env_failures_total";
 pub const CLAIMED_TOTAL: &str = "rlstream_entries_claimed_total";
 pub const POLICY_VERSION: &str = "rlstream_policy_version";
 pub const SAMPLE_STALENESS_VERSIONS: &str = "rlstream_sample_staleness_versions";
@@ -131,6 +134,21 @@ pub fn install(addr: &str) -> Result<SocketAddr, MetricsError> {
 }
 
 fn describe() {
+    describe_counter!(
+        EPISODES_TOTAL,
+        Unit::Count,
+        "Episodes the generator finished, by how they ended (done, turns, tokens)."
+    );
+    describe_counter!(
+        EPISODE_TURNS_TOTAL,
+        Unit::Count,
+        "Model turns of the finished episodes (divide by rlstream_episodes_total for turns per episode)."
+    );
+    describe_counter!(
+        ENV_FAILURES_TOTAL,
+        Unit::Count,
+        "Episodes ended by their environment failing, by reason (env_error, env_timeout, env_panic, env_observation, env_setup); never trained."
+    );
     describe_counter!(
         TOKENS_TOTAL,
         Unit::Count,
@@ -307,6 +325,17 @@ pub fn fed(prompts: u64) {
 pub fn generated(samples: u64, tokens: u64) {
     counter!(SAMPLES_TOTAL, "stage" => Stage::Gen.as_str()).increment(samples);
     counter!(TOKENS_TOTAL, "stage" => Stage::Gen.as_str(), "kind" => "generated").increment(tokens);
+}
+
+/// A generator finished an episode of `turns` model turns, ended as `ended` says.
+pub fn episode(ended: &'static str, turns: u32) {
+    counter!(EPISODES_TOTAL, "ended" => ended).increment(1);
+    counter!(EPISODE_TURNS_TOTAL).increment(u64::from(turns));
+}
+
+/// An environment failed an episode.
+pub fn env_failed(reason: &'static str) {
+    counter!(ENV_FAILURES_TOTAL, "reason" => reason).increment(1);
 }
 
 /// A generator picked up new weights.

@@ -57,11 +57,12 @@ fn scored_group() {
     check("ScoredGroup", examples::scored_group());
 }
 
-/// Episodes: a rollout with environment spans is 2.0, its scored group 3.0.
+/// Episodes: a rollout with environment spans is 2.1 (2.0 had no turn rewards), its scored
+/// group 3.0.
 #[test]
 fn episodes() {
     let g = examples::episode_group();
-    assert_eq!(g.schema, schema::SchemaVersion { major: 2, minor: 0 });
+    assert_eq!(g.schema, schema::SchemaVersion { major: 2, minor: 1 });
     check("RolloutGroup.episode", g);
     let s = examples::scored_episode();
     assert_eq!(s.schema, schema::SchemaVersion { major: 3, minor: 0 });

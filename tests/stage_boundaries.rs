@@ -95,6 +95,7 @@ fn sample() -> impl Strategy<Value = Sample> {
                 finish: FinishReason::Length,
                 mask,
                 env: Vec::new(),
+                turn_rewards: Vec::new(),
             }
         })
 }

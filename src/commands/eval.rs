@@ -12,8 +12,12 @@
 //! a JSONL file's items (keeping it apart from training data is then the user's part).
 
 use crate::display::{DisplayMode, Phase};
+use crate::env::{
+    self,
+    play::{EpisodeLimits, play},
+};
 use crate::model::hf::load_hf;
-use crate::model::sampler::{Generator, Request};
+use crate::model::sampler::{Generator, Request, TurnLimits};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{InferBackend, ModelError, Policy};
 pub use crate::report::Estimate;
@@ -25,6 +29,8 @@ use std::time::Instant;
 
 /// Sequences decoded together, by default.
 pub const BATCH: usize = 512;
+/// Most model turns of an evaluated episode (gen's default `max_turns`).
+pub const MAX_TURNS: u32 = 8;
 
 crate::settings! {
     /// What to evaluate and how: these are also the flags of `rlstream eval`.
@@ -76,12 +82,31 @@ pub struct EvalResult {
     /// Share of greedy completions with full reward.
     pub greedy_accuracy: Estimate,
     pub greedy_reward: Estimate,
+    /// Episode tasks: model turns per episode at `temperature`, and greedy.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub turns: Option<Estimate>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub greedy_turns: Option<Estimate>,
     pub seconds: f64,
 }
 
 impl EvalResult {
-    /// One line: pass@1 first.
+    /// One line: pass@1 first (an episode task's success rate, with its turns).
     pub fn line(&self) -> String {
+        if let (Some(turns), Some(greedy_turns)) = (&self.turns, &self.greedy_turns) {
+            return format!(
+                "success {} (return {}, {} turns) at temperature {}, greedy success {} (return {}, {} turns), {} games × {} episodes",
+                self.pass_at_1.percent(),
+                self.reward.value(),
+                turns.value(),
+                self.temperature,
+                self.greedy_accuracy.percent(),
+                self.greedy_reward.value(),
+                greedy_turns.value(),
+                self.prompts,
+                self.samples
+            );
+        }
         format!(
             "pass@1 {} (reward {}) at temperature {}, greedy accuracy {} (reward {}), {} prompts × {} samples",
             self.pass_at_1.percent(),
@@ -101,7 +126,10 @@ pub struct EvalSet {
     pub items: Vec<(Vec<u32>, TaskItem)>,
     pub tokenizer: Tokenizer,
     pub stop_tokens: Vec<u32>,
+    /// Most tokens per completion (per model turn for an episode task).
     pub max_new_tokens: u32,
+    /// Episode tasks: most model turns.
+    pub max_turns: u32,
 }
 
 impl EvalSet {
@@ -120,6 +148,7 @@ impl EvalSet {
             tokenizer: Tokenizer::Char(tok),
             stop_tokens: vec![crate::model::tokenizer::CharTokenizer::EOS],
             max_new_tokens: task.max_answer_tokens() + 2,
+            max_turns: MAX_TURNS,
         }
     }
 
@@ -154,6 +183,7 @@ impl EvalSet {
             tokenizer,
             stop_tokens,
             max_new_tokens: 64,
+            max_turns: MAX_TURNS,
         })
     }
 }
@@ -192,8 +222,17 @@ impl EvalSampling {
     }
 }
 
-/// Per-prompt (reward, full-credit) means of `n` completions per prompt at `temperature`
-/// (greedy when 0), decoded `batch` sequences at a time; `progress(done)` after each chunk.
+/// Per-prompt means of `n` completions per prompt: reward (an episode's return), full
+/// credit (an episode's success) and, for episodes, model turns.
+#[derive(Debug, Default)]
+struct PerPrompt {
+    rewards: Vec<f64>,
+    passes: Vec<f64>,
+    turns: Vec<f64>,
+}
+
+/// [`PerPrompt`] at `temperature` (greedy when 0), decoded `batch` sequences at a time;
+/// `progress(done)` after each chunk.
 fn per_prompt(
     model: &Policy<InferBackend>,
     set: &EvalSet,
@@ -202,9 +241,10 @@ fn per_prompt(
     seed: u64,
     batch: usize,
     mut progress: impl FnMut(usize),
-) -> Result<(Vec<f64>, Vec<f64>), ModelError> {
+) -> Result<PerPrompt, ModelError> {
     let per_chunk = (batch / n).max(1);
-    let (mut rewards, mut passes) = (Vec::new(), Vec::new());
+    let mut out = PerPrompt::default();
+    let episodes = set.items.iter().any(|(_, it)| env::is_episode(&it.meta));
     for (c, chunk) in set.items.chunks(per_chunk).enumerate() {
         let first = c * per_chunk;
         let requests: Vec<Request> = chunk
@@ -225,6 +265,16 @@ fn per_prompt(
                 },
             })
             .collect();
+        if episodes {
+            let sums = play_chunk(model, set, chunk, &requests)?;
+            for (r, p, t) in sums {
+                out.rewards.push(r / n as f64);
+                out.passes.push(p / n as f64);
+                out.turns.push(t / n as f64);
+            }
+            progress(first + chunk.len());
+            continue;
+        }
         let done = Generator::generate(model, 0, &requests)?;
         let mut sums = vec![(0.0, 0.0); chunk.len()];
         for c in &done {
@@ -245,12 +295,56 @@ fn per_prompt(
             s.1 += f64::from(u8::from(reward >= 1.0));
         }
         for (r, p) in sums {
-            rewards.push(r / n as f64);
-            passes.push(p / n as f64);
+            out.rewards.push(r / n as f64);
+            out.passes.push(p / n as f64);
         }
         progress(first + chunk.len());
     }
-    Ok((rewards, passes))
+    Ok(out)
+}
+
+/// Plays the episodes of `requests` (one per item of `chunk`): per item the sums of
+/// return, successes and turns. An episode whose environment fails counts as a failure
+/// with return 0.
+fn play_chunk(
+    model: &Policy<InferBackend>,
+    set: &EvalSet,
+    chunk: &[(Vec<u32>, TaskItem)],
+    requests: &[Request],
+) -> Result<Vec<(f64, f64, f64)>, ModelError> {
+    type Maker = Box<dyn Fn() -> Result<Box<dyn env::Environment>, env::EnvError>>;
+    let makers: Vec<Maker> = chunk
+        .iter()
+        .map(|(_, it)| {
+            let meta = it.meta.clone();
+            Box::new(move || {
+                env::make(&meta)?.ok_or_else(|| {
+                    env::EnvError::Setup("the item names no environment".into())
+                })
+            }) as Maker
+        })
+        .collect();
+    let games: Vec<_> = requests
+        .iter()
+        .cloned()
+        .zip(makers.iter().map(|m| m.as_ref()))
+        .collect();
+    let limits = EpisodeLimits {
+        turn: TurnLimits {
+            turn_tokens: set.max_new_tokens as usize,
+            episode_tokens: model.config().max_position,
+        },
+        turns: set.max_turns,
+    };
+    let (episodes, _failed) = play(model, 0, &games, &limits, &set.tokenizer)?;
+    let mut sums = vec![(0.0, 0.0, 0.0); chunk.len()];
+    for e in &episodes {
+        let s = &mut sums[e.completion.request_id as usize];
+        s.0 += f64::from(e.ret());
+        s.1 += f64::from(u8::from(e.success));
+        s.2 += f64::from(e.completion.turns);
+    }
+    Ok(sums)
 }
 
 /// Greedy accuracy and reward of `model` on `set` (what `sft` reports), decoded `batch`
@@ -261,8 +355,8 @@ pub fn greedy(
     batch: usize,
     progress: impl FnMut(usize),
 ) -> Result<(Estimate, Estimate), ModelError> {
-    let (reward, pass) = per_prompt(model, set, 1, 0.0, 0, batch, progress)?;
-    Ok((Estimate::of(&pass), Estimate::of(&reward)))
+    let p = per_prompt(model, set, 1, 0.0, 0, batch, progress)?;
+    Ok((Estimate::of(&p.passes), Estimate::of(&p.rewards)))
 }
 
 /// Evaluates `model` on `set`: sampled (pass@1, reward) and greedy (accuracy, reward).
@@ -275,7 +369,7 @@ pub fn evaluate(
     let started = Instant::now();
     let total = set.items.len() as u64;
     let mut phase = Phase::new(display, "eval", 2 * total);
-    let (reward, pass) = per_prompt(
+    let sampled = per_prompt(
         model,
         set,
         sampling.samples.max(1),
@@ -284,18 +378,21 @@ pub fn evaluate(
         sampling.batch,
         |done| phase.update(done as u64, "sampled"),
     )?;
-    let (greedy_accuracy, greedy_reward) = greedy(model, set, sampling.batch, |done| {
+    let greedy = per_prompt(model, set, 1, 0.0, 0, sampling.batch, |done| {
         phase.update(total + done as u64, "greedy")
     })?;
+    let turns = |p: &PerPrompt| (!p.turns.is_empty()).then(|| Estimate::of(&p.turns));
     let result = EvalResult {
         task: set.name.clone(),
         prompts: set.items.len(),
         samples: sampling.samples.max(1),
         temperature: sampling.temperature,
-        pass_at_1: Estimate::of(&pass),
-        reward: Estimate::of(&reward),
-        greedy_accuracy,
-        greedy_reward,
+        pass_at_1: Estimate::of(&sampled.passes),
+        reward: Estimate::of(&sampled.rewards),
+        greedy_accuracy: Estimate::of(&greedy.passes),
+        greedy_reward: Estimate::of(&greedy.rewards),
+        turns: turns(&sampled),
+        greedy_turns: turns(&greedy),
         seconds: started.elapsed().as_secs_f64(),
     };
     phase.finish(&result.line());
@@ -339,7 +436,7 @@ pub fn run(opts: &EvalOptions, display: DisplayMode) -> Result<EvalResult, EvalE
     let mut set = match (&opts.task, &opts.dataset) {
         (Some(_), Some(_)) => return usage("give --task or --dataset, not both"),
         (None, None) => {
-            return usage("give --task add|reverse|sort|longsort|longer or --dataset FILE");
+            return usage("give --task add|reverse|sort|longsort|longer|guess or --dataset FILE");
         }
         (Some(task), None) => {
             let vocab = tasks::char_tokenizer().vocab_size();

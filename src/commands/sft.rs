@@ -8,7 +8,11 @@ use crate::model::tokenizer::{CharTokenizer, Tokenizer};
 use crate::model::{Architecture, InferBackend, ModelError, Policy, PolicyConfig, TrainBackend};
 use crate::tasks::{self, BuiltinTask};
 use burn::module::AutodiffModule;
+use crate::env::guess;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
+use burn::tensor::{Tensor, TensorData};
+use rand::SeedableRng;
+use rand::rngs::StdRng;
 use std::path::PathBuf;
 use std::time::Instant;
 
@@ -90,6 +94,37 @@ fn init_model(dir: &std::path::Path) -> Result<Policy<TrainBackend>, ModelError>
     Ok(model)
 }
 
+/// Demonstration `index` of `task`'s stream `seed`: prompt, completion and, per completion
+/// token, whether it is the model's (an episode's environment tokens are not). A
+/// single-turn task's is its reference answer and the stop token; `guess`'s is a game
+/// played by a noisy bisection player.
+fn demonstration(
+    task: BuiltinTask,
+    seed: u64,
+    index: u64,
+    tok: &CharTokenizer,
+) -> (Vec<u32>, Vec<u32>, Vec<bool>) {
+    let it = task.item(seed, index);
+    let prompt = tok.encode(&it.prompt);
+    if task.is_episode()
+        && let Ok(game) = guess::Guess::from_meta(&it.meta)
+    {
+        let mut rng = StdRng::seed_from_u64(crate::seed::derive(seed, &format!("demo/{index}")));
+        let (tokens, own) = guess::demonstration(
+            &game,
+            guess::DEMO_NOISE,
+            &mut rng,
+            |t| tok.encode(t),
+            CharTokenizer::EOS,
+        );
+        return (prompt, tokens, own);
+    }
+    let mut answer = tok.encode(&it.answer);
+    answer.push(CharTokenizer::EOS);
+    let own = vec![true; answer.len()];
+    (prompt, answer, own)
+}
+
 /// Trains and saves; `progress(step, loss)` is called after every step.
 pub fn run(
     opts: &SftOptions,
@@ -118,25 +153,33 @@ pub fn run(
     let tok = tasks::char_tokenizer();
     let mut final_loss = f64::NAN;
     for step in 0..opts.steps {
-        let batch: Vec<(Vec<u32>, Vec<u32>)> = (0..opts.batch as u64)
-            .map(|i| {
-                let it = opts.task.item(prompt_seed, step * opts.batch as u64 + i);
-                let mut answer = tok.encode(&it.answer);
-                answer.push(CharTokenizer::EOS);
-                (tok.encode(&it.prompt), answer)
-            })
+        let batch: Vec<(Vec<u32>, Vec<u32>, Vec<bool>)> = (0..opts.batch as u64)
+            .map(|i| demonstration(opts.task, prompt_seed, step * opts.batch as u64 + i, &tok))
             .collect();
         let seqs: Vec<ScoredSeq<'_>> = batch
             .iter()
-            .map(|(p, c)| ScoredSeq {
+            .map(|(p, c, _)| ScoredSeq {
                 prompt: p,
                 completion: c,
                 mask: None,
             })
             .collect();
         let (lp, valid) = completion_logprobs(&model, &seqs, 1.0);
-        let n: usize = batch.iter().map(|(_, c)| c.len()).sum();
-        let loss = (lp * valid).sum().neg().div_scalar(n as f32);
+        // Only the model's own tokens are learned: an episode's environment tokens are
+        // context (zeros here).
+        let [b, cmax] = lp.dims();
+        let own: Vec<f32> = batch
+            .iter()
+            .flat_map(|(_, _, own)| {
+                (0..cmax).map(move |j| f32::from(u8::from(own.get(j).copied().unwrap_or(false))))
+            })
+            .collect();
+        let own = Tensor::<TrainBackend, 2>::from_data(TensorData::new(own, [b, cmax]), &device);
+        let n: usize = batch
+            .iter()
+            .map(|(_, _, own)| own.iter().filter(|&&o| o).count())
+            .sum();
+        let loss = (lp * valid * own).sum().neg().div_scalar(n.max(1) as f32);
         final_loss = f64::from(loss.clone().into_scalar());
         let grads = GradientsParams::from_grads(loss.backward(), &model);
         // Linear decay to 10% keeps the end of training stable.

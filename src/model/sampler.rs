@@ -10,10 +10,19 @@
 //! Every sampled token comes with its behaviour log-prob under the exact distribution it
 //! was drawn from (temperature, then top-k, then top-p, renormalised), and, when top-k/top-p
 //! truncated the vocabulary, the ids that survived.
+//!
+//! **Episodes** ([`Generator::admit_episode`]): a row whose model turn ends (a stop token,
+//! or the turn's token budget) is *parked* instead of finished: it leaves the batch with
+//! its own KV cache, so the other rows keep decoding while the environment answers. The
+//! caller takes the ended turns ([`Generator::take_turns`]), asks the environment, and
+//! either [`Generator::resume`]s the row (the observation's tokens are appended as they
+//! are, prefilled onto the row's cache, and the next turn is sampled) or
+//! [`Generator::end`]s it. Earlier turns are never re-tokenized: the row's token ids are
+//! exactly what the model saw.
 
 use super::llama::{AttnMode, KvCache, Policy};
 use super::{Kernels, ModelError};
-use crate::schema::{FinishReason, SamplingMask, SamplingParams, VersionRun};
+use crate::schema::{FinishReason, SamplingMask, SamplingParams, Span, TurnReward, VersionRun};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use rand::rngs::StdRng;
@@ -41,6 +50,12 @@ pub struct Completion {
     pub versions: Vec<VersionRun>,
     pub finish: FinishReason,
     pub mask: Option<SamplingMask>,
+    /// Episodes: the spans of `tokens` the environment wrote.
+    pub env: Vec<Span>,
+    /// Episodes: the environment's reward of each turn, on the turn's last model token.
+    pub turn_rewards: Vec<TurnReward>,
+    /// Episodes: model turns taken.
+    pub turns: u32,
 }
 
 impl From<Completion> for crate::schema::Sample {
@@ -51,9 +66,45 @@ impl From<Completion> for crate::schema::Sample {
             versions: c.versions,
             finish: c.finish,
             mask: c.mask,
-            env: Vec::new(),
+            env: c.env,
+            turn_rewards: c.turn_rewards,
         }
     }
+}
+
+/// How long an episode's turns may run (see [`Generator::admit_episode`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TurnLimits {
+    /// Most tokens of one model turn.
+    pub turn_tokens: usize,
+    /// Most tokens of the whole episode after the prompt (model and environment), besides
+    /// what the context leaves.
+    pub episode_tokens: usize,
+}
+
+/// A model turn that ended, waiting for the environment: which row, and its tokens (the
+/// stop token included when one ended it).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Turn {
+    pub request_id: u64,
+    pub index: usize,
+    pub tokens: Vec<u32>,
+    /// Whether the turn ended on a stop token (not on its token budget).
+    pub stopped: bool,
+    /// Which turn of the episode, from 1.
+    pub number: u32,
+}
+
+/// What became of a row after [`Generator::resume`].
+#[derive(Debug, Clone, PartialEq)]
+pub enum Resumed {
+    /// Back in the batch.
+    Decoding,
+    /// Its next turn ended at once (a stop token first): see [`Generator::take_turns`].
+    Parked,
+    /// The observation left no room for another token: the episode ended (finish
+    /// `length`) without it.
+    Finished(Completion),
 }
 
 /// One draw from a logits row.
@@ -165,8 +216,23 @@ struct Row {
     kept_ids: Vec<u32>,
     truncated: bool,
     /// Most tokens this completion may have: `max_new_tokens`, or what the context leaves
-    /// after the prompt.
+    /// after the prompt (for an episode: its episode budget, or what the context leaves).
     budget: usize,
+    /// Episodes: the per-turn budget, and where the current model turn started.
+    turn_tokens: Option<usize>,
+    turn_start: usize,
+    env: Vec<Span>,
+    turn_rewards: Vec<TurnReward>,
+    turns: u32,
+}
+
+/// What a row does after a token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Next {
+    Continue,
+    /// An episode's model turn ended.
+    TurnEnd,
+    Finished,
 }
 
 impl Row {
@@ -185,10 +251,57 @@ impl Row {
             kept_ids: Vec::new(),
             truncated: false,
             budget,
+            turn_tokens: None,
+            turn_start: 0,
+            env: Vec::new(),
+            turn_rewards: Vec::new(),
+            turns: 0,
         }
     }
 
-    /// Records a draw; returns whether the row is finished.
+    /// Whether token `t` is the environment's.
+    fn is_env(&self, t: usize) -> bool {
+        self.env.iter().any(|s| s.range().contains(&t))
+    }
+
+    /// Records a draw; returns what the row does next.
+    fn next(&mut self, draw: Draw, version: u64, vocab: usize) -> Next {
+        let stop = self.params.stop_tokens.contains(&draw.token);
+        if self.push(draw, version, vocab) && self.turn_tokens.is_none() {
+            return Next::Finished;
+        }
+        let Some(turn_tokens) = self.turn_tokens else {
+            return Next::Continue;
+        };
+        if self.tokens.len() >= self.budget {
+            self.turns += 1;
+            Next::Finished
+        } else if stop || self.tokens.len() - self.turn_start >= turn_tokens {
+            self.turns += 1;
+            Next::TurnEnd
+        } else {
+            Next::Continue
+        }
+    }
+
+    /// Appends the environment's `observation` (context: log-prob 0, an empty kept set).
+    fn observe(&mut self, observation: &[u32]) {
+        let start = self.tokens.len() as u32;
+        self.env.push(Span {
+            start,
+            len: observation.len() as u32,
+        });
+        self.tokens.extend_from_slice(observation);
+        self.logprobs.extend(std::iter::repeat_n(0.0, observation.len()));
+        if self.truncated {
+            let at = self.kept_ids.len() as u32;
+            self.offsets
+                .extend(std::iter::repeat_n(at, observation.len()));
+        }
+        self.turn_start = self.tokens.len();
+    }
+
+    /// Records a draw; returns whether the row is finished (single-turn rules).
     fn push(&mut self, draw: Draw, version: u64, vocab: usize) -> bool {
         let i = self.tokens.len() as u32;
         if self.versions.last().is_none_or(|r| r.version != version) {
@@ -202,9 +315,22 @@ impl Row {
         match draw.kept {
             Some(ids) => {
                 if !self.truncated {
+                    // Earlier model tokens kept the whole vocabulary; the environment's
+                    // tokens keep nothing (they were not sampled).
                     let earlier = self.tokens.len() - 1;
-                    self.kept_ids = (0..earlier).flat_map(|_| 0..vocab as u32).collect();
-                    self.offsets = (0..=earlier).map(|k| (k * vocab) as u32).collect();
+                    let widths: Vec<usize> = (0..earlier)
+                        .map(|k| if self.is_env(k) { 0 } else { vocab })
+                        .collect();
+                    self.kept_ids = widths
+                        .iter()
+                        .flat_map(|&w| 0..w as u32)
+                        .collect();
+                    self.offsets = std::iter::once(0)
+                        .chain(widths.iter().scan(0u32, |acc, &w| {
+                            *acc += w as u32;
+                            Some(*acc)
+                        }))
+                        .collect();
                     self.truncated = true;
                 }
                 self.kept_ids.extend(ids);
@@ -223,22 +349,45 @@ impl Row {
             .tokens
             .last()
             .is_some_and(|t| self.params.stop_tokens.contains(t));
+        self.finish_as(if stopped {
+            FinishReason::Stop
+        } else {
+            FinishReason::Length
+        })
+    }
+
+    fn finish_as(self, finish: FinishReason) -> Completion {
         Completion {
             request_id: self.request_id,
             index: self.index,
             tokens: self.tokens,
             logprobs: self.logprobs,
             versions: self.versions,
-            finish: if stopped {
-                FinishReason::Stop
-            } else {
-                FinishReason::Length
-            },
+            finish,
             mask: self.truncated.then(|| SamplingMask {
                 offsets: self.offsets.into(),
                 ids: self.kept_ids.into(),
             }),
+            env: self.env,
+            turn_rewards: self.turn_rewards,
+            turns: self.turns,
         }
+    }
+}
+
+/// A row waiting for the environment, with its own KV cache (its last token not yet fed).
+struct Parked<B: Backend> {
+    row: Row,
+    cache: KvCache<B>,
+}
+
+/// Records the environment's `reward` for `row`'s last turn, on its last token.
+fn record(row: &mut Row, reward: Option<f32>) {
+    if let (Some(reward), Some(last)) = (reward, row.tokens.len().checked_sub(1)) {
+        row.turn_rewards.push(TurnReward {
+            index: last as u32,
+            reward,
+        });
     }
 }
 
@@ -248,6 +397,10 @@ pub struct Generator<B: Backend> {
     rows: Vec<Row>,
     /// Completions finished during `admit` (a stop token first), handed out by `step`.
     done: Vec<Completion>,
+    /// Episode rows whose turn ended, waiting for the environment.
+    parked: Vec<Parked<B>>,
+    /// Turns ended since the last [`Generator::take_turns`].
+    turns: Vec<Turn>,
 }
 
 impl<B: Backend> Default for Generator<B> {
@@ -256,6 +409,8 @@ impl<B: Backend> Default for Generator<B> {
             cache: None,
             rows: Vec::new(),
             done: Vec::new(),
+            parked: Vec::new(),
+            turns: Vec::new(),
         }
     }
 }
@@ -292,8 +447,9 @@ impl<B: Kernels> Generator<B> {
         self.rows.len()
     }
 
+    /// No row decoding, parked or finished but not handed out.
     pub fn is_idle(&self) -> bool {
-        self.rows.is_empty() && self.done.is_empty()
+        self.rows.is_empty() && self.done.is_empty() && self.parked.is_empty()
     }
 
     /// Prefills `req.prompt` once and starts `req.n` completions, sampling their first
@@ -307,6 +463,30 @@ impl<B: Kernels> Generator<B> {
         version: u64,
         req: &Request,
     ) -> Result<(), ModelError> {
+        self.start(model, version, req, None)
+    }
+
+    /// Like [`Generator::admit`], for `req.n` episodes: each model turn ends on a stop
+    /// token or after `limits.turn_tokens` tokens and is then parked for the environment
+    /// (see the module docs); `max_new_tokens` does not apply, the episode ends (finish
+    /// `length`) when it reaches `limits.episode_tokens` or the context.
+    pub fn admit_episode(
+        &mut self,
+        model: &Policy<B>,
+        version: u64,
+        req: &Request,
+        limits: TurnLimits,
+    ) -> Result<(), ModelError> {
+        self.start(model, version, req, Some(limits))
+    }
+
+    fn start(
+        &mut self,
+        model: &Policy<B>,
+        version: u64,
+        req: &Request,
+        episode: Option<TurnLimits>,
+    ) -> Result<(), ModelError> {
         let vocab = model.config().vocab_size;
         model
             .config()
@@ -314,8 +494,11 @@ impl<B: Kernels> Generator<B> {
             .prompt("prompt", &req.prompt)
             .map_err(ModelError::Refused)?;
         let l = req.prompt.len().max(1);
-        let budget =
-            (req.params.max_new_tokens as usize).min(model.config().max_position.saturating_sub(l));
+        let room = model.config().max_position.saturating_sub(l);
+        let budget = match episode {
+            None => (req.params.max_new_tokens as usize).min(room),
+            Some(t) => t.episode_tokens.min(room),
+        };
         let prompt: Vec<i64> = if req.prompt.is_empty() {
             vec![i64::from(model.config().bos_token_id.unwrap_or(0))]
         } else {
@@ -332,28 +515,149 @@ impl<B: Kernels> Generator<B> {
         let last = model.project(hidden.slice([0..1, l - 1..l]).reshape([1, d]));
         let last = logits_rows(last.reshape([1, vocab]))?;
         cache.repeat_rows(req.n);
-        let (mut keep, mut rows, mut done) = (Vec::new(), Vec::new(), Vec::new());
+        let (mut keep, mut rows) = (Vec::new(), Vec::new());
         for i in 0..req.n {
             let mut row = Row::new(req, i, budget);
+            row.turn_tokens = episode.map(|t| t.turn_tokens.max(1));
             let draw = sample_token(&last, &row.params, &mut row.rng);
-            if row.push(draw, version, vocab) {
-                done.push(row.finish());
-            } else {
-                keep.push(i);
-                rows.push(row);
+            match row.next(draw, version, vocab) {
+                Next::Finished => self.done.push(row.finish()),
+                Next::TurnEnd => self.park(row, &cache, i),
+                Next::Continue => {
+                    keep.push(i);
+                    rows.push(row);
+                }
             }
         }
-        self.done.extend(done);
         if keep.is_empty() {
             return Ok(());
         }
         cache.keep_rows(&keep);
+        self.join(rows, cache);
+        Ok(())
+    }
+
+    /// Adds `rows` (with their cache) to the batch.
+    fn join(&mut self, rows: Vec<Row>, cache: KvCache<B>) {
         match &mut self.cache {
             Some(c) if !self.rows.is_empty() => c.append_rows(cache),
             slot => *slot = Some(cache),
         }
         self.rows.extend(rows);
-        Ok(())
+    }
+
+    /// Parks `row`, whose turn just ended, with row `i` of `cache`.
+    fn park(&mut self, row: Row, cache: &KvCache<B>, i: usize) {
+        let mut own = cache.clone();
+        own.keep_rows(&[i]);
+        self.turns.push(Turn {
+            request_id: row.request_id,
+            index: row.index,
+            tokens: row.tokens[row.turn_start..].to_vec(),
+            stopped: row
+                .tokens
+                .last()
+                .is_some_and(|t| row.params.stop_tokens.contains(t)),
+            number: row.turns,
+        });
+        self.parked.push(Parked { row, cache: own });
+    }
+
+    /// Episode turns that ended since the last call, each waiting for
+    /// [`Generator::resume`] or [`Generator::end`].
+    pub fn take_turns(&mut self) -> Vec<Turn> {
+        std::mem::take(&mut self.turns)
+    }
+
+    /// Completions that finished outside a forward pass (while being admitted), handed out
+    /// by the next [`Generator::step`] or here.
+    pub fn take_done(&mut self) -> Vec<Completion> {
+        std::mem::take(&mut self.done)
+    }
+
+    /// Episode rows waiting for the environment.
+    pub fn parked(&self) -> usize {
+        self.parked.len()
+    }
+
+    fn unpark(&mut self, request_id: u64, index: usize) -> Option<Parked<B>> {
+        let at = self
+            .parked
+            .iter()
+            .position(|p| p.row.request_id == request_id && p.row.index == index)?;
+        self.turns
+            .retain(|t| !(t.request_id == request_id && t.index == index));
+        Some(self.parked.swap_remove(at))
+    }
+
+    /// Continues a parked episode: records `reward` on its last turn's last token, appends
+    /// `observation` (the environment's tokens, never re-tokenized), prefills the turn's
+    /// unfed last token and the observation onto the row's own cache with `model`, and
+    /// samples the next turn's first token at `version`. `None` when no such row is
+    /// parked. The observation must hold ids inside the vocabulary.
+    pub fn resume(
+        &mut self,
+        request_id: u64,
+        index: usize,
+        reward: Option<f32>,
+        observation: &[u32],
+        model: &Policy<B>,
+        version: u64,
+    ) -> Result<Option<Resumed>, ModelError> {
+        model
+            .config()
+            .limits()
+            .ids("observation", observation)
+            .map_err(ModelError::Refused)?;
+        let Some(Parked { mut row, mut cache }) = self.unpark(request_id, index) else {
+            return Ok(None);
+        };
+        record(&mut row, reward);
+        if row.tokens.len() + observation.len() + 1 > row.budget {
+            return Ok(Some(Resumed::Finished(row.finish_as(FinishReason::Length))));
+        }
+        let last = *row.tokens.last().unwrap_or(&0);
+        row.observe(observation);
+        let feed: Vec<i64> = std::iter::once(last)
+            .chain(observation.iter().copied())
+            .map(i64::from)
+            .collect();
+        let l = feed.len();
+        let p = cache.next_positions()[0];
+        let positions: Vec<usize> = (p..p + l).collect();
+        let tokens =
+            Tensor::<B, 2, Int>::from_data(TensorData::new(feed, [1, l]), &model.device());
+        let hidden = model.trunk(tokens, &positions, AttnMode::Cached(&mut cache));
+        let d = model.config().hidden_size;
+        let vocab = model.config().vocab_size;
+        let logits = model.project(hidden.slice([0..1, l - 1..l]).reshape([1, d]));
+        let logits = logits_rows(logits.reshape([1, vocab]))?;
+        let draw = sample_token(&logits, &row.params, &mut row.rng);
+        Ok(Some(match row.next(draw, version, vocab) {
+            Next::Finished => Resumed::Finished(row.finish()),
+            Next::TurnEnd => {
+                self.park(row, &cache, 0);
+                Resumed::Parked
+            }
+            Next::Continue => {
+                self.join(vec![row], cache);
+                Resumed::Decoding
+            }
+        }))
+    }
+
+    /// Ends a parked episode with `finish`, recording `reward` on its last turn. `None`
+    /// when no such row is parked.
+    pub fn end(
+        &mut self,
+        request_id: u64,
+        index: usize,
+        reward: Option<f32>,
+        finish: FinishReason,
+    ) -> Option<Completion> {
+        let Parked { mut row, .. } = self.unpark(request_id, index)?;
+        record(&mut row, reward);
+        Some(row.finish_as(finish))
     }
 
     /// Request id of each active row, in row order.
@@ -398,6 +702,8 @@ impl<B: Kernels> Generator<B> {
             .filter(|&i| self.rows[i].request_id != request)
             .collect();
         self.done.retain(|c| c.request_id != request);
+        self.parked.retain(|p| p.row.request_id != request);
+        self.turns.retain(|t| t.request_id != request);
         if keep.len() == self.rows.len() {
             return;
         }
@@ -420,14 +726,23 @@ impl<B: Kernels> Generator<B> {
         let mut finished = std::mem::take(&mut self.done);
         let mut keep = Vec::with_capacity(b);
         let mut still = Vec::with_capacity(b);
+        let mut ended = Vec::new();
         for (i, mut row) in std::mem::take(&mut self.rows).into_iter().enumerate() {
             let draw = sample_token(&host[i * vocab..(i + 1) * vocab], &row.params, &mut row.rng);
-            if row.push(draw, version, vocab) {
-                finished.push(row.finish());
-            } else {
-                keep.push(i);
-                still.push(row);
+            match row.next(draw, version, vocab) {
+                Next::Finished => finished.push(row.finish()),
+                Next::TurnEnd => ended.push((i, row)),
+                Next::Continue => {
+                    keep.push(i);
+                    still.push(row);
+                }
             }
+        }
+        if let Some(cache) = self.cache.take() {
+            for (i, row) in ended {
+                self.park(row, &cache, i);
+            }
+            self.cache = Some(cache);
         }
         self.rows = still;
         if let Some(cache) = self.cache.as_mut()

@@ -77,6 +77,7 @@ pub fn rollout_group(samples: usize, tokens: usize, vocab: u32, mask_k: u32) -> 
                     ids: kept.into(),
                 }),
                 env: Vec::new(),
+                turn_rewards: Vec::new(),
             }
         })
         .collect();
@@ -102,18 +103,24 @@ pub fn rollout_group(samples: usize, tokens: usize, vocab: u32, mask_k: u32) -> 
     }
 }
 
-/// A group of two episodes (schema 2.0), a guessing game over a 16-id vocabulary. Episode
+/// A group of two episodes (schema 2.1), a guessing game over a 16-id vocabulary. Episode
 /// 0: a model turn (tokens 0–1), the environment's reply (2–4), a model turn (5–7) sampled
 /// after a weight swap between the turns. Episode 1: a model turn (0), the reply (1–2), a
-/// model turn (3–5) with a swap inside it. The environment's tokens carry log-prob 0.
+/// model turn (3–5) with a swap inside it. The environment's tokens carry log-prob 0. Turn
+/// rewards: −0.1 for each wrong guess, 1 for the right one.
 pub fn episode_group() -> RolloutGroup {
-    let sample = |tokens: Vec<u32>, logprobs: Vec<f32>, versions: Vec<(u32, u64)>, env| Sample {
+    let sample = |tokens: Vec<u32>,
+                  logprobs: Vec<f32>,
+                  versions: Vec<(u32, u64)>,
+                  env,
+                  rewards: Vec<(u32, f32)>| Sample {
         tokens: tokens.into(),
         logprobs: logprobs.into(),
         versions: versions.into_iter().map(Into::into).collect(),
         finish: FinishReason::Stop,
         mask: None,
         env,
+        turn_rewards: rewards.into_iter().map(Into::into).collect(),
     };
     let samples = vec![
         sample(
@@ -121,12 +128,14 @@ pub fn episode_group() -> RolloutGroup {
             vec![-0.5, -0.25, 0.0, 0.0, 0.0, -1.0, -0.125, -0.75],
             vec![(0, 7), (5, 8)],
             vec![(2, 3).into()],
+            vec![(1, -0.1), (7, 1.0)],
         ),
         sample(
             vec![9, 3, 4, 10, 11, 0],
             vec![-2.0, 0.0, 0.0, -0.5, -1.5, -0.25],
             vec![(0, 7), (4, 8)],
             vec![(1, 2).into()],
+            vec![(0, -0.1)],
         ),
     ];
     RolloutGroup {

@@ -26,7 +26,7 @@ pub use limits::{Limits, Refusal};
 pub use packed::{Floats, Packable, Packed, Tokens};
 pub use prompt::Prompt;
 pub use rollout::{
-    FinishReason, RolloutGroup, Sample, SamplingMask, SamplingParams, Span, VersionRun,
+    FinishReason, RolloutGroup, Sample, SamplingMask, SamplingParams, Span, TurnReward, VersionRun,
 };
 pub use scored::ScoredGroup;
 pub use step::{StepFieldError, StepRecord};

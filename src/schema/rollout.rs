@@ -57,6 +57,31 @@ pub struct Sample {
     /// overlapping. Empty for a single-turn completion.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub env: Vec<Span>,
+    /// Episodes (schema 2.1): the environment's reward for each turn it judged, on the
+    /// turn's last model token, as `[index, reward]` pairs in increasing index order. The
+    /// scorer places them in `token_rewards`. Empty for a single-turn completion.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub turn_rewards: Vec<TurnReward>,
+}
+
+/// `[index, reward]` on the wire: the environment's reward for the turn whose last model
+/// token is `index`.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(from = "(u32, f32)", into = "(u32, f32)")]
+pub struct TurnReward {
+    pub index: u32,
+    pub reward: f32,
+}
+
+impl From<(u32, f32)> for TurnReward {
+    fn from((index, reward): (u32, f32)) -> Self {
+        TurnReward { index, reward }
+    }
+}
+impl From<TurnReward> for (u32, f32) {
+    fn from(r: TurnReward) -> Self {
+        (r.index, r.reward)
+    }
 }
 
 /// `[start, len]` on the wire: tokens `start..start + len`.
@@ -148,6 +173,11 @@ impl Sample {
     pub fn version_at(&self, i: usize) -> u64 {
         let idx = self.versions.partition_point(|r| r.start as usize <= i);
         self.versions[idx.saturating_sub(1)].version
+    }
+
+    /// Whether the sample is an episode: it has environment tokens or turn rewards.
+    pub fn is_episode(&self) -> bool {
+        !self.env.is_empty() || !self.turn_rewards.is_empty()
     }
 
     /// Whether each token is the model's own (an action, 1) or the environment's (0).
@@ -242,6 +272,27 @@ impl Sample {
             end = stop;
         }
         let own = self.model_tokens();
+        let mut after = None;
+        for (j, r) in self.turn_rewards.iter().enumerate() {
+            let i = r.index as usize;
+            let problem = if !r.reward.is_finite() {
+                Some(format!("reward {} is not finite", r.reward))
+            } else if i >= n || !own[i] {
+                Some(format!("index {i} is not one of the {n} tokens' model tokens"))
+            } else if after.is_some_and(|a| i <= a) {
+                Some("indices must increase".to_string())
+            } else {
+                None
+            };
+            if let Some(problem) = problem {
+                return Err(CodecError::invalid(
+                    kind,
+                    format!("{}[{j}]", field("turn_rewards")),
+                    problem,
+                ));
+            }
+            after = Some(i);
+        }
         if let Some(mask) = &self.mask {
             if mask.offsets.len() != n + 1 {
                 return Err(CodecError::length(
@@ -301,15 +352,17 @@ impl RolloutGroup {
         self.samples.iter().filter_map(Sample::oldest_version).min()
     }
 
-    /// Whether any sample is an episode with environment turns.
+    /// Whether any sample is an episode (environment turns, or an environment's turn
+    /// rewards: an episode solved in one turn has no environment tokens).
     pub fn has_episodes(&self) -> bool {
-        self.samples.iter().any(|s| !s.env.is_empty())
+        self.samples.iter().any(Sample::is_episode)
     }
 
-    /// The version a group is written as: 2.0 when it holds an episode (a 1.x trainer would
-    /// train the environment's tokens), 1.0 otherwise.
+    /// The version a group is written as: 2.1 when it holds an episode (a 1.x trainer would
+    /// train the environment's tokens; 2.1 added `turn_rewards`, which a 2.0 scorer ignores
+    /// and then finds no answer to score against), 1.0 otherwise.
     pub fn version_for(samples: &[Sample]) -> SchemaVersion {
-        if samples.iter().any(|s| !s.env.is_empty()) {
+        if samples.iter().any(Sample::is_episode) {
             Self::SCHEMA
         } else {
             SchemaVersion::CURRENT
@@ -339,7 +392,7 @@ impl RolloutGroup {
 
 impl Message for RolloutGroup {
     const KIND: &'static str = "RolloutGroup";
-    const SCHEMA: SchemaVersion = SchemaVersion { major: 2, minor: 0 };
+    const SCHEMA: SchemaVersion = SchemaVersion { major: 2, minor: 1 };
     fn schema(&self) -> SchemaVersion {
         self.schema
     }
@@ -361,6 +414,7 @@ mod tests {
             finish: FinishReason::Length,
             mask: None,
             env: Vec::new(),
+            turn_rewards: Vec::new(),
         };
         let got: Vec<u64> = (0..5).map(|i| s.version_at(i)).collect();
         assert_eq!(got, vec![3, 3, 4, 4, 6]);
@@ -411,9 +465,31 @@ mod tests {
             masked.validate_as("RolloutGroup").is_err(),
             "now token 2 is the model's"
         );
+        // Turn rewards alone still make an episode (one solved in a single turn).
+        assert_eq!(
+            RolloutGroup::version_for(&masked.samples),
+            RolloutGroup::SCHEMA
+        );
+        masked.samples.iter_mut().for_each(|s| s.turn_rewards.clear());
         assert_eq!(
             RolloutGroup::version_for(&masked.samples),
             SchemaVersion::CURRENT
         );
+    }
+
+    #[test]
+    fn turn_rewards_are_checked() {
+        let g = crate::schema::examples::episode_group();
+        for (rewards, want) in [
+            (vec![(3, 1.0)], "not one of the 8 tokens' model tokens"),
+            (vec![(8, 1.0)], "not one of the 8 tokens' model tokens"),
+            (vec![(5, 1.0), (1, 1.0)], "indices must increase"),
+            (vec![(1, f32::NAN)], "not finite"),
+        ] {
+            let mut bad = g.clone();
+            bad.samples[0].turn_rewards = rewards.into_iter().map(Into::into).collect();
+            let e = bad.validate_as("RolloutGroup").unwrap_err().to_string();
+            assert!(e.contains(want) && e.contains("turn_rewards"), "{e}");
+        }
     }
 }

@@ -69,22 +69,34 @@ pub enum BuiltinTask {
     /// exist only for shorter inputs, the reward for these. More supervised training on the
     /// demonstrations cannot reach what RL reaches here.
     Longer,
+    /// `guess 1-N:` → a multi-turn number-guessing game ([`crate::env::guess`]): the
+    /// environment answers each guess with higher/lower, the reward falls with the turns
+    /// used. Warm-started on a noisy bisection player's games.
+    Guess,
 }
 
 crate::enum_setting!(BuiltinTask);
 
 impl BuiltinTask {
-    pub const ALL: [BuiltinTask; 5] = [
+    pub const ALL: [BuiltinTask; 6] = [
         BuiltinTask::Add,
         BuiltinTask::Reverse,
         BuiltinTask::Sort,
         BuiltinTask::Longsort,
         BuiltinTask::Longer,
+        BuiltinTask::Guess,
     ];
 
-    /// Longest reference answer in tokens, end-of-sequence included.
+    /// Whether the task is played as multi-turn episodes with an environment.
+    pub fn is_episode(self) -> bool {
+        self == BuiltinTask::Guess
+    }
+
+    /// Longest reference answer in tokens, end-of-sequence included (for an episode task:
+    /// the longest model turn).
     pub fn max_answer_tokens(self) -> u32 {
         match self {
+            BuiltinTask::Guess => crate::env::guess::TURN_TOKENS,
             BuiltinTask::Add => 4,
             BuiltinTask::Reverse => 9,
             BuiltinTask::Sort => 7,
@@ -100,6 +112,7 @@ impl BuiltinTask {
             BuiltinTask::Sort => "sort",
             BuiltinTask::Longsort => "longsort",
             BuiltinTask::Longer => "longer",
+            BuiltinTask::Guess => "guess",
         }
     }
 
@@ -109,7 +122,7 @@ impl BuiltinTask {
 
     fn verifier(self) -> Verifier {
         match self {
-            BuiltinTask::Add | BuiltinTask::Reverse => Verifier::Exact,
+            BuiltinTask::Add | BuiltinTask::Reverse | BuiltinTask::Guess => Verifier::Exact,
             BuiltinTask::Sort | BuiltinTask::Longsort | BuiltinTask::Longer => Verifier::Positional,
         }
     }
@@ -135,11 +148,17 @@ impl BuiltinTask {
     }
 
     /// The first prompt of the stream at `(seed, index)` on the chosen side of the split.
+    /// A game's split is by its prompt and secret together (its prompt alone takes 21
+    /// values).
     fn draw(self, seed: u64, index: u64, held: bool) -> TaskItem {
         let mut rng = StdRng::seed_from_u64(seed ^ index.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         loop {
             let (prompt, answer) = self.sample(&mut rng);
-            if held_out(&prompt) == held {
+            let key = match self {
+                BuiltinTask::Guess => format!("{prompt}#{answer}"),
+                _ => prompt.clone(),
+            };
+            if held_out(&key) == held {
                 return self.with_meta(prompt, answer);
             }
         }
@@ -147,6 +166,11 @@ impl BuiltinTask {
 
     fn sample(self, rng: &mut StdRng) -> (String, String) {
         match self {
+            BuiltinTask::Guess => {
+                let top = rng.random_range(crate::env::guess::TOPS);
+                let secret = rng.random_range(1..=top);
+                (crate::env::guess::Guess::prompt(top), secret.to_string())
+            }
             BuiltinTask::Add => {
                 let (a, b) = (rng.random_range(0..100u32), rng.random_range(0..100u32));
                 (format!("{a}+{b}="), (a + b).to_string())
@@ -175,6 +199,21 @@ impl BuiltinTask {
     }
 
     fn with_meta(self, prompt: String, answer: String) -> TaskItem {
+        if self == BuiltinTask::Guess {
+            // The game, not a verifier, scores it: the meta names the environment.
+            let top = prompt
+                .strip_prefix("guess 1-")
+                .and_then(|r| r.strip_suffix(':'))
+                .and_then(|n| n.parse().ok())
+                .unwrap_or(*crate::env::guess::TOPS.end());
+            let secret = answer.parse().unwrap_or(1);
+            let meta = crate::env::guess::Guess::new(secret, top).meta();
+            return TaskItem {
+                prompt,
+                answer,
+                meta,
+            };
+        }
         let meta = BTreeMap::from([
             (ANSWER.to_string(), answer.clone()),
             (VERIFIER.to_string(), self.verifier().name().to_string()),
@@ -210,6 +249,13 @@ mod tests {
             assert!(tokens <= task.max_answer_tokens(), "{task:?}");
             assert_eq!(a, task.item(7, 3));
             assert_ne!(task.item(7, 3), task.item(7, 4));
+            if task.is_episode() {
+                // The game scores it: its meta describes the game, the answer its secret.
+                let game = crate::env::guess::Guess::from_meta(&a.meta).expect("game meta");
+                assert_eq!(game.secret.to_string(), a.answer);
+                assert_eq!(score(&a.answer, &a.meta), None);
+                continue;
+            }
             assert_eq!(score(&a.answer, &a.meta), Some(1.0), "{task:?}");
             let tok = char_tokenizer();
             assert!(
@@ -232,14 +278,23 @@ mod tests {
     #[test]
     fn held_out_prompts_never_reach_a_training_stream() {
         use std::collections::HashSet;
+        // A game is split by its prompt and its secret (the prompt alone takes 21 values).
+        let key = |task: BuiltinTask, it: TaskItem| match task {
+            BuiltinTask::Guess => format!("{}#{}", it.prompt, it.answer),
+            _ => it.prompt,
+        };
         for task in BuiltinTask::ALL {
-            let held: HashSet<String> = (0..1000).map(|i| task.held_out_item(i).prompt).collect();
+            let held: HashSet<String> = (0..1000)
+                .map(|i| key(task, task.held_out_item(i)))
+                .collect();
             assert!(held.iter().all(|p| held_out(p)), "{task:?}");
-            // Enough distinct prompts to be a real evaluation set (add has 1,000 in all).
-            assert!(held.len() >= 600, "{task:?}: {}", held.len());
+            // Enough distinct prompts to be a real evaluation set (add has 1,000 in all;
+            // guess has 420 games, about 42 of them held out).
+            let least = if task.is_episode() { 30 } else { 600 };
+            assert!(held.len() >= least, "{task:?}: {}", held.len());
             for seed in [0, 1, 7, 0x0005_eed0_fa11] {
                 for i in 0..5000 {
-                    let p = task.item(seed, i).prompt;
+                    let p = key(task, task.item(seed, i));
                     assert!(!held.contains(&p), "{task:?} seed {seed} item {i}: {p}");
                 }
             }

@@ -21,8 +21,16 @@ crate::settings! {
     pub struct GenConfig, flags GenArgs, section "gen" {
         /// Completions per prompt (G).
         pub group_size: usize = 8,
-        /// Most tokens per completion.
+        /// Most tokens per completion (per model turn of an episode).
         pub max_new_tokens: u32 = 16,
+        /// Episodes: most model turns; the environment judges the last, then the episode ends (finish `length`).
+        pub max_turns: u32 = 8,
+        /// Episodes: most tokens after the prompt, model and environment together; 0 = what the context leaves.
+        pub max_episode_tokens: u32 = 0,
+        /// Episodes: an environment step that takes longer ends its episode (reason `env_timeout`, never trained).
+        pub env_timeout_ms: u64 = 10_000,
+        /// Episodes: delay added before every step of a built-in environment, to stand in for a slow one (benchmarks, tests).
+        pub env_latency_ms: u64 = 0,
         /// Keep the k most likely tokens when sampling; 0 disables.
         pub top_k: u32 = 0,
         /// Keep the smallest set of tokens with this much probability; 1 disables.
@@ -48,6 +56,12 @@ impl GenConfig {
         }
         if self.max_new_tokens == 0 {
             return Err(invalid("gen.max_new_tokens", "must be at least 1"));
+        }
+        if self.max_turns == 0 {
+            return Err(invalid("gen.max_turns", "must be at least 1"));
+        }
+        if self.env_timeout_ms == 0 {
+            return Err(invalid("gen.env_timeout_ms", "must be at least 1"));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(invalid("gen.top_p", "must be in (0, 1]"));

@@ -1,13 +1,24 @@
 //! The decode thread: owns the [`Generator`], loads the current model from the slot before
 //! every forward pass (one atomic load, timed as the swap stall), admits waiting prompts
 //! while rows are free, and hands each finished group to the publisher.
+//!
+//! Episodes (a prompt whose meta names an environment, see [`crate::env`]): each of the G
+//! rows plays its own copy of the environment. A row whose model turn ended is parked with
+//! its KV cache; its environment step runs on a thread of its own, so the batch keeps
+//! decoding; the answer is picked up before the next forward pass and the row resumes (or
+//! ends). A step that fails, panics or outlives `env_timeout_ms` ends its episode, which is
+//! counted (`rlstream_env_failures_total`) and left out of the group; a group whose every
+//! episode failed is dead-lettered with the first failure's reason.
 
 use super::GenConfig;
 use crate::bus::{Entry, EntryId};
+use crate::env::play::{Answer, EpisodeLimits, into_answer, turn_text};
+use crate::env::{self, EnvError, Environment};
 use crate::model::fault;
-use crate::model::sampler::{Completion, Generator, Request};
+use crate::model::sampler::{Completion, Generator, Request, Resumed, Turn, TurnLimits};
+use crate::model::tokenizer::Tokenizer;
 use crate::model::{InferBackend, ModelError};
-use crate::schema::{self, Prompt, RolloutGroup, Sample, SamplingParams, SchemaVersion};
+use crate::schema::{self, FinishReason, Prompt, RolloutGroup, Sample, SamplingParams};
 use crate::stages::StageError;
 use crate::stages::policy::PolicySettings;
 use crate::weights::{ModelSlot, Versioned};
@@ -77,6 +88,13 @@ pub struct DecodeStats {
     pub busy_s: f64,
 }
 
+/// What became of one of a prompt's G rows.
+enum Slot {
+    Done(Completion),
+    /// An episode its environment failed: left out of the group.
+    Failed(EnvError),
+}
+
 /// A prompt being decoded: its G completions as they finish.
 struct Pending {
     source: Entry,
@@ -84,14 +102,28 @@ struct Pending {
     tokens: Vec<u32>,
     params: SamplingParams,
     started_us: u64,
-    done: Vec<Option<Completion>>,
+    done: Vec<Option<Slot>>,
 }
 
 impl Pending {
-    fn into_group(self, gen_id: &str) -> RolloutGroup {
-        let samples = self.done.into_iter().flatten().map(Sample::from).collect();
-        RolloutGroup {
-            schema: SchemaVersion::CURRENT,
+    /// The group of the rows that finished, or the first failure when every one failed.
+    fn into_group(self, gen_id: &str) -> Result<RolloutGroup, (Entry, EnvError)> {
+        let mut failure = None;
+        let mut samples = Vec::new();
+        for slot in self.done.into_iter().flatten() {
+            match slot {
+                Slot::Done(c) => samples.push(Sample::from(c)),
+                Slot::Failed(e) => {
+                    failure.get_or_insert(e);
+                }
+            }
+        }
+        if samples.is_empty() {
+            let e = failure.unwrap_or_else(|| EnvError::Step("no episode finished".into()));
+            return Err((self.source, e));
+        }
+        Ok(RolloutGroup {
+            schema: RolloutGroup::version_for(&samples),
             // Stable per prompt entry: a prompt generated twice (after a crash) yields the
             // same group id, and the trainer trains it once.
             group_id: format!("{}@{}", self.prompt.prompt_id, self.source.id),
@@ -104,7 +136,56 @@ impl Pending {
             started_us: self.started_us,
             finished_us: schema::now_us(),
             meta: self.prompt.meta,
+        })
+    }
+}
+
+/// An environment's answer, back from its step thread.
+struct EnvReply {
+    turn: Turn,
+    env: Box<dyn Environment>,
+    step: Result<env::Step, EnvError>,
+}
+
+/// The episodes in play: each row's environment (absent while it is out on a step) and
+/// the deadlines of the steps out.
+struct Episodes {
+    limits: EpisodeLimits,
+    latency: Duration,
+    timeout: Duration,
+    envs: HashMap<(u64, usize), Box<dyn Environment>>,
+    out: HashMap<(u64, usize), Instant>,
+    replies: (mpsc::Sender<EnvReply>, mpsc::Receiver<EnvReply>),
+}
+
+impl Episodes {
+    /// Runs `env`'s step on `turn` (text `action`) on a thread of its own.
+    fn send(&mut self, turn: Turn, mut env: Box<dyn Environment>, action: String) {
+        let key = (turn.request_id, turn.index);
+        self.out.insert(key, Instant::now() + self.timeout);
+        let (tx, latency) = (self.replies.0.clone(), self.latency);
+        let spawned = std::thread::Builder::new()
+            .name("env-step".into())
+            .spawn(move || {
+                if !latency.is_zero() {
+                    std::thread::sleep(latency);
+                }
+                let step = match fault::contain(|| env.step(&action)) {
+                    Ok(step) => step,
+                    Err(panic) => Err(EnvError::Panic(panic)),
+                };
+                let _ = tx.send(EnvReply { turn, env, step });
+            });
+        if let Err(e) = spawned {
+            // No thread: the deadline passes and the episode ends as timed out.
+            tracing::error!(error = %e, "cannot start an environment step thread");
         }
+    }
+
+    /// Forgets every episode of `request`.
+    fn drop_request(&mut self, request: u64) {
+        self.envs.retain(|k, _| k.0 != request);
+        self.out.retain(|k, _| k.0 != request);
     }
 }
 
@@ -117,18 +198,44 @@ pub struct Decoder {
     slot: ModelSlot<InferBackend>,
     generator: Generator<InferBackend>,
     pending: HashMap<u64, Pending>,
+    episodes: Episodes,
+    /// The model's tokenizer: turns to text for the environment, observations to tokens.
+    tokenizer: Tokenizer,
     next_id: u64,
     last_version: u64,
     stats: DecodeStats,
 }
 
 impl Decoder {
-    pub fn new(policy: PolicySettings, cfg: GenConfig, slot: ModelSlot<InferBackend>) -> Self {
+    pub fn new(
+        policy: PolicySettings,
+        cfg: GenConfig,
+        slot: ModelSlot<InferBackend>,
+        tokenizer: Tokenizer,
+    ) -> Self {
         let last_version = slot.load().version;
         let model_config = slot.load().policy.config().clone();
         let stop_tokens = match &policy.model {
             Some(dir) => crate::model::hf::stop_tokens(dir, &model_config),
             None => model_config.eos_token_id.into_iter().collect(),
+        };
+        let context = model_config.max_position;
+        let episodes = Episodes {
+            limits: EpisodeLimits {
+                turn: TurnLimits {
+                    turn_tokens: cfg.max_new_tokens as usize,
+                    episode_tokens: match cfg.max_episode_tokens {
+                        0 => context,
+                        n => n as usize,
+                    },
+                },
+                turns: cfg.max_turns,
+            },
+            latency: Duration::from_millis(cfg.env_latency_ms),
+            timeout: Duration::from_millis(cfg.env_timeout_ms),
+            envs: HashMap::new(),
+            out: HashMap::new(),
+            replies: mpsc::channel(),
         };
         Decoder {
             stop_tokens,
@@ -137,6 +244,8 @@ impl Decoder {
             slot,
             generator: Generator::new(),
             pending: HashMap::new(),
+            episodes,
+            tokenizer,
             next_id: 0,
             last_version,
             stats: DecodeStats::default(),
@@ -189,6 +298,9 @@ impl Decoder {
             }
             let current = self.current_model();
             let mut decoded = Vec::new();
+            // With only parked episodes, wait here (briefly) for an environment's answer.
+            let wait = (self.generator.active() == 0 && waiting.is_empty()).then_some(IDLE_WAIT);
+            decoded.extend(self.answers(&current, wait)?);
             while self.generator.active() + self.cfg.group_size <= self.cfg.max_batch {
                 let next = waiting.pop_front().or_else(|| {
                     std::iter::from_fn(|| admit.try_recv().ok()).find_map(|m| match m {
@@ -201,9 +313,13 @@ impl Decoder {
                 };
                 decoded.extend(self.admit(&current, a)?.map(Decoded::Failed));
             }
-            if !self.generator.is_idle() {
+            if self.generator.active() > 0 {
                 decoded.extend(self.step(&current)?);
+            } else {
+                let done = self.generator.take_done();
+                decoded.extend(self.finished(done));
             }
+            decoded.extend(self.dispatch());
             for d in decoded {
                 if out.send(d).is_err() {
                     return Ok(self.stats);
@@ -253,12 +369,42 @@ impl Decoder {
             n: g,
             params: params.clone(),
         };
+        let envs = if env::is_episode(&a.prompt.meta) {
+            match (0..g)
+                .map(|_| {
+                    env::make(&a.prompt.meta)?
+                        .ok_or_else(|| EnvError::Setup("the prompt names no environment".into()))
+                })
+                .collect::<Result<Vec<_>, EnvError>>()
+            {
+                Ok(envs) => Some(envs),
+                Err(e) => {
+                    tracing::warn!(prompt = %a.prompt.prompt_id, error = %e, "prompt refused");
+                    crate::metrics::env_failed(e.reason());
+                    return Ok(Some(Failed {
+                        source: a.source,
+                        reason: e.reason(),
+                        detail: e.to_string(),
+                    }));
+                }
+            }
+        } else {
+            None
+        };
         let prefill = Instant::now();
-        let admitted =
-            fault::contain(|| self.generator.admit(&current.policy, current.version, &req));
+        let turn = self.episodes.limits.turn;
+        let admitted = fault::contain(|| match envs {
+            Some(_) => self
+                .generator
+                .admit_episode(&current.policy, current.version, &req, turn),
+            None => self.generator.admit(&current.policy, current.version, &req),
+        });
         self.stats.busy_s += prefill.elapsed().as_secs_f64();
         let (reason, detail) = match admitted {
             Ok(Ok(())) => {
+                for (i, e) in envs.into_iter().flatten().enumerate() {
+                    self.episodes.envs.insert((id, i), e);
+                }
                 self.pending.insert(
                     id,
                     Pending {
@@ -267,7 +413,7 @@ impl Decoder {
                         tokens: a.tokens,
                         params,
                         started_us: schema::now_us(),
-                        done: vec![None; g],
+                        done: (0..g).map(|_| None).collect(),
                     },
                 );
                 return Ok(None);
@@ -310,23 +456,183 @@ impl Decoder {
             .generator
             .sample(host.as_deref().unwrap_or(&[]), current.version, vocab);
         self.stats.busy_s += busy.elapsed().as_secs_f64();
-        let mut finished = Vec::new();
+        Ok(self.finished(done))
+    }
+
+    /// Files finished completions with their prompts: the groups this completed.
+    fn finished(&mut self, done: Vec<Completion>) -> Vec<Decoded> {
+        let mut out = Vec::new();
         for c in done {
             self.stats.tokens += c.tokens.len() as u64;
-            let Some(p) = self.pending.get_mut(&c.request_id) else {
-                continue;
-            };
             let (rid, idx) = (c.request_id, c.index);
-            p.done[idx] = Some(c);
-            if p.done.iter().all(Option::is_some)
-                && let Some(p) = self.pending.remove(&rid)
-            {
-                let entry = p.source.id;
-                let group = p.into_group(&self.cfg.name);
-                finished.push(Decoded::Group(Finished { entry, group }));
+            if self.episodes.envs.remove(&(rid, idx)).is_some() {
+                // An episode that ran out of tokens while decoding.
+                crate::metrics::episode("tokens", c.turns.max(1));
+            }
+            out.extend(self.settle(rid, idx, Slot::Done(c)));
+        }
+        out
+    }
+
+    /// Records what became of row `idx` of request `rid`: its group once every row is in.
+    fn settle(&mut self, rid: u64, idx: usize, slot: Slot) -> Option<Decoded> {
+        let p = self.pending.get_mut(&rid)?;
+        *p.done.get_mut(idx)? = Some(slot);
+        if !p.done.iter().all(Option::is_some) {
+            return None;
+        }
+        let p = self.pending.remove(&rid)?;
+        let entry = p.source.id;
+        Some(match p.into_group(&self.cfg.name) {
+            Ok(group) => Decoded::Group(Finished { entry, group }),
+            Err((source, e)) => Decoded::Failed(Failed {
+                source,
+                reason: e.reason(),
+                detail: format!("every episode of the group failed; the first: {e}"),
+            }),
+        })
+    }
+
+    /// Ends an episode its environment failed: counted, left out of its group.
+    fn fail_episode(&mut self, rid: u64, idx: usize, e: EnvError) -> Option<Decoded> {
+        tracing::warn!(request = rid, episode = idx, error = %e, "episode ended by its environment");
+        crate::metrics::env_failed(e.reason());
+        self.episodes.envs.remove(&(rid, idx));
+        self.episodes.out.remove(&(rid, idx));
+        self.generator.end(rid, idx, None, FinishReason::Length);
+        self.settle(rid, idx, Slot::Failed(e))
+    }
+
+    /// Sends every ended turn to its environment.
+    fn dispatch(&mut self) -> Vec<Decoded> {
+        let mut out = Vec::new();
+        for turn in self.generator.take_turns() {
+            let key = (turn.request_id, turn.index);
+            let action = turn_text(&turn, &self.stop_tokens, &self.tokenizer);
+            match (action, self.episodes.envs.remove(&key)) {
+                (Ok(action), Some(env)) => self.episodes.send(turn, env, action),
+                (Err(e), _) => out.extend(self.fail_episode(key.0, key.1, e)),
+                (Ok(_), None) => out.extend(self.fail_episode(
+                    key.0,
+                    key.1,
+                    EnvError::Step("the episode has no environment".into()),
+                )),
             }
         }
-        Ok(finished)
+        out
+    }
+
+    /// Takes the environments' answers that are in (waiting up to `wait` for the first
+    /// when given), resumes or ends their episodes, and ends those whose step is overdue.
+    fn answers(
+        &mut self,
+        current: &Versioned<InferBackend>,
+        wait: Option<Duration>,
+    ) -> Result<Vec<Decoded>, ModelError> {
+        let mut out = Vec::new();
+        if self.episodes.out.is_empty() {
+            return Ok(out);
+        }
+        let mut replies = Vec::new();
+        if let Some(wait) = wait {
+            let idle = Instant::now();
+            if let Ok(r) = self.episodes.replies.1.recv_timeout(wait) {
+                replies.push(r);
+            }
+            self.stats.idle_s += idle.elapsed().as_secs_f64();
+        }
+        replies.extend(self.episodes.replies.1.try_iter());
+        for r in replies {
+            let key = (r.turn.request_id, r.turn.index);
+            // An answer after the deadline: its episode has already ended.
+            if self.episodes.out.remove(&key).is_none() {
+                continue;
+            }
+            let answer = r
+                .step
+                .and_then(|s| into_answer(s, &r.turn, &self.tokenizer, &self.episodes.limits));
+            out.extend(self.apply(current, r.turn, r.env, answer)?);
+        }
+        let now = Instant::now();
+        let overdue: Vec<(u64, usize)> = self
+            .episodes
+            .out
+            .iter()
+            .filter(|(_, deadline)| **deadline <= now)
+            .map(|(&k, _)| k)
+            .collect();
+        let ms = self.episodes.timeout.as_millis() as u64;
+        for (rid, idx) in overdue {
+            out.extend(self.fail_episode(rid, idx, EnvError::Timeout(ms)));
+        }
+        Ok(out)
+    }
+
+    /// Resumes or ends the episode of `turn` as the environment answered.
+    fn apply(
+        &mut self,
+        current: &Versioned<InferBackend>,
+        turn: Turn,
+        env: Box<dyn Environment>,
+        answer: Result<Answer, EnvError>,
+    ) -> Result<Option<Decoded>, ModelError> {
+        let (rid, idx) = (turn.request_id, turn.index);
+        match answer {
+            Err(e) => Ok(self.fail_episode(rid, idx, e)),
+            Ok(Answer::End {
+                reward,
+                finish,
+                success: _,
+            }) => {
+                let Some(c) = self.generator.end(rid, idx, reward, finish) else {
+                    return Ok(None);
+                };
+                let ended = if finish == FinishReason::Stop { "done" } else { "turns" };
+                crate::metrics::episode(ended, c.turns);
+                self.stats.tokens += c.tokens.len() as u64;
+                Ok(self.settle(rid, idx, Slot::Done(c)))
+            }
+            Ok(Answer::Continue {
+                reward,
+                observation,
+            }) => {
+                let busy = Instant::now();
+                let resumed = fault::contain(|| {
+                    self.generator.resume(
+                        rid,
+                        idx,
+                        Some(reward),
+                        &observation,
+                        &current.policy,
+                        current.version,
+                    )
+                });
+                self.stats.busy_s += busy.elapsed().as_secs_f64();
+                match resumed {
+                    Ok(Ok(Some(Resumed::Finished(c)))) => {
+                        crate::metrics::episode("tokens", c.turns);
+                        self.stats.tokens += c.tokens.len() as u64;
+                        Ok(self.settle(rid, idx, Slot::Done(c)))
+                    }
+                    Ok(Ok(Some(_))) => {
+                        self.episodes.envs.insert((rid, idx), env);
+                        Ok(None)
+                    }
+                    Ok(Ok(None)) => Ok(None),
+                    Ok(Err(ModelError::Refused(r))) => Ok(self.fail_episode(
+                        rid,
+                        idx,
+                        EnvError::Observation(r.detail),
+                    )),
+                    Ok(Err(e)) => Err(e),
+                    Err(panic) => Ok(self.fail_episode(
+                        rid,
+                        idx,
+                        EnvError::Observation(format!("prefilling the observation panicked: {panic}")),
+                    )),
+                }
+            }
+        }
     }
 
     /// The prompt ids of `requests`.
@@ -372,6 +678,7 @@ impl Decoder {
         let mut failed = Vec::new();
         for r in bad {
             self.generator.drop_request(r);
+            self.episodes.drop_request(r);
             if let Some(p) = self.pending.remove(&r) {
                 let detail = if alone {
                     format!("its forward pass panicked, alone as in its batch: {panic}")

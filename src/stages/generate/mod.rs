@@ -199,16 +199,20 @@ pub async fn run(
 ) -> Result<GenSummary, StageError> {
     // Text prompts are encoded with the model's own tokenizer: one that cannot be loaded
     // stops the generator (encoding with another would feed the model wrong ids).
-    let tokenizer = match &policy.model {
-        Some(dir) => Tokenizer::load(dir)?,
-        None => Tokenizer::Char(tasks::char_tokenizer()),
+    let load = || -> Result<Tokenizer, StageError> {
+        Ok(match &policy.model {
+            Some(dir) => Tokenizer::load(dir)?,
+            None => Tokenizer::Char(tasks::char_tokenizer()),
+        })
     };
+    let tokenizer = load()?;
     let stop = Arc::new(AtomicBool::new(false));
     let in_flight = Arc::new(AtomicUsize::new(0));
     let (admit_tx, admit_rx) = mpsc::channel::<ToDecoder>();
     let (done_tx, done_rx) = tokio::sync::mpsc::unbounded_channel::<Decoded>();
     let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<Settled>();
-    let decoder = Decoder::new(policy.clone(), cfg.clone(), slot.clone());
+    // The decoder's own copy: an episode's turns to text, its observations to tokens.
+    let decoder = Decoder::new(policy.clone(), cfg.clone(), slot.clone(), load()?);
     let decode = decoder.spawn(admit_rx, done_tx, stop.clone())?;
     let (follower, announced) =
         spawn_follower(bus.clone(), topo, slot.clone(), transport, stop.clone());

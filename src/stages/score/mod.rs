@@ -100,6 +100,38 @@ pub struct Scores {
     pub token_rewards: Option<Vec<Floats>>,
     /// The teacher's log-prob of each token (`score --teacher`).
     pub teacher: Option<Vec<Floats>>,
+    /// The rewards are an environment's episode returns, already placed on tokens as turn
+    /// rewards: no outcome advantage on top (it would count them twice).
+    pub from_env: bool,
+}
+
+/// The scores of a group of episodes (its prompt names an environment): each episode's
+/// return (the sum of its turn rewards) as its reward, the turn rewards as token rewards.
+pub fn episode_scores(g: &RolloutGroup) -> Scores {
+    let rewards = g
+        .samples
+        .iter()
+        .map(|s| s.turn_rewards.iter().map(|r| r.reward).sum())
+        .collect();
+    let token_rewards = g
+        .samples
+        .iter()
+        .map(|s| {
+            let mut r = vec![0f32; s.tokens.len()];
+            for t in &s.turn_rewards {
+                if let Some(x) = r.get_mut(t.index as usize) {
+                    *x += t.reward;
+                }
+            }
+            r.into()
+        })
+        .collect();
+    Scores {
+        rewards,
+        token_rewards: Some(token_rewards),
+        teacher: None,
+        from_env: true,
+    }
 }
 
 /// What went wrong with an external scorer. Each is worth a retry: the group goes back to
@@ -315,6 +347,7 @@ impl External {
             rewards,
             token_rewards,
             teacher: None,
+            from_env: false,
         })
     }
 }
@@ -438,6 +471,11 @@ impl Scorer {
         let mut out: Vec<Option<Result<Scores, ScoreError>>> = Vec::with_capacity(groups.len());
         let mut waiting = Vec::new();
         for (i, (g, p)) in groups.iter().zip(prepared).enumerate() {
+            // Episodes are scored by their environment, turn by turn, in the generator.
+            if crate::env::is_episode(&g.meta) {
+                out.push(Some(Ok(episode_scores(g))));
+                continue;
+            }
             let steps = match self.steps(g) {
                 Ok(s) => s,
                 Err(e) => {
@@ -459,6 +497,7 @@ impl Scorer {
                             rewards,
                             token_rewards: None,
                             teacher: None,
+                            from_env: false,
                         }),
                 )),
                 Ok((completions, prompt)) => {
@@ -565,9 +604,11 @@ fn finish(
         rewards,
         token_rewards,
         teacher,
+        from_env,
     } = scores;
     let mut adv = advantages(&rewards, cfg.advantage);
-    adv.iter_mut().for_each(|a| *a *= cfg.outcome_coef);
+    let coef = if from_env { 0.0 } else { cfg.outcome_coef };
+    adv.iter_mut().for_each(|a| *a *= coef);
     summary.reward_sum += rewards.iter().map(|&r| f64::from(r)).sum::<f64>();
     summary.samples += rewards.len() as u64;
     crate::metrics::scored(

@@ -78,7 +78,7 @@ fn groups(b: &Batch) -> Vec<ScoredGroup> {
                             ids: m.ids.clone().into(),
                         }),
                         env: Vec::new(),
-                turn_rewards: Vec::new(),
+                        turn_rewards: Vec::new(),
                     })
                     .collect(),
                 ..rollout.clone()

@@ -318,9 +318,8 @@ fn play_chunk(
         .map(|(_, it)| {
             let meta = it.meta.clone();
             Box::new(move || {
-                env::make(&meta)?.ok_or_else(|| {
-                    env::EnvError::Setup("the item names no environment".into())
-                })
+                env::make(&meta)?
+                    .ok_or_else(|| env::EnvError::Setup("the item names no environment".into()))
             }) as Maker
         })
         .collect();

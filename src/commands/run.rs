@@ -162,6 +162,25 @@ impl RunSummary {
             return String::new();
         };
         let (b, a) = (&before.eval, &after.eval);
+        if let (Some(tb), Some(ta)) = (&b.turns, &a.turns) {
+            return format!(
+                "Held-out ({} games): success at temperature {} {} -> {} (gain {:+.1} points, \
+                 standard error {:.1}), return {} -> {}, {} -> {} turns per episode; greedy \
+                 success {} -> {}. ",
+                a.prompts,
+                a.temperature,
+                b.pass_at_1.percent(),
+                a.pass_at_1.percent(),
+                100.0 * gain.mean,
+                100.0 * gain.se,
+                b.reward.value(),
+                a.reward.value(),
+                tb.value(),
+                ta.value(),
+                b.greedy_accuracy.percent(),
+                a.greedy_accuracy.percent(),
+            );
+        }
         format!(
             "Held-out ({} prompts): pass@1 at temperature {} {} -> {} (gain {:+.1} points, \
              standard error {:.1}), reward {} -> {}; greedy accuracy {} -> {}. ",
@@ -224,6 +243,8 @@ pub fn defaults_layer(task: BuiltinTask) -> toml::Table {
 pub fn sft_steps(task: BuiltinTask) -> u64 {
     match task {
         BuiltinTask::Longer => 400,
+        // 300 steps: about half the games won greedily, so RL has turns to save.
+        BuiltinTask::Guess => 300,
         _ => 100,
     }
 }

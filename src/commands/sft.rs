@@ -3,12 +3,12 @@
 //! reward, and writes a Hugging Face checkpoint with the task tokenizer.
 
 use crate::commands::eval::{self, EvalSet};
+use crate::env::guess;
 use crate::model::logprobs::{ScoredSeq, completion_logprobs};
 use crate::model::tokenizer::{CharTokenizer, Tokenizer};
 use crate::model::{Architecture, InferBackend, ModelError, Policy, PolicyConfig, TrainBackend};
 use crate::tasks::{self, BuiltinTask};
 use burn::module::AutodiffModule;
-use crate::env::guess;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 use burn::tensor::{Tensor, TensorData};
 use rand::SeedableRng;

@@ -71,9 +71,8 @@ impl Guess {
             let v = meta
                 .get(key)
                 .ok_or_else(|| EnvError::Setup(format!("a `{NAME}` prompt needs meta `{key}`")))?;
-            v.parse().map_err(|_| {
-                EnvError::Setup(format!("meta `{key}` = {v:?} is not a whole number"))
-            })
+            v.parse()
+                .map_err(|_| EnvError::Setup(format!("meta `{key}` = {v:?} is not a whole number")))
         };
         let (secret, top) = (get(SECRET)?, get(TOP)?);
         if !(1..=top).contains(&secret) {
@@ -196,7 +195,10 @@ mod tests {
     fn the_game_answers_and_ends() {
         let mut g = Guess::new(7, 20);
         let s = g.step("10").expect("step");
-        assert_eq!((s.observation.as_str(), s.reward, s.done), ("-", MISS, false));
+        assert_eq!(
+            (s.observation.as_str(), s.reward, s.done),
+            ("-", MISS, false)
+        );
         assert_eq!(g.step("3").expect("step").observation, "+");
         assert_eq!(g.step("x").expect("step").observation, "?");
         assert_eq!(g.step("21").expect("step").observation, "?");
@@ -236,7 +238,17 @@ mod tests {
         // 10 (lower) → 15 (higher) → 12 (lower) … bisection of 1..=20 for 13: 10, 15, 12, 13.
         let text: String = tokens
             .iter()
-            .map(|&t| if t == 0 { '|' } else { tok.decode(&[t]).expect("char").chars().next().unwrap_or('?') })
+            .map(|&t| {
+                if t == 0 {
+                    '|'
+                } else {
+                    tok.decode(&[t])
+                        .expect("char")
+                        .chars()
+                        .next()
+                        .unwrap_or('?')
+                }
+            })
             .collect();
         assert_eq!(text, "10|+15|-12|+13|");
         let env_chars: String = text

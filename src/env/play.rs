@@ -63,7 +63,11 @@ pub fn answer(
 
 /// The text of `turn` as the environment reads it: the stop token left out. A turn that
 /// does not decode is an environment-side failure of the episode.
-pub fn turn_text(turn: &Turn, stop_tokens: &[u32], tokenizer: &Tokenizer) -> Result<String, EnvError> {
+pub fn turn_text(
+    turn: &Turn,
+    stop_tokens: &[u32],
+    tokenizer: &Tokenizer,
+) -> Result<String, EnvError> {
     let ids = match turn.tokens.split_last() {
         Some((last, rest)) if stop_tokens.contains(last) => rest,
         _ => &turn.tokens[..],
@@ -81,7 +85,10 @@ pub fn into_answer(
     limits: &EpisodeLimits,
 ) -> Result<Answer, EnvError> {
     if !step.reward.is_finite() {
-        return Err(EnvError::Step(format!("reward {} is not finite", step.reward)));
+        return Err(EnvError::Step(format!(
+            "reward {} is not finite",
+            step.reward
+        )));
     }
     if step.done {
         return Ok(Answer::End {

@@ -95,7 +95,9 @@ pub fn completion_logprobs<B: Kernels>(
         for j in 0..cmax {
             let base = (r * cmax + j) * kmax;
             match s.mask {
-                Some(m) if j < s.completion.len() => {
+                // An empty kept set is an episode's environment token (never sampled): it
+                // is context, scored over the whole vocabulary like an unmasked token.
+                Some(m) if j < s.completion.len() && !m.step(j).is_empty() => {
                     for (slot, &id) in m.step(j).iter().enumerate() {
                         kept[base + slot] = i64::from(id);
                         bias[base + slot] = 0.0;

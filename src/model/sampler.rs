@@ -18,7 +18,10 @@
 //! either [`Generator::resume`]s the row (the observation's tokens are appended as they
 //! are, prefilled onto the row's cache, and the next turn is sampled) or
 //! [`Generator::end`]s it. Earlier turns are never re-tokenized: the row's token ids are
-//! exactly what the model saw.
+//! exactly what the model saw. Weights swapped inside a turn keep the row's cache (as for
+//! a single-turn row); a resumed row whose cache older weights computed is prefilled anew
+//! under the current ones, so each later turn is sampled exactly as the trainer's teacher
+//! forcing with its version recomputes it.
 
 use super::llama::{AttnMode, KvCache, Policy};
 use super::{Kernels, ModelError};
@@ -224,6 +227,10 @@ struct Row {
     env: Vec<Span>,
     turn_rewards: Vec<TurnReward>,
     turns: u32,
+    /// Episodes: the prompt as prefilled, and the version whose weights computed every
+    /// cached position (`None` once a swap mixed two).
+    prompt: Vec<u32>,
+    cache_version: Option<u64>,
 }
 
 /// What a row does after a token.
@@ -256,6 +263,8 @@ impl Row {
             env: Vec::new(),
             turn_rewards: Vec::new(),
             turns: 0,
+            prompt: Vec::new(),
+            cache_version: None,
         }
     }
 
@@ -292,7 +301,8 @@ impl Row {
             len: observation.len() as u32,
         });
         self.tokens.extend_from_slice(observation);
-        self.logprobs.extend(std::iter::repeat_n(0.0, observation.len()));
+        self.logprobs
+            .extend(std::iter::repeat_n(0.0, observation.len()));
         if self.truncated {
             let at = self.kept_ids.len() as u32;
             self.offsets
@@ -321,10 +331,7 @@ impl Row {
                     let widths: Vec<usize> = (0..earlier)
                         .map(|k| if self.is_env(k) { 0 } else { vocab })
                         .collect();
-                    self.kept_ids = widths
-                        .iter()
-                        .flat_map(|&w| 0..w as u32)
-                        .collect();
+                    self.kept_ids = widths.iter().flat_map(|&w| 0..w as u32).collect();
                     self.offsets = std::iter::once(0)
                         .chain(widths.iter().scan(0u32, |acc, &w| {
                             *acc += w as u32;
@@ -499,11 +506,12 @@ impl<B: Kernels> Generator<B> {
             None => (req.params.max_new_tokens as usize).min(room),
             Some(t) => t.episode_tokens.min(room),
         };
-        let prompt: Vec<i64> = if req.prompt.is_empty() {
-            vec![i64::from(model.config().bos_token_id.unwrap_or(0))]
+        let prompt_ids: Vec<u32> = if req.prompt.is_empty() {
+            vec![model.config().bos_token_id.unwrap_or(0)]
         } else {
-            req.prompt.iter().map(|&t| i64::from(t)).collect()
+            req.prompt.clone()
         };
+        let prompt: Vec<i64> = prompt_ids.iter().map(|&t| i64::from(t)).collect();
         let device = model.device();
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(prompt, [1, l]), &device);
         let mut cache = model.empty_cache(1);
@@ -519,6 +527,10 @@ impl<B: Kernels> Generator<B> {
         for i in 0..req.n {
             let mut row = Row::new(req, i, budget);
             row.turn_tokens = episode.map(|t| t.turn_tokens.max(1));
+            if episode.is_some() {
+                row.prompt = prompt_ids.clone();
+                row.cache_version = Some(version);
+            }
             let draw = sample_token(&last, &row.params, &mut row.rng);
             match row.next(draw, version, vocab) {
                 Next::Finished => self.done.push(row.finish()),
@@ -592,8 +604,9 @@ impl<B: Kernels> Generator<B> {
 
     /// Continues a parked episode: records `reward` on its last turn's last token, appends
     /// `observation` (the environment's tokens, never re-tokenized), prefills the turn's
-    /// unfed last token and the observation onto the row's own cache with `model`, and
-    /// samples the next turn's first token at `version`. `None` when no such row is
+    /// unfed last token and the observation onto the row's own cache with `model` (the
+    /// whole episode onto a new cache when weights changed since the cache was computed),
+    /// and samples the next turn's first token at `version`. `None` when no such row is
     /// parked. The observation must hold ids inside the vocabulary.
     pub fn resume(
         &mut self,
@@ -617,16 +630,31 @@ impl<B: Kernels> Generator<B> {
             return Ok(Some(Resumed::Finished(row.finish_as(FinishReason::Length))));
         }
         let last = *row.tokens.last().unwrap_or(&0);
+        // A cache computed by other weights than `version` (a swap since the episode
+        // started) is rebuilt: the next turn then sees the episode so far exactly as the
+        // trainer's teacher forcing with `version` will. Otherwise only the turn's unfed
+        // last token and the observation are prefilled.
+        let fresh = row.cache_version != Some(version);
+        let feed: Vec<u32> = if fresh {
+            cache = model.empty_cache(1);
+            row.prompt
+                .iter()
+                .chain(&row.tokens)
+                .chain(observation)
+                .copied()
+                .collect()
+        } else {
+            std::iter::once(last)
+                .chain(observation.iter().copied())
+                .collect()
+        };
         row.observe(observation);
-        let feed: Vec<i64> = std::iter::once(last)
-            .chain(observation.iter().copied())
-            .map(i64::from)
-            .collect();
+        row.cache_version = Some(version);
+        let feed: Vec<i64> = feed.into_iter().map(i64::from).collect();
         let l = feed.len();
-        let p = cache.next_positions()[0];
+        let p = if fresh { 0 } else { cache.next_positions()[0] };
         let positions: Vec<usize> = (p..p + l).collect();
-        let tokens =
-            Tensor::<B, 2, Int>::from_data(TensorData::new(feed, [1, l]), &model.device());
+        let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(feed, [1, l]), &model.device());
         let hidden = model.trunk(tokens, &positions, AttnMode::Cached(&mut cache));
         let d = model.config().hidden_size;
         let vocab = model.config().vocab_size;
@@ -728,6 +756,8 @@ impl<B: Kernels> Generator<B> {
         let mut still = Vec::with_capacity(b);
         let mut ended = Vec::new();
         for (i, mut row) in std::mem::take(&mut self.rows).into_iter().enumerate() {
+            // This pass fed the row's last token with the weights of `version`.
+            row.cache_version = row.cache_version.filter(|&v| v == version);
             let draw = sample_token(&host[i * vocab..(i + 1) * vocab], &row.params, &mut row.rng);
             match row.next(draw, version, vocab) {
                 Next::Finished => finished.push(row.finish()),

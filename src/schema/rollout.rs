@@ -278,7 +278,9 @@ impl Sample {
             let problem = if !r.reward.is_finite() {
                 Some(format!("reward {} is not finite", r.reward))
             } else if i >= n || !own[i] {
-                Some(format!("index {i} is not one of the {n} tokens' model tokens"))
+                Some(format!(
+                    "index {i} is not one of the {n} tokens' model tokens"
+                ))
             } else if after.is_some_and(|a| i <= a) {
                 Some("indices must increase".to_string())
             } else {
@@ -470,7 +472,10 @@ mod tests {
             RolloutGroup::version_for(&masked.samples),
             RolloutGroup::SCHEMA
         );
-        masked.samples.iter_mut().for_each(|s| s.turn_rewards.clear());
+        masked
+            .samples
+            .iter_mut()
+            .for_each(|s| s.turn_rewards.clear());
         assert_eq!(
             RolloutGroup::version_for(&masked.samples),
             SchemaVersion::CURRENT

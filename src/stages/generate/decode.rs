@@ -587,7 +587,11 @@ impl Decoder {
                 let Some(c) = self.generator.end(rid, idx, reward, finish) else {
                     return Ok(None);
                 };
-                let ended = if finish == FinishReason::Stop { "done" } else { "turns" };
+                let ended = if finish == FinishReason::Stop {
+                    "done"
+                } else {
+                    "turns"
+                };
                 crate::metrics::episode(ended, c.turns);
                 self.stats.tokens += c.tokens.len() as u64;
                 Ok(self.settle(rid, idx, Slot::Done(c)))
@@ -619,16 +623,16 @@ impl Decoder {
                         Ok(None)
                     }
                     Ok(Ok(None)) => Ok(None),
-                    Ok(Err(ModelError::Refused(r))) => Ok(self.fail_episode(
-                        rid,
-                        idx,
-                        EnvError::Observation(r.detail),
-                    )),
+                    Ok(Err(ModelError::Refused(r))) => {
+                        Ok(self.fail_episode(rid, idx, EnvError::Observation(r.detail)))
+                    }
                     Ok(Err(e)) => Err(e),
                     Err(panic) => Ok(self.fail_episode(
                         rid,
                         idx,
-                        EnvError::Observation(format!("prefilling the observation panicked: {panic}")),
+                        EnvError::Observation(format!(
+                            "prefilling the observation panicked: {panic}"
+                        )),
                     )),
                 }
             }

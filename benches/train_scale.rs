@@ -110,6 +110,7 @@ fn batch(size: &str, vocab: u32) -> Vec<ScoredGroup> {
                     finish: FinishReason::Length,
                     mask: None,
                     env: Vec::new(),
+                    turn_rewards: Vec::new(),
                 })
                 .collect();
             ScoredGroup {

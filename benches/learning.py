@@ -9,6 +9,9 @@ time), evaluated by `rlstream eval` on the same held-out prompts.
 
     python3 benches/learning.py --seeds 1,2,3,4,5 [--task longer] [--steps 200] [--async|--sync]
 
+For an episode task (`--task guess`) pass@1 is the success rate, reward the episode's
+return, and a second table gives the turns per episode.
+
 Prints a Markdown table per seed and the mean gain with its standard error over seeds, and
 writes everything to OUT/learning.json.
 """
@@ -129,6 +132,23 @@ def main():
         f"{100 * oc:+.1f} points (standard error {100 * oc_se:.1f}); reward gain {rg:+.3f} "
         f"(standard error {rg_se:.3f}).",
     ]
+    # Episode tasks (guess): model turns per episode, before and after RL and the control.
+    if "turns" in rows[0]["after"]:
+        lines += [
+            "",
+            "| seed | turns per episode before RL | after RL | control | greedy success before → after RL |",
+            "|---|---|---|---|---|",
+        ]
+        turn_gains = []
+        for r in rows:
+            b, a, c = r["before"], r["after"], r["control"]
+            turn_gains.append(a["turns"]["mean"] - b["turns"]["mean"])
+            lines.append(
+                f"| {r['seed']} | {val(b['turns'])} | {val(a['turns'])} | {val(c['turns'])} | "
+                f"{pct(b['greedy_accuracy'])} → {pct(a['greedy_accuracy'])} |"
+            )
+        t, t_se = mean_se(turn_gains)
+        lines += ["", f"Turns per episode change {t:+.3f} (standard error {t_se:.3f})."]
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(out, "learning.json"), "w") as f:

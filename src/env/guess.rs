@@ -231,7 +231,7 @@ mod tests {
 
     #[test]
     fn a_demonstration_is_the_transcript_of_a_won_game() {
-        let tok = crate::tasks::char_tokenizer();
+        let tok = crate::model::tokenizer::CharTokenizer::new("0123456789+-?");
         let mut rng = rand::rngs::StdRng::seed_from_u64(3);
         let game = Guess::new(13, 20);
         let (tokens, own) = demonstration(&game, 0.0, &mut rng, |t| tok.encode(t), 0);

@@ -20,16 +20,14 @@
 mod common;
 
 use common::{free_addr, interrupt, metric, run_ok, scrape, spawn};
-use rlstream::bus::{RangeBound, SharedBus};
+use rlstream::bus::RangeBound;
 use rlstream::env::guess::{self, Guess};
 use rlstream::env::play::{Answer, EpisodeLimits, answer};
 use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
 use rlstream::model::sampler::{Completion, Generator, Request, Resumed, TurnLimits};
 use rlstream::model::tokenizer::{CharTokenizer, Tokenizer};
 use rlstream::model::{InferBackend, Policy, TrainBackend};
-use rlstream::schema::{
-    self, DeadLetter, Message, RolloutGroup, Sample, SamplingParams, ScoredGroup,
-};
+use rlstream::schema::{self, Message, RolloutGroup, Sample, SamplingParams, ScoredGroup};
 use rlstream::tasks;
 use std::time::{Duration, Instant};
 
@@ -249,23 +247,29 @@ fn the_trainer_scores_every_model_token_as_the_sampler_did_across_weight_swaps()
     );
 }
 
-/// A full run of the pipeline's stages as processes on Redis, playing guess games.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn gen_score_and_train_play_guess_games_on_redis() {
-    let dir = tempfile::tempdir().expect("tempdir");
-    let ns = common::unique_ns("episodes");
-    let url = common::redis_url();
-    let model = dir.path().join("model");
-    let sft = run_ok(&[
+/// `rlstream sft --task guess` for `steps` steps into `dir/model`.
+fn warm_start(dir: &std::path::Path, steps: u32) -> std::path::PathBuf {
+    let model = dir.join("model");
+    let out = run_ok(&[
         "sft",
         "--task",
         "guess",
         "--out",
         model.to_str().expect("utf-8"),
         "--steps",
-        "60",
+        &steps.to_string(),
     ]);
-    assert!(sft.contains("held-out greedy accuracy"), "{sft}");
+    assert!(out.contains("held-out greedy accuracy"), "{out}");
+    model
+}
+
+/// A full run of the pipeline's stages as processes on Redis, playing guess games.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gen_score_and_train_play_guess_games_on_redis() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ns = common::unique_ns("episodes");
+    let url = common::redis_url();
+    let model = warm_start(dir.path(), 60);
     let args = |extra: &[&str]| common::on_bus(extra, &url, &ns);
     let strs = |v: &[String]| v.iter().map(String::as_str).collect::<Vec<_>>().join(" ");
     let fed = run_ok(
@@ -377,20 +381,6 @@ async fn gen_score_and_train_play_guess_games_on_redis() {
     assert!(turns_seen > scored.len() * 4, "{turns_seen} turns");
 }
 
-async fn dead_letters(bus: &SharedBus, ns: &str) -> Vec<DeadLetter> {
-    bus.range(
-        &format!("{ns}:dead"),
-        RangeBound::Open,
-        RangeBound::Open,
-        1000,
-    )
-    .await
-    .expect("range")
-    .into_iter()
-    .map(|e| schema::decode(&e.payload).expect("dead letter"))
-    .collect()
-}
-
 /// A step slower than `--env-timeout-ms` ends its episode (counted, never trained); a
 /// prompt whose game cannot be set up is dead-lettered; the generator keeps going.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -398,16 +388,7 @@ async fn environment_failures_end_episodes_with_counted_reasons() {
     let dir = tempfile::tempdir().expect("tempdir");
     let ns = common::unique_ns("env-fail");
     let url = common::redis_url();
-    let model = dir.path().join("model");
-    run_ok(&[
-        "sft",
-        "--task",
-        "guess",
-        "--out",
-        model.to_str().expect("utf-8"),
-        "--steps",
-        "20",
-    ]);
+    let model = warm_start(dir.path(), 20);
     let bus = common::redis_bus().await;
     let args = |extra: &[&str]| common::on_bus(extra, &url, &ns);
     // One prompt whose secret lies outside its range, then four good games.
@@ -455,7 +436,7 @@ async fn environment_failures_end_episodes_with_counted_reasons() {
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut dead = Vec::new();
     while Instant::now() < deadline {
-        dead = dead_letters(&bus, &ns).await;
+        dead = common::dead_letters(&bus, &ns).await;
         if dead.len() >= 5 {
             break;
         }

@@ -162,28 +162,26 @@ impl RunSummary {
             return String::new();
         };
         let (b, a) = (&before.eval, &after.eval);
-        if let (Some(tb), Some(ta)) = (&b.turns, &a.turns) {
-            return format!(
-                "Held-out ({} games): success at temperature {} {} -> {} (gain {:+.1} points, \
-                 standard error {:.1}), return {} -> {}, {} -> {} turns per episode; greedy \
-                 success {} -> {}. ",
-                a.prompts,
-                a.temperature,
-                b.pass_at_1.percent(),
-                a.pass_at_1.percent(),
-                100.0 * gain.mean,
-                100.0 * gain.se,
-                b.reward.value(),
-                a.reward.value(),
-                tb.value(),
-                ta.value(),
-                b.greedy_accuracy.percent(),
-                a.greedy_accuracy.percent(),
-            );
-        }
+        // An episode task's pass@1 is its success rate, its reward the episode's return.
+        let (unit, pass, reward, turns, greedy) = match (&b.turns, &a.turns) {
+            (Some(tb), Some(ta)) => (
+                "games",
+                "success",
+                "return",
+                format!(", {} -> {} turns per episode", tb.value(), ta.value()),
+                "greedy success",
+            ),
+            _ => (
+                "prompts",
+                "pass@1",
+                "reward",
+                String::new(),
+                "greedy accuracy",
+            ),
+        };
         format!(
-            "Held-out ({} prompts): pass@1 at temperature {} {} -> {} (gain {:+.1} points, \
-             standard error {:.1}), reward {} -> {}; greedy accuracy {} -> {}. ",
+            "Held-out ({} {unit}): {pass} at temperature {} {} -> {} (gain {:+.1} points, \
+             standard error {:.1}), {reward} {} -> {}{turns}; {greedy} {} -> {}. ",
             a.prompts,
             a.temperature,
             b.pass_at_1.percent(),

@@ -20,7 +20,7 @@ seed, one after the other on this machine. Printed per task:
   achieved ratio is compared with it.
 
 Usage: python3 benches/async_vs_sync.py [--steps 200] [--tasks sort,longsort] [--out DIR]
-                                        [--scorer-latency-ms MS]
+                                        [--scorer-latency-ms MS] [--env-latency-ms MS]
 Needs nothing but Python 3 and the release binary (built here with cargo).
 
 `--scorer-latency-ms MS` is the latency-bound scenario, the balance of production RL where
@@ -28,6 +28,12 @@ decoding is on GPUs and scoring waits on sandboxes or tools: rewards come from t
 scorer `examples/verifier.py`, which waits MS milliseconds per group before answering; a pool
 of `--scorers` (default 8) such processes scores that many groups at once, as a sandbox pool
 would.
+
+`--env-latency-ms MS` is the episode scenario (use it with an episode task, e.g.
+`--tasks guess`): every environment step takes MS milliseconds before it answers, and
+episodes run from 1 to 6 turns, so a synchronous step waits for its longest episode's
+chain of steps while an asynchronous generator keeps other episodes decoding and training
+goes on.
 """
 
 import argparse
@@ -105,9 +111,9 @@ def staleness_text(s):
     return ", ".join(f"{k}: {100 * v / total:.0f}%" for k, v in sorted(s["staleness"].items(), key=lambda kv: int(kv[0])))
 
 
-def bench(binary, task, steps, out, extra):
+def bench(binary, task, steps, out, extra, sft_steps):
     model = os.path.join(out, f"sft-{task}")
-    sh([binary, "sft", "--task", task, "--steps", "100", "--out", model], os.path.join(out, f"sft-{task}.log"))
+    sh([binary, "sft", "--task", task, "--steps", str(sft_steps), "--out", model], os.path.join(out, f"sft-{task}.log"))
     runs = {}
     for mode in ["async", "sync"]:
         d = os.path.join(out, f"{task}-{mode}")
@@ -155,7 +161,8 @@ def report(r):
     lines = [
         f"### `{r['task']}`, {r['steps']} steps"
         + (f", scorer latency {r['scorer_latency_ms']:g} ms per group, {r['scorers']} scorers"
-           if r.get("scorer_latency_ms") else ""),
+           if r.get("scorer_latency_ms") else "")
+        + (f", environment latency {r['env_latency_ms']:g} ms per step" if r.get("env_latency_ms") else ""),
         "",
         "| | async | sync | async/sync |",
         "|---|---|---|---|",
@@ -191,12 +198,17 @@ def main():
                    help="score with examples/verifier.py waiting this long per group")
     p.add_argument("--scorers", type=int, default=8,
                    help="with --scorer-latency-ms: external scorer processes (groups scored at once)")
+    p.add_argument("--env-latency-ms", type=float, default=0.0,
+                   help="episode tasks: every environment step waits this long before answering")
+    p.add_argument("--sft-steps", type=int, default=100, help="warm-start steps before both runs")
     p.add_argument("extra", nargs="*", help="more `rlstream run` flags, after --")
     args = p.parse_args()
     if args.scorer_latency_ms > 0:
         verifier = os.path.join(ROOT, "examples", "verifier.py")
         args.extra += ["--scorer-cmd", f"{sys.executable} {verifier} --latency-ms {args.scorer_latency_ms:g}",
                        "--scorers", str(args.scorers)]
+    if args.env_latency_ms > 0:
+        args.extra += ["--env-latency-ms", f"{args.env_latency_ms:g}"]
     binary = args.bin
     if binary is None:
         sh(["cargo", "build", "--release", "--quiet"])
@@ -204,10 +216,11 @@ def main():
     out = args.out or tempfile.mkdtemp(prefix="rlstream-bench-")
     os.makedirs(out, exist_ok=True)
     print(f"runs in {out}; {os.cpu_count()} CPUs", file=sys.stderr)
-    results = [bench(binary, t, args.steps, out, args.extra) for t in args.tasks.split(",")]
+    results = [bench(binary, t, args.steps, out, args.extra, args.sft_steps) for t in args.tasks.split(",")]
     for r in results:
         r["scorer_latency_ms"] = args.scorer_latency_ms
         r["scorers"] = args.scorers
+        r["env_latency_ms"] = args.env_latency_ms
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     for r in results:

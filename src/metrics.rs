@@ -24,6 +24,8 @@ pub const DEAD_LETTERS_TOTAL: &str = "rlstream_dead_letters_total";
 pub const EPISODES_TOTAL: &str = "rlstream_episodes_total";
 pub const EPISODE_TURNS_TOTAL: &str = "rlstream_episode_turns_total";
 pub const ENV_FAILURES_TOTAL: &str = "rlstream_env_failures_total";
+pub const ENV_STEP_SECONDS: &str = "rlstream_env_step_seconds";
+pub const ENV_STARTS_TOTAL: &str = "rlstream_env_process_starts_total";
 pub const CLAIMED_TOTAL: &str = "rlstream_entries_claimed_total";
 pub const POLICY_VERSION: &str = "rlstream_policy_version";
 pub const SAMPLE_STALENESS_VERSIONS: &str = "rlstream_sample_staleness_versions";
@@ -72,6 +74,9 @@ const STEP_BUCKETS: &[f64] = &[1e-3, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, 30.0,
 /// Buckets of scoring one group: built-in verifiers take microseconds, external scorers
 /// up to seconds.
 const SCORE_BUCKETS: &[f64] = &[1e-5, 1e-4, 1e-3, 0.01, 0.1, 1.0, 10.0];
+/// Buckets of one environment step: built-in games take microseconds, a process on the
+/// same machine about a millisecond, tools and sandboxes up to minutes.
+const ENV_STEP_BUCKETS: &[f64] = &[1e-5, 1e-4, 1e-3, 0.01, 0.05, 0.2, 1.0, 5.0, 30.0, 120.0];
 
 /// Every histogram with its buckets (the exporter emits summaries for histograms without).
 const HISTOGRAMS: &[(&str, &[f64])] = &[
@@ -84,6 +89,7 @@ const HISTOGRAMS: &[(&str, &[f64])] = &[
     (TRAIN_STEP_SECONDS, STEP_BUCKETS),
     (TRAIN_WAIT_SECONDS, STEP_BUCKETS),
     (SCORE_SECONDS, SCORE_BUCKETS),
+    (ENV_STEP_SECONDS, ENV_STEP_BUCKETS),
 ];
 
 /// How often stream length, pending and lag are read from XINFO.
@@ -147,7 +153,17 @@ fn describe() {
     describe_counter!(
         ENV_FAILURES_TOTAL,
         Unit::Count,
-        "Episodes ended by their environment failing, by reason (env_error, env_timeout, env_panic, env_observation, env_setup); never trained."
+        "Episodes ended by their environment failing, by reason (env_error, env_timeout, env_panic, env_observation, env_setup, env_crash, env_protocol); never trained."
+    );
+    describe_histogram!(
+        ENV_STEP_SECONDS,
+        Unit::Seconds,
+        "Time from a model turn's end to its environment's answer (answered steps, failed ones included; timed-out ones not)."
+    );
+    describe_counter!(
+        ENV_STARTS_TOTAL,
+        Unit::Count,
+        "Starts of the external environment process (gen --env-cmd): 1 plus its restarts."
     );
     describe_counter!(
         TOKENS_TOTAL,
@@ -336,6 +352,19 @@ pub fn episode(ended: &'static str, turns: u32) {
 /// An environment failed an episode.
 pub fn env_failed(reason: &'static str) {
     counter!(ENV_FAILURES_TOTAL, "reason" => reason).increment(1);
+}
+
+/// An environment answered a step after `seconds`.
+pub fn env_step(seconds: f64) {
+    histogram!(ENV_STEP_SECONDS).record(seconds);
+}
+
+/// The external environment process was started (`n`-th start).
+pub fn env_started(n: u64) {
+    counter!(ENV_STARTS_TOTAL).increment(1);
+    if n > 1 {
+        tracing::info!(starts = n, "environment process restarted");
+    }
 }
 
 /// A generator picked up new weights.

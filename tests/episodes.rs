@@ -16,6 +16,10 @@
 //! - An environment that fails (a step past its deadline, a prompt whose game cannot be
 //!   set up) ends its episodes with counted reasons; nothing of it is trained.
 //! - `rlstream run --task guess` on the embedded bus.
+//! - Environments from outside: the Python example (`examples/calc_env.py`) plays tool-use
+//!   episodes through the protocol with the real binaries, answering as the built-in
+//!   calculator does; a process that crashes, hangs or writes garbage is restarted and
+//!   its episodes end with counted reasons while gen goes on.
 
 mod common;
 
@@ -499,4 +503,244 @@ fn run_plays_guess_on_the_embedded_bus() {
     ]);
     assert!(out.contains("async run of `guess`"), "{out}");
     assert!(out.contains("turns per episode"), "{out}");
+}
+
+/// `rlstream sft --task calc` for `steps` steps into `dir/model`.
+fn calc_warm_start(dir: &std::path::Path, steps: u32) -> std::path::PathBuf {
+    let model = dir.join("model");
+    let out = run_ok(&[
+        "sft",
+        "--task",
+        "calc",
+        "--out",
+        model.to_str().expect("utf-8"),
+        "--steps",
+        &steps.to_string(),
+    ]);
+    assert!(out.contains("held-out greedy accuracy"), "{out}");
+    model
+}
+
+fn python_env(script: &str) -> String {
+    format!("python3 {}/{script}", env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The Python example environment (`examples/calc_env.py`) plays tool-use episodes through
+/// the protocol, with the real gen, score and train processes on Redis: every answer the
+/// process gave is what the built-in calculator gives for the same turns, and the scored
+/// rewards are its rewards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_python_environment_plays_through_the_real_binaries() {
+    use rlstream::env::Environment;
+    use rlstream::env::calc::{self, Calc};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let ns = common::unique_ns("env-process");
+    let url = common::redis_url();
+    let model = calc_warm_start(dir.path(), 150);
+    let args = |extra: &[&str]| common::on_bus(extra, &url, &ns);
+    let fed = run_ok(
+        &args(&["feed", "--task", "calc", "--count", "32"])
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    assert!(fed.starts_with("fed 32 prompts"), "{fed}");
+    let m = model.to_str().expect("utf-8");
+    let logs = |n: &str| dir.path().join(format!("{n}.log"));
+    let gen_metrics = free_addr();
+    let env_cmd = python_env("examples/calc_env.py");
+    let gen_args = args(&[
+        "gen",
+        "--model",
+        m,
+        "--group-size",
+        "4",
+        "--max-new-tokens",
+        "13",
+        "--env-cmd",
+        &env_cmd,
+        "--metrics-addr",
+        &gen_metrics,
+    ]);
+    let generator = spawn(&gen_args, &logs("gen"));
+    let score = spawn(&args(&["score"]), &logs("score"));
+    let ckpt = dir.path().join("ckpt");
+    let train_args = args(&[
+        "train",
+        "--model",
+        m,
+        "--groups-per-step",
+        "4",
+        "--steps",
+        "4",
+        "--max-lag",
+        "100",
+        "--checkpoint-dir",
+        ckpt.to_str().expect("utf-8"),
+    ]);
+    let out = tokio::task::spawn_blocking(move || {
+        let o = common::bin()
+            .args(&train_args)
+            .output()
+            .expect("train runs");
+        (
+            o.status.success(),
+            String::from_utf8_lossy(&o.stdout).to_string(),
+            String::from_utf8_lossy(&o.stderr).to_string(),
+        )
+    })
+    .await
+    .expect("join");
+    assert!(out.0, "train failed:\n{}\n{}", out.1, out.2);
+    assert!(out.1.contains("to version 4"), "{}", out.1);
+    let s = scrape(&gen_metrics);
+    interrupt(generator, "gen", &logs("gen"));
+    interrupt(score, "score", &logs("score"));
+    assert_eq!(metric(&s, "rlstream_env_process_starts_total"), 1.0, "{s}");
+    assert!(metric(&s, "rlstream_env_step_seconds_count") > 0.0, "{s}");
+
+    let bus = common::redis_bus().await;
+    let scored = bus
+        .range(
+            &format!("{ns}:scored"),
+            RangeBound::Open,
+            RangeBound::Open,
+            10_000,
+        )
+        .await
+        .expect("range");
+    assert!(scored.len() >= 16, "{} scored groups", scored.len());
+    let tok = tasks::char_tokenizer();
+    let text = |ids: &[u32]| -> String {
+        let ids = match ids.split_last() {
+            Some((&EOS, rest)) => rest,
+            _ => ids,
+        };
+        tok.decode(ids).expect("char ids")
+    };
+    let (mut calls, mut episodes) = (0, 0);
+    for e in &scored {
+        let s: ScoredGroup = schema::decode(&e.payload).expect("a scored episode group");
+        for (sample, &reward) in s.rollout.samples.iter().zip(&s.rewards) {
+            // Replay the turns on the built-in calculator: the process answered alike.
+            let mut builtin = Calc::from_meta(&s.rollout.meta).expect("calc meta");
+            let mut ret = 0.0;
+            let turns = sample.turns();
+            for (i, (range, env)) in turns.iter().enumerate() {
+                if *env {
+                    continue;
+                }
+                let action = text(&sample.tokens[range.clone()]);
+                let step = builtin.step(&action).expect("step");
+                ret += step.reward;
+                match turns.get(i + 1) {
+                    Some((next, true)) => {
+                        assert_eq!(text(&sample.tokens[next.clone()]), step.observation);
+                        assert!(!step.done, "{action:?}");
+                    }
+                    _ => assert!(
+                        step.done || sample.finish == schema::FinishReason::Length,
+                        "{action:?}"
+                    ),
+                }
+                if matches!(calc::classify(&action), calc::Action::Call(_)) {
+                    calls += 1;
+                }
+            }
+            assert!((ret - reward).abs() < 1e-6, "{ret} vs {reward}");
+            episodes += 1;
+        }
+    }
+    // The warm start calls the tool about half the time: the protocol carried calls.
+    assert!(
+        calls > 0 && episodes >= 64,
+        "{calls} calls in {episodes} episodes"
+    );
+}
+
+/// An environment process that crashes, hangs or writes garbage ends the episodes it was
+/// serving with counted reasons and is restarted; the generator goes on and every prompt
+/// ends as a group or a dead letter.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_misbehaving_environment_process_is_restarted_and_gen_goes_on() {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let model = calc_warm_start(dir.path(), 60);
+    let url = common::redis_url();
+    let bus = common::redis_bus().await;
+    for (fault, reason) in [
+        ("crash 6", "env_crash"),
+        ("hang 6", "env_timeout"),
+        ("garbage 6", "env_protocol"),
+    ] {
+        let ns = common::unique_ns("env-faults");
+        let args = |extra: &[&str]| common::on_bus(extra, &url, &ns);
+        let fed = run_ok(
+            &args(&["feed", "--task", "calc", "--count", "12"])
+                .iter()
+                .map(String::as_str)
+                .collect::<Vec<_>>(),
+        );
+        assert!(fed.starts_with("fed 12 prompts"), "{fed}");
+        let metrics = free_addr();
+        let env_cmd = python_env(&format!("tests/envs/faulty_env.py {fault}"));
+        let log = dir.path().join(format!("gen-{reason}.log"));
+        let generator = spawn(
+            &args(&[
+                "gen",
+                "--model",
+                model.to_str().expect("utf-8"),
+                "--group-size",
+                "2",
+                "--max-batch",
+                "4",
+                "--max-new-tokens",
+                "13",
+                "--env-cmd",
+                &env_cmd,
+                "--env-timeout-ms",
+                "1500",
+                "--metrics-addr",
+                &metrics,
+            ]),
+            &log,
+        );
+        let deadline = Instant::now() + Duration::from_secs(90);
+        let (mut rollouts, mut dead) = (Vec::new(), Vec::new());
+        while Instant::now() < deadline {
+            rollouts = bus
+                .range(
+                    &format!("{ns}:rollouts"),
+                    RangeBound::Open,
+                    RangeBound::Open,
+                    100,
+                )
+                .await
+                .expect("range");
+            dead = common::dead_letters(&bus, &ns).await;
+            if rollouts.len() + dead.len() >= 12 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(200)).await;
+        }
+        let s = scrape(&metrics);
+        interrupt(generator, "gen", &log);
+        assert_eq!(rollouts.len() + dead.len(), 12, "{fault}: {s}");
+        assert!(
+            dead.iter().all(|d| d.reason.starts_with("env_")),
+            "{fault}: {:?}",
+            dead.iter().map(|d| &d.reason).collect::<Vec<_>>()
+        );
+        assert!(!rollouts.is_empty(), "{fault}: nothing survived");
+        assert!(
+            metric(
+                &s,
+                &format!("rlstream_env_failures_total{{reason=\"{reason}\"}}")
+            ) >= 1.0,
+            "{fault}: {s}"
+        );
+        assert!(
+            metric(&s, "rlstream_env_process_starts_total") >= 2.0,
+            "{fault}: {s}"
+        );
+    }
 }

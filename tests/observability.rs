@@ -319,6 +319,15 @@ async fn stages_export_what_the_dashboard_shows() {
         .await
         .expect("xadd");
 
+    // Tool-use episodes first, played by an environment process that fails every 20th
+    // step: the episode panels fill, failures included.
+    let fed = run_ok(
+        &as_str(&with_bus(&["feed", "--task", "calc", "--count", "100"]))
+            .iter()
+            .map(String::as_str)
+            .collect::<Vec<_>>(),
+    );
+    assert!(fed.starts_with("fed 100 prompts"), "{fed}");
     let fed = run_ok(
         &as_str(&with_bus(&["feed", "--task", "sort", "--count", "3000"]))
             .iter()
@@ -330,6 +339,10 @@ async fn stages_export_what_the_dashboard_shows() {
         .into_iter()
         .map(|s| (s, free_addr()))
         .collect();
+    let env_cmd = format!(
+        "python3 {}/tests/envs/faulty_env.py error 20",
+        env!("CARGO_MANIFEST_DIR")
+    );
     let gen_args = with_bus(&[
         "gen",
         "--model",
@@ -342,6 +355,8 @@ async fn stages_export_what_the_dashboard_shows() {
         "gen-a",
         "--metrics-addr",
         &addrs["gen"],
+        "--env-cmd",
+        &env_cmd,
     ]);
     // The model as its own teacher: the teacher-KL panel fills too.
     let score_args = with_bus(&[
@@ -442,6 +457,10 @@ async fn stages_export_what_the_dashboard_shows() {
     assert!(t.sum("rlstream_train_step_seconds_count") >= 5.0);
     assert!(g.sum("rlstream_weight_sync_seconds_count{stage=\"gen\"") >= 1.0);
     assert!(sc.sum("rlstream_score_seconds_count") > 0.0);
+    assert!(g.sum("rlstream_episodes_total") > 0.0, "{}", g.text);
+    assert!(g.sum("rlstream_env_step_seconds_count") > 0.0);
+    assert!(g.sum("rlstream_env_failures_total{reason=\"env_error\"") > 0.0);
+    assert_eq!(g.sum("rlstream_env_process_starts_total"), 1.0);
     assert_eq!(
         g.sum(&format!(
             "rlstream_dead_letters_total{{stream=\"{ns}:prompts\",group=\"gen\""

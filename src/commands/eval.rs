@@ -17,7 +17,7 @@ use crate::env::{
     play::{EpisodeLimits, play},
 };
 use crate::model::hf::load_hf;
-use crate::model::sampler::{Generator, Request, TurnLimits};
+use crate::model::sampler::{Completion, Generator, Request, TurnLimits};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{InferBackend, ModelError, Policy};
 pub use crate::report::Estimate;
@@ -87,6 +87,12 @@ pub struct EvalResult {
     pub turns: Option<Estimate>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub greedy_turns: Option<Estimate>,
+    /// Tool-use tasks (`calc`), at `temperature`: share of episodes that call the tool,
+    /// and share of calls that are valid (prompts with no call left out).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_rate: Option<Estimate>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub tool_call_validity: Option<Estimate>,
     pub seconds: f64,
 }
 
@@ -94,8 +100,16 @@ impl EvalResult {
     /// One line: pass@1 first (an episode task's success rate, with its turns).
     pub fn line(&self) -> String {
         if let (Some(turns), Some(greedy_turns)) = (&self.turns, &self.greedy_turns) {
+            let tools = match (&self.tool_call_rate, &self.tool_call_validity) {
+                (Some(rate), Some(valid)) => format!(
+                    "; tool called in {} of episodes, {} of calls valid",
+                    rate.percent(),
+                    valid.percent()
+                ),
+                _ => String::new(),
+            };
             return format!(
-                "success {} (return {}, {} turns) at temperature {}, greedy success {} (return {}, {} turns), {} games × {} episodes",
+                "success {} (return {}, {} turns) at temperature {}, greedy success {} (return {}, {} turns), {} games × {} episodes{tools}",
                 self.pass_at_1.percent(),
                 self.reward.value(),
                 turns.value(),
@@ -229,6 +243,10 @@ struct PerPrompt {
     rewards: Vec<f64>,
     passes: Vec<f64>,
     turns: Vec<f64>,
+    /// Tool-use tasks: per prompt, share of episodes calling the tool; share of calls
+    /// valid (prompts with calls).
+    calls: Vec<f64>,
+    valid: Vec<f64>,
 }
 
 /// [`PerPrompt`] at `temperature` (greedy when 0), decoded `batch` sequences at a time;
@@ -267,10 +285,16 @@ fn per_prompt(
             .collect();
         if episodes {
             let sums = play_chunk(model, set, chunk, &requests)?;
-            for (r, p, t) in sums {
-                out.rewards.push(r / n as f64);
-                out.passes.push(p / n as f64);
-                out.turns.push(t / n as f64);
+            for s in sums {
+                out.rewards.push(s.ret / n as f64);
+                out.passes.push(s.success / n as f64);
+                out.turns.push(s.turns / n as f64);
+                if let Some(t) = s.tools {
+                    out.calls.push(t.with_call / n as f64);
+                    if t.calls > 0 {
+                        out.valid.push(f64::from(t.valid) / f64::from(t.calls));
+                    }
+                }
             }
             progress(first + chunk.len());
             continue;
@@ -303,15 +327,32 @@ fn per_prompt(
     Ok(out)
 }
 
+/// Sums over the episodes of one prompt.
+#[derive(Debug, Default, Clone, Copy)]
+struct EpisodeSums {
+    ret: f64,
+    success: f64,
+    turns: f64,
+    /// Tool-use tasks only.
+    tools: Option<ToolSums>,
+}
+
+#[derive(Debug, Default, Clone, Copy)]
+struct ToolSums {
+    with_call: f64,
+    calls: u32,
+    valid: u32,
+}
+
 /// Plays the episodes of `requests` (one per item of `chunk`): per item the sums of
-/// return, successes and turns. An episode whose environment fails counts as a failure
-/// with return 0.
+/// return, successes, turns and tool use. An episode whose environment fails counts as a
+/// failure with return 0.
 fn play_chunk(
     model: &Policy<InferBackend>,
     set: &EvalSet,
     chunk: &[(Vec<u32>, TaskItem)],
     requests: &[Request],
-) -> Result<Vec<(f64, f64, f64)>, ModelError> {
+) -> Result<Vec<EpisodeSums>, ModelError> {
     type Maker = Box<dyn Fn() -> Result<Box<dyn env::Environment>, env::EnvError>>;
     let makers: Vec<Maker> = chunk
         .iter()
@@ -336,14 +377,48 @@ fn play_chunk(
         turns: set.max_turns,
     };
     let (episodes, _failed) = play(model, 0, &games, &limits, &set.tokenizer)?;
-    let mut sums = vec![(0.0, 0.0, 0.0); chunk.len()];
+    let mut sums: Vec<EpisodeSums> = chunk
+        .iter()
+        .map(|(_, it)| EpisodeSums {
+            tools: (it.meta.get(env::ENV).map(String::as_str) == Some(env::calc::NAME))
+                .then(ToolSums::default),
+            ..EpisodeSums::default()
+        })
+        .collect();
     for e in &episodes {
         let s = &mut sums[e.completion.request_id as usize];
-        s.0 += f64::from(e.ret());
-        s.1 += f64::from(u8::from(e.success));
-        s.2 += f64::from(e.completion.turns);
+        s.ret += f64::from(e.ret());
+        s.success += f64::from(u8::from(e.success));
+        s.turns += f64::from(e.completion.turns);
+        if let Some(t) = s.tools.as_mut() {
+            let used = env::calc::ToolUse::of(
+                model_turns(&e.completion, &set.stop_tokens, &set.tokenizer)
+                    .iter()
+                    .map(String::as_str),
+            );
+            t.with_call += f64::from(u8::from(used.calls > 0));
+            t.calls += used.calls;
+            t.valid += used.valid;
+        }
     }
     Ok(sums)
+}
+
+/// The texts of an episode's model turns, stop tokens left out (a turn that does not
+/// decode reads as empty).
+fn model_turns(c: &Completion, stop_tokens: &[u32], tokenizer: &Tokenizer) -> Vec<String> {
+    crate::schema::turn_ranges(c.tokens.len(), &c.env)
+        .into_iter()
+        .filter(|(_, env)| !env)
+        .map(|(r, _)| {
+            let ids = &c.tokens[r];
+            let ids = match ids.split_last() {
+                Some((last, rest)) if stop_tokens.contains(last) => rest,
+                _ => ids,
+            };
+            tokenizer.decode(ids).unwrap_or_default()
+        })
+        .collect()
 }
 
 /// Greedy accuracy and reward of `model` on `set` (what `sft` reports), decoded `batch`
@@ -392,6 +467,8 @@ pub fn evaluate(
         greedy_reward: Estimate::of(&greedy.rewards),
         turns: turns(&sampled),
         greedy_turns: turns(&greedy),
+        tool_call_rate: (!sampled.calls.is_empty()).then(|| Estimate::of(&sampled.calls)),
+        tool_call_validity: (!sampled.calls.is_empty()).then(|| Estimate::of(&sampled.valid)),
         seconds: started.elapsed().as_secs_f64(),
     };
     phase.finish(&result.line());
@@ -435,7 +512,9 @@ pub fn run(opts: &EvalOptions, display: DisplayMode) -> Result<EvalResult, EvalE
     let mut set = match (&opts.task, &opts.dataset) {
         (Some(_), Some(_)) => return usage("give --task or --dataset, not both"),
         (None, None) => {
-            return usage("give --task add|reverse|sort|longsort|longer|guess or --dataset FILE");
+            return usage(
+                "give --task add|reverse|sort|longsort|longer|guess|calc or --dataset FILE",
+            );
         }
         (Some(task), None) => {
             let vocab = tasks::char_tokenizer().vocab_size();

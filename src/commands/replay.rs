@@ -441,29 +441,30 @@ fn rollout_summary(g: &RolloutGroup) -> String {
     )
 }
 
-/// Each token as `"piece"(vVERSION LOGPROB)`, with `r±REWARD` where a reward sits on it
-/// and `tTEACHER` where a teacher scored it; an episode's environment token as
-/// `"piece"(env)`.
+/// Tokens `range` of `s` (the model's), each as `"piece"(vVERSION LOGPROB)`, with
+/// `r±REWARD` where a reward sits on it and `tTEACHER` where a teacher scored it.
 fn tokens_line(
     s: &Sample,
+    range: std::ops::Range<usize>,
     tok: &Tokenizer,
     token_rewards: Option<&[f32]>,
     teacher: Option<&[f32]>,
 ) -> String {
     let mut o = String::new();
-    let own = s.model_tokens();
-    for (i, (&t, &lp)) in s.tokens.iter().zip(s.logprobs.iter()).enumerate() {
+    for (i, (&t, &lp)) in s
+        .tokens
+        .iter()
+        .zip(s.logprobs.iter())
+        .enumerate()
+        .take(range.end)
+        .skip(range.start)
+    {
         // Tokens without text (end of sequence, special tokens) show as their id.
         let piece = tok
             .decode(&[t])
             .ok()
             .filter(|p| !p.is_empty())
             .unwrap_or_else(|| format!("<{t}>"));
-        if !own[i] {
-            // An episode's environment token: context, with no version or log-prob.
-            let _ = write!(o, "{piece:?}(env) ");
-            continue;
-        }
         let _ = write!(o, "{piece:?}(v{} {lp:.2}", s.version_at(i));
         if let Some(&r) = token_rewards.and_then(|r| r.get(i))
             && r != 0.0
@@ -508,14 +509,43 @@ fn text_block(id: EntryId, m: &Decoded, tok: &Tokenizer) -> String {
         let reward = rewards
             .and_then(|r| r.get(i))
             .map_or(String::new(), |r| format!(" reward {r:.2}"));
-        let _ = writeln!(o, "  [{i}]{reward} {:?} {text:?}", s.finish);
-        let line = tokens_line(
-            s,
-            tok,
+        let (token_rewards, teacher) = (
             per_sample(|s| &s.token_rewards, i),
             per_sample(|s| &s.ref_logprobs, i),
         );
-        let _ = writeln!(o, "      {line}");
+        if !s.is_episode() {
+            let _ = writeln!(o, "  [{i}]{reward} {:?} {text:?}", s.finish);
+            let line = tokens_line(s, 0..s.tokens.len(), tok, token_rewards, teacher);
+            let _ = writeln!(o, "      {line}");
+            continue;
+        }
+        // An episode, turn by turn: the model's turns with versions and log-probs and the
+        // turn's reward, the environment's answers as text.
+        let turns = s.turns();
+        let model_turns = turns.iter().filter(|(_, env)| !env).count();
+        let _ = writeln!(
+            o,
+            "  [{i}]{reward} {:?} episode of {model_turns} turns",
+            s.finish
+        );
+        let mut n = 0;
+        for (range, env) in turns {
+            if env {
+                let text = tok
+                    .decode(&s.tokens[range.clone()])
+                    .unwrap_or_else(|e| format!("<{e}>"));
+                let _ = writeln!(o, "      env     {text:?}");
+                continue;
+            }
+            n += 1;
+            let turn_reward = s
+                .turn_rewards
+                .iter()
+                .find(|r| range.contains(&(r.index as usize)))
+                .map_or(String::new(), |r| format!("  turn reward {:+.3}", r.reward));
+            let line = tokens_line(s, range, tok, token_rewards, teacher);
+            let _ = writeln!(o, "      turn {n:<2} {line}{turn_reward}");
+        }
     }
     o
 }
@@ -764,13 +794,47 @@ mod tests {
         // An episode: the environment's tokens show as such, the turns' rewards on the
         // turns' last model tokens.
         let e = crate::schema::examples::scored_episode();
-        let text = text_block(EntryId::new(1, 0), &Decoded::Scored(e), &tok);
-        let first = text.lines().nth(3).unwrap_or_default();
-        assert_eq!(first.matches("(env)").count(), 3, "{text}");
-        assert!(
-            first.contains("r-0.100)") && first.contains("r+1.000)"),
+        let text = text_block(EntryId::new(1, 0), &Decoded::Scored(e.clone()), &tok);
+        let sample = &e.rollout.samples[0];
+        let turns: Vec<&str> = text
+            .lines()
+            .skip(3)
+            .take_while(|l| !l.starts_with("  ["))
+            .collect();
+        let model = sample.turns().iter().filter(|(_, env)| !env).count();
+        assert_eq!(turns.len(), sample.turns().len(), "{text}");
+        assert_eq!(
+            turns
+                .iter()
+                .filter(|l| l.trim_start().starts_with("turn "))
+                .count(),
+            model,
             "{text}"
         );
+        assert_eq!(
+            turns
+                .iter()
+                .filter(|l| l.trim_start().starts_with("env "))
+                .count(),
+            sample.env.len(),
+            "{text}"
+        );
+        assert!(
+            text.contains(&format!("episode of {model} turns")),
+            "{text}"
+        );
+        // Each turn's reward shows on its line: on the token and as the turn's.
+        for r in &sample.turn_rewards {
+            let line = turns
+                .iter()
+                .find(|l| l.contains(&format!("turn reward {:+.3}", r.reward)));
+            assert!(line.is_some(), "{text}");
+        }
+        assert!(
+            text.contains("r-0.100)") && text.contains("r+1.000)"),
+            "{text}"
+        );
+        assert!(!text.contains("(env)"), "{text}");
     }
 
     #[test]

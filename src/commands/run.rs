@@ -243,6 +243,8 @@ pub fn sft_steps(task: BuiltinTask) -> u64 {
         BuiltinTask::Longer => 400,
         // 300 steps: about half the games won greedily, so RL has turns to save.
         BuiltinTask::Guess => 300,
+        // The player's habits (half its answers from its head) are learned by then.
+        BuiltinTask::Calc => 300,
         _ => 100,
     }
 }

@@ -3,7 +3,7 @@
 //! reward, and writes a Hugging Face checkpoint with the task tokenizer.
 
 use crate::commands::eval::{self, EvalSet};
-use crate::env::guess;
+use crate::env::{calc, guess};
 use crate::model::logprobs::{ScoredSeq, completion_logprobs};
 use crate::model::tokenizer::{CharTokenizer, Tokenizer};
 use crate::model::{Architecture, InferBackend, ModelError, Policy, PolicyConfig, TrainBackend};
@@ -97,7 +97,8 @@ fn init_model(dir: &std::path::Path) -> Result<Policy<TrainBackend>, ModelError>
 /// Demonstration `index` of `task`'s stream `seed`: prompt, completion and, per completion
 /// token, whether it is the model's (an episode's environment tokens are not). A
 /// single-turn task's is its reference answer and the stop token; `guess`'s is a game
-/// played by a noisy bisection player.
+/// played by a noisy bisection player, `calc`'s a question played by a player that calls
+/// the calculator half the time.
 fn demonstration(
     task: BuiltinTask,
     seed: u64,
@@ -106,17 +107,25 @@ fn demonstration(
 ) -> (Vec<u32>, Vec<u32>, Vec<bool>) {
     let it = task.item(seed, index);
     let prompt = tok.encode(&it.prompt);
-    if task.is_episode()
+    let mut rng = StdRng::seed_from_u64(crate::seed::derive(seed, &format!("demo/{index}")));
+    let encode = |t: &str| tok.encode(t);
+    if task == BuiltinTask::Guess
         && let Ok(game) = guess::Guess::from_meta(&it.meta)
     {
-        let mut rng = StdRng::seed_from_u64(crate::seed::derive(seed, &format!("demo/{index}")));
         let (tokens, own) = guess::demonstration(
             &game,
             guess::DEMO_NOISE,
             &mut rng,
-            |t| tok.encode(t),
+            encode,
             CharTokenizer::EOS,
         );
+        return (prompt, tokens, own);
+    }
+    if task == BuiltinTask::Calc
+        && let Ok(q) = calc::Calc::from_meta(&it.meta)
+    {
+        let (tokens, own) =
+            calc::demonstration(&q, calc::DEMO_PLAYER, &mut rng, encode, CharTokenizer::EOS);
         return (prompt, tokens, own);
     }
     let mut answer = tok.encode(&it.answer);

@@ -11,10 +11,14 @@
 //! generator's `env_timeout_ms` ends the episode with a counted reason
 //! ([`EnvError::reason`]): it is never trained as if the environment had answered.
 
+pub mod calc;
+pub mod external;
 pub mod guess;
 pub mod play;
 
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
 
 /// Meta key naming a prompt's environment: such a prompt is played as episodes.
 pub const ENV: &str = "env";
@@ -51,6 +55,12 @@ pub enum EnvError {
     /// The observation could not be turned into tokens the model can take.
     #[error("environment observation: {0}")]
     Observation(String),
+    /// The environment process exited (or was replaced) while serving the episode.
+    #[error("environment process: {0}")]
+    Crash(String),
+    /// The environment process answered something the protocol does not allow.
+    #[error("environment protocol: {0}")]
+    Protocol(String),
 }
 
 impl EnvError {
@@ -62,6 +72,8 @@ impl EnvError {
             EnvError::Timeout(_) => "env_timeout",
             EnvError::Panic(_) => "env_panic",
             EnvError::Observation(_) => "env_observation",
+            EnvError::Crash(_) => "env_crash",
+            EnvError::Protocol(_) => "env_protocol",
         }
     }
 }
@@ -73,17 +85,63 @@ pub trait Environment: Send {
     fn step(&mut self, action: &str) -> Result<Step, EnvError>;
 }
 
-/// The environment a prompt with `meta` plays: `None` for a single-turn prompt (no
-/// [`ENV`] key).
+/// Where episodes' environments come from: the built-in ones, or one external process
+/// that serves every episode ([`external`]).
+#[derive(Clone, Default)]
+pub struct Environments {
+    external: Option<Arc<external::EnvProcess>>,
+}
+
+impl Environments {
+    /// The built-in environments only.
+    pub fn builtin() -> Self {
+        Environments { external: None }
+    }
+
+    /// Every episode played by the process `cmd` (started now; an error when it cannot
+    /// start), whose steps are answered within `timeout`.
+    pub fn external(cmd: &str, timeout: Duration) -> Result<Self, EnvError> {
+        Ok(Environments {
+            external: Some(external::EnvProcess::start(cmd, timeout)?),
+        })
+    }
+
+    /// The external process, when there is one.
+    pub fn process(&self) -> Option<&Arc<external::EnvProcess>> {
+        self.external.as_ref()
+    }
+
+    /// The environment of a new episode of the prompt `prompt_id` (text `prompt`, meta
+    /// `meta`): `None` for a single-turn prompt (no [`ENV`] key).
+    pub fn make(
+        &self,
+        prompt_id: &str,
+        prompt: &str,
+        meta: &BTreeMap<String, String>,
+    ) -> Result<Option<Box<dyn Environment>>, EnvError> {
+        if !is_episode(meta) {
+            return Ok(None);
+        }
+        match &self.external {
+            Some(p) => Ok(Some(Box::new(p.episode(prompt_id, prompt, meta)))),
+            None => make(meta),
+        }
+    }
+}
+
+/// The built-in environment a prompt with `meta` plays: `None` for a single-turn prompt
+/// (no [`ENV`] key).
 pub fn make(meta: &BTreeMap<String, String>) -> Result<Option<Box<dyn Environment>>, EnvError> {
     let Some(name) = meta.get(ENV) else {
         return Ok(None);
     };
     match name.as_str() {
         guess::NAME => Ok(Some(Box::new(guess::Guess::from_meta(meta)?))),
+        calc::NAME => Ok(Some(Box::new(calc::Calc::from_meta(meta)?))),
         other => Err(EnvError::Setup(format!(
-            "the prompt names environment `{other}`; this build has `{}`",
-            guess::NAME
+            "the prompt names environment `{other}`; this build has `{}` and `{}` (others run as a process: gen --env-cmd)",
+            guess::NAME,
+            calc::NAME
         ))),
     }
 }

@@ -27,6 +27,7 @@ pub use packed::{Floats, Packable, Packed, Tokens};
 pub use prompt::Prompt;
 pub use rollout::{
     FinishReason, RolloutGroup, Sample, SamplingMask, SamplingParams, Span, TurnReward, VersionRun,
+    turn_ranges,
 };
 pub use scored::ScoredGroup;
 pub use step::{StepFieldError, StepRecord};

@@ -109,6 +109,29 @@ impl Span {
     }
 }
 
+/// A completion of `len` tokens whose environment wrote `env` (sorted, apart), cut into
+/// its turns in order: each range with whether the environment wrote it. A single-turn
+/// completion is one model range.
+pub fn turn_ranges(len: usize, env: &[Span]) -> Vec<(std::ops::Range<usize>, bool)> {
+    let mut out = Vec::new();
+    let mut at = 0;
+    for span in env {
+        let r = span.range();
+        let r = r.start.min(len)..r.end.min(len);
+        if r.start > at {
+            out.push((at..r.start, false));
+        }
+        if !r.is_empty() {
+            at = r.end;
+            out.push((r, true));
+        }
+    }
+    if at < len {
+        out.push((at..len, false));
+    }
+    out
+}
+
 /// `[start_index, version]` on the wire.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(from = "(u32, u64)", into = "(u32, u64)")]
@@ -178,6 +201,12 @@ impl Sample {
     /// Whether the sample is an episode: it has environment tokens or turn rewards.
     pub fn is_episode(&self) -> bool {
         !self.env.is_empty() || !self.turn_rewards.is_empty()
+    }
+
+    /// The sample's turns in order: each range of tokens with whether the environment
+    /// wrote it (see [`turn_ranges`]).
+    pub fn turns(&self) -> Vec<(std::ops::Range<usize>, bool)> {
+        turn_ranges(self.tokens.len(), &self.env)
     }
 
     /// Whether each token is the model's own (an action, 1) or the environment's (0).
@@ -421,6 +450,32 @@ mod tests {
         let got: Vec<u64> = (0..5).map(|i| s.version_at(i)).collect();
         assert_eq!(got, vec![3, 3, 4, 4, 6]);
         assert_eq!(s.oldest_version(), Some(3));
+        assert_eq!(s.turns(), vec![(0..5, false)]);
+    }
+
+    #[test]
+    fn a_completion_cuts_into_its_turns() {
+        let span = |start, len| Span { start, len };
+        assert_eq!(
+            turn_ranges(9, &[span(3, 2), span(7, 1)]),
+            vec![
+                (0..3, false),
+                (3..5, true),
+                (5..7, false),
+                (7..8, true),
+                (8..9, false)
+            ]
+        );
+        // Ending on an environment span (a truncated episode), and spans past the end.
+        assert_eq!(
+            turn_ranges(5, &[span(3, 2)]),
+            vec![(0..3, false), (3..5, true)]
+        );
+        assert_eq!(
+            turn_ranges(4, &[span(3, 9)]),
+            vec![(0..3, false), (3..4, true)]
+        );
+        assert!(turn_ranges(0, &[]).is_empty());
     }
 
     /// Environment spans must be non-empty, in order, not overlapping and within the

@@ -29,8 +29,11 @@ crate::settings! {
         pub max_episode_tokens: u32 = 0,
         /// Episodes: an environment step that takes longer ends its episode (reason `env_timeout`, never trained).
         pub env_timeout_ms: u64 = 10_000,
-        /// Episodes: delay added before every step of a built-in environment, to stand in for a slow one (benchmarks, tests).
+        /// Episodes: delay added before every environment step, to stand in for a slow environment (benchmarks, tests).
         pub env_latency_ms: u64 = 0,
+        /// Episodes: an environment process speaking JSON lines (reset/step by episode_id, see README) that plays every episode prompt; run without a shell. Unset: the built-in environments.
+        #[arg(value_name = "CMD")]
+        pub env_cmd: Option<String> = None,
         /// Keep the k most likely tokens when sampling; 0 disables.
         pub top_k: u32 = 0,
         /// Keep the smallest set of tokens with this much probability; 1 disables.

@@ -13,7 +13,7 @@
 use super::GenConfig;
 use crate::bus::{Entry, EntryId};
 use crate::env::play::{Answer, EpisodeLimits, into_answer, turn_text};
-use crate::env::{self, EnvError, Environment};
+use crate::env::{self, EnvError, Environment, Environments};
 use crate::model::fault;
 use crate::model::sampler::{Completion, Generator, Request, Resumed, Turn, TurnLimits};
 use crate::model::tokenizer::Tokenizer;
@@ -153,7 +153,10 @@ struct Episodes {
     limits: EpisodeLimits,
     latency: Duration,
     timeout: Duration,
+    /// Where new episodes' environments come from.
+    make: Environments,
     envs: HashMap<(u64, usize), Box<dyn Environment>>,
+    /// When each step out was sent.
     out: HashMap<(u64, usize), Instant>,
     replies: (mpsc::Sender<EnvReply>, mpsc::Receiver<EnvReply>),
 }
@@ -162,7 +165,7 @@ impl Episodes {
     /// Runs `env`'s step on `turn` (text `action`) on a thread of its own.
     fn send(&mut self, turn: Turn, mut env: Box<dyn Environment>, action: String) {
         let key = (turn.request_id, turn.index);
-        self.out.insert(key, Instant::now() + self.timeout);
+        self.out.insert(key, Instant::now());
         let (tx, latency) = (self.replies.0.clone(), self.latency);
         let spawned = std::thread::Builder::new()
             .name("env-step".into())
@@ -212,6 +215,7 @@ impl Decoder {
         cfg: GenConfig,
         slot: ModelSlot<InferBackend>,
         tokenizer: Tokenizer,
+        environments: Environments,
     ) -> Self {
         let last_version = slot.load().version;
         let model_config = slot.load().policy.config().clone();
@@ -233,6 +237,7 @@ impl Decoder {
             },
             latency: Duration::from_millis(cfg.env_latency_ms),
             timeout: Duration::from_millis(cfg.env_timeout_ms),
+            make: environments,
             envs: HashMap::new(),
             out: HashMap::new(),
             replies: mpsc::channel(),
@@ -372,7 +377,9 @@ impl Decoder {
         let envs = if env::is_episode(&a.prompt.meta) {
             match (0..g)
                 .map(|_| {
-                    env::make(&a.prompt.meta)?
+                    self.episodes
+                        .make
+                        .make(&a.prompt.prompt_id, &a.prompt.text, &a.prompt.meta)?
                         .ok_or_else(|| EnvError::Setup("the prompt names no environment".into()))
                 })
                 .collect::<Result<Vec<_>, EnvError>>()
@@ -545,9 +552,10 @@ impl Decoder {
         for r in replies {
             let key = (r.turn.request_id, r.turn.index);
             // An answer after the deadline: its episode has already ended.
-            if self.episodes.out.remove(&key).is_none() {
+            let Some(sent) = self.episodes.out.remove(&key) else {
                 continue;
-            }
+            };
+            crate::metrics::env_step(sent.elapsed().as_secs_f64());
             let answer = r
                 .step
                 .and_then(|s| into_answer(s, &r.turn, &self.tokenizer, &self.episodes.limits));
@@ -558,7 +566,7 @@ impl Decoder {
             .episodes
             .out
             .iter()
-            .filter(|(_, deadline)| **deadline <= now)
+            .filter(|(_, sent)| now.duration_since(**sent) >= self.episodes.timeout)
             .map(|(&k, _)| k)
             .collect();
         let ms = self.episodes.timeout.as_millis() as u64;

@@ -40,6 +40,7 @@ pub use decode::DecodeStats;
 use super::StageError;
 use super::policy::PolicySettings;
 use crate::bus::{EntryId, SharedBus, Topology};
+use crate::env::Environments;
 use crate::model::hf::load_hf;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{InferBackend, Policy};
@@ -212,7 +213,18 @@ pub async fn run(
     let (done_tx, done_rx) = tokio::sync::mpsc::unbounded_channel::<Decoded>();
     let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<Settled>();
     // The decoder's own copy: an episode's turns to text, its observations to tokens.
-    let decoder = Decoder::new(policy.clone(), cfg.clone(), slot.clone(), load()?);
+    let environments = match &cfg.env_cmd {
+        Some(cmd) => Environments::external(cmd, Duration::from_millis(cfg.env_timeout_ms))
+            .map_err(|e| crate::settings::invalid("gen.env_cmd", e.to_string()))?,
+        None => Environments::builtin(),
+    };
+    let decoder = Decoder::new(
+        policy.clone(),
+        cfg.clone(),
+        slot.clone(),
+        load()?,
+        environments,
+    );
     let decode = decoder.spawn(admit_rx, done_tx, stop.clone())?;
     let (follower, announced) =
         spawn_follower(bus.clone(), topo, slot.clone(), transport, stop.clone());

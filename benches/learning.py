@@ -9,8 +9,9 @@ time), evaluated by `rlstream eval` on the same held-out prompts.
 
     python3 benches/learning.py --seeds 1,2,3,4,5 [--task longer] [--steps 200] [--async|--sync]
 
-For an episode task (`--task guess`) pass@1 is the success rate, reward the episode's
-return, and a second table gives the turns per episode.
+For an episode task (`--task guess`, `--task calc`) pass@1 is the success rate, reward the
+episode's return, and a second table gives the turns per episode; a tool-use task (`calc`)
+adds the tool-call rate and the share of valid calls.
 
 Prints a Markdown table per seed and the mean gain with its standard error over seeds, and
 writes everything to OUT/learning.json.
@@ -149,6 +150,26 @@ def main():
             )
         t, t_se = mean_se(turn_gains)
         lines += ["", f"Turns per episode change {t:+.3f} (standard error {t_se:.3f})."]
+    # Tool-use tasks (calc): how often the tool is called, and how often a call is valid.
+    if "tool_call_rate" in rows[0]["after"]:
+        lines += [
+            "",
+            "| seed | tool called, before → after RL | control | valid calls, before → after RL | control |",
+            "|---|---|---|---|---|",
+        ]
+        call_gains, valid_gains = [], []
+        for r in rows:
+            b, a, c = r["before"], r["after"], r["control"]
+            call_gains.append(a["tool_call_rate"]["mean"] - b["tool_call_rate"]["mean"])
+            valid_gains.append(a["tool_call_validity"]["mean"] - b["tool_call_validity"]["mean"])
+            lines.append(
+                f"| {r['seed']} | {pct(b['tool_call_rate'])} → {pct(a['tool_call_rate'])} | {pct(c['tool_call_rate'])} | "
+                f"{pct(b['tool_call_validity'])} → {pct(a['tool_call_validity'])} | {pct(c['tool_call_validity'])} |"
+            )
+        cg, cg_se = mean_se(call_gains)
+        vg, vg_se = mean_se(valid_gains)
+        lines += ["", f"Tool-call rate change {100 * cg:+.1f} points (standard error {100 * cg_se:.1f}); "
+                      f"call validity change {100 * vg:+.1f} points (standard error {100 * vg_se:.1f})."]
     text = "\n".join(lines)
     print(text)
     with open(os.path.join(out, "learning.json"), "w") as f:

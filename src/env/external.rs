@@ -53,6 +53,15 @@ enum Reply {
 
 type Waiting = Arc<Mutex<HashMap<String, mpsc::Sender<Reply>>>>;
 
+/// What a request keeps of the process it was sent to, to act on a timeout without the
+/// state lock.
+struct Handle {
+    child: Arc<Mutex<Child>>,
+    alive: Arc<AtomicBool>,
+    waiting: Waiting,
+    heard: Arc<AtomicU64>,
+}
+
 /// One started process.
 struct Running {
     child: Arc<Mutex<Child>>,
@@ -213,7 +222,7 @@ impl EnvProcess {
         on: Option<u64>,
         msg: &Value,
     ) -> Result<(serde_json::Map<String, Value>, u64), EnvError> {
-        let (rx, heard, sent_heard, incarnation) = {
+        let (rx, handle, sent_heard, incarnation) = {
             let mut st = lock(&self.state);
             let dead = st
                 .running
@@ -264,23 +273,30 @@ impl EnvProcess {
                     "cannot write to the environment process: {e}"
                 )));
             }
-            (rx, running.heard.clone(), sent_heard, running.incarnation)
+            let handle = Handle {
+                child: running.child.clone(),
+                alive: running.alive.clone(),
+                waiting: running.waiting.clone(),
+                heard: running.heard.clone(),
+            };
+            (rx, handle, sent_heard, running.incarnation)
         };
         match rx.recv_timeout(self.timeout) {
             Ok(Reply::Answer(a)) => Ok((a, incarnation)),
             Ok(Reply::Lost(e)) => Err(e),
             Err(_) => {
-                let st = lock(&self.state);
-                if let Some(r) = st.running.as_ref().filter(|r| r.incarnation == incarnation) {
-                    lock(&r.waiting).remove(episode);
-                    if heard.load(Ordering::SeqCst) == sent_heard {
-                        tracing::warn!(
-                            cmd = %self.command(),
-                            "the environment process said nothing for {} ms; killing it",
-                            self.timeout.as_millis()
-                        );
-                        r.kill();
-                    }
+                // Without the state lock: a writer blocked on a full pipe to a hung process
+                // holds it, and killing the process is what frees that writer.
+                lock(&handle.waiting).remove(episode);
+                if handle.heard.load(Ordering::SeqCst) == sent_heard
+                    && handle.alive.swap(false, Ordering::SeqCst)
+                {
+                    tracing::warn!(
+                        cmd = %self.command(),
+                        "the environment process said nothing for {} ms; killing it",
+                        self.timeout.as_millis()
+                    );
+                    let _ = lock(&handle.child).kill();
                 }
                 Err(EnvError::Timeout(self.timeout.as_millis() as u64))
             }

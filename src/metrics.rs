@@ -158,7 +158,7 @@ fn describe() {
     describe_histogram!(
         ENV_STEP_SECONDS,
         Unit::Seconds,
-        "Time from a model turn's end to its environment's answer (answered steps, failed ones included; timed-out ones not)."
+        "Time an environment step took, from the turn handed to it to its answer (answered steps, failed ones included; timed-out ones not)."
     );
     describe_counter!(
         ENV_STARTS_TOTAL,

@@ -145,6 +145,8 @@ struct EnvReply {
     turn: Turn,
     env: Box<dyn Environment>,
     step: Result<env::Step, EnvError>,
+    /// How long the step took, on its thread (a stand-in latency included).
+    seconds: f64,
 }
 
 /// The episodes in play: each row's environment (absent while it is out on a step) and
@@ -170,6 +172,7 @@ impl Episodes {
         let spawned = std::thread::Builder::new()
             .name("env-step".into())
             .spawn(move || {
+                let started = Instant::now();
                 if !latency.is_zero() {
                     std::thread::sleep(latency);
                 }
@@ -177,7 +180,13 @@ impl Episodes {
                     Ok(step) => step,
                     Err(panic) => Err(EnvError::Panic(panic)),
                 };
-                let _ = tx.send(EnvReply { turn, env, step });
+                let seconds = started.elapsed().as_secs_f64();
+                let _ = tx.send(EnvReply {
+                    turn,
+                    env,
+                    step,
+                    seconds,
+                });
             });
         if let Err(e) = spawned {
             // No thread: the deadline passes and the episode ends as timed out.
@@ -552,10 +561,10 @@ impl Decoder {
         for r in replies {
             let key = (r.turn.request_id, r.turn.index);
             // An answer after the deadline: its episode has already ended.
-            let Some(sent) = self.episodes.out.remove(&key) else {
+            if self.episodes.out.remove(&key).is_none() {
                 continue;
-            };
-            crate::metrics::env_step(sent.elapsed().as_secs_f64());
+            }
+            crate::metrics::env_step(r.seconds);
             let answer = r
                 .step
                 .and_then(|s| into_answer(s, &r.turn, &self.tokenizer, &self.episodes.limits));

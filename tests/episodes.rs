@@ -267,6 +267,49 @@ fn warm_start(dir: &std::path::Path, steps: u32) -> std::path::PathBuf {
     model
 }
 
+/// `rlstream train` of `model` for `steps` steps (4 groups each, checkpoints under `dir`)
+/// on the bus `args` names, run to its end beside the running gen and score: its stdout.
+/// `context` goes into the failure message.
+async fn train(
+    args: &dyn Fn(&[&str]) -> Vec<String>,
+    model: &str,
+    dir: &std::path::Path,
+    steps: u32,
+    context: &str,
+) -> String {
+    let ckpt = dir.join("ckpt");
+    let train_args = args(&[
+        "train",
+        "--model",
+        model,
+        "--groups-per-step",
+        "4",
+        "--steps",
+        &steps.to_string(),
+        "--max-lag",
+        "100",
+        "--checkpoint-dir",
+        ckpt.to_str().expect("utf-8"),
+    ]);
+    let o = tokio::task::spawn_blocking(move || {
+        common::bin()
+            .args(&train_args)
+            .output()
+            .expect("train runs")
+    })
+    .await
+    .expect("join");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&o.stdout).to_string(),
+        String::from_utf8_lossy(&o.stderr).to_string(),
+    );
+    assert!(
+        o.status.success(),
+        "train failed ({context}):\n{stdout}\n{stderr}"
+    );
+    stdout
+}
+
 /// A full run of the pipeline's stages as processes on Redis, playing guess games.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn gen_score_and_train_play_guess_games_on_redis() {
@@ -299,41 +342,8 @@ async fn gen_score_and_train_play_guess_games_on_redis() {
     ]);
     let generator = spawn(&gen_args, &logs("gen"));
     let score = spawn(&args(&["score"]), &logs("score"));
-    let ckpt = dir.path().join("ckpt");
-    let train_args = args(&[
-        "train",
-        "--model",
-        m,
-        "--groups-per-step",
-        "4",
-        "--steps",
-        "6",
-        "--max-lag",
-        "100",
-        "--checkpoint-dir",
-        ckpt.to_str().expect("utf-8"),
-    ]);
-    let out = tokio::task::spawn_blocking(move || {
-        let o = common::bin()
-            .args(&train_args)
-            .output()
-            .expect("train runs");
-        (
-            o.status.success(),
-            String::from_utf8_lossy(&o.stdout).to_string(),
-            String::from_utf8_lossy(&o.stderr).to_string(),
-        )
-    })
-    .await
-    .expect("join");
-    assert!(
-        out.0,
-        "train failed ({}):\n{}\n{}",
-        strs(&gen_args),
-        out.1,
-        out.2
-    );
-    assert!(out.1.contains("to version 6"), "{}", out.1);
+    let trained = train(&args, m, dir.path(), 6, &strs(&gen_args)).await;
+    assert!(trained.contains("to version 6"), "{trained}");
     let gen_scrape = scrape(&gen_metrics);
     assert!(
         metric(&gen_scrape, "rlstream_episodes_total{ended=\"done\"}") > 0.0,
@@ -564,35 +574,8 @@ async fn a_python_environment_plays_through_the_real_binaries() {
     ]);
     let generator = spawn(&gen_args, &logs("gen"));
     let score = spawn(&args(&["score"]), &logs("score"));
-    let ckpt = dir.path().join("ckpt");
-    let train_args = args(&[
-        "train",
-        "--model",
-        m,
-        "--groups-per-step",
-        "4",
-        "--steps",
-        "4",
-        "--max-lag",
-        "100",
-        "--checkpoint-dir",
-        ckpt.to_str().expect("utf-8"),
-    ]);
-    let out = tokio::task::spawn_blocking(move || {
-        let o = common::bin()
-            .args(&train_args)
-            .output()
-            .expect("train runs");
-        (
-            o.status.success(),
-            String::from_utf8_lossy(&o.stdout).to_string(),
-            String::from_utf8_lossy(&o.stderr).to_string(),
-        )
-    })
-    .await
-    .expect("join");
-    assert!(out.0, "train failed:\n{}\n{}", out.1, out.2);
-    assert!(out.1.contains("to version 4"), "{}", out.1);
+    let trained = train(&args, m, dir.path(), 4, &env_cmd).await;
+    assert!(trained.contains("to version 4"), "{trained}");
     let s = scrape(&gen_metrics);
     interrupt(generator, "gen", &logs("gen"));
     interrupt(score, "score", &logs("score"));

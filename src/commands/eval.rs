@@ -14,7 +14,7 @@
 use crate::display::{DisplayMode, Phase};
 use crate::env::{
     self,
-    play::{EpisodeLimits, play},
+    play::{EpisodeLimits, play, without_stop},
 };
 use crate::model::hf::load_hf;
 use crate::model::sampler::{Completion, Generator, Request, TurnLimits};
@@ -411,12 +411,9 @@ fn model_turns(c: &Completion, stop_tokens: &[u32], tokenizer: &Tokenizer) -> Ve
         .into_iter()
         .filter(|(_, env)| !env)
         .map(|(r, _)| {
-            let ids = &c.tokens[r];
-            let ids = match ids.split_last() {
-                Some((last, rest)) if stop_tokens.contains(last) => rest,
-                _ => ids,
-            };
-            tokenizer.decode(ids).unwrap_or_default()
+            tokenizer
+                .decode(without_stop(&c.tokens[r], stop_tokens))
+                .unwrap_or_default()
         })
         .collect()
 }

@@ -203,20 +203,7 @@ pub fn demonstration(
         }
     }
     turns.push(q.answer.to_string());
-    let mut env = q.clone();
-    let (mut tokens, mut own) = (Vec::new(), Vec::new());
-    for t in turns {
-        let mut turn = encode(&t);
-        turn.push(stop);
-        own.extend(std::iter::repeat_n(true, turn.len()));
-        tokens.extend(turn);
-        if let Ok(step) = env.step(&t) {
-            let obs = encode(&step.observation);
-            own.extend(std::iter::repeat_n(false, obs.len()));
-            tokens.extend(obs);
-        }
-    }
-    (tokens, own)
+    super::transcript(&mut q.clone(), &turns, encode, stop)
 }
 
 /// Tool use in one episode: calls made and valid, read off the model's turns.

@@ -259,14 +259,8 @@ impl EnvProcess {
             }
             let (tx, rx) = mpsc::channel();
             lock(&running.waiting).insert(episode.to_string(), tx);
-            let mut line = msg.to_string();
-            line.push('\n');
             let sent_heard = running.heard.load(Ordering::SeqCst);
-            if let Err(e) = running
-                .stdin
-                .write_all(line.as_bytes())
-                .and_then(|()| running.stdin.flush())
-            {
+            if let Err(e) = write_line(&mut running.stdin, msg) {
                 lock(&running.waiting).remove(episode);
                 running.kill();
                 return Err(EnvError::Crash(format!(
@@ -307,14 +301,17 @@ impl EnvProcess {
     fn tell(&self, on: u64, msg: &Value) {
         let mut st = lock(&self.state);
         if let Some(r) = st.running.as_mut().filter(|r| r.incarnation == on) {
-            let mut line = msg.to_string();
-            line.push('\n');
-            let _ = r
-                .stdin
-                .write_all(line.as_bytes())
-                .and_then(|()| r.stdin.flush());
+            let _ = write_line(&mut r.stdin, msg);
         }
     }
+}
+
+/// Writes `msg` as one line and flushes it.
+fn write_line(stdin: &mut ChildStdin, msg: &Value) -> std::io::Result<()> {
+    let mut line = msg.to_string();
+    line.push('\n');
+    stdin.write_all(line.as_bytes())?;
+    stdin.flush()
 }
 
 /// The reader thread of one process: hands each answer to its episode; on the process's

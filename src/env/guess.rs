@@ -169,21 +169,8 @@ pub fn demonstration(
             break g;
         }
     };
-    let mut env = game.clone();
-    let (mut tokens, mut own) = (Vec::new(), Vec::new());
-    for g in guesses {
-        let mut turn = encode(&g.to_string());
-        turn.push(stop);
-        own.extend(std::iter::repeat_n(true, turn.len()));
-        tokens.extend(turn);
-        // The game cannot fail; its answer to a number in range is never empty unless done.
-        if let Ok(step) = env.step(&g.to_string()) {
-            let obs = encode(&step.observation);
-            own.extend(std::iter::repeat_n(false, obs.len()));
-            tokens.extend(obs);
-        }
-    }
-    (tokens, own)
+    let turns: Vec<String> = guesses.iter().map(u32::to_string).collect();
+    super::transcript(&mut game.clone(), &turns, encode, stop)
 }
 
 #[cfg(test)]

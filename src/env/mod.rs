@@ -146,6 +146,32 @@ pub fn make(meta: &BTreeMap<String, String>) -> Result<Option<Box<dyn Environmen
     }
 }
 
+/// The completion an episode records when a scripted player says `turns` to `env`: each
+/// turn and the stop token `stop` (the model's), then the environment's answer (the
+/// environment's). Returns the tokens and, per token, whether it is the model's. What a
+/// warm start imitates.
+pub fn transcript(
+    env: &mut dyn Environment,
+    turns: &[String],
+    encode: impl Fn(&str) -> Vec<u32>,
+    stop: u32,
+) -> (Vec<u32>, Vec<bool>) {
+    let (mut tokens, mut own) = (Vec::new(), Vec::new());
+    for t in turns {
+        let mut turn = encode(t);
+        turn.push(stop);
+        own.extend(std::iter::repeat_n(true, turn.len()));
+        tokens.extend(turn);
+        // The built-in players' environments cannot fail; the last answer is empty (done).
+        if let Ok(step) = env.step(t) {
+            let obs = encode(&step.observation);
+            own.extend(std::iter::repeat_n(false, obs.len()));
+            tokens.extend(obs);
+        }
+    }
+    (tokens, own)
+}
+
 /// Whether a prompt with `meta` is played as episodes.
 pub fn is_episode(meta: &BTreeMap<String, String>) -> bool {
     meta.contains_key(ENV)

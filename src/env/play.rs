@@ -68,13 +68,17 @@ pub fn turn_text(
     stop_tokens: &[u32],
     tokenizer: &Tokenizer,
 ) -> Result<String, EnvError> {
-    let ids = match turn.tokens.split_last() {
-        Some((last, rest)) if stop_tokens.contains(last) => rest,
-        _ => &turn.tokens[..],
-    };
     tokenizer
-        .decode(ids)
+        .decode(without_stop(&turn.tokens, stop_tokens))
         .map_err(|e| EnvError::Observation(format!("the model's turn does not decode: {e}")))
+}
+
+/// A turn's ids with its final stop token (one of `stop_tokens`) left out.
+pub fn without_stop<'a>(ids: &'a [u32], stop_tokens: &[u32]) -> &'a [u32] {
+    match ids.split_last() {
+        Some((last, rest)) if stop_tokens.contains(last) => rest,
+        _ => ids,
+    }
 }
 
 /// What a step of the environment does to the episode of `turn`.

@@ -90,6 +90,7 @@ fn bench_train<B: AutodiffBackend + Kernels>(c: &mut Criterion, name: &str) {
                     prompt: p,
                     completion: c,
                     mask: None,
+                    routing: None,
                 })
                 .collect();
             let (lp, valid) = completion_logprobs(&model, &batch, 1.0);

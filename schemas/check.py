@@ -15,6 +15,7 @@ import array
 import base64
 import json
 import pathlib
+import struct
 import sys
 
 import jsonschema
@@ -108,10 +109,47 @@ def check_rollout_semantics(msg):
             if index <= last or index >= len(tokens) or index in env or reward != reward:
                 raise SystemExit(f"samples[{i}]: turn reward at {index} is out of order, past the tokens, on an env token or NaN")
             last = index
+    check_routing(msg)
     # A 1.x trainer would train the environment's tokens: an episode is 2.x.
     if episodes and msg["schema"][0] < 2:
         raise SystemExit("a rollout with env spans needs schema major 2")
     return episodes
+
+
+def routing_ids(r, tokens, field):
+    """The ids of a Routing covering `tokens` tokens, checked."""
+    layers, k, experts = r["layers"], r["k"], r["experts"]
+    width = 1 if experts <= 256 else 2
+    raw = r["ids"]
+    if len(raw) != tokens * layers * k * width:
+        raise SystemExit(f"{field}: {len(raw)} bytes for {tokens} tokens x {layers} layers x {k} ids x {width}")
+    ids = list(raw) if width == 1 else list(struct.unpack(f"<{len(raw) // 2}H", raw))
+    for c in range(0, len(ids), k):
+        chosen = ids[c:c + k]
+        if max(chosen) >= experts or len(set(chosen)) != k:
+            raise SystemExit(f"{field}: ids {chosen} out of range or repeated")
+    return ids
+
+
+def check_routing(msg):
+    """prompt_routing covers the prompt, each sample's routing its tokens but the last."""
+    prompt = msg.get("prompt_routing")
+    routed = [s.get("routing") is not None for s in msg["samples"]]
+    if prompt is None:
+        if any(routed):
+            raise SystemExit("a sample has routing but the group has no prompt_routing")
+        return
+    if not all(routed):
+        raise SystemExit("prompt_routing without every sample's routing")
+    routing_ids(prompt, len(u32s(msg["prompt_tokens"])), "prompt_routing")
+    shape = (prompt["layers"], prompt["k"], prompt["experts"])
+    for i, s in enumerate(msg["samples"]):
+        r = s["routing"]
+        if (r["layers"], r["k"], r["experts"]) != shape:
+            raise SystemExit(f"samples[{i}].routing: shape differs from prompt_routing's")
+        routing_ids(r, max(len(u32s(s["tokens"])) - 1, 0), f"samples[{i}].routing")
+    if tuple(msg["schema"]) < (2, 2):
+        raise SystemExit("a rollout with routing needs schema 2.2")
 
 
 def check_scored_semantics(msg):

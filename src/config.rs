@@ -105,6 +105,8 @@ crate::settings! {
         pub hidden: usize = 64,
         /// Layers of the warm-start model.
         pub layers: usize = 2,
+        /// Experts per layer of the warm-start model: a Qwen3-MoE-shaped policy routing each token to 2 of them (trained with train.routing, replay by default); 0 is dense.
+        pub experts: usize = 0,
         /// Progress as log lines even on a terminal.
         #[arg(num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
         pub plain: bool = false,

@@ -56,6 +56,8 @@ pub const CLIP_FRACTION: &str = "rlstream_clip_fraction";
 pub const KL: &str = "rlstream_kl";
 pub const ENTROPY: &str = "rlstream_entropy";
 pub const TEACHER_KL: &str = "rlstream_teacher_kl";
+pub const ROUTING_MISMATCH: &str = "rlstream_routing_mismatch_fraction";
+pub const LOGPROB_GAP: &str = "rlstream_logprob_gap";
 pub const GRAD_NORM: &str = "rlstream_grad_norm";
 pub const BUILD_INFO: &str = "rlstream_build_info";
 
@@ -292,6 +294,14 @@ fn describe() {
         TEACHER_KL,
         "KL(student || teacher) on the last step's sampled tokens (mean behaviour minus teacher log-prob), when a teacher scored them."
     );
+    describe_gauge!(
+        LOGPROB_GAP,
+        "Mean |trainer log-prob - behaviour log-prob| over the last step's sampled tokens."
+    );
+    describe_gauge!(
+        ROUTING_MISMATCH,
+        "Mixture-of-experts policies: fraction of the last step's recorded (token, MoE layer) routing decisions for which the trainer's live router picks other experts."
+    );
     describe_gauge!(GRAD_NORM, "Global gradient norm before clipping.");
     describe_gauge!(
         BUILD_INFO,
@@ -462,6 +472,10 @@ pub fn trained(s: &StepRecord, samples: u64) {
     gauge!(ENTROPY).set(s.entropy);
     if let Some(kl) = s.teacher_kl {
         gauge!(TEACHER_KL).set(kl);
+    }
+    gauge!(LOGPROB_GAP).set(s.logprob_gap);
+    if let Some(m) = s.routing_mismatch {
+        gauge!(ROUTING_MISMATCH).set(m);
     }
     gauge!(GRAD_NORM).set(s.grad_norm);
 }

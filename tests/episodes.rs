@@ -31,7 +31,7 @@ use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
 use rlstream::model::sampler::{Completion, Generator, Request, Resumed, TurnLimits};
 use rlstream::model::tokenizer::{CharTokenizer, Tokenizer};
 use rlstream::model::{InferBackend, Policy, TrainBackend};
-use rlstream::schema::{self, Message, RolloutGroup, Sample, SamplingParams, ScoredGroup};
+use rlstream::schema::{self, RolloutGroup, Sample, SamplingParams, ScoredGroup};
 use rlstream::tasks;
 use std::time::{Duration, Instant};
 
@@ -166,7 +166,7 @@ fn the_trainer_scores_every_model_token_as_the_sampler_did_across_weight_swaps()
     let mut stale_cache_gap = 0f32;
     for top_k in [0, 8] {
         let group = through_the_wire(&game, play_with_swaps(&models, &game, 6, top_k), top_k);
-        assert_eq!(group.schema, RolloutGroup::SCHEMA);
+        assert_eq!(group.schema, rlstream::schema::SchemaVersion { major: 2, minor: 1 });
         let seqs: Vec<ScoredSeq<'_>> = group
             .samples
             .iter()
@@ -174,6 +174,7 @@ fn the_trainer_scores_every_model_token_as_the_sampler_did_across_weight_swaps()
                 prompt: &group.prompt_tokens,
                 completion: &s.tokens,
                 mask: s.mask.as_ref(),
+                routing: None,
             })
             .collect();
         // Teacher-forced log-probs of the exact recorded ids under each version.

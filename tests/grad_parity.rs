@@ -79,6 +79,7 @@ fn groups(b: &Batch) -> Vec<ScoredGroup> {
                         }),
                         env: Vec::new(),
                         turn_rewards: Vec::new(),
+                        routing: None,
                     })
                     .collect(),
                 ..rollout.clone()

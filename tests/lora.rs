@@ -363,6 +363,7 @@ fn teacher_forced(model: &Policy<InferBackend>, prompt: &[u32], completion: &[u3
         prompt,
         completion,
         mask: None,
+        routing: None,
     };
     let (lp, _) = completion_logprobs(model, &[seq], 1.0);
     lp.into_data().into_vec().unwrap()

@@ -3,11 +3,17 @@
 //! by `scripts/make_parity_fixtures.py`) must give the reference logits within 1e-4 and the
 //! same greedy continuation, through both the full-recompute and the KV-cache paths; saving
 //! and reloading must be lossless. Configurations rlstream does not run are refused by name.
+//!
+//! The mixture-of-experts checkpoints (`scripts/make_moe_fixtures.py`: Qwen3-MoE with a
+//! dense layer among its sparse ones, Qwen2-MoE with a shared expert) must also choose
+//! the experts `transformers` chose for every token of every MoE layer, and read the same
+//! from the hub's per-expert tensors and from transformers 5's fused 3-D ones.
 
 use burn::tensor::{Int, Tensor, TensorData};
 use rlstream::model::config::PolicyConfig;
 use rlstream::model::hf::{self, load_hf};
 use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
+use rlstream::model::moe::Routes;
 use rlstream::model::sampler::{Generator, Request};
 use rlstream::model::{InferBackend, Policy};
 use rlstream::schema::SamplingParams;
@@ -85,6 +91,7 @@ fn logprob_diff(model: &Policy<B>, r: &Reference) -> f32 {
             prompt: &row[..3],
             completion: &row[3..],
             mask: None,
+            routing: None,
         })
         .collect();
     let (lp, _) = completion_logprobs(model, &seqs, 1.0);
@@ -153,6 +160,60 @@ fn qwen3_matches_transformers() {
     // The fixture's head width (16) is not hidden / heads (8), and q, k have their norms.
     assert_eq!((cfg.head_dim, cfg.hidden_size / cfg.num_heads), (16, 8));
     assert!(cfg.qk_norm && !cfg.qkv_bias);
+}
+
+/// The MoE checks: parity as for the dense models, each token's experts per MoE layer
+/// equal transformers' (recorded by the fixture script), and the fused layout reads as the
+/// per-expert one.
+fn check_moe(name: &str, experts: usize, shared: bool) {
+    check(name);
+    let device = Default::default();
+    let model: Policy<B> = load_hf(&fixture(name), &device).unwrap();
+    let moe = model.config().moe.clone().expect("an MoE config");
+    assert_eq!(
+        (moe.num_experts, moe.shared_expert_size.is_some()),
+        (experts, shared)
+    );
+    let v: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(fixture(name).join("reference.json")).unwrap(),
+    )
+    .unwrap();
+    let layers: Vec<usize> = serde_json::from_value(v["moe_layers"].clone()).unwrap();
+    assert_eq!(layers, model.config().moe_layers());
+    let want: Vec<Vec<Vec<Vec<u16>>>> = serde_json::from_value(v["experts"].clone()).unwrap();
+    let r = reference(name);
+    let (b, l) = (r.inputs.len(), r.inputs[0].len());
+    let ids: Vec<i64> = r.inputs.iter().flatten().map(|&t| i64::from(t)).collect();
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, l]), &device);
+    let mut routes = Routes::recording();
+    model.hidden_routed(tokens, &mut routes);
+    let want: Vec<u16> = want.into_iter().flatten().flatten().flatten().collect();
+    assert_eq!(routes.used, want, "{name}: experts chosen per token and layer");
+
+    let fused = hf::read_hf_tensors(&fixture(name).join("fused")).unwrap();
+    assert!(fused.keys().any(|k| k.ends_with("mlp.experts.gate_up_proj")));
+    let from_fused: Policy<B> = load_hf(&fixture(name).join("fused"), &device).unwrap();
+    assert_eq!(
+        from_fused.to_tensors().unwrap(),
+        model.to_tensors().unwrap(),
+        "{name}: the fused layout reads as the per-expert one"
+    );
+    // rlstream writes the hub's per-expert layout.
+    let dir = tempfile::tempdir().unwrap();
+    from_fused.save_hf(dir.path()).unwrap();
+    let written = hf::read_hf_tensors(dir.path()).unwrap();
+    assert!(written.contains_key("model.layers.0.mlp.experts.0.gate_proj.weight"));
+    assert!(!written.keys().any(|k| k.ends_with("gate_up_proj")));
+}
+
+#[test]
+fn qwen3_moe_matches_transformers() {
+    check_moe("qwen3_moe", 8, false);
+}
+
+#[test]
+fn qwen2_moe_with_a_shared_expert_matches_transformers() {
+    check_moe("qwen2_moe", 6, true);
 }
 
 #[test]
@@ -252,9 +313,14 @@ fn configurations_rlstream_does_not_run_are_refused_by_name() {
     refused(
         "qwen3",
         &|v| v["architectures"][0] = "Qwen3MoeForCausalLM".into(),
-        "Qwen3MoeForCausalLM",
+        "`num_experts` is required for Qwen3MoeForCausalLM",
     );
     refused("qwen3", &|v| v["num_experts"] = 8.into(), "num_experts");
+    refused(
+        "qwen3_moe",
+        &|v| v["num_experts_per_tok"] = 9.into(),
+        "`num_experts_per_tok` 9 must be between 1 and num_experts 8",
+    );
     refused(
         "qwen3",
         &|v| v["hidden_act"] = "gelu".into(),

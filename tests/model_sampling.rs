@@ -51,6 +51,7 @@ fn scored_seqs<'a>(reqs: &'a [Request], done: &'a [Completion]) -> Vec<ScoredSeq
             prompt: &reqs[c.request_id as usize].prompt,
             completion: &c.tokens,
             mask: c.mask.as_ref(),
+            routing: None,
         })
         .collect()
 }

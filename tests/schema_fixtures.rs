@@ -69,6 +69,22 @@ fn episodes() {
     check("ScoredGroup.episode", s);
 }
 
+/// A mixture-of-experts group carries its routing: the rollout is 2.2 and its scored
+/// group 3.1 (older readers of the same major ignore the routing and route live).
+#[test]
+fn routed_groups() {
+    let g = examples::routed_group();
+    assert_eq!(g.schema, schema::SchemaVersion { major: 2, minor: 2 });
+    check("RolloutGroup.routing", g.clone());
+    let s = schema::ScoredGroup {
+        schema: schema::ScoredGroup::version_for(&g, &None),
+        rollout: g,
+        ..examples::scored_group_v1()
+    };
+    assert_eq!(s.schema, schema::SchemaVersion { major: 3, minor: 1 });
+    check("ScoredGroup.routing", s);
+}
+
 /// A group as schema 1.0 wrote it still decodes, and a group without token rewards is
 /// still written as 1.0, so a 1.x trainer keeps reading what it reads right.
 #[test]

@@ -96,6 +96,7 @@ fn sample() -> impl Strategy<Value = Sample> {
                 mask,
                 env: Vec::new(),
                 turn_rewards: Vec::new(),
+                routing: None,
             }
         })
 }

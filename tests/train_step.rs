@@ -35,6 +35,7 @@ fn seq_logprobs(model: &Policy<InferBackend>, g: &ScoredGroup) -> Vec<f32> {
             prompt: &g.rollout.prompt_tokens,
             completion: &s.tokens,
             mask: None,
+            routing: None,
         })
         .collect();
     let (lp, _) = completion_logprobs(model, &seqs, 1.0);

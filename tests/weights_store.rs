@@ -136,6 +136,7 @@ fn samples_under_announced_weights(slot: &ModelSlot<InferBackend>, v: u64) {
             prompt: &g.rollout.prompt_tokens,
             completion: &s.tokens,
             mask: None,
+            routing: None,
         })
         .collect();
     let (lp, _) = completion_logprobs(&announced, &seqs, 1.0);

@@ -16,7 +16,7 @@ use std::time::Duration;
 const WAIT: Duration = Duration::from_millis(200);
 
 fn policy(seed: u64) -> Policy<InferBackend> {
-    Policy::random(&task_config(16, 1), seed, &Default::default()).unwrap()
+    Policy::random(&task_config(16, 1, 0), seed, &Default::default()).unwrap()
 }
 
 fn fresh_slot() -> ModelSlot<InferBackend> {
@@ -34,7 +34,7 @@ fn follower(
     Follower::new(
         bus.clone(),
         Topology::default(),
-        task_config(16, 1),
+        task_config(16, 1, 0),
         slot.clone(),
     )
     .with_transport(t)
@@ -162,7 +162,7 @@ async fn wrong_shapes_and_implausible_announces_are_rejected() {
     assert_eq!(f.poll(WAIT).await.unwrap(), Some(1));
 
     let wider =
-        Policy::<InferBackend>::random(&task_config(32, 1), 2, &Default::default()).unwrap();
+        Policy::<InferBackend>::random(&task_config(32, 1, 0), 2, &Default::default()).unwrap();
     publisher
         .publish(2, 2, &wider.to_bytes().unwrap())
         .await

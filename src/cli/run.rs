@@ -123,6 +123,7 @@ impl Args {
                 steps: r.sft_steps,
                 hidden: r.hidden,
                 layers: r.layers,
+                experts: r.experts,
                 seed: cfg.policy.seed,
                 ..SftOptions::default()
             },

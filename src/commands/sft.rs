@@ -36,6 +36,8 @@ crate::settings! {
         pub hidden: usize = 64,
         /// Layers of the model.
         pub layers: usize = 2,
+        /// Experts per layer: a Qwen3-MoE-shaped model whose every layer routes each token to 2 of this many experts (at least 2); 0 is a dense Qwen2-shaped model.
+        pub experts: usize = 0,
         /// Prompts held out for the accuracy report.
         pub eval: usize = 64,
         /// Continue from this model (written by `rlstream sft` or `run`) instead of a random
@@ -56,22 +58,26 @@ pub struct SftSummary {
     pub seconds: f64,
 }
 
-/// The policy shape of a built-in-task model of width `hidden`.
-pub fn task_config(hidden: usize, layers: usize) -> PolicyConfig {
+/// Experts each token of a built-in-task MoE model goes through.
+pub const TASK_TOP_K: usize = 2;
+
+/// The policy shape of a built-in-task model of width `hidden`: Qwen2-shaped, or with
+/// `experts` > 0 Qwen3-MoE-shaped, every layer routing each token to [`TASK_TOP_K`]
+/// experts of width `hidden` (so that two of them hold two thirds of the dense MLP's
+/// weights).
+pub fn task_config(hidden: usize, layers: usize, experts: usize) -> PolicyConfig {
     let vocab = tasks::char_tokenizer().vocab_size();
-    PolicyConfig::new(
-        Architecture::Qwen2,
-        vocab,
-        hidden,
-        hidden * 3,
-        layers,
-        4,
-        2,
-        hidden / 4,
-    )
-    .with_qkv_bias(true)
-    .with_max_position(128)
-    .with_eos_token_id(Some(CharTokenizer::EOS))
+    let arch = if experts > 0 {
+        Architecture::Qwen3Moe
+    } else {
+        Architecture::Qwen2
+    };
+    PolicyConfig::new(arch, vocab, hidden, hidden * 3, layers, 4, 2, hidden / 4)
+        .with_qkv_bias(experts == 0)
+        .with_qk_norm(experts > 0)
+        .with_moe((experts > 0).then(|| crate::model::MoeConfig::new(experts, TASK_TOP_K, hidden)))
+        .with_max_position(128)
+        .with_eos_token_id(Some(CharTokenizer::EOS))
 }
 
 /// Salt of a continued run's prompts (`--init`), so it does not repeat the first run's.
@@ -149,7 +155,13 @@ pub fn run(
     let device = Default::default();
     let (mut model, prompt_seed) = match &opts.init {
         None => {
-            let cfg = task_config(opts.hidden, opts.layers);
+            if opts.experts == 1 {
+                return Err(ModelError::Config {
+                    field: "--experts".into(),
+                    reason: format!("1 expert cannot route to {TASK_TOP_K}: give 0 (dense) or at least {TASK_TOP_K}"),
+                });
+            }
+            let cfg = task_config(opts.hidden, opts.layers, opts.experts);
             (
                 Policy::<TrainBackend>::random(&cfg, opts.seed, &device)?,
                 opts.seed,
@@ -171,6 +183,7 @@ pub fn run(
                 prompt: p,
                 completion: c,
                 mask: None,
+                routing: None,
             })
             .collect();
         let (lp, valid) = completion_logprobs(&model, &seqs, 1.0);

@@ -6,12 +6,17 @@ use burn::config::Config;
 use serde::{Deserialize, Serialize};
 
 /// Which Hugging Face architecture a checkpoint declares. All share the decoder; Qwen2
-/// adds q/k/v biases, Qwen3 a per-head RMSNorm on q and k (and a free head width).
+/// adds q/k/v biases, Qwen3 a per-head RMSNorm on q and k (and a free head width). The MoE
+/// variants replace the MLP of their sparse layers with routed experts ([`MoeConfig`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Architecture {
     Llama,
     Qwen2,
     Qwen3,
+    /// Qwen2-MoE: Qwen2's attention; experts plus a sigmoid-gated shared expert.
+    Qwen2Moe,
+    /// Qwen3-MoE: Qwen3's attention; experts only.
+    Qwen3Moe,
 }
 
 impl Architecture {
@@ -20,6 +25,8 @@ impl Architecture {
             Architecture::Llama => "LlamaForCausalLM",
             Architecture::Qwen2 => "Qwen2ForCausalLM",
             Architecture::Qwen3 => "Qwen3ForCausalLM",
+            Architecture::Qwen2Moe => "Qwen2MoeForCausalLM",
+            Architecture::Qwen3Moe => "Qwen3MoeForCausalLM",
         }
     }
     fn model_type(self) -> &'static str {
@@ -27,7 +34,65 @@ impl Architecture {
             Architecture::Llama => "llama",
             Architecture::Qwen2 => "qwen2",
             Architecture::Qwen3 => "qwen3",
+            Architecture::Qwen2Moe => "qwen2_moe",
+            Architecture::Qwen3Moe => "qwen3_moe",
         }
+    }
+
+    /// Whether the architecture routes tokens to experts.
+    pub fn is_moe(self) -> bool {
+        matches!(self, Architecture::Qwen2Moe | Architecture::Qwen3Moe)
+    }
+
+    /// Whether q and k get a per-head RMSNorm (the Qwen3 family).
+    fn qk_norm(self) -> bool {
+        matches!(self, Architecture::Qwen3 | Architecture::Qwen3Moe)
+    }
+}
+
+/// The mixture-of-experts layers of a Qwen2-MoE / Qwen3-MoE model: a softmax router picks
+/// `top_k` of `num_experts` SwiGLU experts per token, weighted by their router
+/// probabilities (renormalised over the chosen ones when `norm_topk_prob`).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct MoeConfig {
+    pub num_experts: usize,
+    /// Experts per token (`num_experts_per_tok`).
+    pub top_k: usize,
+    /// Width of one expert's SwiGLU (`moe_intermediate_size`).
+    pub expert_size: usize,
+    pub norm_topk_prob: bool,
+    /// Width of the shared expert every token also goes through, gated by a sigmoid
+    /// (Qwen2-MoE's `shared_expert_intermediate_size`); `None` for none.
+    pub shared_expert_size: Option<usize>,
+    /// Layer `i` is sparse when `(i + 1) % sparse_step == 0` and it is not in
+    /// `dense_layers` (`decoder_sparse_step`, `mlp_only_layers`); the others keep a dense
+    /// MLP of `intermediate_size`.
+    pub sparse_step: usize,
+    pub dense_layers: Vec<usize>,
+}
+
+impl MoeConfig {
+    /// A config with every layer sparse and no shared expert.
+    pub fn new(num_experts: usize, top_k: usize, expert_size: usize) -> Self {
+        MoeConfig {
+            num_experts,
+            top_k,
+            expert_size,
+            norm_topk_prob: true,
+            shared_expert_size: None,
+            sparse_step: 1,
+            dense_layers: Vec::new(),
+        }
+    }
+
+    /// Whether layer `i` routes to experts.
+    pub fn is_sparse(&self, i: usize) -> bool {
+        self.sparse_step > 0 && (i + 1).is_multiple_of(self.sparse_step) && !self.dense_layers.contains(&i)
+    }
+
+    /// Bytes one expert id takes in a rollout message: 1 up to 256 experts, else 2.
+    pub fn id_width(&self) -> usize {
+        if self.num_experts <= 256 { 1 } else { 2 }
     }
 }
 
@@ -140,6 +205,9 @@ pub struct PolicyConfig {
     pub bos_token_id: Option<u32>,
     #[config(default = "None")]
     pub eos_token_id: Option<u32>,
+    /// Routed experts (the MoE architectures); `None` for a dense model.
+    #[config(default = "None")]
+    pub moe: Option<MoeConfig>,
 }
 
 impl PolicyConfig {
@@ -148,6 +216,7 @@ impl PolicyConfig {
         crate::schema::Limits {
             vocab: self.vocab_size,
             context: self.max_position,
+            routing: self.routing_shape(),
         }
     }
 
@@ -156,6 +225,25 @@ impl PolicyConfig {
         PolicyConfig::new(architecture, vocab_size, 64, 128, 2, 4, 2, 16)
             .with_qkv_bias(architecture == Architecture::Qwen2)
             .with_max_position(512)
+    }
+
+    /// The indices of the layers that route to experts, in order (empty for a dense model).
+    pub fn moe_layers(&self) -> Vec<usize> {
+        match &self.moe {
+            Some(m) => (0..self.num_layers).filter(|&i| m.is_sparse(i)).collect(),
+            None => Vec::new(),
+        }
+    }
+
+    /// What routing data for this model must look like: MoE layers, experts per token and
+    /// experts per layer; `None` for a dense model.
+    pub fn routing_shape(&self) -> Option<crate::schema::RoutingShape> {
+        let m = self.moe.as_ref()?;
+        Some(crate::schema::RoutingShape {
+            layers: self.moe_layers().len() as u32,
+            k: m.top_k as u32,
+            experts: m.num_experts as u32,
+        })
     }
 
     /// Parameters, counting a tied head once.
@@ -170,11 +258,19 @@ impl PolicyConfig {
         };
         let qk_norm = if self.qk_norm { 2 * hd } else { 0 };
         let attn = q + kv + bias + qk_norm + self.num_heads * hd * d;
-        let mlp = 3 * d * self.intermediate_size;
-        let layer = attn + mlp + 2 * d;
+        let dense = 3 * d * self.intermediate_size;
+        let mlps: usize = (0..self.num_layers)
+            .map(|i| match &self.moe {
+                Some(m) if m.is_sparse(i) => {
+                    m.num_experts * (3 * d * m.expert_size + d)
+                        + m.shared_expert_size.map_or(0, |s| 3 * d * s + d)
+                }
+                _ => dense,
+            })
+            .sum();
         let embed = self.vocab_size * d;
         let head = if self.tie_embeddings { 0 } else { embed };
-        embed + head + d + self.num_layers * layer
+        embed + head + d + self.num_layers * (attn + 2 * d) + mlps
     }
 
     pub fn validate(&self) -> Result<(), ModelError> {
@@ -223,6 +319,41 @@ impl PolicyConfig {
                 format!("{} must be positive", self.rms_norm_eps),
             ));
         }
+        match (&self.moe, self.architecture.is_moe()) {
+            (Some(m), true) => {
+                if m.num_experts == 0 || m.num_experts > usize::from(u16::MAX) {
+                    return Err(bad(
+                        "num_experts",
+                        format!("{} must be between 1 and 65535", m.num_experts),
+                    ));
+                }
+                if m.top_k == 0 || m.top_k > m.num_experts {
+                    return Err(bad(
+                        "num_experts_per_tok",
+                        format!("{} must be between 1 and num_experts {}", m.top_k, m.num_experts),
+                    ));
+                }
+                if m.expert_size == 0 || m.shared_expert_size == Some(0) || m.sparse_step == 0 {
+                    return Err(bad(
+                        "moe_intermediate_size",
+                        "expert widths and decoder_sparse_step must be greater than 0".into(),
+                    ));
+                }
+            }
+            (None, true) => {
+                return Err(bad(
+                    "num_experts",
+                    format!("{} needs its experts", self.architecture.hf_name()),
+                ));
+            }
+            (Some(_), false) => {
+                return Err(bad(
+                    "num_experts",
+                    format!("{} is a dense architecture", self.architecture.hf_name()),
+                ));
+            }
+            (None, false) => {}
+        }
         Ok(())
     }
 
@@ -267,9 +398,25 @@ impl PolicyConfig {
                 v["mlp_bias"] = false.into();
             }
             Architecture::Qwen2 => v["use_sliding_window"] = false.into(),
-            Architecture::Qwen3 => {
+            Architecture::Qwen3 | Architecture::Qwen3Moe => {
                 v["attention_bias"] = self.qkv_bias.into();
                 v["use_sliding_window"] = false.into();
+            }
+            Architecture::Qwen2Moe => {
+                v["qkv_bias"] = self.qkv_bias.into();
+                v["use_sliding_window"] = false.into();
+            }
+        }
+        if let Some(m) = &self.moe {
+            v["num_experts"] = m.num_experts.into();
+            v["num_experts_per_tok"] = m.top_k.into();
+            v["moe_intermediate_size"] = m.expert_size.into();
+            v["norm_topk_prob"] = m.norm_topk_prob.into();
+            v["decoder_sparse_step"] = m.sparse_step.into();
+            v["mlp_only_layers"] = m.dense_layers.clone().into();
+            v["output_router_logits"] = false.into();
+            if let Some(s) = m.shared_expert_size {
+                v["shared_expert_intermediate_size"] = s.into();
             }
         }
         if let Some(b) = self.bos_token_id {
@@ -317,8 +464,24 @@ struct HfConfig {
     #[serde(default)]
     layer_types: Option<Vec<String>>,
     /// Mixture-of-experts configs carry these; a dense architecture name with them is refused.
-    #[serde(default)]
+    /// transformers 5 writes Qwen3-MoE's as `num_local_experts`.
+    #[serde(default, alias = "num_local_experts")]
     num_experts: Option<usize>,
+    #[serde(default)]
+    num_experts_per_tok: Option<usize>,
+    #[serde(default)]
+    moe_intermediate_size: Option<usize>,
+    #[serde(default)]
+    norm_topk_prob: Option<bool>,
+    #[serde(default)]
+    shared_expert_intermediate_size: Option<usize>,
+    #[serde(default)]
+    decoder_sparse_step: Option<usize>,
+    #[serde(default)]
+    mlp_only_layers: Option<Vec<usize>>,
+    /// Qwen2-MoE's name for the q/k/v biases.
+    #[serde(default)]
+    qkv_bias: Option<bool>,
     max_position_embeddings: Option<usize>,
     bos_token_id: Option<serde_json::Value>,
     eos_token_id: Option<serde_json::Value>,
@@ -348,18 +511,46 @@ impl HfConfig {
             Some("Qwen2ForCausalLM") => Architecture::Qwen2,
             Some("Qwen3ForCausalLM") => Architecture::Qwen3,
             Some("LlamaForCausalLM") => Architecture::Llama,
+            Some("Qwen2MoeForCausalLM") => Architecture::Qwen2Moe,
+            Some("Qwen3MoeForCausalLM") => Architecture::Qwen3Moe,
             other => {
                 return Err(ModelError::Unsupported(format!(
-                    "architecture {other:?}; rlstream reads LlamaForCausalLM, Qwen2ForCausalLM \
-                     and Qwen3ForCausalLM (dense)"
+                    "architecture {other:?}; rlstream reads LlamaForCausalLM, Qwen2ForCausalLM, \
+                     Qwen3ForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM"
                 )));
             }
         };
-        if self.num_experts.is_some_and(|n| n > 0) {
-            return Err(ModelError::Unsupported(
-                "num_experts (mixture-of-experts layers); rlstream runs dense models".into(),
-            ));
+        if !arch.is_moe() && self.num_experts.is_some_and(|n| n > 0) {
+            return Err(ModelError::Unsupported(format!(
+                "num_experts (mixture-of-experts layers) on {}, a dense architecture",
+                arch.hf_name()
+            )));
         }
+        let moe = if arch.is_moe() {
+            let need = |field: &str, v: Option<usize>| {
+                v.ok_or_else(|| ModelError::Config {
+                    field: field.into(),
+                    reason: format!("is required for {}", arch.hf_name()),
+                })
+            };
+            Some(MoeConfig {
+                num_experts: need("num_experts", self.num_experts)?,
+                top_k: need("num_experts_per_tok", self.num_experts_per_tok)?,
+                expert_size: need("moe_intermediate_size", self.moe_intermediate_size)?,
+                norm_topk_prob: self.norm_topk_prob.unwrap_or(false),
+                shared_expert_size: match arch {
+                    Architecture::Qwen2Moe => Some(need(
+                        "shared_expert_intermediate_size",
+                        self.shared_expert_intermediate_size,
+                    )?),
+                    _ => None,
+                },
+                sparse_step: self.decoder_sparse_step.unwrap_or(1),
+                dense_layers: self.mlp_only_layers.clone().unwrap_or_default(),
+            })
+        } else {
+            None
+        };
         if self.hidden_act != "silu" {
             return Err(ModelError::Unsupported(format!(
                 "hidden_act `{}` (only silu)",
@@ -435,16 +626,20 @@ impl HfConfig {
             rope_theta,
             qkv_bias: match arch {
                 Architecture::Qwen2 => true,
-                Architecture::Llama | Architecture::Qwen3 => self.attention_bias.unwrap_or(false),
+                Architecture::Qwen2Moe => self.qkv_bias.unwrap_or(true),
+                Architecture::Llama | Architecture::Qwen3 | Architecture::Qwen3Moe => {
+                    self.attention_bias.unwrap_or(false)
+                }
             },
-            qk_norm: arch == Architecture::Qwen3,
+            qk_norm: arch.qk_norm(),
             rope_scaling,
             tie_embeddings: self
                 .tie_word_embeddings
-                .unwrap_or(arch == Architecture::Qwen2),
+                .unwrap_or(matches!(arch, Architecture::Qwen2)),
             max_position: self.max_position_embeddings.unwrap_or(2048).min(1 << 16),
             bos_token_id: token_id(&self.bos_token_id),
             eos_token_id: token_id(&self.eos_token_id),
+            moe,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -6,7 +6,8 @@
 //! serialised as one safetensors buffer, are the weight blob the trainer publishes.
 
 use super::config::PolicyConfig;
-use super::llama::{Assembler, Block, Policy};
+use super::llama::{Assembler, Block, Mlp, Policy};
+use super::moe::Moe;
 use super::{ModelError, host_f32};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
@@ -74,9 +75,24 @@ pub fn expected_tensors(cfg: &PolicyConfig) -> Vec<(String, Vec<usize>)> {
         }
         out.push((format!("{p}.self_attn.o_proj.weight"), vec![d, q_out]));
         out.push((format!("{p}.post_attention_layernorm.weight"), vec![d]));
-        out.push((format!("{p}.mlp.gate_proj.weight"), vec![ff, d]));
-        out.push((format!("{p}.mlp.up_proj.weight"), vec![ff, d]));
-        out.push((format!("{p}.mlp.down_proj.weight"), vec![d, ff]));
+        let mut swiglu = |prefix: String, width: usize| {
+            out.push((format!("{prefix}.gate_proj.weight"), vec![width, d]));
+            out.push((format!("{prefix}.up_proj.weight"), vec![width, d]));
+            out.push((format!("{prefix}.down_proj.weight"), vec![d, width]));
+        };
+        match &cfg.moe {
+            Some(m) if m.is_sparse(i) => {
+                for j in 0..m.num_experts {
+                    swiglu(format!("{p}.mlp.experts.{j}"), m.expert_size);
+                }
+                if let Some(s) = m.shared_expert_size {
+                    swiglu(format!("{p}.mlp.shared_expert"), s);
+                    out.push((format!("{p}.mlp.shared_expert_gate.weight"), vec![1, d]));
+                }
+                out.push((format!("{p}.mlp.gate.weight"), vec![m.num_experts, d]));
+            }
+            _ => swiglu(format!("{p}.mlp"), ff),
+        }
     }
     out.push(("model.norm.weight".to_string(), vec![d]));
     if !cfg.tie_embeddings {
@@ -155,6 +171,7 @@ impl<B: Backend> Policy<B> {
         let asm = Assembler::<B>::new(device);
         let eps = cfg.rms_norm_eps;
         let mut blocks = Vec::with_capacity(cfg.num_layers);
+        let mut moe_index = 0;
         for i in 0..cfg.num_layers {
             let p = format!("model.layers.{i}");
             let bias = |n: &str| -> Result<Option<Tensor<B, 1>>, ModelError> {
@@ -183,16 +200,40 @@ impl<B: Backend> Policy<B> {
                 ],
                 qk_norm,
             );
-            let mlp = |n: &str| lin_w(&format!("{p}.mlp.{n}_proj.weight"));
+            let swiglu = |prefix: &str| -> Result<Mlp<B>, ModelError> {
+                let w = |n: &str| lin_w(&format!("{prefix}.{n}_proj.weight"));
+                Ok(Mlp {
+                    gate: asm.linear(w("gate")?, None),
+                    up: asm.linear(w("up")?, None),
+                    down: asm.linear(w("down")?, None),
+                })
+            };
+            let (mlp, moe) = match &cfg.moe {
+                Some(m) if m.is_sparse(i) => {
+                    let experts = (0..m.num_experts)
+                        .map(|j| swiglu(&format!("{p}.mlp.experts.{j}")))
+                        .collect::<Result<Vec<_>, _>>()?;
+                    let shared = match m.shared_expert_size {
+                        Some(_) => Some((
+                            swiglu(&format!("{p}.mlp.shared_expert"))?,
+                            asm.linear(lin_w(&format!("{p}.mlp.shared_expert_gate.weight"))?, None),
+                        )),
+                        None => None,
+                    };
+                    let router = asm.linear(lin_w(&format!("{p}.mlp.gate.weight"))?, None);
+                    let index = moe_index;
+                    moe_index += 1;
+                    let moe = Moe::new(router, experts, shared, m.top_k, m.norm_topk_prob, index);
+                    (None, Some(moe))
+                }
+                _ => (Some(swiglu(&format!("{p}.mlp"))?), None),
+            };
             blocks.push(Block {
                 attn_norm: asm.norm(t1(&format!("{p}.input_layernorm.weight"))?, eps),
                 attn,
                 mlp_norm: asm.norm(t1(&format!("{p}.post_attention_layernorm.weight"))?, eps),
-                mlp: super::llama::Mlp {
-                    gate: asm.linear(mlp("gate")?, None),
-                    up: asm.linear(mlp("up")?, None),
-                    down: asm.linear(mlp("down")?, None),
-                },
+                mlp,
+                moe,
                 lora: None,
             });
         }
@@ -269,12 +310,29 @@ impl<B: Backend> Policy<B> {
                     true,
                 );
             }
-            for (n, lin) in [
-                ("gate", &b.mlp.gate),
-                ("up", &b.mlp.up),
-                ("down", &b.mlp.down),
-            ] {
-                put2(format!("{p}.mlp.{n}_proj.weight"), lin.weight.val(), true);
+            let mut swiglu = |prefix: String, mlp: &Mlp<B>| {
+                for (n, lin) in [("gate", &mlp.gate), ("up", &mlp.up), ("down", &mlp.down)] {
+                    put2(format!("{prefix}.{n}_proj.weight"), lin.weight.val(), true);
+                }
+            };
+            if let Some(mlp) = &b.mlp {
+                swiglu(format!("{p}.mlp"), mlp);
+            }
+            if let Some(moe) = &b.moe {
+                for (j, expert) in moe.experts.iter().enumerate() {
+                    swiglu(format!("{p}.mlp.experts.{j}"), expert);
+                }
+                if let Some(shared) = &moe.shared {
+                    swiglu(format!("{p}.mlp.shared_expert"), shared);
+                }
+                if let Some(gate) = &moe.shared_gate {
+                    put2(
+                        format!("{p}.mlp.shared_expert_gate.weight"),
+                        gate.weight.val(),
+                        true,
+                    );
+                }
+                put2(format!("{p}.mlp.gate.weight"), moe.router.weight.val(), true);
             }
         }
         let mut put1 = |name: String, t: Tensor<B, 1>| {
@@ -393,8 +451,69 @@ pub fn load_hf<B: Backend>(dir: &Path, device: &B::Device) -> Result<Policy<B>, 
         reason: e.to_string(),
     })?;
     let cfg = PolicyConfig::from_hf_json(&text)?;
-    let tensors = read_hf_tensors(dir)?;
+    let mut tensors = read_hf_tensors(dir)?;
+    unfuse_experts(&mut tensors)?;
     Policy::from_owned_tensors(&cfg, tensors, device)
+}
+
+/// Splits fused 3-D expert tensors, as `transformers` 5 holds them
+/// (`mlp.experts.gate_up_proj` `[experts, 2 × width, hidden]` with the gate rows first, and
+/// `mlp.experts.down_proj` `[experts, hidden, width]`), into the per-expert tensors of the
+/// hub layout (`mlp.experts.{j}.gate_proj.weight` ...) that rlstream reads and writes.
+pub fn unfuse_experts(tensors: &mut TensorMap) -> Result<(), ModelError> {
+    let fused: Vec<String> = tensors
+        .keys()
+        .filter(|k| k.ends_with(".mlp.experts.gate_up_proj") || k.ends_with(".mlp.experts.down_proj"))
+        .cloned()
+        .collect();
+    for name in fused {
+        let Some(t) = tensors.remove(&name) else {
+            continue;
+        };
+        let &[experts, rows, cols] = t.shape.as_slice() else {
+            return Err(ModelError::Shape {
+                name,
+                expected: vec![0, 0, 0],
+                found: t.shape,
+            });
+        };
+        let (prefix, gate_up) = match name.strip_suffix("gate_up_proj") {
+            Some(p) => (p.to_string(), true),
+            None => (name.trim_end_matches("down_proj").to_string(), false),
+        };
+        if gate_up && !rows.is_multiple_of(2) {
+            return Err(ModelError::Shape {
+                name,
+                expected: vec![experts, rows + 1, cols],
+                found: t.shape,
+            });
+        }
+        let per = rows * cols;
+        for j in 0..experts {
+            let block = &t.data[j * per..(j + 1) * per];
+            if gate_up {
+                let half = rows / 2;
+                for (part, range) in [("gate", 0..half * cols), ("up", half * cols..per)] {
+                    tensors.insert(
+                        format!("{prefix}{j}.{part}_proj.weight"),
+                        HostTensor {
+                            shape: vec![half, cols],
+                            data: block[range].to_vec(),
+                        },
+                    );
+                }
+            } else {
+                tensors.insert(
+                    format!("{prefix}{j}.down_proj.weight"),
+                    HostTensor {
+                        shape: vec![rows, cols],
+                        data: block.to_vec(),
+                    },
+                );
+            }
+        }
+    }
+    Ok(())
 }
 
 /// The ids that end a completion: `config.json`'s `eos_token_id` and every id of

@@ -9,6 +9,7 @@
 use super::config::PolicyConfig;
 use super::kernels::Kernels;
 use super::lora::{BlockLora, Lora};
+use super::moe::{Moe, Routes};
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::backend::Backend;
@@ -31,7 +32,7 @@ pub struct Mlp<B: Backend> {
 
 impl<B: Kernels> Mlp<B> {
     /// On the rows `[b × l, hidden]` of a `[b, l]` batch, with the layer's adapters.
-    fn forward(
+    pub(crate) fn forward(
         &self,
         x: Tensor<B, 2>,
         bl: [usize; 2],
@@ -52,7 +53,11 @@ impl<B: Kernels> Mlp<B> {
 /// `layer` on the rows `[b × l, in]` of a `[b, l]` batch: through the fused kernel where
 /// the backend has a native one (one matrix product each way), else burn's `Linear` on
 /// `[b, l, in]` (Flex's matrix product parallelises, and rounds, by that shape).
-fn linear<B: Kernels>(layer: &Linear<B>, x: Tensor<B, 2>, [b, l]: [usize; 2]) -> Tensor<B, 2> {
+pub(crate) fn linear<B: Kernels>(
+    layer: &Linear<B>,
+    x: Tensor<B, 2>,
+    [b, l]: [usize; 2],
+) -> Tensor<B, 2> {
     if B::NATIVE_LINEAR {
         return native_linear(layer, x);
     }
@@ -115,7 +120,10 @@ pub struct Block<B: Backend> {
     pub attn_norm: RmsNorm<B>,
     pub attn: Attention<B>,
     pub mlp_norm: RmsNorm<B>,
-    pub mlp: Mlp<B>,
+    /// The dense MLP; `None` in a layer that routes to experts.
+    pub mlp: Option<Mlp<B>>,
+    /// Routed experts in a sparse layer of an MoE model.
+    pub moe: Option<Moe<B>>,
     /// LoRA adapters on this layer's linear modules (see [`super::lora`]).
     pub lora: Option<BlockLora<B>>,
 }
@@ -298,21 +306,35 @@ impl<B: Kernels> Policy<B> {
         positions: &[usize],
         mode: AttnMode<'_, B>,
     ) -> Tensor<B, 3> {
-        let x = self.trunk(tokens, positions, mode);
+        self.forward_routed(tokens, positions, mode, &mut Routes::default())
+    }
+
+    /// [`Policy::forward_with`] with the MoE layers routed (and recorded) as `routes` says.
+    pub(crate) fn forward_routed(
+        &self,
+        tokens: Tensor<B, 2, Int>,
+        positions: &[usize],
+        mode: AttnMode<'_, B>,
+        routes: &mut Routes,
+    ) -> Tensor<B, 3> {
+        let x = self.trunk_routed(tokens, positions, mode, routes);
         let [b, l, d] = x.dims();
         self.project(x.reshape([b * l, d]))
             .reshape([b, l, self.config.vocab_size])
     }
 
     /// Final hidden states `[batch, len, hidden]` (after the last norm): everything but
-    /// the LM head.
-    pub(crate) fn trunk(
+    /// the LM head. MoE layers are routed (and recorded) as `routes` says; the tokens of the pass are
+    /// the `[batch, len]` inputs in row-major order.
+    pub(crate) fn trunk_routed(
         &self,
         tokens: Tensor<B, 2, Int>,
         positions: &[usize],
         mode: AttnMode<'_, B>,
+        routes: &mut Routes,
     ) -> Tensor<B, 3> {
         let [b, l] = tokens.dims();
+        routes.begin(b * l, self.moe_layers());
         let device = tokens.device();
         let hd = self.config.head_dim;
         let pos = Tensor::<B, 1, Int>::from_data(
@@ -333,14 +355,21 @@ impl<B: Kernels> Policy<B> {
             AttnMode::Full => {
                 let bias = causal_bias::<B>(l, &device).reshape([1, 1, l, l]);
                 for block in &self.blocks {
-                    x = block.forward(x, cos.clone(), sin.clone(), bias.clone(), None);
+                    x = block.forward(x, cos.clone(), sin.clone(), bias.clone(), None, routes);
                 }
             }
             AttnMode::Cached(cache) => {
                 let total = cache.len + l;
                 let bias = cached_bias::<B>(&cache.starts, cache.len, l, &device);
                 for (block, layer) in self.blocks.iter().zip(cache.layers.iter_mut()) {
-                    x = block.forward(x, cos.clone(), sin.clone(), bias.clone(), Some(layer));
+                    x = block.forward(
+                        x,
+                        cos.clone(),
+                        sin.clone(),
+                        bias.clone(),
+                        Some(layer),
+                        routes,
+                    );
                 }
                 cache.len = total;
             }
@@ -359,9 +388,19 @@ impl<B: Kernels> Policy<B> {
     /// Final hidden states of whole sequences `[batch, len]` from position 0 (the
     /// trainer's view before the LM head; see [`super::logprobs`]).
     pub fn hidden(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
+        self.hidden_routed(tokens, &mut Routes::default())
+    }
+
+    /// [`Policy::hidden`] with the MoE layers routed (and recorded) as `routes` says.
+    pub fn hidden_routed(&self, tokens: Tensor<B, 2, Int>, routes: &mut Routes) -> Tensor<B, 3> {
         let [b, l] = tokens.dims();
         let positions: Vec<usize> = (0..b).flat_map(|_| 0..l).collect();
-        self.trunk(tokens, &positions, AttnMode::Full)
+        self.trunk_routed(tokens, &positions, AttnMode::Full, routes)
+    }
+
+    /// MoE layers in the model (0 for a dense one).
+    pub fn moe_layers(&self) -> usize {
+        self.blocks.iter().filter(|b| b.moe.is_some()).count()
     }
 }
 
@@ -373,6 +412,7 @@ impl<B: Kernels> Block<B> {
         sin: Tensor<B, 3>,
         bias: Tensor<B, 4>,
         cache: Option<&mut (Tensor<B, 4>, Tensor<B, 4>)>,
+        routes: &mut Routes,
     ) -> Tensor<B, 3> {
         let lora = self.lora.as_ref();
         let h = x.clone()
@@ -381,7 +421,12 @@ impl<B: Kernels> Block<B> {
                 .forward(rms_norm(&self.attn_norm, x), cos, sin, bias, cache, lora);
         let [b, l, d] = h.dims();
         let rows = rms_norm(&self.mlp_norm, h.clone()).reshape([b * l, d]);
-        h + self.mlp.forward(rows, [b, l], lora).reshape([b, l, d])
+        let out = match (&self.mlp, &self.moe) {
+            (_, Some(moe)) => moe.forward(rows, [b, l], routes),
+            (Some(mlp), None) => mlp.forward(rows, [b, l], lora),
+            (None, None) => return h,
+        };
+        h + out.reshape([b, l, d])
     }
 }
 

@@ -7,7 +7,8 @@
 use super::kernels::Kernels;
 use super::kernels::reference::{logsumexp, scaled, target_ids};
 use super::llama::{MASKED, Policy};
-use crate::schema::SamplingMask;
+use super::moe::{LIVE, Routes};
+use crate::schema::{Routing, SamplingMask};
 use burn::tensor::{Int, Tensor, TensorData};
 
 /// One sequence to score.
@@ -16,6 +17,26 @@ pub struct ScoredSeq<'a> {
     pub prompt: &'a [u32],
     pub completion: &'a [u32],
     pub mask: Option<&'a SamplingMask>,
+    /// MoE policies: the experts the sampler recorded for the prompt and for the
+    /// completion (see [`crate::schema::Routing`]).
+    pub routing: Option<(&'a Routing, &'a Routing)>,
+}
+
+/// How [`completion_logprobs_routed`] routes an MoE policy's tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Routed {
+    /// Through the experts the sampler recorded, where it recorded them.
+    Replay,
+    /// Through the live router's choice, counting where it differs from the record.
+    Live,
+}
+
+/// What the MoE layers of a scoring pass did with the recorded routing: decisions compared
+/// and how many of them the live router makes differently.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RoutingStats {
+    pub compared: usize,
+    pub differ: usize,
 }
 
 /// Log-probs `[batch, max_completion]` of each completion token and a `[batch,
@@ -32,6 +53,41 @@ pub fn completion_logprobs<B: Kernels>(
     seqs: &[ScoredSeq<'_>],
     temperature: f32,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
+    let (lp, valid, _) = completion_logprobs_routed(model, seqs, temperature, Routed::Live);
+    (lp, valid)
+}
+
+/// The `[batch × len, layers, k]` replay table of `seqs` padded to `lmax` positions:
+/// each sequence's recorded experts (prompt, then completion but its last token), and
+/// [`LIVE`] elsewhere. `None` when no sequence carries routing.
+fn replay_table(seqs: &[ScoredSeq<'_>], lmax: usize, per_token: usize) -> Option<Vec<u16>> {
+    if per_token == 0 || seqs.iter().all(|s| s.routing.is_none()) {
+        return None;
+    }
+    let mut table = vec![LIVE; seqs.len() * lmax * per_token];
+    for (r, s) in seqs.iter().enumerate() {
+        let Some((prompt, own)) = s.routing else {
+            continue;
+        };
+        let ids: Vec<u16> = prompt.unpack().into_iter().chain(own.unpack()).collect();
+        if ids.len() % per_token != 0 || ids.len() / per_token > lmax {
+            continue;
+        }
+        let at = r * lmax * per_token;
+        table[at..at + ids.len()].copy_from_slice(&ids);
+    }
+    Some(table)
+}
+
+/// [`completion_logprobs`] of an MoE policy routed as `routed` says, with what the MoE
+/// layers found comparing the live router with the recorded routing. A dense policy, or
+/// sequences without routing, route live.
+pub fn completion_logprobs_routed<B: Kernels>(
+    model: &Policy<B>,
+    seqs: &[ScoredSeq<'_>],
+    temperature: f32,
+    routed: Routed,
+) -> (Tensor<B, 2>, Tensor<B, 2>, RoutingStats) {
     let device = model.device();
     let b = seqs.len();
     let lmax = seqs
@@ -66,7 +122,20 @@ pub fn completion_logprobs<B: Kernels>(
         }
     }
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(input, [b, lmax]), &device);
-    let hidden = model.hidden(tokens);
+    let per_token = model
+        .config()
+        .routing_shape()
+        .map_or(0, |shape| shape.per_token());
+    let mut routes = match (replay_table(seqs, lmax, per_token), routed) {
+        (Some(table), Routed::Replay) => Routes::replaying(table),
+        (Some(table), Routed::Live) => Routes::comparing(table),
+        (None, _) => Routes::default(),
+    };
+    let hidden = model.hidden_routed(tokens, &mut routes);
+    let stats = RoutingStats {
+        compared: routes.replayed,
+        differ: routes.differ,
+    };
     let d = hidden.dims()[2];
     let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [b * cmax]), &device);
     let picked = hidden.reshape([b * lmax, d]).select(0, rows);
@@ -75,7 +144,7 @@ pub fn completion_logprobs<B: Kernels>(
     let valid = Tensor::<B, 2>::from_data(TensorData::new(valid, [b, cmax]), &device);
     let full = B::token_logprobs(logits.clone(), &target, temperature).reshape([b, cmax]);
     if seqs.iter().all(|s| s.mask.is_none()) {
-        return (full * valid.clone(), valid);
+        return (full * valid.clone(), valid, stats);
     }
     let scaled = scaled(logits, temperature);
     let tok = scaled.clone().gather(1, target_ids::<B>(&target, &device));
@@ -117,5 +186,5 @@ pub fn completion_logprobs<B: Kernels>(
     let masked = (tok - kept_lse).reshape([b, cmax]);
     let use_mask = Tensor::<B, 2>::from_data(TensorData::new(use_mask, [b, cmax]), &device);
     let out = masked * use_mask.clone() + full * (use_mask.neg() + 1.0);
-    (out * valid.clone(), valid)
+    (out * valid.clone(), valid, stats)
 }

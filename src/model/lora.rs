@@ -398,6 +398,13 @@ impl<B: Backend> Policy<B> {
             reason,
         })?;
         let cfg = self.config().clone();
+        if cfg.moe.is_some() {
+            return Err(ModelError::Unsupported(format!(
+                "LoRA on {}, a mixture-of-experts model: rlstream adapts dense models only \
+                 (train the MoE model's full weights instead)",
+                cfg.architecture.hf_name()
+            )));
+        }
         let expected: std::collections::HashMap<String, Vec<usize>> =
             spec.expected_tensors(&cfg).into_iter().collect();
         if let Some(extra) = tensors.keys().find(|k| !expected.contains_key(*k)) {
@@ -500,9 +507,16 @@ impl<B: Backend> Policy<B> {
                     Target::K => &mut block.attn.k,
                     Target::V => &mut block.attn.v,
                     Target::O => &mut block.attn.o,
-                    Target::Gate => &mut block.mlp.gate,
-                    Target::Up => &mut block.mlp.up,
-                    Target::Down => &mut block.mlp.down,
+                    Target::Gate | Target::Up | Target::Down => {
+                        let Some(mlp) = block.mlp.as_mut() else {
+                            continue;
+                        };
+                        match t {
+                            Target::Gate => &mut mlp.gate,
+                            Target::Up => &mut mlp.up,
+                            _ => &mut mlp.down,
+                        }
+                    }
                 };
                 let delta = l.a.val().matmul(l.b.val()).mul_scalar(l.scale);
                 let w = linear.weight.val() + delta;

@@ -12,6 +12,7 @@
 //! - [`logprobs`]: the trainer's teacher-forced log-probs, optionally renormalised over a
 //!   recorded sampling mask, with gradients.
 //! - [`lora`]: LoRA adapters (frozen base, low-rank updates), in PEFT's format on disk.
+//! - [`moe`]: mixture-of-experts layers (Qwen2-MoE, Qwen3-MoE) and routing replay.
 //! - [`fault`]: catching a panicking forward pass, and the hook that injects one.
 //! - [`tokenizer`]: Hugging Face `tokenizer.json` and a built-in character tokenizer.
 
@@ -23,10 +24,11 @@ pub mod kernels;
 pub mod llama;
 pub mod logprobs;
 pub mod lora;
+pub mod moe;
 pub mod sampler;
 pub mod tokenizer;
 
-pub use config::{Architecture, PolicyConfig};
+pub use config::{Architecture, MoeConfig, PolicyConfig};
 pub use kernels::Kernels;
 pub use llama::{KvCache, Policy};
 

@@ -24,8 +24,13 @@
 //! forcing with its version recomputes it.
 
 use super::llama::{AttnMode, KvCache, Policy};
+use super::moe::Routes;
 use super::{Kernels, ModelError};
-use crate::schema::{FinishReason, SamplingMask, SamplingParams, Span, TurnReward, VersionRun};
+use crate::schema::{
+    FinishReason, Routing, RoutingShape, SamplingMask, SamplingParams, Span, TurnReward,
+    VersionRun,
+};
+use std::sync::Arc;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use rand::rngs::StdRng;
@@ -59,6 +64,10 @@ pub struct Completion {
     pub turn_rewards: Vec<TurnReward>,
     /// Episodes: model turns taken.
     pub turns: u32,
+    /// MoE models: the experts of every completion token the model read (all but the
+    /// last), and of the prompt's tokens (shared by the request's completions).
+    pub routing: Option<Routing>,
+    pub prompt_routing: Option<Arc<Routing>>,
 }
 
 impl From<Completion> for crate::schema::Sample {
@@ -71,6 +80,7 @@ impl From<Completion> for crate::schema::Sample {
             mask: c.mask,
             env: c.env,
             turn_rewards: c.turn_rewards,
+            routing: c.routing,
         }
     }
 }
@@ -231,6 +241,11 @@ struct Row {
     /// cached position (`None` once a swap mixed two).
     prompt: Vec<u32>,
     cache_version: Option<u64>,
+    /// MoE models: the routing shape, the experts of each fed completion token
+    /// (`[tokens, layers, k]`), and the prompt's.
+    routing_shape: Option<RoutingShape>,
+    routing: Vec<u16>,
+    prompt_routing: Option<Arc<Routing>>,
 }
 
 /// What a row does after a token.
@@ -265,6 +280,9 @@ impl Row {
             turns: 0,
             prompt: Vec::new(),
             cache_version: None,
+            routing_shape: None,
+            routing: Vec::new(),
+            prompt_routing: None,
         }
     }
 
@@ -378,6 +396,10 @@ impl Row {
             env: self.env,
             turn_rewards: self.turn_rewards,
             turns: self.turns,
+            routing: self
+                .routing_shape
+                .map(|shape| Routing::pack(shape, &self.routing)),
+            prompt_routing: self.prompt_routing,
         }
     }
 }
@@ -408,6 +430,9 @@ pub struct Generator<B: Backend> {
     parked: Vec<Parked<B>>,
     /// Turns ended since the last [`Generator::take_turns`].
     turns: Vec<Turn>,
+    /// MoE models: the experts each row's token ran through in the last forward pass
+    /// (`[rows, layers, k]`), which [`Generator::sample`] files with the rows.
+    pass_routes: Option<Vec<u16>>,
 }
 
 impl<B: Backend> Default for Generator<B> {
@@ -418,6 +443,7 @@ impl<B: Backend> Default for Generator<B> {
             done: Vec::new(),
             parked: Vec::new(),
             turns: Vec::new(),
+            pass_routes: None,
         }
     }
 }
@@ -428,20 +454,32 @@ fn logits_rows<B: Backend>(logits: Tensor<B, 2>) -> Result<Vec<f32>, ModelError>
 }
 
 /// One decode step of `rows` (each feeding its last token) over `cache`, which it extends:
-/// the host logits `[rows, vocab]`.
+/// the host logits `[rows, vocab]`, and for an MoE model the experts each row's token ran
+/// through (`[rows, layers, k]`).
 fn decode_pass<'a, B: Kernels>(
     model: &Policy<B>,
     cache: &mut KvCache<B>,
     rows: impl ExactSizeIterator<Item = &'a Row>,
-) -> Result<Vec<f32>, ModelError> {
+) -> Result<(Vec<f32>, Option<Vec<u16>>), ModelError> {
     let b = rows.len();
     let last: Vec<i64> = rows
         .map(|r| i64::from(*r.tokens.last().unwrap_or(&0)))
         .collect();
     let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(last, [b, 1]), &model.device());
     let positions = cache.next_positions();
-    let logits = model.forward_with(tokens, &positions, AttnMode::Cached(cache));
-    logits_rows(logits.reshape([b, model.config().vocab_size]))
+    let mut routes = recording(model);
+    let logits = model.forward_routed(tokens, &positions, AttnMode::Cached(cache), &mut routes);
+    let host = logits_rows(logits.reshape([b, model.config().vocab_size]))?;
+    Ok((host, routes.record.then_some(routes.used)))
+}
+
+/// Routes that record the experts used when `model` has MoE layers.
+fn recording<B: Backend>(model: &Policy<B>) -> Routes {
+    if model.config().moe.is_some() {
+        Routes::recording()
+    } else {
+        Routes::default()
+    }
 }
 
 impl<B: Kernels> Generator<B> {
@@ -518,7 +556,10 @@ impl<B: Kernels> Generator<B> {
         let positions: Vec<usize> = (0..l).collect();
         // Only the last position's logits are needed: the LM head runs on one row, not on
         // the whole prompt (at a 151,936-id vocabulary, 35 GFLOP saved per 128-token prompt).
-        let hidden = model.trunk(tokens, &positions, AttnMode::Cached(&mut cache));
+        let mut routes = recording(model);
+        let hidden = model.trunk_routed(tokens, &positions, AttnMode::Cached(&mut cache), &mut routes);
+        let shape = model.config().routing_shape();
+        let prompt_routing = shape.map(|s| Arc::new(Routing::pack(s, &routes.used)));
         let d = model.config().hidden_size;
         let last = model.project(hidden.slice([0..1, l - 1..l]).reshape([1, d]));
         let last = logits_rows(last.reshape([1, vocab]))?;
@@ -526,6 +567,8 @@ impl<B: Kernels> Generator<B> {
         let (mut keep, mut rows) = (Vec::new(), Vec::new());
         for i in 0..req.n {
             let mut row = Row::new(req, i, budget);
+            row.routing_shape = shape;
+            row.prompt_routing = prompt_routing.clone();
             row.turn_tokens = episode.map(|t| t.turn_tokens.max(1));
             if episode.is_some() {
                 row.prompt = prompt_ids.clone();
@@ -655,7 +698,16 @@ impl<B: Kernels> Generator<B> {
         let p = if fresh { 0 } else { cache.next_positions()[0] };
         let positions: Vec<usize> = (p..p + l).collect();
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(feed, [1, l]), &model.device());
-        let hidden = model.trunk(tokens, &positions, AttnMode::Cached(&mut cache));
+        let mut routes = recording(model);
+        let hidden = model.trunk_routed(tokens, &positions, AttnMode::Cached(&mut cache), &mut routes);
+        // A token's routing is the one of its first feed: of a rebuilt cache's pass, only
+        // the newly fed tokens (the turn's last token and the observation) are kept.
+        if routes.record {
+            let per = routes.used.len() / l.max(1);
+            let new = (1 + observation.len()) * per;
+            let tail = routes.used.len().saturating_sub(new);
+            row.routing.extend_from_slice(&routes.used[tail..]);
+        }
         let d = model.config().hidden_size;
         let vocab = model.config().vocab_size;
         let logits = model.project(hidden.slice([0..1, l - 1..l]).reshape([1, d]));
@@ -700,7 +752,9 @@ impl<B: Kernels> Generator<B> {
         let Some(cache) = self.cache.as_mut().filter(|_| !self.rows.is_empty()) else {
             return Ok(None);
         };
-        decode_pass(model, cache, self.rows.iter()).map(Some)
+        let (host, routes) = decode_pass(model, cache, self.rows.iter())?;
+        self.pass_routes = routes;
+        Ok(Some(host))
     }
 
     /// The KV cache as it is now (tensor handles, no copy), for [`Generator::restore`].
@@ -711,6 +765,7 @@ impl<B: Kernels> Generator<B> {
     /// Puts back a cache taken by [`Generator::snapshot`] before a discarded pass.
     pub fn restore(&mut self, cache: Option<KvCache<B>>) {
         self.cache = cache;
+        self.pass_routes = None;
     }
 
     /// Runs row `i` alone through one forward pass on a copy of its cache: how a caller
@@ -755,7 +810,12 @@ impl<B: Kernels> Generator<B> {
         let mut keep = Vec::with_capacity(b);
         let mut still = Vec::with_capacity(b);
         let mut ended = Vec::new();
+        let routes = self.pass_routes.take();
+        let per = routes.as_ref().map_or(0, |r| r.len() / b.max(1));
         for (i, mut row) in std::mem::take(&mut self.rows).into_iter().enumerate() {
+            if let Some(r) = &routes {
+                row.routing.extend_from_slice(&r[i * per..(i + 1) * per]);
+            }
             // This pass fed the row's last token with the weights of `version`.
             row.cache_version = row.cache_version.filter(|&v| v == version);
             let draw = sample_token(&host[i * vocab..(i + 1) * vocab], &row.params, &mut row.rng);

@@ -2,8 +2,8 @@
 //! benchmarks and tests all build from here, so they agree on what a message looks like.
 
 use super::{
-    DeadLetter, Event, FinishReason, Floats, Prompt, RolloutGroup, Sample, SamplingMask,
-    SamplingParams, SchemaVersion, ScoredGroup, WeightsAnnounce, WeightsKind,
+    DeadLetter, Event, FinishReason, Floats, Prompt, RolloutGroup, Routing, RoutingShape, Sample,
+    SamplingMask, SamplingParams, SchemaVersion, ScoredGroup, WeightsAnnounce, WeightsKind,
 };
 use std::collections::BTreeMap;
 
@@ -78,6 +78,7 @@ pub fn rollout_group(samples: usize, tokens: usize, vocab: u32, mask_k: u32) -> 
                 }),
                 env: Vec::new(),
                 turn_rewards: Vec::new(),
+                routing: None,
             }
         })
         .collect();
@@ -100,7 +101,39 @@ pub fn rollout_group(samples: usize, tokens: usize, vocab: u32, mask_k: u32) -> 
         started_us: EXAMPLE_TIME_US,
         finished_us: EXAMPLE_TIME_US + 250_000,
         meta: BTreeMap::from([("answer".to_string(), "42".to_string())]),
+        prompt_routing: None,
     }
+}
+
+/// Routing of `tokens` tokens through `shape`: token `t`'s experts in layer `l` are
+/// `(t + l + j · 3) mod experts` for slot `j` (distinct while `3k` ≤ `experts`).
+pub fn routing(shape: RoutingShape, tokens: usize) -> Routing {
+    let ids: Vec<u16> = (0..tokens)
+        .flat_map(|t| {
+            (0..shape.layers as usize).flat_map(move |l| {
+                (0..shape.k as usize).map(move |j| ((t + l + 3 * j) % shape.experts as usize) as u16)
+            })
+        })
+        .collect();
+    Routing::pack(shape, &ids)
+}
+
+/// A mixture-of-experts policy's group (schema 2.2): [`rollout_group`]`(2, 4, 16, 2)` with
+/// the experts of 2 MoE layers, top-2 of 8, for the prompt's 6 tokens and each sample's
+/// first 3 (the last token is never read).
+pub fn routed_group() -> RolloutGroup {
+    let shape = RoutingShape {
+        layers: 2,
+        k: 2,
+        experts: 8,
+    };
+    let mut g = rollout_group(2, 4, 16, 2);
+    g.prompt_routing = Some(routing(shape, g.prompt_tokens.len()));
+    for s in &mut g.samples {
+        s.routing = Some(routing(shape, s.tokens.len() - 1));
+    }
+    g.schema = RolloutGroup::version_for(&g.samples);
+    g
 }
 
 /// A group of two episodes (schema 2.1), a guessing game over a 16-id vocabulary. Episode
@@ -121,6 +154,7 @@ pub fn episode_group() -> RolloutGroup {
         mask: None,
         env,
         turn_rewards: rewards.into_iter().map(Into::into).collect(),
+        routing: None,
     };
     let samples = vec![
         sample(

@@ -5,7 +5,7 @@
 //! Each refusal names the field and the limit; its `reason` is the dead-letter reason and
 //! the `reason` label of `rlstream_dead_letters_total`.
 
-use super::{Prompt, RolloutGroup, ScoredGroup};
+use super::{Prompt, RolloutGroup, RoutingShape, ScoredGroup};
 use std::fmt;
 
 /// What the model a stage runs can take.
@@ -15,12 +15,14 @@ pub struct Limits {
     pub vocab: usize,
     /// Prompt + completion tokens of one sample may be at most this many.
     pub context: usize,
+    /// The model's MoE layers; `None` for a dense model, which takes no routing.
+    pub routing: Option<RoutingShape>,
 }
 
 /// Why a message that decodes cannot run on the model.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Refusal {
-    /// `vocabulary`, `context` or `shape`.
+    /// `vocabulary`, `context`, `shape` or `routing`.
     pub reason: &'static str,
     pub detail: String,
 }
@@ -37,6 +39,7 @@ impl Refusal {
     pub const VOCABULARY: &'static str = "vocabulary";
     pub const CONTEXT: &'static str = "context";
     pub const SHAPE: &'static str = "shape";
+    pub const ROUTING: &'static str = "routing";
 }
 
 impl Limits {
@@ -83,9 +86,28 @@ impl Limits {
     }
 
     /// A generated group as the trainer will run it: a non-empty prompt, every id (prompt,
-    /// completions, kept sets of the sampling masks) in the vocabulary, and each sample's
-    /// prompt + completion within the context.
+    /// completions, kept sets of the sampling masks) in the vocabulary, each sample's
+    /// prompt + completion within the context, and routing (when there is any) for the
+    /// model's MoE layers.
     pub fn rollout(&self, g: &RolloutGroup) -> Result<(), Refusal> {
+        if let Some(r) = &g.prompt_routing
+            && self.routing != Some(r.shape())
+        {
+            return Err(Refusal {
+                reason: Refusal::ROUTING,
+                detail: match self.routing {
+                    Some(model) => format!(
+                        "prompt_routing is for {}; the model has {model}",
+                        r.shape()
+                    ),
+                    None => format!(
+                        "prompt_routing is for {}; the model is dense (routing comes from \
+                         a mixture-of-experts generator of another model)",
+                        r.shape()
+                    ),
+                },
+            });
+        }
         let prompt = g.prompt_tokens.as_slice();
         if prompt.is_empty() {
             return Err(Refusal {
@@ -131,6 +153,7 @@ mod tests {
     const LIMITS: Limits = Limits {
         vocab: 16,
         context: 10,
+        routing: None,
     };
 
     fn group(prompt: Vec<u32>, completion: Vec<u32>) -> RolloutGroup {

@@ -14,6 +14,7 @@ mod limits;
 mod packed;
 mod prompt;
 mod rollout;
+mod routing;
 mod scored;
 mod step;
 mod weights;
@@ -29,6 +30,7 @@ pub use rollout::{
     FinishReason, RolloutGroup, Sample, SamplingMask, SamplingParams, Span, TurnReward, VersionRun,
     turn_ranges,
 };
+pub use routing::{Routing, RoutingShape};
 pub use scored::ScoredGroup;
 pub use step::{StepFieldError, StepRecord};
 pub use weights::{AdapterInfo, DELTA_FORMAT, LORA_FORMAT_PREFIX, WeightsAnnounce, WeightsKind};

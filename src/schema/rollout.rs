@@ -7,8 +7,13 @@
 //! their log-probs, versions, kept sets and token rewards are ignored. A group with an
 //! episode is written as 2.0, since a 1.x trainer would train environment tokens as the
 //! model's own.
+//!
+//! A mixture-of-experts policy's group also carries its routing (schema 2.2, see
+//! [`super::routing`]): the experts chosen for the prompt's tokens once in
+//! `prompt_routing`, and for each sample's tokens in its `routing`. A 2.1 reader ignores
+//! both and trains with live routing, which is what it did before.
 
-use super::{CodecError, Floats, Message, SchemaVersion, Tokens, check_finite};
+use super::{CodecError, Floats, Message, Routing, SchemaVersion, Tokens, check_finite};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -35,6 +40,11 @@ pub struct RolloutGroup {
     /// Task data passed through from the prompt (e.g. the reference answer).
     #[serde(default)]
     pub meta: BTreeMap<String, String>,
+    /// Mixture-of-experts policies (schema 2.2): the experts the router chose for each
+    /// prompt token, recorded once for the group (the prompt is prefilled once). Present
+    /// exactly when every sample has its `routing`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub prompt_routing: Option<Routing>,
 }
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
@@ -62,6 +72,12 @@ pub struct Sample {
     /// scorer places them in `token_rewards`. Empty for a single-turn completion.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub turn_rewards: Vec<TurnReward>,
+    /// Mixture-of-experts policies (schema 2.2): the experts the router chose for each
+    /// token the model read, that is every token but the last (no forward pass reads the
+    /// last token: nothing is sampled after it). A token's routing is the one computed when
+    /// it was first fed, by the version that fed it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub routing: Option<Routing>,
 }
 
 /// `[index, reward]` on the wire: the environment's reward for the turn whose last model
@@ -389,15 +405,28 @@ impl RolloutGroup {
         self.samples.iter().any(Sample::is_episode)
     }
 
-    /// The version a group is written as: 2.1 when it holds an episode (a 1.x trainer would
-    /// train the environment's tokens; 2.1 added `turn_rewards`, which a 2.0 scorer ignores
-    /// and then finds no answer to score against), 1.0 otherwise.
+    /// The version a group is written as: 2.2 when it carries routing, 2.1 when it holds an
+    /// episode (a 1.x trainer would train the environment's tokens; 2.1 added
+    /// `turn_rewards`, which a 2.0 scorer ignores and then finds no answer to score
+    /// against), 1.0 otherwise.
     pub fn version_for(samples: &[Sample]) -> SchemaVersion {
-        if samples.iter().any(Sample::is_episode) {
+        if samples.iter().any(|s| s.routing.is_some()) {
             Self::SCHEMA
+        } else if samples.iter().any(Sample::is_episode) {
+            SchemaVersion { major: 2, minor: 1 }
         } else {
             SchemaVersion::CURRENT
         }
+    }
+
+    /// The routing of sample `i`'s whole sequence, prompt then completion (`[prompt +
+    /// completion − 1 tokens, layers, k]` ids), when the group carries routing.
+    pub fn sequence_routing(&self, i: usize) -> Option<Vec<u16>> {
+        let prompt = self.prompt_routing.as_ref()?;
+        let own = self.samples.get(i)?.routing.as_ref()?;
+        let mut ids = prompt.unpack();
+        ids.extend(own.unpack());
+        Some(ids)
     }
 
     /// Completion tokens across all samples.
@@ -417,13 +446,48 @@ impl RolloutGroup {
         for (i, s) in self.samples.iter().enumerate() {
             s.validate(kind, i)?;
         }
+        self.validate_routing(kind)
+    }
+
+    /// Routing is all or nothing: the prompt's and every sample's, one shape, each the
+    /// right length with ids in range.
+    fn validate_routing(&self, kind: &'static str) -> Result<(), CodecError> {
+        let Some(prompt) = &self.prompt_routing else {
+            return match self.samples.iter().position(|s| s.routing.is_some()) {
+                Some(i) => Err(CodecError::invalid(
+                    kind,
+                    format!("samples[{i}].routing"),
+                    "a sample has routing but the group has no prompt_routing",
+                )),
+                None => Ok(()),
+            };
+        };
+        prompt.validate(kind, "prompt_routing", self.prompt_tokens.len())?;
+        for (i, s) in self.samples.iter().enumerate() {
+            let field = format!("samples[{i}].routing");
+            let Some(r) = &s.routing else {
+                return Err(CodecError::invalid(
+                    kind,
+                    field,
+                    "missing while the group has prompt_routing",
+                ));
+            };
+            if r.shape() != prompt.shape() {
+                return Err(CodecError::invalid(
+                    kind,
+                    field,
+                    format!("shape ({}) differs from prompt_routing's ({})", r.shape(), prompt.shape()),
+                ));
+            }
+            r.validate(kind, &field, s.tokens.len().saturating_sub(1))?;
+        }
         Ok(())
     }
 }
 
 impl Message for RolloutGroup {
     const KIND: &'static str = "RolloutGroup";
-    const SCHEMA: SchemaVersion = SchemaVersion { major: 2, minor: 1 };
+    const SCHEMA: SchemaVersion = SchemaVersion { major: 2, minor: 2 };
     fn schema(&self) -> SchemaVersion {
         self.schema
     }
@@ -446,6 +510,7 @@ mod tests {
             mask: None,
             env: Vec::new(),
             turn_rewards: Vec::new(),
+            routing: None,
         };
         let got: Vec<u64> = (0..5).map(|i| s.version_at(i)).collect();
         assert_eq!(got, vec![3, 3, 4, 4, 6]);
@@ -513,20 +578,15 @@ mod tests {
             ids: ids.into(),
         });
         assert!(masked.validate_as("RolloutGroup").is_ok());
-        assert_eq!(
-            RolloutGroup::version_for(&masked.samples),
-            RolloutGroup::SCHEMA
-        );
+        let episode = SchemaVersion { major: 2, minor: 1 };
+        assert_eq!(RolloutGroup::version_for(&masked.samples), episode);
         masked.samples.iter_mut().for_each(|s| s.env.clear());
         assert!(
             masked.validate_as("RolloutGroup").is_err(),
             "now token 2 is the model's"
         );
         // Turn rewards alone still make an episode (one solved in a single turn).
-        assert_eq!(
-            RolloutGroup::version_for(&masked.samples),
-            RolloutGroup::SCHEMA
-        );
+        assert_eq!(RolloutGroup::version_for(&masked.samples), episode);
         masked
             .samples
             .iter_mut()

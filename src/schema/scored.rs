@@ -31,7 +31,8 @@ pub struct ScoredGroup {
 }
 
 impl ScoredGroup {
-    /// The version a group is written as: 3.0 when its rollout holds an episode (a 2.x
+    /// The version a group is written as: 3.1 when its rollout carries routing (a 3.0
+    /// trainer ignores it and routes live); 3.0 when its rollout holds an episode (a 2.x
     /// trainer, which reads no environment spans, would train the environment's tokens);
     /// 2.0 when it carries `token_rewards`, which a 1.x trainer would silently train
     /// without; 1.0 otherwise, which every reader since 1.0 reads the same way.
@@ -39,8 +40,10 @@ impl ScoredGroup {
         rollout: &RolloutGroup,
         token_rewards: &Option<Vec<Floats>>,
     ) -> SchemaVersion {
-        if rollout.has_episodes() {
+        if rollout.prompt_routing.is_some() {
             Self::SCHEMA
+        } else if rollout.has_episodes() {
+            SchemaVersion { major: 3, minor: 0 }
         } else if token_rewards.is_some() {
             SchemaVersion { major: 2, minor: 0 }
         } else {
@@ -77,7 +80,7 @@ impl ScoredGroup {
 
 impl Message for ScoredGroup {
     const KIND: &'static str = "ScoredGroup";
-    const SCHEMA: SchemaVersion = SchemaVersion { major: 3, minor: 0 };
+    const SCHEMA: SchemaVersion = SchemaVersion { major: 3, minor: 1 };
     fn schema(&self) -> SchemaVersion {
         self.schema
     }

@@ -25,6 +25,13 @@ pub struct StepRecord {
     pub ratio_max: f64,
     /// KL(μ‖π) estimated on the sampled tokens (k3).
     pub mismatch_kl: f64,
+    /// Mean |log π − log μ| over the sampled tokens: how far the trainer's log-probs are
+    /// from the behaviour log-probs.
+    pub logprob_gap: f64,
+    /// Mixture-of-experts policies: the fraction of the recorded (token, MoE layer)
+    /// routing decisions for which the trainer's live router picks other experts. None
+    /// when no group carried routing.
+    pub routing_mismatch: Option<f64>,
     /// KL to the initial policy (k3), when `kl_coef` > 0.
     pub ref_kl: f64,
     /// KL(student ‖ teacher) on the sampled tokens (mean behaviour − teacher log-prob) of

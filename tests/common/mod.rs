@@ -85,6 +85,9 @@ pub fn sampled_group(
         params: params.clone(),
     };
     let done = Generator::generate(model, 0, &[req]).unwrap();
+    let prompt_routing = done
+        .first()
+        .and_then(|c| c.prompt_routing.as_deref().cloned());
     ScoredGroup {
         schema: SchemaVersion::CURRENT,
         rollout: RolloutGroup {
@@ -99,6 +102,7 @@ pub fn sampled_group(
             started_us: 0,
             finished_us: 0,
             meta: Default::default(),
+            prompt_routing,
         },
         advantages: advantages(&rewards, AdvantageKind::Grpo),
         rewards,

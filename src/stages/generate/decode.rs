@@ -110,9 +110,15 @@ impl Pending {
     fn into_group(self, gen_id: &str) -> Result<RolloutGroup, (Entry, EnvError)> {
         let mut failure = None;
         let mut samples = Vec::new();
+        let mut prompt_routing = None;
         for slot in self.done.into_iter().flatten() {
             match slot {
-                Slot::Done(c) => samples.push(Sample::from(c)),
+                Slot::Done(mut c) => {
+                    if let Some(r) = c.prompt_routing.take() {
+                        prompt_routing.get_or_insert(r);
+                    }
+                    samples.push(Sample::from(c));
+                }
                 Slot::Failed(e) => {
                     failure.get_or_insert(e);
                 }
@@ -136,6 +142,7 @@ impl Pending {
             started_us: self.started_us,
             finished_us: schema::now_us(),
             meta: self.prompt.meta,
+            prompt_routing: prompt_routing.map(|r| std::sync::Arc::unwrap_or_clone(r)),
         })
     }
 }

@@ -269,6 +269,7 @@ mod tests {
             limits: Limits {
                 vocab: 10,
                 context: 8,
+                routing: None,
             },
             bos: 1,
             max_new_tokens: 3,

@@ -111,6 +111,7 @@ fn group_logprobs(
             prompt: &g.prompt_tokens,
             completion: &s.tokens,
             mask: None,
+            routing: None,
         })
         .collect();
     let (lp, _) = completion_logprobs(model, &seqs, 1.0);

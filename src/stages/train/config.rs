@@ -16,6 +16,18 @@ pub enum LossKind {
 }
 crate::enum_setting!(LossKind);
 
+/// Which experts a mixture-of-experts policy's tokens run through in the trainer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum RoutingMode {
+    /// The experts the generator recorded (the rollout's routing); the gate weights come
+    /// from the live router at those experts, so the router still learns.
+    Replay,
+    /// The trainer's own router picks the experts again.
+    Live,
+}
+crate::enum_setting!(RoutingMode);
+
 crate::settings! {
     /// The `[train]` section.
     pub struct TrainConfig, flags TrainArgs, section "train" {
@@ -63,6 +75,8 @@ crate::settings! {
         /// Start from this PEFT adapter directory (its adapter_config.json sets rank, alpha and targets) instead of a fresh adapter.
         #[arg(value_name = "DIR")]
         pub lora_from: Option<PathBuf> = None,
+        /// Mixture-of-experts policies: replay the experts the generator recorded for each token (the router's gate weights stay live and keep their gradient), or route live. Groups without routing route live either way; dense models ignore it.
+        pub routing: RoutingMode = RoutingMode::Replay,
         /// Consumer name, unique per trainer process.
         pub name: String = "train-0".into(),
     }

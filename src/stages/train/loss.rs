@@ -2,8 +2,8 @@
 //! TIS or capped-REINFORCE surrogate, the optional KL to the initial policy, and the step's
 //! statistics.
 
-use super::{LossKind, TrainerSettings, credit};
-use crate::model::logprobs::{ScoredSeq, completion_logprobs};
+use super::{LossKind, RoutingMode, TrainerSettings, credit};
+use crate::model::logprobs::{Routed, ScoredSeq, completion_logprobs, completion_logprobs_routed};
 use crate::model::{Kernels, ModelError, Policy};
 use crate::schema::{ScoredGroup, StepRecord};
 use burn::tensor::backend::{AutodiffBackend, Backend};
@@ -81,6 +81,7 @@ impl<'a> Samples<'a> {
                     prompt: &g.rollout.prompt_tokens,
                     completion: &s.tokens,
                     mask: s.mask.as_ref(),
+                    routing: g.rollout.prompt_routing.as_ref().zip(s.routing.as_ref()),
                 });
                 out.behaviour.push(s.logprobs.as_slice());
             }
@@ -135,6 +136,8 @@ pub struct Part {
     l: Vec<f32>,
     loss: f64,
     ref_kl: f64,
+    /// MoE: recorded routing decisions seen, and those the live router makes differently.
+    routing: crate::model::logprobs::RoutingStats,
 }
 
 /// The loss of the samples in `range`: their per-token surrogate (and KL) summed and
@@ -154,7 +157,12 @@ where
     let device = model.device();
     let seqs = &samples.seqs[range.clone()];
     let b = seqs.len();
-    let (lp, valid) = completion_logprobs(model, seqs, cfg.policy.temperature);
+    let routed = match cfg.train.routing {
+        RoutingMode::Replay => Routed::Replay,
+        RoutingMode::Live => Routed::Live,
+    };
+    let (lp, valid, routing) =
+        completion_logprobs_routed(model, seqs, cfg.policy.temperature, routed);
     let c = lp.dims()[1];
     let mut mu = vec![0f32; b * c];
     let mut a_tok = vec![0f32; b * c];
@@ -205,6 +213,7 @@ where
         l: host(lp.detach())?,
         loss: f64::from(scalar(total.clone().detach())?),
         ref_kl,
+        routing,
     };
     Ok((total, part))
 }
@@ -215,10 +224,13 @@ pub fn stats(parts: &[Part], groups: &[&ScoredGroup], cfg: &TrainerSettings) -> 
         parts.iter().flat_map(|p| f(p).iter().copied()).collect()
     };
     let (r, v, l) = (cat(|p| &p.r), cat(|p| &p.v), cat(|p| &p.l));
+    let compared: usize = parts.iter().map(|p| p.routing.compared).sum();
+    let differ: usize = parts.iter().map(|p| p.routing.differ).sum();
     StepRecord {
         loss: parts.iter().map(|p| p.loss).sum(),
         ref_kl: parts.iter().map(|p| p.ref_kl).sum(),
         teacher_kl: teacher_kl(groups),
+        routing_mismatch: (compared > 0).then(|| differ as f64 / compared as f64),
         ..token_stats(&r, &v, &l, groups, cfg)
     }
 }
@@ -279,6 +291,7 @@ fn token_stats(
 ) -> StepRecord {
     let (mut sum_r, mut sum_r2, mut n, mut clipped, mut r_max, mut mkl, mut nll) =
         (0f64, 0f64, 0f64, 0f64, 0f64, 0f64, 0f64);
+    let mut gap = 0f64;
     for i in 0..r.len() {
         if v[i] == 0.0 {
             continue;
@@ -297,6 +310,7 @@ fn token_stats(
         };
         clipped += f64::from(u8::from(out));
         mkl += ri - 1.0 - ri.ln();
+        gap += ri.ln().abs();
         nll -= f64::from(l[i]);
     }
     let n = n.max(1.0);
@@ -318,6 +332,7 @@ fn token_stats(
         ratio_mean: sum_r / n,
         ratio_max: r_max,
         mismatch_kl: mkl / n,
+        logprob_gap: gap / n,
         entropy: nll / n,
         groups: groups.len() as u64,
         tokens: n as u64,
@@ -362,6 +377,7 @@ mod tests {
             prompt: &rollout.prompt_tokens,
             completion: &rollout.samples[0].tokens,
             mask: None,
+            routing: None,
         };
         // A backward pass consumes its graph: each token's log-prob gets a forward of its own.
         let lp = || completion_logprobs(&model, &[seq], 1.0).0;

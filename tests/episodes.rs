@@ -166,7 +166,10 @@ fn the_trainer_scores_every_model_token_as_the_sampler_did_across_weight_swaps()
     let mut stale_cache_gap = 0f32;
     for top_k in [0, 8] {
         let group = through_the_wire(&game, play_with_swaps(&models, &game, 6, top_k), top_k);
-        assert_eq!(group.schema, rlstream::schema::SchemaVersion { major: 2, minor: 1 });
+        assert_eq!(
+            group.schema,
+            rlstream::schema::SchemaVersion { major: 2, minor: 1 }
+        );
         let seqs: Vec<ScoredSeq<'_>> = group
             .samples
             .iter()

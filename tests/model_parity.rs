@@ -188,10 +188,17 @@ fn check_moe(name: &str, experts: usize, shared: bool) {
     let mut routes = Routes::recording();
     model.hidden_routed(tokens, &mut routes);
     let want: Vec<u16> = want.into_iter().flatten().flatten().flatten().collect();
-    assert_eq!(routes.used, want, "{name}: experts chosen per token and layer");
+    assert_eq!(
+        routes.used, want,
+        "{name}: experts chosen per token and layer"
+    );
 
     let fused = hf::read_hf_tensors(&fixture(name).join("fused")).unwrap();
-    assert!(fused.keys().any(|k| k.ends_with("mlp.experts.gate_up_proj")));
+    assert!(
+        fused
+            .keys()
+            .any(|k| k.ends_with("mlp.experts.gate_up_proj"))
+    );
     let from_fused: Policy<B> = load_hf(&fixture(name).join("fused"), &device).unwrap();
     assert_eq!(
         from_fused.to_tensors().unwrap(),

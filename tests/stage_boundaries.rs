@@ -1,7 +1,9 @@
 //! A property test at the stage boundaries: one seeded, mixed stream of a few hundred
 //! generated messages that all decode (random shapes, lengths, ids, versions, rewards,
-//! masks; valid and invalid for the model mixed) is fed to real `gen`, `score` and `train`
-//! processes, started once against Redis. Every stage stays alive, every input is accounted
+//! masks, expert routing; valid and invalid for the model mixed) is fed to real `gen`,
+//! `score` and `train`
+//! processes, started once against Redis. The model is a mixture of experts, so gen records
+//! routing and the trainer replays it; routing shaped for another model must be refused. Every stage stays alive, every input is accounted
 //! for (generated, scored, trained, dead-lettered with a reason, or in the trainer's last
 //! partial batch), and every valid message is processed.
 //!
@@ -17,10 +19,10 @@ use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use rlstream::bus::{RangeBound, SharedBus};
 use rlstream::model::tokenizer::Tokenizer;
-use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
+use rlstream::model::{Architecture, InferBackend, MoeConfig, Policy, PolicyConfig};
 use rlstream::schema::{
-    self, Event, FinishReason, Prompt, RolloutGroup, Sample, SamplingMask, SchemaVersion,
-    ScoredGroup, VersionRun,
+    self, Event, FinishReason, Prompt, RolloutGroup, Routing, RoutingShape, Sample, SamplingMask,
+    SchemaVersion, ScoredGroup, VersionRun,
 };
 use rlstream::stages::score::{AdvantageKind, advantages};
 use std::collections::{BTreeMap, BTreeSet, HashSet};
@@ -101,18 +103,62 @@ fn sample() -> impl Strategy<Value = Sample> {
         })
 }
 
+/// The model's routing shape: 2 MoE layers, top-2 of 4 experts.
+const ROUTING: RoutingShape = RoutingShape {
+    layers: 2,
+    k: 2,
+    experts: 4,
+};
+
+/// Routing for `tokens` tokens of `shape`, ids drawn from `seed` (distinct per token and
+/// layer, as a router's top-k are).
+fn routing(shape: RoutingShape, tokens: usize, seed: &mut u64) -> Routing {
+    let mut ids = Vec::new();
+    for _ in 0..tokens * shape.layers as usize {
+        let mut chosen: Vec<u16> = Vec::new();
+        while chosen.len() < shape.k as usize {
+            *seed = seed.wrapping_mul(6_364_136_223_846_793_005).wrapping_add(1);
+            let id = ((*seed >> 33) % u64::from(shape.experts)) as u16;
+            if !chosen.contains(&id) {
+                chosen.push(id);
+            }
+        }
+        ids.extend(chosen);
+    }
+    Routing::pack(shape, &ids)
+}
+
+/// Half the groups carry routing: mostly the model's shape, now and then another model's
+/// (a layer more, or more experts, so ids past the model's).
+fn routing_shape() -> impl Strategy<Value = Option<(RoutingShape, u64)>> {
+    let shape = prop_oneof![
+        8 => Just(ROUTING),
+        1 => Just(RoutingShape { layers: 3, ..ROUTING }),
+        1 => Just(RoutingShape { experts: 9, ..ROUTING }),
+    ];
+    prop::option::weighted(0.5, (shape, any::<u64>()))
+}
+
 /// A rollout group with 1–4 samples; one in ten has no answer to score against.
 fn rollout(id: String) -> impl Strategy<Value = RolloutGroup> {
     (
         ids(CONTEXT + 2),
         prop::collection::vec(sample(), 1..=4),
         prop::bool::weighted(0.9),
+        routing_shape(),
     )
-        .prop_map(move |(prompt, samples, answered)| {
+        .prop_map(move |(prompt, mut samples, answered, routed)| {
             let mut g = schema::examples::rollout_group(1, 1, 2, 0);
             g.group_id = id.clone();
             g.prompt_id = format!("prompt-{id}");
             g.task = "test".into();
+            if let Some((shape, mut seed)) = routed {
+                g.prompt_routing = Some(routing(shape, prompt.len(), &mut seed));
+                for s in &mut samples {
+                    s.routing = Some(routing(shape, s.tokens.len().saturating_sub(1), &mut seed));
+                }
+            }
+            g.schema = RolloutGroup::version_for(&samples);
             g.prompt_tokens = prompt.into();
             g.samples = samples;
             g.sampling.stop_tokens = vec![];
@@ -130,7 +176,7 @@ fn scored(id: String) -> impl Strategy<Value = ScoredGroup> {
         r.meta = BTreeMap::from([("answer".to_string(), ANSWER.to_string())]);
         let rewards = rewards[..r.samples.len()].to_vec();
         ScoredGroup {
-            schema: SchemaVersion::CURRENT,
+            schema: ScoredGroup::version_for(&r, &None),
             advantages: advantages(&rewards, AdvantageKind::Grpo),
             rewards,
             rollout: r,
@@ -175,11 +221,14 @@ fn score_takes(g: &RolloutGroup) -> bool {
     g.meta.contains_key("answer") && g.samples.iter().all(|s| in_vocab(&s.tokens))
 }
 
-/// The trainer needs a prompt, ids in the vocabulary (kept sets too) and every sample
-/// within the context.
+/// The trainer needs a prompt, ids in the vocabulary (kept sets too), every sample
+/// within the context, and routing (if any) of the model's shape.
 fn train_takes(g: &RolloutGroup) -> bool {
     let p = g.prompt_tokens.as_slice();
     !p.is_empty()
+        && g.prompt_routing.as_ref().is_none_or(|r| {
+            (r.layers, r.k, r.experts) == (ROUTING.layers, ROUTING.k, ROUTING.experts)
+        })
         && in_vocab(p)
         && g.samples.iter().all(|s| {
             in_vocab(&s.tokens)
@@ -189,7 +238,13 @@ fn train_takes(g: &RolloutGroup) -> bool {
 }
 
 fn model(dir: &Path) {
-    let mut cfg = PolicyConfig::tiny(Architecture::Llama, vocab() as usize);
+    let mut cfg = PolicyConfig::tiny(Architecture::Qwen3Moe, vocab() as usize)
+        .with_qk_norm(true)
+        .with_moe(Some(MoeConfig::new(
+            ROUTING.experts as usize,
+            ROUTING.k as usize,
+            32,
+        )));
     cfg.max_position = CONTEXT;
     let model = Policy::<InferBackend>::random(&cfg, 9, &Default::default()).expect("model");
     model.save_hf(dir).expect("save");
@@ -518,10 +573,52 @@ async fn every_message_is_processed_or_refused_and_no_stage_stops() {
     let reasons: BTreeSet<&str> = dead.values().flatten().map(|(_, r)| r.as_str()).collect();
     for r in &reasons {
         assert!(
-            ["vocabulary", "context", "shape", "detokenize", "no_answer"].contains(r),
+            [
+                "vocabulary",
+                "context",
+                "shape",
+                "routing",
+                "detokenize",
+                "no_answer"
+            ]
+            .contains(r),
             "unexpected reason {r} (seed {seed}): {dead:?}"
         );
     }
+    // gen recorded the routing of what it generated, the trainer's refusals of another
+    // model's routing say so, and its steps report the mismatch of the routing it replayed.
+    let fed_prompts: BTreeSet<&str> = generated
+        .prompts
+        .iter()
+        .map(|p| p.prompt_id.as_str())
+        .collect();
+    let from_gen: Vec<&RolloutGroup> = rollouts
+        .iter()
+        .filter(|g| fed_prompts.contains(g.prompt_id.as_str()))
+        .collect();
+    assert!(!from_gen.is_empty(), "gen generated nothing (seed {seed})");
+    for g in &from_gen {
+        let r = g.prompt_routing.as_ref().expect("gen records routing");
+        assert_eq!(r.shape(), ROUTING);
+        assert_eq!(g.schema, SchemaVersion { major: 2, minor: 2 });
+    }
+    let foreign = |g: &RolloutGroup| {
+        g.prompt_routing
+            .as_ref()
+            .is_some_and(|r| r.shape() != ROUTING)
+    };
+    for e in &all_scored {
+        let g: ScoredGroup = schema::decode(&e.payload).expect("decodes");
+        if foreign(&g.rollout)
+            && let Some(reason) = train_dead.get(&g.rollout.group_id)
+        {
+            assert_eq!(reason, "routing", "{} (seed {seed})", g.rollout.group_id);
+        }
+    }
+    assert!(
+        exposition.contains("rlstream_routing_mismatch_fraction "),
+        "the trainer reports the routing mismatch (seed {seed})"
+    );
     let counted: f64 = exposition
         .lines()
         .filter(|l| l.starts_with("rlstream_dead_letters_total{") && l.contains("group=\"train\""))

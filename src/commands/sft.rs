@@ -158,7 +158,9 @@ pub fn run(
             if opts.experts == 1 {
                 return Err(ModelError::Config {
                     field: "--experts".into(),
-                    reason: format!("1 expert cannot route to {TASK_TOP_K}: give 0 (dense) or at least {TASK_TOP_K}"),
+                    reason: format!(
+                        "1 expert cannot route to {TASK_TOP_K}: give 0 (dense) or at least {TASK_TOP_K}"
+                    ),
                 });
             }
             let cfg = task_config(opts.hidden, opts.layers, opts.experts);

@@ -87,7 +87,9 @@ impl MoeConfig {
 
     /// Whether layer `i` routes to experts.
     pub fn is_sparse(&self, i: usize) -> bool {
-        self.sparse_step > 0 && (i + 1).is_multiple_of(self.sparse_step) && !self.dense_layers.contains(&i)
+        self.sparse_step > 0
+            && (i + 1).is_multiple_of(self.sparse_step)
+            && !self.dense_layers.contains(&i)
     }
 
     /// Bytes one expert id takes in a rollout message: 1 up to 256 experts, else 2.
@@ -330,7 +332,10 @@ impl PolicyConfig {
                 if m.top_k == 0 || m.top_k > m.num_experts {
                     return Err(bad(
                         "num_experts_per_tok",
-                        format!("{} must be between 1 and num_experts {}", m.top_k, m.num_experts),
+                        format!(
+                            "{} must be between 1 and num_experts {}",
+                            m.top_k, m.num_experts
+                        ),
                     ));
                 }
                 if m.expert_size == 0 || m.shared_expert_size == Some(0) || m.sparse_step == 0 {

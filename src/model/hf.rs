@@ -332,7 +332,11 @@ impl<B: Backend> Policy<B> {
                         true,
                     );
                 }
-                put2(format!("{p}.mlp.gate.weight"), moe.router.weight.val(), true);
+                put2(
+                    format!("{p}.mlp.gate.weight"),
+                    moe.router.weight.val(),
+                    true,
+                );
             }
         }
         let mut put1 = |name: String, t: Tensor<B, 1>| {
@@ -463,7 +467,9 @@ pub fn load_hf<B: Backend>(dir: &Path, device: &B::Device) -> Result<Policy<B>, 
 pub fn unfuse_experts(tensors: &mut TensorMap) -> Result<(), ModelError> {
     let fused: Vec<String> = tensors
         .keys()
-        .filter(|k| k.ends_with(".mlp.experts.gate_up_proj") || k.ends_with(".mlp.experts.down_proj"))
+        .filter(|k| {
+            k.ends_with(".mlp.experts.gate_up_proj") || k.ends_with(".mlp.experts.down_proj")
+        })
         .cloned()
         .collect();
     for name in fused {

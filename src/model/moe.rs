@@ -113,11 +113,7 @@ fn top_k(probs: &[f32], experts: usize, k: usize) -> Vec<u16> {
     for row in probs.chunks_exact(experts) {
         order.clear();
         order.extend(0..experts as u16);
-        order.sort_by(|&a, &b| {
-            row[b as usize]
-                .total_cmp(&row[a as usize])
-                .then(a.cmp(&b))
-        });
+        order.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]).then(a.cmp(&b)));
         out.extend_from_slice(&order[..k]);
     }
     out
@@ -155,7 +151,12 @@ impl<B: Backend> Moe<B> {
 
 impl<B: Kernels> Moe<B> {
     /// The layer on the rows `[b × l, hidden]` of a `[b, l]` batch.
-    pub(crate) fn forward(&self, x: Tensor<B, 2>, bl: [usize; 2], routes: &mut Routes) -> Tensor<B, 2> {
+    pub(crate) fn forward(
+        &self,
+        x: Tensor<B, 2>,
+        bl: [usize; 2],
+        routes: &mut Routes,
+    ) -> Tensor<B, 2> {
         let [n, d] = x.dims();
         let (e, k) = (self.experts.len(), self.top_k);
         let device = x.device();
@@ -192,7 +193,8 @@ impl<B: Kernels> Moe<B> {
             }
         }
         // The gate weights: the live probabilities at the chosen experts.
-        let chosen = int_tensor::<B, 2>(ids.iter().map(|&i| i64::from(i)).collect(), [n, k], &device);
+        let chosen =
+            int_tensor::<B, 2>(ids.iter().map(|&i| i64::from(i)).collect(), [n, k], &device);
         let mut w = probs.gather(1, chosen);
         if self.norm_topk_prob {
             let sum = w.clone().sum_dim(1);

@@ -27,14 +27,13 @@ use super::llama::{AttnMode, KvCache, Policy};
 use super::moe::Routes;
 use super::{Kernels, ModelError};
 use crate::schema::{
-    FinishReason, Routing, RoutingShape, SamplingMask, SamplingParams, Span, TurnReward,
-    VersionRun,
+    FinishReason, Routing, RoutingShape, SamplingMask, SamplingParams, Span, TurnReward, VersionRun,
 };
-use std::sync::Arc;
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
+use std::sync::Arc;
 
 /// One prompt to complete `n` times.
 #[derive(Debug, Clone)]
@@ -557,7 +556,12 @@ impl<B: Kernels> Generator<B> {
         // Only the last position's logits are needed: the LM head runs on one row, not on
         // the whole prompt (at a 151,936-id vocabulary, 35 GFLOP saved per 128-token prompt).
         let mut routes = recording(model);
-        let hidden = model.trunk_routed(tokens, &positions, AttnMode::Cached(&mut cache), &mut routes);
+        let hidden = model.trunk_routed(
+            tokens,
+            &positions,
+            AttnMode::Cached(&mut cache),
+            &mut routes,
+        );
         let shape = model.config().routing_shape();
         let prompt_routing = shape.map(|s| Arc::new(Routing::pack(s, &routes.used)));
         let d = model.config().hidden_size;
@@ -699,7 +703,12 @@ impl<B: Kernels> Generator<B> {
         let positions: Vec<usize> = (p..p + l).collect();
         let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(feed, [1, l]), &model.device());
         let mut routes = recording(model);
-        let hidden = model.trunk_routed(tokens, &positions, AttnMode::Cached(&mut cache), &mut routes);
+        let hidden = model.trunk_routed(
+            tokens,
+            &positions,
+            AttnMode::Cached(&mut cache),
+            &mut routes,
+        );
         // A token's routing is the one of its first feed: of a rebuilt cache's pass, only
         // the newly fed tokens (the turn's last token and the observation) are kept.
         if routes.record {

@@ -111,7 +111,8 @@ pub fn routing(shape: RoutingShape, tokens: usize) -> Routing {
     let ids: Vec<u16> = (0..tokens)
         .flat_map(|t| {
             (0..shape.layers as usize).flat_map(move |l| {
-                (0..shape.k as usize).map(move |j| ((t + l + 3 * j) % shape.experts as usize) as u16)
+                (0..shape.k as usize)
+                    .map(move |j| ((t + l + 3 * j) % shape.experts as usize) as u16)
             })
         })
         .collect();

@@ -96,10 +96,9 @@ impl Limits {
             return Err(Refusal {
                 reason: Refusal::ROUTING,
                 detail: match self.routing {
-                    Some(model) => format!(
-                        "prompt_routing is for {}; the model has {model}",
-                        r.shape()
-                    ),
+                    Some(model) => {
+                        format!("prompt_routing is for {}; the model has {model}", r.shape())
+                    }
                     None => format!(
                         "prompt_routing is for {}; the model is dense (routing comes from \
                          a mixture-of-experts generator of another model)",

@@ -476,7 +476,11 @@ impl RolloutGroup {
                 return Err(CodecError::invalid(
                     kind,
                     field,
-                    format!("shape ({}) differs from prompt_routing's ({})", r.shape(), prompt.shape()),
+                    format!(
+                        "shape ({}) differs from prompt_routing's ({})",
+                        r.shape(),
+                        prompt.shape()
+                    ),
                 ));
             }
             r.validate(kind, &field, s.tokens.len().saturating_sub(1))?;

@@ -103,8 +103,7 @@ impl Routing {
         tokens: usize,
     ) -> Result<(), CodecError> {
         let shape = self.shape();
-        if shape.layers == 0 || shape.k == 0 || shape.k > shape.experts || shape.experts > 65_536
-        {
+        if shape.layers == 0 || shape.k == 0 || shape.k > shape.experts || shape.experts > 65_536 {
             return Err(CodecError::invalid(
                 kind,
                 field,

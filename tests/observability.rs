@@ -300,7 +300,19 @@ async fn stages_export_what_the_dashboard_shows() {
     let model = dir.path().join("model");
     let m = model.to_str().expect("utf-8 path");
     let log = |n: &str| dir.path().join(format!("{n}.log"));
-    run_ok(&["sft", "--task", "sort", "--out", m, "--steps", "30"]);
+    // A mixture-of-experts policy: gen records routing and the trainer replays it, so the
+    // routing panels fill too.
+    run_ok(&[
+        "sft",
+        "--task",
+        "sort",
+        "--out",
+        m,
+        "--steps",
+        "30",
+        "--experts",
+        "4",
+    ]);
     let with_bus = |args: &[&str]| common::on_bus(args, &url, &ns);
     let as_str = |v: &[String]| v.iter().map(String::clone).collect::<Vec<_>>();
     // A malformed prompt first in line: the generator must dead-letter it, count it and

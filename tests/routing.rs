@@ -73,7 +73,6 @@ fn the_sampler_records_the_experts_of_every_token_it_read() {
     let model = policy::<InferBackend>(1, 40.0);
     let prompt = [1, 7, 9, 3, 22];
     let done = sample(&model, &prompt, 3);
-    let per_token = 2 * 2;
     for c in &done {
         let prompt_routing = c.prompt_routing.as_deref().expect("prompt routing");
         let own = c.routing.as_ref().expect("completion routing");

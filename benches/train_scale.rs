@@ -111,6 +111,7 @@ fn batch(size: &str, vocab: u32) -> Vec<ScoredGroup> {
                     mask: None,
                     env: Vec::new(),
                     turn_rewards: Vec::new(),
+                    routing: None,
                 })
                 .collect();
             ScoredGroup {

@@ -111,7 +111,7 @@ fn play_with_swaps(
                         .resume(0, turn.index, Some(reward), &observation, &models[2], 2)
                         .expect("resume");
                     if let Some(Resumed::Finished(c)) = r {
-                        done.push(c);
+                        done.push(*c);
                     }
                 }
                 Answer::End { reward, finish, .. } => {

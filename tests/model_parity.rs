@@ -178,6 +178,11 @@ fn check_moe(name: &str, experts: usize, shared: bool) {
         &std::fs::read_to_string(fixture(name).join("reference.json")).unwrap(),
     )
     .unwrap();
+    // The config rlstream writes reads back the same.
+    assert_eq!(
+        &PolicyConfig::from_hf_json(&model.config().to_hf_json()).unwrap(),
+        model.config()
+    );
     let layers: Vec<usize> = serde_json::from_value(v["moe_layers"].clone()).unwrap();
     assert_eq!(layers, model.config().moe_layers());
     let want: Vec<Vec<Vec<Vec<u16>>>> = serde_json::from_value(v["experts"].clone()).unwrap();

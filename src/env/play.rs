@@ -165,7 +165,7 @@ pub fn play<B: Kernels>(
                     let r = g.resume(key.0, key.1, Some(reward), &observation, model, version)?;
                     if let Some(Resumed::Finished(c)) = r {
                         out.push(Episode {
-                            completion: c,
+                            completion: *c,
                             success: false,
                         });
                     }

@@ -70,7 +70,7 @@ fn replay_table(seqs: &[ScoredSeq<'_>], lmax: usize, per_token: usize) -> Option
             continue;
         };
         let ids: Vec<u16> = prompt.unpack().into_iter().chain(own.unpack()).collect();
-        if ids.len() % per_token != 0 || ids.len() / per_token > lmax {
+        if !ids.len().is_multiple_of(per_token) || ids.len() / per_token > lmax {
             continue;
         }
         let at = r * lmax * per_token;

@@ -116,7 +116,7 @@ pub enum Resumed {
     Parked,
     /// The observation left no room for another token: the episode ended (finish
     /// `length`) without it.
-    Finished(Completion),
+    Finished(Box<Completion>),
 }
 
 /// One draw from a logits row.
@@ -674,7 +674,9 @@ impl<B: Kernels> Generator<B> {
         };
         record(&mut row, reward);
         if row.tokens.len() + observation.len() + 1 > row.budget {
-            return Ok(Some(Resumed::Finished(row.finish_as(FinishReason::Length))));
+            return Ok(Some(Resumed::Finished(Box::new(
+                row.finish_as(FinishReason::Length),
+            ))));
         }
         let last = *row.tokens.last().unwrap_or(&0);
         // A cache computed by other weights than `version` (a swap since the episode
@@ -723,7 +725,7 @@ impl<B: Kernels> Generator<B> {
         let logits = logits_rows(logits.reshape([1, vocab]))?;
         let draw = sample_token(&logits, &row.params, &mut row.rng);
         Ok(Some(match row.next(draw, version, vocab) {
-            Next::Finished => Resumed::Finished(row.finish()),
+            Next::Finished => Resumed::Finished(Box::new(row.finish())),
             Next::TurnEnd => {
                 self.park(row, &cache, 0);
                 Resumed::Parked

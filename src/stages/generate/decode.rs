@@ -90,7 +90,7 @@ pub struct DecodeStats {
 
 /// What became of one of a prompt's G rows.
 enum Slot {
-    Done(Completion),
+    Done(Box<Completion>),
     /// An episode its environment failed: left out of the group.
     Failed(EnvError),
 }
@@ -117,7 +117,7 @@ impl Pending {
                     if let Some(r) = c.prompt_routing.take() {
                         prompt_routing.get_or_insert(r);
                     }
-                    samples.push(Sample::from(c));
+                    samples.push(Sample::from(*c));
                 }
                 Slot::Failed(e) => {
                     failure.get_or_insert(e);
@@ -142,7 +142,7 @@ impl Pending {
             started_us: self.started_us,
             finished_us: schema::now_us(),
             meta: self.prompt.meta,
-            prompt_routing: prompt_routing.map(|r| std::sync::Arc::unwrap_or_clone(r)),
+            prompt_routing: prompt_routing.map(std::sync::Arc::unwrap_or_clone),
         })
     }
 }
@@ -492,7 +492,7 @@ impl Decoder {
                 // An episode that ran out of tokens while decoding.
                 crate::metrics::episode("tokens", c.turns.max(1));
             }
-            out.extend(self.settle(rid, idx, Slot::Done(c)));
+            out.extend(self.settle(rid, idx, Slot::Done(Box::new(c))));
         }
         out
     }
@@ -618,7 +618,7 @@ impl Decoder {
                 };
                 crate::metrics::episode(ended, c.turns);
                 self.stats.tokens += c.tokens.len() as u64;
-                Ok(self.settle(rid, idx, Slot::Done(c)))
+                Ok(self.settle(rid, idx, Slot::Done(Box::new(c))))
             }
             Ok(Answer::Continue {
                 reward,

@@ -33,29 +33,12 @@ import subprocess
 import sys
 import tempfile
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BIN = os.path.join(ROOT, "target", "release", "rlstream")
-
-
-def rlstream(*args):
-    out = subprocess.run([BIN, *args], capture_output=True, text=True)
-    if out.returncode != 0:
-        sys.exit(f"rlstream {' '.join(args)} failed:\n{out.stderr[-3000:]}")
-    return out.stdout
+from learning import BIN, ROOT, mean_se, rlstream
 
 
 def mean(xs):
     xs = [x for x in xs if x is not None and not math.isnan(x)]
     return sum(xs) / len(xs) if xs else float("nan")
-
-
-def mean_se(xs):
-    n = len(xs)
-    m = sum(xs) / n
-    if n < 2:
-        return m, float("nan")
-    sd = math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1))
-    return m, sd / math.sqrt(n)
 
 
 def steps_of(report):

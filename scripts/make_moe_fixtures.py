@@ -28,22 +28,12 @@ import transformers
 from safetensors.torch import save_file
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
+import make_parity_fixtures as dense  # noqa: E402
 from make_parity_fixtures import OUT, VOCAB, char_tokenizer  # noqa: E402
 
-COMMON = dict(
-    vocab_size=64,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=3,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    rms_norm_eps=1e-6,
-    max_position_embeddings=256,
-    bos_token_id=1,
-    eos_token_id=0,
-    moe_intermediate_size=24,
-    num_experts_per_tok=2,
-)
+# The dense fixtures' shape, a layer more (so one can stay dense among the sparse ones).
+COMMON = dict(dense.COMMON, intermediate_size=48, num_hidden_layers=3,
+              moe_intermediate_size=24, num_experts_per_tok=2)
 CONFIGS = {
     "qwen3_moe": (transformers.Qwen3MoeConfig, transformers.Qwen3MoeForCausalLM,
                   dict(num_experts=8, norm_topk_prob=True, mlp_only_layers=[1], head_dim=16,

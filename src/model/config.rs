@@ -91,11 +91,6 @@ impl MoeConfig {
             && (i + 1).is_multiple_of(self.sparse_step)
             && !self.dense_layers.contains(&i)
     }
-
-    /// Bytes one expert id takes in a rollout message: 1 up to 256 experts, else 2.
-    pub fn id_width(&self) -> usize {
-        if self.num_experts <= 256 { 1 } else { 2 }
-    }
 }
 
 /// Llama 3's rotary scaling (`rope_type: llama3`): wavelengths longer than the original

@@ -98,11 +98,6 @@ impl Routes {
             self.used.clear();
         }
     }
-
-    /// The share of replayed decisions whose experts differ from the live router's.
-    pub fn mismatch(&self) -> Option<f64> {
-        (self.replayed > 0).then(|| self.differ as f64 / self.replayed as f64)
-    }
 }
 
 /// The `k` most probable experts of each row of `probs` (`[tokens, experts]`), most

@@ -419,16 +419,6 @@ impl RolloutGroup {
         }
     }
 
-    /// The routing of sample `i`'s whole sequence, prompt then completion (`[prompt +
-    /// completion − 1 tokens, layers, k]` ids), when the group carries routing.
-    pub fn sequence_routing(&self, i: usize) -> Option<Vec<u16>> {
-        let prompt = self.prompt_routing.as_ref()?;
-        let own = self.samples.get(i)?.routing.as_ref()?;
-        let mut ids = prompt.unpack();
-        ids.extend(own.unpack());
-        Some(ids)
-    }
-
     /// Completion tokens across all samples.
     pub fn completion_tokens(&self) -> usize {
         self.samples.iter().map(|s| s.tokens.len()).sum()

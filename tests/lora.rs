@@ -452,7 +452,7 @@ async fn generators_sample_from_the_announced_adapter_never_the_base() {
     let device = Default::default();
     let base: Policy<InferBackend> = load_hf(&model, &device).unwrap();
     let mut models = std::collections::BTreeMap::new();
-    let (mut compared, mut worst, mut moved) = (0usize, 0f32, 0f32);
+    let (mut compared, mut swapped, mut worst, mut moved) = (0usize, 0usize, 0f32, 0f32);
     for g in &groups {
         for s in &g.samples {
             let tokens: Vec<u32> = s.tokens.to_vec();
@@ -461,6 +461,14 @@ async fn generators_sample_from_the_announced_adapter_never_the_base() {
             for i in 0..tokens.len() {
                 let v = s.version_at(i);
                 if v == 0 {
+                    continue;
+                }
+                // A swap inside the completion keeps the row's cache: token `i` was then
+                // sampled over keys and values an older version computed, which teacher
+                // forcing with `v` does not reproduce (see `model::sampler`). Only tokens
+                // whose whole completion prefix came from `v` are compared.
+                if s.version_at(0) != v {
+                    swapped += 1;
                     continue;
                 }
                 let adapter_dir = ckpt.join(format!("step-{v:08}"));
@@ -478,7 +486,7 @@ async fn generators_sample_from_the_announced_adapter_never_the_base() {
         }
     }
     eprintln!(
-        "{compared} tokens under adapter versions: worst {worst}, moved from the base up to {moved}"
+        "{compared} tokens under adapter versions: worst {worst}, moved from the base up to {moved}; {swapped} sampled after a swap inside their completion"
     );
     assert!(
         compared >= 20,

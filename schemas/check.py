@@ -89,6 +89,54 @@ def pack_f32(values):
     return pack(values, "f")
 
 
+def varints(b):
+    """Unsigned LEB128 varints of a bin, in order."""
+    out, v, shift = [], 0, 0
+    for byte in b:
+        v |= (byte & 0x7F) << shift
+        shift += 7
+        if not byte & 0x80:
+            out.append(v)
+            v, shift = 0, 0
+    if shift:
+        raise SystemExit("packed kept sets: cut short inside a varint")
+    return out
+
+
+def kept_sets(mask):
+    """A sampling mask's kept set per step, from either wire form: packed kept sets (a bin,
+    schema 3.0: per step the size, then the first id and each later id's gap to the one
+    before minus one) or CSR (a map {offsets, ids}, before 3.0)."""
+    if isinstance(mask, dict):
+        offsets, ids = u32s(mask["offsets"]), u32s(mask["ids"])
+        return [ids[a:b] for a, b in zip(offsets, offsets[1:])]
+    values, sets, at = varints(mask), [], 0
+    while at < len(values):
+        n, at = values[at], at + 1
+        if at + n > len(values):
+            raise SystemExit(f"packed kept sets: step {len(sets)} announces {n} ids, {len(values) - at} left")
+        ids = []
+        for gap in values[at:at + n]:
+            ids.append(gap if not ids else ids[-1] + gap + 1)
+        sets.append(ids)
+        at += n
+    return sets
+
+
+def check_mask(i, s, tokens, env, schema):
+    mask = s.get("mask")
+    if mask is None:
+        return
+    if not isinstance(mask, dict) and schema[0] < 3:
+        raise SystemExit(f"samples[{i}]: packed kept sets need schema major 3")
+    sets = kept_sets(mask)
+    if len(sets) != len(tokens):
+        raise SystemExit(f"samples[{i}]: {len(sets)} kept sets for {len(tokens)} tokens")
+    for t, (tok, kept) in enumerate(zip(tokens, sets)):
+        if t not in env and tok not in kept:
+            raise SystemExit(f"samples[{i}]: sampled token {tok} at {t} is not in its kept set")
+
+
 def check_rollout_semantics(msg):
     episodes = False
     for i, s in enumerate(msg["samples"]):
@@ -109,6 +157,7 @@ def check_rollout_semantics(msg):
             if index <= last or index >= len(tokens) or index in env or reward != reward:
                 raise SystemExit(f"samples[{i}]: turn reward at {index} is out of order, past the tokens, on an env token or NaN")
             last = index
+        check_mask(i, s, tokens, env, msg["schema"])
     check_routing(msg)
     # A 1.x trainer would train the environment's tokens: an episode is 2.x.
     if episodes and msg["schema"][0] < 2:
@@ -193,6 +242,9 @@ def cmd_fixtures(_args):
             if check_rollout_semantics(msg["rollout"]) and msg["schema"][0] < 3:
                 raise SystemExit("a scored episode needs schema major 3")
             check_scored_semantics(msg)
+            packed = any(isinstance(s.get("mask"), bytes) for s in msg["rollout"]["samples"])
+            if packed and msg["schema"][0] < 4:
+                raise SystemExit("a scored group with packed kept sets needs schema major 4")
         checked += 1
         print(f"ok  {path.name}: {len(raw)} bytes, valid against {name}.schema.json, .json twin matches")
     print(f"{checked} passed, 0 failed")

@@ -63,6 +63,16 @@ pub struct ArchivedEntry {
     pub payload: Bytes,
 }
 
+impl ArchiveError {
+    /// An I/O error on `path`.
+    pub fn io(path: &Path, source: std::io::Error) -> Self {
+        ArchiveError::Io {
+            path: path.display().to_string(),
+            source,
+        }
+    }
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ArchiveError {
     #[error("{path}: {source}")]

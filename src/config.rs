@@ -62,6 +62,9 @@ crate::settings! {
         /// Stream topology file; the shipped streams/default.toml when absent.
         #[arg(value_name = "FILE")]
         pub topology: Option<PathBuf> = None,
+        /// Stages write the stream entries their standing trims remove here (one file per trim), and replay reads this directory and Redis as one history; overrides the topology's archive_dir. Absent: trimmed entries are dropped.
+        #[arg(value_name = "DIR")]
+        pub archive_dir: Option<PathBuf> = None,
         /// Serve Prometheus metrics at http://ADDR/metrics: a port (loopback, e.g. 9101) or HOST:PORT (e.g. 0.0.0.0:9101); off when absent.
         #[arg(value_name = "ADDR")]
         pub metrics_addr: Option<String> = None,

@@ -27,6 +27,8 @@ pub const ENV_FAILURES_TOTAL: &str = "rlstream_env_failures_total";
 pub const ENV_STEP_SECONDS: &str = "rlstream_env_step_seconds";
 pub const ENV_STARTS_TOTAL: &str = "rlstream_env_process_starts_total";
 pub const CLAIMED_TOTAL: &str = "rlstream_entries_claimed_total";
+pub const STREAM_MEMORY_BYTES: &str = "rlstream_stream_memory_bytes";
+pub const STREAM_TRIMMED_TOTAL: &str = "rlstream_stream_trimmed_entries_total";
 pub const POLICY_VERSION: &str = "rlstream_policy_version";
 pub const SAMPLE_STALENESS_VERSIONS: &str = "rlstream_sample_staleness_versions";
 pub const WEIGHT_SWAP_STALL_SECONDS: &str = "rlstream_weight_swap_stall_seconds";
@@ -191,6 +193,16 @@ fn describe() {
         DEAD_LETTERS_TOTAL,
         Unit::Count,
         "Entries moved to the dead-letter stream, by source stream, group and reason."
+    );
+    describe_gauge!(
+        STREAM_MEMORY_BYTES,
+        Unit::Bytes,
+        "Bus memory a stream takes (Redis MEMORY USAGE), by stream, as the standing trim last read it."
+    );
+    describe_counter!(
+        STREAM_TRIMMED_TOTAL,
+        Unit::Count,
+        "Finished entries the standing trim removed, by stream (archived first with --archive-dir)."
     );
     describe_counter!(
         CLAIMED_TOTAL,
@@ -434,6 +446,16 @@ pub fn dead_lettered(stream: &str, group: &str, reason: &str, n: u64) {
     counter!(DEAD_LETTERS_TOTAL, "stream" => stream.to_string(), "group" => group.to_string(),
         "reason" => reason.to_string())
     .increment(n);
+}
+
+/// The standing trim read a stream's memory (`stream` is the full key).
+pub fn stream_bytes(stream: &str, bytes: u64) {
+    gauge!(STREAM_MEMORY_BYTES, "stream" => stream.to_string()).set(bytes as f64);
+}
+
+/// The standing trim removed `n` finished entries of a stream (`stream` is the full key).
+pub fn trimmed(stream: &str, n: u64) {
+    counter!(STREAM_TRIMMED_TOTAL, "stream" => stream.to_string()).increment(n);
 }
 
 /// A consumer claimed entries another consumer left pending.

@@ -1,22 +1,28 @@
 //! Retention: removing old stream entries without losing unfinished work.
 //!
-//! Streams are unbounded by default. [`trim`] removes entries older than a cut, where the
-//! cut is what the policy asks for ([`Keep`]) but never past an entry some consumer group
-//! has not finished: the oldest entry pending in any group, or the first one not yet
-//! delivered to it. With an archive path it writes the removed range there first.
-//! `rlstream trim` runs it once; a `trim_keep_last` or `trim_older_than_s` in the topology
-//! makes the stages run it as they go ([`spawn_standing`]).
+//! [`trim`] removes entries older than a cut, where the cut is what the policy asks for
+//! ([`Keep`]: the newest N, the last so many seconds, or what fits in so many bytes of the
+//! bus's memory) but never past an entry some consumer group has not finished: the oldest
+//! entry pending in any group, or the first one not yet delivered to it. With an archive
+//! path it writes the removed range there first. `rlstream trim` runs it once; the
+//! topology's `trim_*` settings make the stages run it as they go ([`spawn_standing`]),
+//! and the shipped topology gives every stream a memory limit, so Redis stays within a
+//! budget by default. With the topology's `archive_dir`, standing trims archive what they
+//! remove into one file per trim ([`archive_file`]).
 
 use crate::archive::{self, ArchiveError};
 pub use crate::bus::Keep;
 use crate::bus::{Bus, EntryId, RangeBound, SharedBus, Topology};
 use crate::roles::Stage;
 use serde::Serialize;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Duration;
 
 /// How often stages apply the standing policy.
-pub const STANDING_EVERY: Duration = Duration::from_secs(60);
+pub const STANDING_EVERY: Duration = Duration::from_secs(10);
+/// A memory-bound trim keeps this share of the limit, so the stream does not sit at its
+/// limit and trim on every round.
+const BYTES_HEADROOM: f64 = 0.9;
 
 /// What a trim did.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -75,34 +81,59 @@ async fn target(bus: &dyn Bus, key: &str, keep: Keep) -> Result<Option<EntryId>,
                 0,
             )))
         }
-        Keep::Last(n) => {
-            let len = bus.stats(key).await?.length;
-            if len <= n {
+        Keep::Bytes(max) => {
+            let used = bus.memory_usage(key).await?;
+            if used <= max {
                 return Ok(None);
             }
-            // Walk to the (len − n)-th entry: the first one kept.
-            let mut skip = len - n;
-            let mut first_kept = None;
-            crate::bus::scan(
-                bus,
-                key,
-                RangeBound::Open,
-                RangeBound::Open,
-                |page| match page.get(skip as usize) {
-                    Some(e) => {
-                        first_kept = Some(e.id);
-                        false
-                    }
-                    None => {
-                        skip -= page.len() as u64;
-                        true
-                    }
-                },
-            )
-            .await?;
-            Ok(first_kept)
+            // Entries are about the same size within a stream: keep the newest share of
+            // them that fits under the limit with some headroom.
+            let len = bus.stats(key).await?.length;
+            let keep = (len as f64 * BYTES_HEADROOM * max as f64 / used as f64).floor() as u64;
+            first_of_last(bus, key, len, keep).await
+        }
+        Keep::Last(n) => {
+            let len = bus.stats(key).await?.length;
+            first_of_last(bus, key, len, n).await
         }
     }
+}
+
+/// The id of the first of the newest `n` of the stream's `len` entries (None when all of
+/// them are kept). Reads the `len − n` entries before it, the ones a trim removes.
+async fn first_of_last(
+    bus: &dyn Bus,
+    key: &str,
+    len: u64,
+    n: u64,
+) -> Result<Option<EntryId>, ArchiveError> {
+    if len <= n {
+        return Ok(None);
+    }
+    if n == 0 {
+        return Ok(bus.stats(key).await?.last_id.map(|id| id.next()));
+    }
+    // Walk to the (len − n)-th entry: the first one kept.
+    let mut skip = len - n;
+    let mut first_kept = None;
+    crate::bus::scan(
+        bus,
+        key,
+        RangeBound::Open,
+        RangeBound::Open,
+        |page| match page.get(skip as usize) {
+            Some(e) => {
+                first_kept = Some(e.id);
+                false
+            }
+            None => {
+                skip -= page.len() as u64;
+                true
+            }
+        },
+    )
+    .await?;
+    Ok(first_kept)
 }
 
 /// Trims stream `name` of `topo` under `keep`, never past unfinished work; with `archive`,
@@ -132,6 +163,11 @@ pub async fn trim(
         report.held_back_by = Some((group, need.to_string()));
     }
     report.cut = Some(cut.to_string());
+    let first = bus.stats(&key).await?.first_id;
+    if first.is_none_or(|f| f >= cut) {
+        // Nothing below the cut: no archive file for an empty range.
+        return Ok(report);
+    }
     if let Some(path) = archive {
         let moved = archive::dump(
             bus,
@@ -158,8 +194,77 @@ impl Drop for Standing {
     }
 }
 
-/// Applies the topology's standing trim policy to `streams` every [`STANDING_EVERY`] while
-/// the returned handle lives (None when none of them has a policy). Failures are counted
+/// A new archive file for a standing trim of `stream` into `dir` whose range starts at
+/// `first`: `{namespace}.{stream}.{first}.{pid}-{time}.rla`. The name is unique per trim,
+/// so two processes trimming one stream never overwrite each other's files (readers drop
+/// an entry that two files hold).
+pub fn archive_file(dir: &Path, topo: &Topology, stream: &str, first: EntryId) -> PathBuf {
+    dir.join(format!(
+        "{}.{stream}.{first}.{}-{}.rla",
+        topo.namespace,
+        std::process::id(),
+        crate::schema::now_us()
+    ))
+}
+
+/// The archive files standing trims wrote for `stream` into `dir` (see [`archive_file`]),
+/// each with its first entry's id, in that order; empty files are left out. A missing
+/// directory holds none.
+pub fn archive_files(
+    dir: &Path,
+    topo: &Topology,
+    stream: &str,
+) -> Result<Vec<(EntryId, PathBuf)>, ArchiveError> {
+    let prefix = format!("{}.{stream}.", topo.namespace);
+    let mut found = Vec::new();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(e) => e,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(found),
+        Err(e) => return Err(ArchiveError::io(dir, e)),
+    };
+    for entry in entries {
+        let path = entry.map_err(|e| ArchiveError::io(dir, e))?.path();
+        let ours = path
+            .file_name()
+            .and_then(|n| n.to_str())
+            .is_some_and(|n| n.starts_with(&prefix) && n.ends_with(".rla"));
+        if !ours {
+            continue;
+        }
+        // The name's id is where the trim meant to start; the file's first entry is
+        // where it did (another process may have trimmed first).
+        if let Some(first) = archive::Reader::open(&path)?.next().transpose()? {
+            found.push((first.id, path));
+        }
+    }
+    found.sort();
+    Ok(found)
+}
+
+/// Applies `keep` to `name`, archiving into `dir` when given (a new file per trim; none
+/// when the trim removed nothing).
+async fn trim_standing(
+    bus: &dyn Bus,
+    topo: &Topology,
+    name: &str,
+    keep: Keep,
+    dir: Option<&Path>,
+) -> Result<TrimReport, ArchiveError> {
+    let (Some(dir), Some(first)) = (dir, bus.stats(&topo.key(name)).await?.first_id) else {
+        return trim(bus, topo, name, keep, None).await;
+    };
+    std::fs::create_dir_all(dir).map_err(|e| ArchiveError::io(dir, e))?;
+    let path = archive_file(dir, topo, name, first);
+    let report = trim(bus, topo, name, keep, Some(&path)).await?;
+    if report.archived == 0 && path.exists() {
+        std::fs::remove_file(&path).map_err(|e| ArchiveError::io(&path, e))?;
+    }
+    Ok(report)
+}
+
+/// Applies the topology's standing trim policies to `streams` every [`STANDING_EVERY`]
+/// while the returned handle lives (None when none of them has a policy), archiving into
+/// the topology's `archive_dir` when it has one. Failures are counted
 /// (`errors_total{kind="trim"}`) and retried.
 pub fn spawn_standing(
     bus: SharedBus,
@@ -170,9 +275,13 @@ pub fn spawn_standing(
     let topo = topo.clone();
     let policies: Vec<(String, Keep)> = streams
         .iter()
-        .filter_map(|s| {
-            let keep = topo.streams.get(*s)?.trim_policy()?;
-            Some((s.to_string(), keep))
+        .flat_map(|s| {
+            let keeps = topo
+                .streams
+                .get(*s)
+                .map(|spec| spec.trim_policies())
+                .unwrap_or_default();
+            keeps.into_iter().map(move |k| (s.to_string(), k))
         })
         .collect();
     if policies.is_empty() {
@@ -182,18 +291,28 @@ pub fn spawn_standing(
     Some(Standing(tokio::spawn(async move {
         let mut tick = tokio::time::interval(STANDING_EVERY);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let dir = topo.archive_dir.clone();
         loop {
             tick.tick().await;
             for (name, keep) in &policies {
-                match trim(bus.as_ref(), &topo, name, *keep, None).await {
+                match trim_standing(bus.as_ref(), &topo, name, *keep, dir.as_deref()).await {
                     Ok(r) if r.removed > 0 => {
-                        tracing::info!(stream = %r.stream, removed = r.removed, cut = ?r.cut, "standing trim")
+                        crate::metrics::trimmed(&r.stream, r.removed);
+                        tracing::info!(stream = %r.stream, removed = r.removed, cut = ?r.cut, archived = r.archived, "standing trim")
                     }
-                    Ok(_) => {}
+                    Ok(r) => {
+                        if let Some((group, id)) = &r.held_back_by {
+                            tracing::debug!(stream = %r.stream, group, id, "standing trim held back by unfinished work");
+                        }
+                    }
                     Err(e) => {
                         crate::metrics::error(stage, "trim");
                         tracing::warn!(stream = name, error = %e, "standing trim failed; retrying later");
                     }
+                }
+                let key = topo.key(name);
+                if let Ok(bytes) = bus.memory_usage(&key).await {
+                    crate::metrics::stream_bytes(&key, bytes);
                 }
             }
         }
@@ -247,9 +366,18 @@ mod tests {
         assert_eq!(bus.stats(&key).await.expect("stats").length, 2);
     }
 
+    /// The shipped topology without its memory limits.
+    fn unbounded() -> String {
+        crate::bus::topology::DEFAULT_TOPOLOGY
+            .lines()
+            .filter(|l| !l.starts_with("trim_max_bytes"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+
     #[tokio::test]
     async fn stages_apply_the_standing_policy() {
-        let text = crate::bus::topology::DEFAULT_TOPOLOGY.replacen(
+        let text = unbounded().replacen(
             "max_len = 100000",
             "max_len = 100000\ntrim_keep_last = 3",
             1,
@@ -272,6 +400,65 @@ mod tests {
         }
         assert_eq!(bus.stats(&key).await.expect("stats").length, 3);
         drop(task);
+    }
+
+    /// A memory limit trims the oldest finished entries until the stream fits, archives
+    /// them into the archive directory (one file per trim, none when nothing went), and
+    /// stops at unfinished work.
+    #[tokio::test]
+    async fn a_memory_limit_trims_finished_entries_into_the_archive_dir() {
+        let topo = Topology::default();
+        let key = topo.key(Stream::Rollouts);
+        let bus = MemoryBus::new();
+        bus.create_group(&key, "score", GroupStart::Beginning)
+            .await
+            .expect("group");
+        // 100 entries of 1,000 bytes.
+        let entries: Vec<(EntryId, Bytes)> = (1..=100)
+            .map(|i| (EntryId::new(i, 0), Bytes::from(vec![i as u8; 1000])))
+            .collect();
+        bus.append(&key, &entries).await.expect("append");
+        let each = 1000 + MemoryBus::ENTRY_OVERHEAD;
+        let limit = Keep::Bytes(50 * each);
+        let dir = tempfile::tempdir().expect("tmp");
+        // Nothing delivered yet: nothing may go, and no file is left behind.
+        let r = trim_standing(&bus, &topo, "rollouts", limit, Some(dir.path()))
+            .await
+            .expect("trim");
+        assert_eq!(r.removed, 0);
+        assert!(archive_files(dir.path(), &topo, "rollouts").expect("list").is_empty());
+        assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0);
+        // The scorer finished the first 80: the limit keeps 90% of 50 entries.
+        bus.read_group(&key, "score", "s", ReadFrom::New, 80, None)
+            .await
+            .expect("read");
+        let ids: Vec<EntryId> = entries.iter().map(|(id, _)| *id).collect();
+        bus.ack(&key, "score", &ids[..80]).await.expect("ack");
+        let r = trim_standing(&bus, &topo, "rollouts", limit, Some(dir.path()))
+            .await
+            .expect("trim");
+        assert_eq!((r.removed, r.archived), (55, 55), "{r:?}");
+        assert!(bus.memory_usage(&key).await.expect("memory") <= 50 * each);
+        // Under the limit now: nothing more goes, whatever is finished.
+        let r = trim_standing(&bus, &topo, "rollouts", limit, Some(dir.path()))
+            .await
+            .expect("trim");
+        assert_eq!(r.removed, 0);
+        // A tighter limit stops past the last finished entry, 80.
+        let r = trim_standing(&bus, &topo, "rollouts", Keep::Bytes(each), Some(dir.path()))
+            .await
+            .expect("trim");
+        assert_eq!(r.removed, 25, "{r:?}");
+        assert_eq!(r.held_back_by, Some(("score".into(), ids[79].next().to_string())));
+        // Two files, oldest range first, holding entries 1..=80 in order.
+        let files = archive_files(dir.path(), &topo, "rollouts").expect("list");
+        assert_eq!(files.len(), 2);
+        let archived: Vec<EntryId> = files
+            .iter()
+            .flat_map(|(_, p)| archive::Reader::open(p).expect("archive"))
+            .map(|e| e.expect("entry").id)
+            .collect();
+        assert_eq!(archived, ids[..80]);
     }
 
     #[tokio::test]

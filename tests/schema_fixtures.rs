@@ -47,9 +47,75 @@ fn prompt() {
     check("Prompt", examples::prompt());
 }
 
+/// Sampling masks travel as packed kept sets: a masked group is 3.0.
 #[test]
 fn rollout_group() {
-    check("RolloutGroup", examples::rollout_group(2, 4, 16, 2));
+    let g = examples::rollout_group(2, 4, 16, 2);
+    assert_eq!(g.schema, schema::SchemaVersion { major: 3, minor: 0 });
+    check("RolloutGroup", g);
+}
+
+/// A message an older build wrote, with its masks in CSR form, still decodes: to the example
+/// with the version it claims, holding the same kept sets.
+fn check_older<M: Message + PartialEq + Debug>(
+    name: &str,
+    example: M,
+    claims: schema::SchemaVersion,
+    restamp: impl Fn(&mut M, schema::SchemaVersion),
+) {
+    let golden = std::fs::read(fixture_dir().join(format!("{name}.msgpack"))).unwrap();
+    let mut decoded: M = schema::decode(&golden).unwrap_or_else(|e| panic!("{name}: {e}"));
+    assert_eq!(decoded.schema(), claims, "{name}");
+    restamp(&mut decoded, example.schema());
+    // Encoding writes each kept set sorted and once: equal bytes, equal sets.
+    assert_eq!(
+        schema::encode(&decoded).unwrap(),
+        schema::encode(&example).unwrap(),
+        "{name}: decodes to another message"
+    );
+}
+
+fn restamp_rollout(g: &mut schema::RolloutGroup, v: schema::SchemaVersion) {
+    g.schema = v;
+}
+
+fn restamp_scored(s: &mut schema::ScoredGroup, v: schema::SchemaVersion) {
+    s.schema = v;
+    s.rollout.schema = schema::RolloutGroup::version_for(&s.rollout.samples);
+}
+
+#[test]
+fn rollout_group_with_csr_masks() {
+    let v = |major, minor| schema::SchemaVersion { major, minor };
+    check_older(
+        "RolloutGroup.v1",
+        examples::rollout_group(2, 4, 16, 2),
+        v(1, 0),
+        restamp_rollout,
+    );
+    check_older(
+        "RolloutGroup.v2_2",
+        examples::routed_group(),
+        v(2, 2),
+        restamp_rollout,
+    );
+    check_older(
+        "ScoredGroup.v2",
+        examples::scored_group(),
+        v(2, 0),
+        restamp_scored,
+    );
+    let routed = examples::routed_group();
+    check_older(
+        "ScoredGroup.v3_1",
+        schema::ScoredGroup {
+            schema: schema::ScoredGroup::version_for(&routed, &None),
+            rollout: routed,
+            ..examples::scored_group_v1()
+        },
+        v(3, 1),
+        restamp_scored,
+    );
 }
 
 #[test]
@@ -69,30 +135,39 @@ fn episodes() {
     check("ScoredGroup.episode", s);
 }
 
-/// A mixture-of-experts group carries its routing: the rollout is 2.2 and its scored
-/// group 3.1 (older readers of the same major ignore the routing and route live).
+/// A mixture-of-experts group carries its routing (2.2 and 3.1 added it: older readers of
+/// the same major ignore it and route live); with its masks the rollout is 3.0 and its
+/// scored group 4.0.
 #[test]
 fn routed_groups() {
     let g = examples::routed_group();
-    assert_eq!(g.schema, schema::SchemaVersion { major: 2, minor: 2 });
+    assert_eq!(g.schema, schema::SchemaVersion { major: 3, minor: 0 });
     check("RolloutGroup.routing", g.clone());
     let s = schema::ScoredGroup {
         schema: schema::ScoredGroup::version_for(&g, &None),
         rollout: g,
         ..examples::scored_group_v1()
     };
-    assert_eq!(s.schema, schema::SchemaVersion { major: 3, minor: 1 });
+    assert_eq!(s.schema, schema::SchemaVersion { major: 4, minor: 0 });
     check("ScoredGroup.routing", s);
 }
 
-/// A group as schema 1.0 wrote it still decodes, and a group without token rewards is
-/// still written as 1.0, so a 1.x trainer keeps reading what it reads right.
+/// A group as schema 1.0 wrote it still decodes, and a group without token rewards or
+/// masks is still written as 1.0, so a 1.x trainer keeps reading what it reads right.
 #[test]
 fn scored_group_v1() {
-    check("ScoredGroup.v1", examples::scored_group_v1());
+    let mut v1 = examples::scored_group_v1();
+    v1.schema = schema::ScoredGroup::version_for(&v1.rollout, &v1.token_rewards);
+    check_older(
+        "ScoredGroup.v1",
+        v1,
+        schema::SchemaVersion::CURRENT,
+        restamp_scored,
+    );
     let mut g = examples::scored_group();
-    assert_eq!(g.schema, schema::SchemaVersion { major: 2, minor: 0 });
+    assert_eq!(g.schema, schema::SchemaVersion { major: 4, minor: 0 });
     g.token_rewards = None;
+    g.rollout.samples.iter_mut().for_each(|s| s.mask = None);
     assert_eq!(
         schema::ScoredGroup::version_for(&g.rollout, &g.token_rewards),
         schema::SchemaVersion::CURRENT

@@ -50,6 +50,10 @@ struct Pending {
 }
 
 impl MemoryBus {
+    /// What an entry costs beyond its payload in [`Bus::memory_usage`]: its id and the
+    /// map's node, roughly.
+    pub const ENTRY_OVERHEAD: u64 = 48;
+
     pub fn new() -> Self {
         Self::default()
     }
@@ -409,6 +413,17 @@ impl Bus for MemoryBus {
                 deliveries: 1,
             })
             .collect())
+    }
+
+    /// The payloads' bytes plus [`MemoryBus::ENTRY_OVERHEAD`] per entry.
+    async fn memory_usage(&self, stream: &str) -> BusResult<u64> {
+        let st = self.lock();
+        Ok(st.streams.get(stream).map_or(0, |s| {
+            s.entries
+                .values()
+                .map(|p| p.len() as u64 + Self::ENTRY_OVERHEAD)
+                .sum()
+        }))
     }
 
     async fn stats(&self, stream: &str) -> BusResult<StreamStats> {

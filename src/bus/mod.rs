@@ -242,6 +242,10 @@ pub trait Bus: Send + Sync + 'static {
     /// Callers decide what is safe to remove (see `crate::retention`).
     async fn trim_before(&self, stream: &str, min_id: EntryId) -> BusResult<u64>;
 
+    /// Bytes the stream takes in the bus's memory (`MEMORY USAGE key SAMPLES 0` on Redis:
+    /// every node counted, entries, ids and overhead); 0 for a stream that does not exist.
+    async fn memory_usage(&self, stream: &str) -> BusResult<u64>;
+
     /// The smallest id pending (delivered, not acked) in `group`, if any (`XPENDING`).
     async fn oldest_pending(&self, stream: &str, group: &str) -> BusResult<Option<EntryId>>;
 

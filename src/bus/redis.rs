@@ -801,6 +801,21 @@ impl Bus for RedisBus {
         Ok(())
     }
 
+    async fn memory_usage(&self, stream: &str) -> BusResult<u64> {
+        let bytes: Option<u64> = self
+            .query(
+                "MEMORY USAGE",
+                stream,
+                redis::cmd("MEMORY")
+                    .arg("USAGE")
+                    .arg(stream)
+                    .arg("SAMPLES")
+                    .arg(0),
+            )
+            .await?;
+        Ok(bytes.unwrap_or(0))
+    }
+
     async fn trim_before(&self, stream: &str, min_id: EntryId) -> BusResult<u64> {
         self.query(
             "XTRIM",

@@ -177,6 +177,11 @@ impl Bus for Resilient {
         self.retry("stats", || self.inner.stats(stream)).await
     }
 
+    async fn memory_usage(&self, stream: &str) -> BusResult<u64> {
+        self.retry("memory_usage", || self.inner.memory_usage(stream))
+            .await
+    }
+
     async fn append(&self, stream: &str, entries: &[(EntryId, Bytes)]) -> BusResult<()> {
         self.retry("append", || self.inner.append(stream, entries))
             .await
@@ -308,6 +313,9 @@ mod tests {
         }
         async fn stats(&self, s: &str) -> BusResult<StreamStats> {
             self.inner.stats(s).await
+        }
+        async fn memory_usage(&self, s: &str) -> BusResult<u64> {
+            self.inner.memory_usage(s).await
         }
         async fn append(&self, s: &str, e: &[(EntryId, Bytes)]) -> BusResult<()> {
             self.inner.append(s, e).await

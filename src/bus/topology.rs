@@ -29,6 +29,11 @@ pub struct Topology {
     /// Milliseconds a blocking read waits before returning empty (bounds shutdown latency).
     #[serde(default = "default_block_ms")]
     pub block_ms: u64,
+    /// Where standing trims write what they remove (one archive file per trim, named
+    /// `{namespace}.{stream}.{first id}.rla`), so that `replay` reads Redis and the archive
+    /// as one history; `--archive-dir` sets it. Absent: trimmed entries are dropped.
+    #[serde(default)]
+    pub archive_dir: Option<std::path::PathBuf>,
     pub streams: BTreeMap<String, StreamSpec>,
 }
 
@@ -52,16 +57,25 @@ pub struct StreamSpec {
     /// ones).
     #[serde(default)]
     pub trim_older_than_s: Option<u64>,
+    /// Standing retention by memory: the oldest finished entries go once the stream takes
+    /// more than this many bytes of the bus's memory (Redis `MEMORY USAGE`). Applied with
+    /// either policy above; the shipped topology sets one for every stream.
+    #[serde(default)]
+    pub trim_max_bytes: Option<u64>,
 }
 
 impl StreamSpec {
-    /// The standing trim policy, if any.
-    pub fn trim_policy(&self) -> Option<Keep> {
-        match (self.trim_keep_last, self.trim_older_than_s) {
+    /// The standing trim policies, in the order they are applied.
+    pub fn trim_policies(&self) -> Vec<Keep> {
+        let by_count = match (self.trim_keep_last, self.trim_older_than_s) {
             (Some(n), _) => Some(Keep::Last(n)),
             (None, Some(s)) => Some(Keep::Newer(std::time::Duration::from_secs(s))),
             (None, None) => None,
-        }
+        };
+        by_count
+            .into_iter()
+            .chain(self.trim_max_bytes.map(Keep::Bytes))
+            .collect()
     }
 }
 
@@ -160,7 +174,10 @@ impl Topology {
                     "`streams.{name}` sets both trim_keep_last and trim_older_than_s: pick one"
                 ));
             }
-            if spec.trim_keep_last == Some(0) || spec.trim_older_than_s == Some(0) {
+            if spec.trim_keep_last == Some(0)
+                || spec.trim_older_than_s == Some(0)
+                || spec.trim_max_bytes == Some(0)
+            {
                 return Err(format!(
                     "`streams.{name}`: a trim policy of 0 would remove everything (omit it to keep all)"
                 ));
@@ -189,6 +206,12 @@ impl Topology {
             }
         }
         Ok(())
+    }
+
+    /// The memory budget of the streams: the sum of their `trim_max_bytes`, when every
+    /// stream has one (otherwise some stream is unbounded and there is no budget).
+    pub fn budget(&self) -> Option<u64> {
+        self.streams.values().map(|s| s.trim_max_bytes).sum()
     }
 
     /// The consumer group a stage reads `stream` through: the first of the stream's
@@ -294,6 +317,8 @@ pub enum Keep {
     Last(u64),
     /// Entries newer than this (by entry id time).
     Newer(Duration),
+    /// As many of the newest entries as fit in this many bytes of the bus's memory.
+    Bytes(u64),
 }
 
 impl Keep {
@@ -362,8 +387,13 @@ mod tests {
             "test",
         )
         .expect("valid");
-        assert_eq!(t.streams["scored"].trim_policy(), Some(Keep::Last(500)));
-        assert_eq!(t.streams["prompts"].trim_policy(), None);
+        assert_eq!(
+            t.streams["scored"].trim_policies(),
+            [Keep::Last(500), Keep::Bytes(2 << 30)]
+        );
+        assert_eq!(t.streams["prompts"].trim_policies(), [Keep::Bytes(256 << 20)]);
+        // Every shipped stream has a memory limit: the budget is their sum.
+        assert_eq!(t.budget(), Some((2 << 30) + 5 * (256 << 20)));
         let e = err(&shipped_with(
             "groups = [\"train\"]",
             "groups = [\"train\"]\ntrim_keep_last = 5\ntrim_older_than_s = 60",

@@ -36,17 +36,20 @@ impl StageArgs {
     }
 }
 
-/// The topology the config names (before any namespace), with `namespace` applied when
-/// set.
+/// The topology the config names, with `namespace` and `archive_dir` applied when set.
 pub fn topology(cfg: &Config) -> Result<Topology> {
     let topo = match &cfg.topology {
         Some(p) => Topology::load(p)?,
         None => Topology::default(),
     };
-    Ok(match &cfg.namespace {
+    let mut topo = match &cfg.namespace {
         Some(ns) => topo.with_namespace(ns)?,
         None => topo,
-    })
+    };
+    if let Some(dir) = &cfg.archive_dir {
+        topo.archive_dir = Some(dir.clone());
+    }
+    Ok(topo)
 }
 
 /// Starts the metrics listener when the config asks for one.

@@ -32,6 +32,12 @@ pub struct Status {
     /// Seconds of events the throughput and process list cover.
     pub window_s: f64,
     pub streams: Vec<StreamStatus>,
+    /// Memory of every stream together, and the budget the topology's limits add up to
+    /// (None when some stream has no limit).
+    pub memory_bytes: u64,
+    pub budget_bytes: Option<u64>,
+    /// Where standing trims archive what they remove, if anywhere.
+    pub archive_dir: Option<String>,
     pub processes: Vec<ProcessStatus>,
     pub trainer: Option<TrainerStatus>,
     pub weights: Option<WeightsStatus>,
@@ -49,6 +55,10 @@ pub struct StreamStatus {
     pub name: String,
     pub key: String,
     pub length: u64,
+    /// Bus memory the stream takes (Redis `MEMORY USAGE`).
+    pub memory_bytes: u64,
+    /// Its standing memory limit (`trim_max_bytes`), if any.
+    pub max_bytes: Option<u64>,
     pub groups: Vec<GroupStatus>,
 }
 
@@ -195,10 +205,13 @@ pub async fn collect(
                     max_bytes: None,
                 });
         }
+        let memory_bytes = bus.memory_usage(&key).await?;
         streams.push(StreamStatus {
             name: name.clone(),
             key,
             length: s.length,
+            memory_bytes,
+            max_bytes: topo.streams[name].trim_max_bytes,
             groups: s
                 .groups
                 .into_iter()
@@ -311,6 +324,9 @@ pub async fn collect(
         namespace: topo.namespace.clone(),
         time_us: now_us,
         window_s: window.as_secs_f64(),
+        memory_bytes: streams.iter().map(|s| s.memory_bytes).sum(),
+        budget_bytes: topo.budget(),
+        archive_dir: topo.archive_dir.as_ref().map(|d| d.display().to_string()),
         streams,
         processes,
         trainer,
@@ -333,6 +349,22 @@ fn seconds(s: f64) -> String {
     }
 }
 
+/// Bytes for humans, in binary units (`1.5 MiB`).
+pub fn bytes(n: u64) -> String {
+    const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
+    let mut v = n as f64;
+    let mut unit = 0;
+    while v >= 1024.0 && unit + 1 < UNITS.len() {
+        v /= 1024.0;
+        unit += 1;
+    }
+    if unit == 0 {
+        format!("{n} B")
+    } else {
+        format!("{v:.1} {}", UNITS[unit])
+    }
+}
+
 /// The snapshot as a terminal table.
 pub fn render(s: &Status) -> String {
     let mut o = String::new();
@@ -345,14 +377,19 @@ pub fn render(s: &Status) -> String {
     let _ = writeln!(o);
     let _ = writeln!(
         o,
-        "{:<16} {:>9}  {:<8} {:>8} {:>8}  CONSUMERS (pending, idle)",
-        "STREAM", "LENGTH", "GROUP", "PENDING", "LAG"
+        "{:<16} {:>9} {:>21}  {:<8} {:>8} {:>8}  CONSUMERS (pending, idle)",
+        "STREAM", "LENGTH", "MEMORY / LIMIT", "GROUP", "PENDING", "LAG"
     );
     for st in &s.streams {
+        let memory = format!(
+            "{} / {}",
+            bytes(st.memory_bytes),
+            st.max_bytes.map_or("none".to_string(), bytes)
+        );
         if st.groups.is_empty() {
             let _ = writeln!(
                 o,
-                "{:<16} {:>9}  {:<8} {:>8} {:>8}",
+                "{:<16} {:>9} {memory:>21}  {:<8} {:>8} {:>8}",
                 st.key, st.length, "-", "", ""
             );
         }
@@ -366,19 +403,36 @@ pub fn render(s: &Status) -> String {
                     .collect::<Vec<_>>()
                     .join(", ")
             };
-            let (key, len) = if i == 0 {
-                (st.key.as_str(), st.length.to_string())
+            let (key, len, mem) = if i == 0 {
+                (st.key.as_str(), st.length.to_string(), memory.as_str())
             } else {
-                ("", String::new())
+                ("", String::new(), "")
             };
             let lag = g.lag.map_or("?".to_string(), |l| l.to_string());
             let _ = writeln!(
                 o,
-                "{key:<16} {len:>9}  {:<8} {:>8} {lag:>8}  {consumers}",
+                "{key:<16} {len:>9} {mem:>21}  {:<8} {:>8} {lag:>8}  {consumers}",
                 g.name, g.pending
             );
         }
     }
+    let budget = match s.budget_bytes {
+        Some(b) => format!(
+            "{} of the {} budget ({:.1}%)",
+            bytes(s.memory_bytes),
+            bytes(b),
+            100.0 * s.memory_bytes as f64 / b.max(1) as f64
+        ),
+        None => format!(
+            "{} (no budget: a stream has no trim_max_bytes)",
+            bytes(s.memory_bytes)
+        ),
+    };
+    let archive = match &s.archive_dir {
+        Some(d) => format!("trimmed entries are archived to {d}"),
+        None => "trimmed entries are dropped (no --archive-dir)".to_string(),
+    };
+    let _ = writeln!(o, "streams take {budget}; {archive}");
     let _ = writeln!(o);
     if s.processes.is_empty() {
         let _ = writeln!(

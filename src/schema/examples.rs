@@ -37,8 +37,8 @@ pub fn prompt() -> Prompt {
 }
 
 /// A RolloutGroup of `samples` completions of `tokens` tokens each over a `vocab`-sized
-/// vocabulary; with `mask_k > 0`, top-k sampling kept `mask_k` ids per step and the mask
-/// is recorded. Sample `i` switches policy version halfway through when `i` is odd.
+/// vocabulary; with `mask_k > 0`, top-k sampling kept up to `mask_k` ids per step (the
+/// sampled one and `mask_k − 1` drawn at random, repeats dropped) and the mask is recorded. Sample `i` switches policy version halfway through when `i` is odd.
 pub fn rollout_group(samples: usize, tokens: usize, vocab: u32, mask_k: u32) -> RolloutGroup {
     let mut rng = Xs(0x9e37_79b9_7f4a_7c15);
     let samples = (0..samples)
@@ -52,10 +52,16 @@ pub fn rollout_group(samples: usize, tokens: usize, vocab: u32, mask_k: u32) -> 
                 ids.push(tok);
                 logprobs.push(-((rng.below(1000) + 1) as f32) / 250.0);
                 if mask_k > 0 {
+                    let start = kept.len();
                     kept.push(tok);
                     for _ in 1..mask_k {
                         kept.push(rng.below(vocab));
                     }
+                    // A kept set is a set: ascending, each id once (as the wire holds it).
+                    let mut set = kept.split_off(start);
+                    set.sort_unstable();
+                    set.dedup();
+                    kept.extend(set);
                     offsets.push(kept.len() as u32);
                 }
             }
@@ -81,9 +87,9 @@ pub fn rollout_group(samples: usize, tokens: usize, vocab: u32, mask_k: u32) -> 
                 routing: None,
             }
         })
-        .collect();
+        .collect::<Vec<_>>();
     RolloutGroup {
-        schema: SchemaVersion::CURRENT,
+        schema: RolloutGroup::version_for(&samples),
         group_id: "gen-0-000017".into(),
         prompt_id: "add-000042".into(),
         task: "add".into(),

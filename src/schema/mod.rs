@@ -11,6 +11,7 @@ mod event;
 pub mod examples;
 pub mod json;
 mod limits;
+mod mask;
 mod packed;
 mod prompt;
 mod rollout;
@@ -26,9 +27,9 @@ pub use event::Event;
 pub use limits::{Limits, Refusal};
 pub use packed::{Floats, Packable, Packed, Tokens};
 pub use prompt::Prompt;
+pub use mask::SamplingMask;
 pub use rollout::{
-    FinishReason, RolloutGroup, Sample, SamplingMask, SamplingParams, Span, TurnReward, VersionRun,
-    turn_ranges,
+    FinishReason, RolloutGroup, Sample, SamplingParams, Span, TurnReward, VersionRun, turn_ranges,
 };
 pub use routing::{Routing, RoutingShape};
 pub use scored::ScoredGroup;

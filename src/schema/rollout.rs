@@ -13,7 +13,9 @@
 //! `prompt_routing`, and for each sample's tokens in its `routing`. A 2.1 reader ignores
 //! both and trains with live routing, which is what it did before.
 
-use super::{CodecError, Floats, Message, Routing, SchemaVersion, Tokens, check_finite};
+use super::{
+    CodecError, Floats, Message, Routing, SamplingMask, SchemaVersion, Tokens, check_finite,
+};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 
@@ -61,6 +63,7 @@ pub struct Sample {
     pub finish: FinishReason,
     /// Token ids that survived top-k/top-p at each step, when sampling truncated the
     /// distribution; lets the trainer renormalise over the same support (Keep Sampling Mask).
+    /// Packed kept sets since 3.0, CSR before (see [`super::mask`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub mask: Option<SamplingMask>,
     /// Episodes (schema 2.0): the spans of `tokens` the environment wrote, in order and not
@@ -164,21 +167,6 @@ impl From<(u32, u64)> for VersionRun {
 impl From<VersionRun> for (u32, u64) {
     fn from(r: VersionRun) -> Self {
         (r.start, r.version)
-    }
-}
-
-/// Ragged per-step id sets in CSR form: the ids kept at step `i` are
-/// `ids[offsets[i]..offsets[i + 1]]`, so `offsets` has one more entry than there are tokens.
-#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-pub struct SamplingMask {
-    pub offsets: Tokens,
-    pub ids: Tokens,
-}
-
-impl SamplingMask {
-    /// The ids kept at step `i`.
-    pub fn step(&self, i: usize) -> &[u32] {
-        &self.ids[self.offsets[i] as usize..self.offsets[i + 1] as usize]
     }
 }
 
@@ -405,13 +393,16 @@ impl RolloutGroup {
         self.samples.iter().any(Sample::is_episode)
     }
 
-    /// The version a group is written as: 2.2 when it carries routing, 2.1 when it holds an
-    /// episode (a 1.x trainer would train the environment's tokens; 2.1 added
+    /// The version a group is written as: 3.0 when it carries sampling masks (packed kept
+    /// sets, which a 2.x reader cannot read), 2.2 when it carries routing, 2.1 when it
+    /// holds an episode (a 1.x trainer would train the environment's tokens; 2.1 added
     /// `turn_rewards`, which a 2.0 scorer ignores and then finds no answer to score
     /// against), 1.0 otherwise.
     pub fn version_for(samples: &[Sample]) -> SchemaVersion {
-        if samples.iter().any(|s| s.routing.is_some()) {
+        if samples.iter().any(|s| s.mask.is_some()) {
             Self::SCHEMA
+        } else if samples.iter().any(|s| s.routing.is_some()) {
+            SchemaVersion { major: 2, minor: 2 }
         } else if samples.iter().any(Sample::is_episode) {
             SchemaVersion { major: 2, minor: 1 }
         } else {
@@ -481,7 +472,7 @@ impl RolloutGroup {
 
 impl Message for RolloutGroup {
     const KIND: &'static str = "RolloutGroup";
-    const SCHEMA: SchemaVersion = SchemaVersion { major: 2, minor: 2 };
+    const SCHEMA: SchemaVersion = SchemaVersion { major: 3, minor: 0 };
     fn schema(&self) -> SchemaVersion {
         self.schema
     }
@@ -572,14 +563,18 @@ mod tests {
             ids: ids.into(),
         });
         assert!(masked.validate_as("RolloutGroup").is_ok());
-        let episode = SchemaVersion { major: 2, minor: 1 };
-        assert_eq!(RolloutGroup::version_for(&masked.samples), episode);
+        // Packed kept sets: 3.0, whatever else the group holds.
+        let packed = SchemaVersion { major: 3, minor: 0 };
+        assert_eq!(RolloutGroup::version_for(&masked.samples), packed);
         masked.samples.iter_mut().for_each(|s| s.env.clear());
         assert!(
             masked.validate_as("RolloutGroup").is_err(),
             "now token 2 is the model's"
         );
-        // Turn rewards alone still make an episode (one solved in a single turn).
+        // Without masks, turn rewards alone still make an episode (one solved in a single
+        // turn).
+        masked.samples.iter_mut().for_each(|s| s.mask = None);
+        let episode = SchemaVersion { major: 2, minor: 1 };
         assert_eq!(RolloutGroup::version_for(&masked.samples), episode);
         masked
             .samples

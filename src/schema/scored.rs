@@ -31,8 +31,9 @@ pub struct ScoredGroup {
 }
 
 impl ScoredGroup {
-    /// The version a group is written as: 3.1 when its rollout carries routing (a 3.0
-    /// trainer ignores it and routes live); 3.0 when its rollout holds an episode (a 2.x
+    /// The version a group is written as: 4.0 when its rollout carries sampling masks
+    /// (packed kept sets since RolloutGroup 3.0, which a 3.x reader cannot read); 3.1 when
+    /// its rollout carries routing (a 3.0 trainer ignores it and routes live); 3.0 when its rollout holds an episode (a 2.x
     /// trainer, which reads no environment spans, would train the environment's tokens);
     /// 2.0 when it carries `token_rewards`, which a 1.x trainer would silently train
     /// without; 1.0 otherwise, which every reader since 1.0 reads the same way.
@@ -40,8 +41,10 @@ impl ScoredGroup {
         rollout: &RolloutGroup,
         token_rewards: &Option<Vec<Floats>>,
     ) -> SchemaVersion {
-        if rollout.prompt_routing.is_some() {
+        if rollout.samples.iter().any(|s| s.mask.is_some()) {
             Self::SCHEMA
+        } else if rollout.prompt_routing.is_some() {
+            SchemaVersion { major: 3, minor: 1 }
         } else if rollout.has_episodes() {
             SchemaVersion { major: 3, minor: 0 }
         } else if token_rewards.is_some() {
@@ -80,7 +83,7 @@ impl ScoredGroup {
 
 impl Message for ScoredGroup {
     const KIND: &'static str = "ScoredGroup";
-    const SCHEMA: SchemaVersion = SchemaVersion { major: 3, minor: 1 };
+    const SCHEMA: SchemaVersion = SchemaVersion { major: 4, minor: 0 };
     fn schema(&self) -> SchemaVersion {
         self.schema
     }

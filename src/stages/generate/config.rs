@@ -38,6 +38,8 @@ crate::settings! {
         pub top_k: u32 = 0,
         /// Keep the smallest set of tokens with this much probability; 1 disables.
         pub top_p: f32 = 1.0,
+        /// When top-k/top-p truncate, most ids a kept set may hold: sampling keeps at most this many of the most likely (an extra top-k), so each token's recorded mask stays small and exact; 0 = no cap.
+        pub mask_cap: u32 = 512,
         /// Most sequences decoded together.
         pub max_batch: usize = 64,
         /// A prompt too long for the context and max_new_tokens: keep it whole (`none`) or cut its start (`left`).
@@ -51,6 +53,18 @@ crate::settings! {
 }
 
 impl GenConfig {
+    /// The top-k sampling runs with: `top_k` tightened to `mask_cap` whenever sampling
+    /// truncates at all (top-k or top-p), since every truncated step records its kept set.
+    /// Without truncation nothing is recorded and nothing is capped.
+    pub fn sampling_top_k(&self) -> u32 {
+        let truncates = self.top_k > 0 || self.top_p < 1.0;
+        match (truncates, self.mask_cap) {
+            (false, _) | (true, 0) => self.top_k,
+            (true, cap) if self.top_k == 0 => cap,
+            (true, cap) => self.top_k.min(cap),
+        }
+    }
+
     /// Checks values the types cannot.
     pub fn validate(&self) -> Result<(), crate::settings::InvalidSetting> {
         use crate::settings::invalid;
@@ -76,5 +90,28 @@ impl GenConfig {
             ));
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_mask_cap_tightens_top_k_only_when_sampling_truncates() {
+        let cfg = |top_k, top_p, mask_cap| GenConfig {
+            top_k,
+            top_p,
+            mask_cap,
+            ..GenConfig::default()
+        };
+        // Full-vocabulary sampling records no mask: nothing to cap.
+        assert_eq!(cfg(0, 1.0, 512).sampling_top_k(), 0);
+        // Top-p alone: at most the cap's most likely ids.
+        assert_eq!(cfg(0, 0.95, 512).sampling_top_k(), 512);
+        assert_eq!(cfg(50, 0.95, 512).sampling_top_k(), 50);
+        assert_eq!(cfg(1000, 1.0, 512).sampling_top_k(), 512);
+        // No cap.
+        assert_eq!(cfg(0, 0.95, 0).sampling_top_k(), 0);
     }
 }

@@ -373,7 +373,7 @@ impl Decoder {
     ) -> Result<Option<Failed>, ModelError> {
         let params = SamplingParams {
             temperature: self.policy.temperature,
-            top_k: self.cfg.top_k,
+            top_k: self.cfg.sampling_top_k(),
             top_p: self.cfg.top_p,
             max_new_tokens: self.cfg.max_new_tokens,
             stop_tokens: self.stop_tokens.clone(),

@@ -1,7 +1,7 @@
 //! Message size at real scale: bytes per group and per token of a RolloutGroup on the
 //! wire, split by field, for a 0.5B-shaped workload (8 samples × 1,024 tokens over Qwen2.5's
 //! 151,936-token vocabulary), with sampling masks in the CSR form written before schema 3.0
-//! and in the packed kept sets written since, plus deflate of the whole message.
+//! and in the packed kept sets written since, plus zstd and deflate of the whole message.
 //!
 //! The kept-set sizes come from the logits, so the policy only needs the vocabulary: a
 //! random model with the real vocabulary and a narrow trunk (the trunk does not change the
@@ -54,6 +54,17 @@ fn deflate(bytes: &[u8], level: u32) -> (usize, f64) {
     e.write_all(bytes).expect("deflate");
     let out = e.finish().expect("deflate");
     (out.len(), t0.elapsed().as_secs_f64())
+}
+
+fn zstd_level(bytes: &[u8], level: i32) -> (usize, f64, f64) {
+    let t0 = Instant::now();
+    let out = zstd::bulk::compress(bytes, level).expect("zstd");
+    let c = t0.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    let back = zstd::bulk::decompress(&out, bytes.len()).expect("unzstd");
+    let d = t0.elapsed().as_secs_f64();
+    assert_eq!(back.len(), bytes.len());
+    (out.len(), c, d)
 }
 
 fn main() {
@@ -177,9 +188,11 @@ fn main() {
         let csr_total = packed.len() - packed_b + csr_b;
         let (deflate1, deflate1_s) = deflate(&packed, 1);
         let (deflate6, deflate6_s) = deflate(&packed, 6);
+        let (zstd1, zstd1_s, unzstd1_s) = zstd_level(&packed, 1);
+        let (zstd3, zstd3_s, _) = zstd_level(&packed, 3);
         let per_tok = |b: usize| b as f64 / tokens as f64;
         println!(
-            "{:<40} {tokens:>5} tokens, {:>7.1} kept ids/token | B/token: tokens {:.1} logprobs {:.1} versions {:.2} | mask CSR {:.1} packed {:.1} | message CSR {:.1} packed {:.1} deflate-1 {:.1} ({:.1} ms) | gen {gen_s:.1} s",
+            "{:<40} {tokens:>5} tokens, {:>7.1} kept ids/token | B/token: tokens {:.1} logprobs {:.1} versions {:.2} | mask CSR {:.1} packed {:.1} | message CSR {:.1} packed {:.1} zstd-1 {:.1} ({:.1} ms) deflate-1 {:.1} ({:.1} ms) | gen {gen_s:.1} s",
             case.name,
             kept as f64 / tokens as f64,
             per_tok(tokens_b),
@@ -189,6 +202,8 @@ fn main() {
             per_tok(packed_b),
             per_tok(csr_total),
             per_tok(packed.len()),
+            per_tok(zstd1),
+            zstd1_s * 1e3,
             per_tok(deflate1),
             deflate1_s * 1e3,
         );
@@ -212,6 +227,8 @@ fn main() {
                 "message_packed": packed.len(),
                 "message_packed_deflate1": deflate1,
                 "message_packed_deflate6": deflate6,
+                "message_packed_zstd1": zstd1,
+                "message_packed_zstd3": zstd3,
             },
             "bytes_per_token": {
                 "message_csr": per_tok(csr_total),
@@ -220,6 +237,8 @@ fn main() {
                 "mask_packed": per_tok(packed_b),
                 "message_packed_deflate1": per_tok(deflate1),
                 "message_packed_deflate6": per_tok(deflate6),
+                "message_packed_zstd1": per_tok(zstd1),
+                "message_packed_zstd3": per_tok(zstd3),
             },
             "seconds": {
                 "generate": gen_s,
@@ -227,6 +246,9 @@ fn main() {
                 "pack_and_unpack_masks": roundtrip_s,
                 "deflate1": deflate1_s,
                 "deflate6": deflate6_s,
+                "zstd1": zstd1_s,
+                "zstd1_decompress": unzstd1_s,
+                "zstd3": zstd3_s,
             },
             "schema": format!("{}", group.schema),
         }));

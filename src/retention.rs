@@ -18,8 +18,6 @@ use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-/// How often stages apply the standing policy.
-pub const STANDING_EVERY: Duration = Duration::from_secs(10);
 /// A memory-bound trim keeps this share of the limit, so the stream does not sit at its
 /// limit and trim on every round.
 const BYTES_HEADROOM: f64 = 0.9;
@@ -262,7 +260,7 @@ async fn trim_standing(
     Ok(report)
 }
 
-/// Applies the topology's standing trim policies to `streams` every [`STANDING_EVERY`]
+/// Applies the topology's standing trim policies to `streams` every `trim_every_ms`
 /// while the returned handle lives (None when none of them has a policy), archiving into
 /// the topology's `archive_dir` when it has one. Failures are counted
 /// (`errors_total{kind="trim"}`) and retried.
@@ -289,7 +287,7 @@ pub fn spawn_standing(
     }
     crate::metrics::error_n(stage, "trim", 0);
     Some(Standing(tokio::spawn(async move {
-        let mut tick = tokio::time::interval(STANDING_EVERY);
+        let mut tick = tokio::time::interval(Duration::from_millis(topo.trim_every_ms));
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let dir = topo.archive_dir.clone();
         loop {

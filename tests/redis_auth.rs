@@ -119,8 +119,13 @@ fn each_stage_runs_under_its_acl_user_and_no_further() {
     assert!(trained.starts_with("trained 3 steps"), "{trained}");
     interrupt(generator, "gen", &log("gen"));
     interrupt(score, "score", &log("score"));
+    // Each user may read its streams' memory and trim them: the standing trims ran.
+    for stage in ["gen", "score"] {
+        let text = std::fs::read_to_string(log(stage)).expect("log");
+        assert!(!text.contains("standing trim failed"), "{stage}: {text}");
+    }
     let status = run_ok(&["status", "--redis", &url("watch")]);
-    assert!(status.contains("rl:scored"), "{status}");
+    assert!(status.contains("rl:scored") && status.contains("GiB budget"), "{status}");
     // The read-only user cannot write a stream.
     let out = bin()
         .args([

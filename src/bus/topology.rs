@@ -34,6 +34,9 @@ pub struct Topology {
     /// as one history; `--archive-dir` sets it. Absent: trimmed entries are dropped.
     #[serde(default)]
     pub archive_dir: Option<std::path::PathBuf>,
+    /// Milliseconds between two rounds of the stages' standing trims.
+    #[serde(default = "default_trim_every_ms")]
+    pub trim_every_ms: u64,
     pub streams: BTreeMap<String, StreamSpec>,
 }
 
@@ -81,6 +84,10 @@ impl StreamSpec {
 
 fn default_block_ms() -> u64 {
     1000
+}
+
+fn default_trim_every_ms() -> u64 {
+    10_000
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -147,6 +154,7 @@ impl Topology {
             ("max_deliveries", u64::from(self.max_deliveries)),
             ("max_message_bytes", self.max_message_bytes as u64),
             ("block_ms", self.block_ms),
+            ("trim_every_ms", self.trim_every_ms),
         ] {
             if value == 0 {
                 return Err(format!("`{key}` must be greater than 0"));

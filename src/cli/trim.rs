@@ -16,13 +16,16 @@ pub struct Args {
     /// Keep the newest N entries.
     #[arg(
         long,
-        conflicts_with = "older_than",
-        required_unless_present = "older_than"
+        conflicts_with_all = ["older_than", "max_bytes"],
+        required_unless_present_any = ["older_than", "max_bytes"]
     )]
     keep_last: Option<u64>,
     /// Remove entries older than this (90s, 30m, 12h, 7d).
-    #[arg(long)]
+    #[arg(long, conflicts_with = "max_bytes")]
     older_than: Option<String>,
+    /// Keep what fits in this many bytes of Redis memory (`MEMORY USAGE`), the newest first.
+    #[arg(long, value_name = "BYTES")]
+    max_bytes: Option<u64>,
     /// Archive the removed entries here first (nothing is removed if that fails).
     #[arg(long)]
     archive: Option<PathBuf>,
@@ -30,8 +33,12 @@ pub struct Args {
 
 impl Args {
     pub async fn exec(self) -> Result<()> {
-        let keep = Keep::from_flags(self.keep_last, self.older_than.as_deref())
-            .map_err(anyhow::Error::msg)?;
+        let keep = match self.max_bytes {
+            Some(0) => bail!("--max-bytes 0 would remove everything; use a positive limit"),
+            Some(b) => Keep::Bytes(b),
+            None => Keep::from_flags(self.keep_last, self.older_than.as_deref())
+                .map_err(anyhow::Error::msg)?,
+        };
         if let Some(a) = &self.archive
             && a.exists()
         {

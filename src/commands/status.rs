@@ -658,6 +658,11 @@ mod tests {
         assert_eq!(p.groups[0].pending, 2);
         assert_eq!(p.groups[0].lag, Some(3));
         assert_eq!(p.groups[0].consumers[0].name, "g1");
+        // Five one-byte entries on the embedded bus, under the shipped 256 MiB limit.
+        let each = 1 + MemoryBus::ENTRY_OVERHEAD;
+        assert_eq!((p.memory_bytes, p.max_bytes), (5 * each, Some(256 << 20)));
+        assert_eq!(s.budget_bytes, topo.budget());
+        assert!(s.memory_bytes >= p.memory_bytes);
         // 400 tokens in 2 s; 20 groups in 2 s; 300 tokens (after the first step) in 2 s.
         assert!((s.generated_tokens_per_s - 200.0).abs() < 1e-6, "{s:?}");
         assert!((s.scored_groups_per_s - 10.0).abs() < 1e-6);
@@ -675,6 +680,9 @@ mod tests {
             "g1 (2,",
             "200.0 tok/s generated",
             "step 5 (version 5)",
+            &format!("{} B / 256.0 MiB", 5 * each),
+            "GiB budget",
+            "trimmed entries are dropped (no --archive-dir)",
         ] {
             assert!(text.contains(want), "missing {want:?} in\n{text}");
         }

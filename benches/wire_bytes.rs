@@ -160,7 +160,11 @@ fn main() {
             prompt_routing: None,
         };
         let tokens: usize = group.completion_tokens();
-        let masks: Vec<&SamplingMask> = group.samples.iter().filter_map(|s| s.mask.as_ref()).collect();
+        let masks: Vec<&SamplingMask> = group
+            .samples
+            .iter()
+            .filter_map(|s| s.mask.as_ref())
+            .collect();
         let kept: usize = masks.iter().map(|m| m.ids.len()).sum();
         let field = |f: &dyn Fn(&Sample) -> usize| -> usize { group.samples.iter().map(f).sum() };
         let tokens_b = field(&|s| named(&s.tokens));
@@ -176,7 +180,7 @@ fn main() {
             })
             .sum();
         let t0 = Instant::now();
-        let packed_b: usize = masks.iter().map(|m| named(m)).sum();
+        let packed_b: usize = masks.iter().map(named).sum();
         let pack_s = t0.elapsed().as_secs_f64();
         let t0 = Instant::now();
         for m in &masks {
@@ -270,7 +274,10 @@ fn main() {
     if let Some(dir) = std::path::Path::new(&out).parent() {
         std::fs::create_dir_all(dir).expect("results dir");
     }
-    std::fs::write(&out, serde_json::to_string_pretty(&report).expect("json") + "\n")
-        .expect("write results");
+    std::fs::write(
+        &out,
+        serde_json::to_string_pretty(&report).expect("json") + "\n",
+    )
+    .expect("write results");
     println!("wrote {out}");
 }

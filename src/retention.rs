@@ -21,6 +21,8 @@ use std::time::Duration;
 /// A memory-bound trim keeps this share of the limit, so the stream does not sit at its
 /// limit and trim on every round.
 const BYTES_HEADROOM: f64 = 0.9;
+/// Further trims a memory limit may take in one round (see [`trim_standing`]).
+const BYTES_ROUNDS: usize = 3;
 
 /// What a trim did.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -184,11 +186,59 @@ pub async fn trim(
 }
 
 /// The standing-trim task of a stage; stops when dropped.
-pub struct Standing(tokio::task::JoinHandle<()>);
+pub struct Standing {
+    task: tokio::task::JoinHandle<()>,
+    rounds: std::sync::Arc<Rounds>,
+}
+
+impl Standing {
+    /// Stops the periodic task and runs one last round, so a stage that stops leaves its
+    /// streams within their limits.
+    pub async fn finish(self) {
+        self.task.abort();
+        self.rounds.run().await;
+    }
+}
 
 impl Drop for Standing {
     fn drop(&mut self) {
-        self.0.abort();
+        self.task.abort();
+    }
+}
+
+/// What one round of standing trims applies.
+struct Rounds {
+    bus: SharedBus,
+    topo: Topology,
+    policies: Vec<(String, Keep)>,
+    stage: Stage,
+}
+
+impl Rounds {
+    /// Applies every policy once; failures are counted and logged, never returned.
+    async fn run(&self) {
+        let (bus, topo) = (self.bus.as_ref(), &self.topo);
+        for (name, keep) in &self.policies {
+            match trim_standing(bus, topo, name, *keep, topo.archive_dir.as_deref()).await {
+                Ok(r) if r.removed > 0 => {
+                    crate::metrics::trimmed(&r.stream, r.removed);
+                    tracing::info!(stream = %r.stream, removed = r.removed, cut = ?r.cut, archived = r.archived, "standing trim")
+                }
+                Ok(r) => {
+                    if let Some((group, id)) = &r.held_back_by {
+                        tracing::debug!(stream = %r.stream, group, id, "standing trim held back by unfinished work");
+                    }
+                }
+                Err(e) => {
+                    crate::metrics::error(self.stage, "trim");
+                    tracing::warn!(stream = name, error = %e, "standing trim failed; retrying later");
+                }
+            }
+            let key = topo.key(name);
+            if let Ok(bytes) = bus.memory_usage(&key).await {
+                crate::metrics::stream_bytes(&key, bytes);
+            }
+        }
     }
 }
 
@@ -240,8 +290,40 @@ pub fn archive_files(
 }
 
 /// Applies `keep` to `name`, archiving into `dir` when given (a new file per trim; none
-/// when the trim removed nothing).
+/// when the trim removed nothing). A memory limit is applied again while the stream is
+/// still over it and more can go: Redis frees a stream node only once all its entries are
+/// gone, so memory falls less than in proportion to the entries removed.
 async fn trim_standing(
+    bus: &dyn Bus,
+    topo: &Topology,
+    name: &str,
+    keep: Keep,
+    dir: Option<&Path>,
+) -> Result<TrimReport, ArchiveError> {
+    let mut total = trim_once(bus, topo, name, keep, dir).await?;
+    if let Keep::Bytes(max) = keep {
+        for _ in 0..BYTES_ROUNDS {
+            if total.removed == 0
+                || total.held_back_by.is_some()
+                || bus.memory_usage(&topo.key(name)).await? <= max
+            {
+                break;
+            }
+            let r = trim_once(bus, topo, name, keep, dir).await?;
+            if r.removed == 0 {
+                break;
+            }
+            total.removed += r.removed;
+            total.archived += r.archived;
+            total.cut = r.cut;
+            total.held_back_by = r.held_back_by;
+        }
+    }
+    Ok(total)
+}
+
+/// One [`trim`] of `name`, into a new archive file in `dir` when given.
+async fn trim_once(
     bus: &dyn Bus,
     topo: &Topology,
     name: &str,
@@ -286,35 +368,25 @@ pub fn spawn_standing(
         return None;
     }
     crate::metrics::error_n(stage, "trim", 0);
-    Some(Standing(tokio::spawn(async move {
-        let mut tick = tokio::time::interval(Duration::from_millis(topo.trim_every_ms));
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let dir = topo.archive_dir.clone();
-        loop {
-            tick.tick().await;
-            for (name, keep) in &policies {
-                match trim_standing(bus.as_ref(), &topo, name, *keep, dir.as_deref()).await {
-                    Ok(r) if r.removed > 0 => {
-                        crate::metrics::trimmed(&r.stream, r.removed);
-                        tracing::info!(stream = %r.stream, removed = r.removed, cut = ?r.cut, archived = r.archived, "standing trim")
-                    }
-                    Ok(r) => {
-                        if let Some((group, id)) = &r.held_back_by {
-                            tracing::debug!(stream = %r.stream, group, id, "standing trim held back by unfinished work");
-                        }
-                    }
-                    Err(e) => {
-                        crate::metrics::error(stage, "trim");
-                        tracing::warn!(stream = name, error = %e, "standing trim failed; retrying later");
-                    }
-                }
-                let key = topo.key(name);
-                if let Ok(bytes) = bus.memory_usage(&key).await {
-                    crate::metrics::stream_bytes(&key, bytes);
-                }
+    let every = Duration::from_millis(topo.trim_every_ms);
+    let rounds = std::sync::Arc::new(Rounds {
+        bus,
+        topo,
+        policies,
+        stage,
+    });
+    let task = {
+        let rounds = rounds.clone();
+        tokio::spawn(async move {
+            let mut tick = tokio::time::interval(every);
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                rounds.run().await;
             }
-        }
-    })))
+        })
+    };
+    Some(Standing { task, rounds })
 }
 
 #[cfg(test)]
@@ -424,7 +496,11 @@ mod tests {
             .await
             .expect("trim");
         assert_eq!(r.removed, 0);
-        assert!(archive_files(dir.path(), &topo, "rollouts").expect("list").is_empty());
+        assert!(
+            archive_files(dir.path(), &topo, "rollouts")
+                .expect("list")
+                .is_empty()
+        );
         assert_eq!(std::fs::read_dir(dir.path()).expect("dir").count(), 0);
         // The scorer finished the first 80: the limit keeps 90% of 50 entries.
         bus.read_group(&key, "score", "s", ReadFrom::New, 80, None)
@@ -447,7 +523,10 @@ mod tests {
             .await
             .expect("trim");
         assert_eq!(r.removed, 25, "{r:?}");
-        assert_eq!(r.held_back_by, Some(("score".into(), ids[79].next().to_string())));
+        assert_eq!(
+            r.held_back_by,
+            Some(("score".into(), ids[79].next().to_string()))
+        );
         // Two files, oldest range first, holding entries 1..=80 in order.
         let files = archive_files(dir.path(), &topo, "rollouts").expect("list");
         assert_eq!(files.len(), 2);

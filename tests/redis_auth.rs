@@ -125,7 +125,10 @@ fn each_stage_runs_under_its_acl_user_and_no_further() {
         assert!(!text.contains("standing trim failed"), "{stage}: {text}");
     }
     let status = run_ok(&["status", "--redis", &url("watch")]);
-    assert!(status.contains("rl:scored") && status.contains("GiB budget"), "{status}");
+    assert!(
+        status.contains("rl:scored") && status.contains("GiB budget"),
+        "{status}"
+    );
     // The read-only user cannot write a stream.
     let out = bin()
         .args([

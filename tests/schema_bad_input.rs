@@ -214,7 +214,12 @@ fn non_finite_and_impossible_numbers_are_refused() {
     );
 
     let mut g = examples::rollout_group(2, 4, 16, 2);
-    g.samples[0].mask.as_mut().unwrap().ids.0[0] = 999;
+    // Step 0's kept set without the sampled token.
+    let m = g.samples[0].mask.as_mut().unwrap();
+    let end = m.offsets[1] as usize;
+    for (j, id) in m.ids.0[..end].iter_mut().enumerate() {
+        *id = 999 + j as u32;
+    }
     let err = schema::decode::<RolloutGroup>(&schema::encode(&g).unwrap()).unwrap_err();
     assert!(err.to_string().contains("is not in the kept set"), "{err}");
 }

@@ -8,7 +8,7 @@ mod common;
 
 use bytes::Bytes;
 use common::run_ok;
-use rlstream::bus::{Bus, RangeBound, Topology};
+use rlstream::bus::{RangeBound, Topology};
 use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
 use rlstream::retention;
 use rlstream::schema;
@@ -50,17 +50,28 @@ async fn a_memory_budget_archives_finished_entries_and_replay_reads_both() {
     let bus = common::redis_bus().await;
     let topo = Topology::default().with_namespace(&ns).expect("ns");
     let scored = topo.key("scored");
-    bus.publish(&scored, &payloads, None).await.expect("publish");
+    bus.publish(&scored, &payloads, None)
+        .await
+        .expect("publish");
     let all = bus.memory_usage(&scored).await.expect("memory");
     // Limits of a quarter of the scored groups, and of a few step records: the run has to
     // trim both streams several times over.
     let limit = all / 4;
+    let mut section = String::new();
     let text = rlstream::bus::topology::DEFAULT_TOPOLOGY
         .lines()
-        .map(|l| match l {
-            l if l.starts_with("trim_max_bytes") => format!("trim_max_bytes = {limit}"),
-            l if l.starts_with("trim_every_ms") => "trim_every_ms = 100".to_string(),
-            l => l.to_string(),
+        .map(|l| {
+            if l.starts_with("[streams.") {
+                section = l.to_string();
+            }
+            match l {
+                l if l.starts_with("trim_max_bytes") && section == "[streams.events]" => {
+                    "trim_max_bytes = 2048".to_string()
+                }
+                l if l.starts_with("trim_max_bytes") => format!("trim_max_bytes = {limit}"),
+                l if l.starts_with("trim_every_ms") => "trim_every_ms = 100".to_string(),
+                l => l.to_string(),
+            }
         })
         .collect::<Vec<_>>()
         .join("\n");
@@ -136,9 +147,13 @@ async fn a_memory_budget_archives_finished_entries_and_replay_reads_both() {
         .map(|p| p.as_ref())
         .collect();
     assert_eq!(tail, expected, "an unfinished entry was trimmed");
+    // The trainer's last round on its way out left the stream within its limit, or holding
+    // nothing but unfinished work.
+    let used = bus.memory_usage(&scored).await.expect("memory");
     assert!(
-        bus.memory_usage(&scored).await.expect("memory") <= 2 * limit,
-        "scored holds more than the limit allows past unfinished work"
+        used <= limit || in_redis.len() == unread,
+        "scored takes {used} bytes in {} entries, over its limit of {limit}",
+        in_redis.len()
     );
 
     // One history: every group once, in order, across the archive files and Redis.
@@ -155,7 +170,12 @@ async fn a_memory_budget_archives_finished_entries_and_replay_reads_both() {
     ));
     let ids: Vec<String> = listed
         .iter()
-        .map(|l| l["message"]["rollout"]["group_id"].as_str().unwrap_or("?").to_string())
+        .map(|l| {
+            l["message"]["rollout"]["group_id"]
+                .as_str()
+                .unwrap_or("?")
+                .to_string()
+        })
         .collect();
     let want: Vec<String> = (0..GROUPS).map(|i| format!("g{i}")).collect();
     assert_eq!(ids, want);
@@ -173,19 +193,27 @@ async fn a_memory_budget_archives_finished_entries_and_replay_reads_both() {
     let first_kept = in_redis[0].id;
     let step4: Vec<_> = listed.iter().take(((4 + 1) * PER_STEP) as usize).collect();
     assert!(
-        step4
-            .iter()
-            .all(|l| l["id"].as_str().and_then(|i| i.parse::<rlstream::bus::EntryId>().ok()) < Some(first_kept)),
+        step4.iter().all(|l| l["id"]
+            .as_str()
+            .and_then(|i| i.parse::<rlstream::bus::EntryId>().ok())
+            < Some(first_kept)),
         "the groups after the checkpoint are still in Redis: nothing to prove"
     );
     let ck = ckpt.join("step-00000004");
-    let out = run_ok(
-        &bus_args(&["replay", "--train", "--checkpoint", &s(&ck)])
-            .iter()
-            .map(String::as_str)
-            .collect::<Vec<_>>(),
-    );
     let done = STEPS - 4;
+    let out = run_ok(
+        &bus_args(&[
+            "replay",
+            "--train",
+            "--checkpoint",
+            &s(&ck),
+            "--steps",
+            &done.to_string(),
+        ])
+        .iter()
+        .map(String::as_str)
+        .collect::<Vec<_>>(),
+    );
     assert!(
         out.contains(&format!(
             "re-ran {done} steps from checkpoint step 4; {done} of {done} recorded steps bit-identical"

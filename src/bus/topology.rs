@@ -399,7 +399,10 @@ mod tests {
             t.streams["scored"].trim_policies(),
             [Keep::Last(500), Keep::Bytes(2 << 30)]
         );
-        assert_eq!(t.streams["prompts"].trim_policies(), [Keep::Bytes(256 << 20)]);
+        assert_eq!(
+            t.streams["prompts"].trim_policies(),
+            [Keep::Bytes(256 << 20)]
+        );
         // Every shipped stream has a memory limit: the budget is their sum.
         assert_eq!(t.budget(), Some((2 << 30) + 5 * (256 << 20)));
         let e = err(&shipped_with(

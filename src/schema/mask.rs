@@ -191,13 +191,20 @@ mod tests {
     #[test]
     fn sets_are_sorted_and_deduplicated_on_the_wire() {
         let m = mask(&[&[5, 1, 5, 3]]);
-        assert_eq!(SamplingMask::unpack(&m.pack()).unwrap(), mask(&[&[1, 3, 5]]));
+        assert_eq!(
+            SamplingMask::unpack(&m.pack()).unwrap(),
+            mask(&[&[1, 3, 5]])
+        );
     }
 
     #[test]
     fn corrupt_packed_sets_are_refused_with_the_step() {
         // A size with its continuation bit set and nothing after it.
-        assert!(SamplingMask::unpack(&[0x80]).unwrap_err().contains("cut short"));
+        assert!(
+            SamplingMask::unpack(&[0x80])
+                .unwrap_err()
+                .contains("cut short")
+        );
         // 100 ids announced, one byte left.
         let e = SamplingMask::unpack(&[1, 0, 100, 0]).unwrap_err();
         assert!(e.contains("step 1") && e.contains("100 ids"), "{e}");

@@ -25,9 +25,9 @@ pub use dead::DeadLetter;
 pub use error::CodecError;
 pub use event::Event;
 pub use limits::{Limits, Refusal};
+pub use mask::SamplingMask;
 pub use packed::{Floats, Packable, Packed, Tokens};
 pub use prompt::Prompt;
-pub use mask::SamplingMask;
 pub use rollout::{
     FinishReason, RolloutGroup, Sample, SamplingParams, Span, TurnReward, VersionRun, turn_ranges,
 };

@@ -249,7 +249,7 @@ pub async fn run(
     };
     crate::metrics::started(Stage::Gen);
     let standing = [Stream::Prompts.as_str()];
-    let _retention = crate::retention::spawn_standing(bus.clone(), topo, &standing, Stage::Gen);
+    let retention = crate::retention::spawn_standing(bus.clone(), topo, &standing, Stage::Gen);
     crate::metrics::holds(Stage::Gen, slot.load().version);
     let mut heartbeat = super::Heartbeat::new(bus, topo, Stage::Gen, &cfg.name);
     let (outcome, reader_result) = publish_until_stopped(
@@ -273,6 +273,9 @@ pub async fn run(
     reader_result?;
     summary.rejected = follower.await.unwrap_or(0);
     summary.final_version = slot.load().version;
+    if let Some(r) = retention {
+        r.finish().await;
+    }
     tracing::info!(
         groups = summary.groups,
         tokens = summary.tokens,

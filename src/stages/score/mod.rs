@@ -649,7 +649,7 @@ pub async fn run(
     let max_len = topo.max_len(Stream::Scored);
     let mut summary = ScoreSummary::default();
     crate::metrics::started(Stage::Score);
-    let _retention =
+    let retention =
         crate::retention::spawn_standing(bus.clone(), topo, &["rollouts"], Stage::Score);
     let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, Stage::Score, &cfg.name);
     tokio::pin!(shutdown);
@@ -699,6 +699,9 @@ pub async fn run(
         failed = summary.failed,
         "score stopped"
     );
+    if let Some(r) = retention {
+        r.finish().await;
+    }
     Ok(summary)
 }
 

@@ -99,7 +99,7 @@ pub async fn run(
     crate::metrics::started(Stage::Train);
     let standing = [Stream::Scored, Stream::Weights, Stream::Events].map(Stream::as_str);
     let standing = [&standing[..], &[topo.dead_letter.as_str()]].concat();
-    let _retention = crate::retention::spawn_standing(bus, topo, &standing, Stage::Train);
+    let retention = crate::retention::spawn_standing(bus, topo, &standing, Stage::Train);
     crate::metrics::holds(Stage::Train, lp.trainer.state.version);
     tokio::pin!(shutdown);
     while !lp.done() {
@@ -127,7 +127,11 @@ pub async fn run(
             }
         }
     }
-    lp.finish().await
+    let summary = lp.finish().await;
+    if let Some(r) = retention {
+        r.finish().await;
+    }
+    summary
 }
 
 impl<'a> Loop<'a> {

@@ -5,7 +5,9 @@
 //! `cargo bench --bench codec`
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use rlstream::schema::{self, Floats, RolloutGroup, ScoredGroup, Tokens, examples};
+use rlstream::schema::{
+    self, Floats, RolloutGroup, SamplingMask, ScoredGroup, Tokens, examples,
+};
 use serde::{Deserialize, Serialize};
 use std::hint::black_box;
 
@@ -38,6 +40,48 @@ fn codec(c: &mut Criterion) {
     });
     g.bench_function("decode", |b| {
         b.iter(|| schema::decode::<ScoredGroup>(black_box(&scored_bytes)).unwrap())
+    });
+    g.finish();
+}
+
+/// A mask in the CSR form written before schema 3.0.
+#[derive(Serialize, Deserialize)]
+struct Csr {
+    offsets: Tokens,
+    ids: Tokens,
+}
+
+/// The realistic group's sampling masks, packed kept sets (3.0) against CSR (2.x).
+fn masks(c: &mut Criterion) {
+    let src = examples::realistic_rollout_group();
+    let masks: Vec<SamplingMask> = src.samples.iter().filter_map(|s| s.mask.clone()).collect();
+    let csr: Vec<Csr> = masks
+        .iter()
+        .map(|m| Csr {
+            offsets: m.offsets.clone(),
+            ids: m.ids.clone(),
+        })
+        .collect();
+    let csr_bytes = rmp_serde::to_vec_named(&csr).unwrap();
+    let packed_bytes = rmp_serde::to_vec_named(&masks).unwrap();
+    println!(
+        "masks: {} kept ids; CSR {} bytes, packed {} bytes",
+        masks.iter().map(|m| m.ids.len()).sum::<usize>(),
+        csr_bytes.len(),
+        packed_bytes.len()
+    );
+    let mut g = c.benchmark_group("masks");
+    g.bench_function("packed/encode", |b| {
+        b.iter(|| rmp_serde::to_vec_named(black_box(&masks)).unwrap())
+    });
+    g.bench_function("packed/decode", |b| {
+        b.iter(|| rmp_serde::from_slice::<Vec<SamplingMask>>(black_box(&packed_bytes)).unwrap())
+    });
+    g.bench_function("csr/encode", |b| {
+        b.iter(|| rmp_serde::to_vec_named(black_box(&csr)).unwrap())
+    });
+    g.bench_function("csr/decode", |b| {
+        b.iter(|| rmp_serde::from_slice::<Vec<Csr>>(black_box(&csr_bytes)).unwrap())
     });
     g.finish();
 }
@@ -99,5 +143,5 @@ fn representation(c: &mut Criterion) {
     g.finish();
 }
 
-criterion_group!(benches, codec, representation);
+criterion_group!(benches, codec, representation, masks);
 criterion_main!(benches);

@@ -212,6 +212,8 @@ struct Rounds {
     topo: Topology,
     policies: Vec<(String, Keep)>,
     stage: Stage,
+    /// Each stream's memory when the last round left it.
+    left: std::sync::Mutex<std::collections::HashMap<String, u64>>,
 }
 
 impl Rounds {
@@ -219,7 +221,12 @@ impl Rounds {
     async fn run(&self) {
         let (bus, topo) = (self.bus.as_ref(), &self.topo);
         for (name, keep) in &self.policies {
-            match trim_standing(bus, topo, name, *keep, topo.archive_dir.as_deref()).await {
+            let key = topo.key(name);
+            let keep = match *keep {
+                Keep::Bytes(max) => Keep::Bytes(self.headroom(name, max, &key).await),
+                other => other,
+            };
+            match trim_standing(bus, topo, name, keep, topo.archive_dir.as_deref()).await {
                 Ok(r) if r.removed > 0 => {
                     crate::metrics::trimmed(&r.stream, r.removed);
                     tracing::info!(stream = %r.stream, removed = r.removed, cut = ?r.cut, archived = r.archived, "standing trim")
@@ -234,11 +241,24 @@ impl Rounds {
                     tracing::warn!(stream = name, error = %e, "standing trim failed; retrying later");
                 }
             }
-            let key = topo.key(name);
             if let Ok(bytes) = bus.memory_usage(&key).await {
                 crate::metrics::stream_bytes(&key, bytes);
+                if let Ok(mut left) = self.left.lock() {
+                    left.insert(name.clone(), bytes);
+                }
             }
         }
+    }
+
+    /// The limit to trim `name` to this round so that it stays under `max` until the next:
+    /// `max` less what the stream grew by since the last round left it (at least half of
+    /// `max`, so a burst cannot empty it).
+    async fn headroom(&self, name: &str, max: u64, key: &str) -> u64 {
+        let left = self.left.lock().ok().and_then(|l| l.get(name).copied());
+        let (Some(left), Ok(now)) = (left, self.bus.memory_usage(key).await) else {
+            return max;
+        };
+        max.saturating_sub(now.saturating_sub(left)).max(max / 2)
     }
 }
 
@@ -374,6 +394,7 @@ pub fn spawn_standing(
         topo,
         policies,
         stage,
+        left: Default::default(),
     });
     let task = {
         let rounds = rounds.clone();
@@ -436,6 +457,13 @@ mod tests {
         assert_eq!(bus.stats(&key).await.expect("stats").length, 2);
     }
 
+    /// Entries `from..from + n` (ids `i-0`) of 1,000 bytes each.
+    fn kilobytes(from: u64, n: u64) -> Vec<(EntryId, Bytes)> {
+        (from..from + n)
+            .map(|i| (EntryId::new(i, 0), Bytes::from(vec![i as u8; 1000])))
+            .collect()
+    }
+
     /// The shipped topology without its memory limits.
     fn unbounded() -> String {
         crate::bus::topology::DEFAULT_TOPOLOGY
@@ -483,10 +511,7 @@ mod tests {
         bus.create_group(&key, "score", GroupStart::Beginning)
             .await
             .expect("group");
-        // 100 entries of 1,000 bytes.
-        let entries: Vec<(EntryId, Bytes)> = (1..=100)
-            .map(|i| (EntryId::new(i, 0), Bytes::from(vec![i as u8; 1000])))
-            .collect();
+        let entries = kilobytes(1, 100);
         bus.append(&key, &entries).await.expect("append");
         let each = 1000 + MemoryBus::ENTRY_OVERHEAD;
         let limit = Keep::Bytes(50 * each);
@@ -536,6 +561,46 @@ mod tests {
             .map(|e| e.expect("entry").id)
             .collect();
         assert_eq!(archived, ids[..80]);
+    }
+
+    /// A stream that grew by G since the last round is trimmed to its limit less G (at
+    /// least half the limit), so it is still under the limit when the next round comes.
+    #[tokio::test]
+    async fn a_round_leaves_room_for_what_the_stream_grows_by() {
+        let topo = Topology::default();
+        let key = topo.key(Stream::Rollouts);
+        let bus = MemoryBus::shared();
+        bus.create_group(&key, "score", GroupStart::Beginning)
+            .await
+            .expect("group");
+        let each = 1000 + MemoryBus::ENTRY_OVERHEAD;
+        let rounds = Rounds {
+            bus: bus.clone(),
+            topo: topo.clone(),
+            policies: vec![("rollouts".into(), Keep::Bytes(50 * each))],
+            stage: Stage::Score,
+            left: Default::default(),
+        };
+        let add = |from: u64, n: u64| {
+            let bus = bus.clone();
+            let key = key.clone();
+            async move {
+                let entries = kilobytes(from, n);
+                bus.append(&key, &entries).await.expect("append");
+                bus.read_group(&key, "score", "s", ReadFrom::New, n as usize, None)
+                    .await
+                    .expect("read");
+                let ids: Vec<EntryId> = entries.iter().map(|(id, _)| *id).collect();
+                bus.ack(&key, "score", &ids).await.expect("ack");
+            }
+        };
+        add(1, 40).await;
+        rounds.run().await;
+        assert_eq!(bus.stats(&key).await.expect("stats").length, 40);
+        // 30 more since: trimmed to 90% of the limit less 30 entries, no less than half.
+        add(41, 30).await;
+        rounds.run().await;
+        assert_eq!(bus.stats(&key).await.expect("stats").length, 22);
     }
 
     #[tokio::test]

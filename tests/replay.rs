@@ -50,12 +50,6 @@ async fn dump_to(bus: &SharedBus, topo: &Topology, path: &Path) -> archive::Move
     .expect("dump")
 }
 
-fn lines(out: &str) -> Vec<serde_json::Value> {
-    out.lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn archives_round_trip_and_retraining_reproduces_the_run() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -204,7 +198,7 @@ async fn archives_round_trip_and_retraining_reproduces_the_run() {
     );
 
     // Reading: JSON lines, filters, text with per-token versions and log-probs, dead letters.
-    let first = lines(&run_ok(&[
+    let first = common::json_lines(&run_ok(&[
         "replay",
         "--archive",
         a_s,
@@ -215,9 +209,9 @@ async fn archives_round_trip_and_retraining_reproduces_the_run() {
     ]));
     assert_eq!(first.len(), 2);
     assert_eq!(first[0]["message"]["rollout"]["group_id"], "g0");
-    let g7 = lines(&run_ok(&["replay", "--archive", a_s, "--group-id", "g7"]));
+    let g7 = common::json_lines(&run_ok(&["replay", "--archive", a_s, "--group-id", "g7"]));
     assert_eq!(g7.len(), 1);
-    let low = lines(&run_ok(&["replay", "--archive", a_s, "--reward", "<0.5"]));
+    let low = common::json_lines(&run_ok(&["replay", "--archive", a_s, "--reward", "<0.5"]));
     assert!(!low.is_empty() && low.len() < 24, "{}", low.len());
     for l in &low {
         let r: Vec<f64> = serde_json::from_value(l["message"]["rewards"].clone()).expect("rewards");
@@ -233,7 +227,7 @@ async fn archives_round_trip_and_retraining_reproduces_the_run() {
         "1",
     ]);
     assert!(text.contains("prompt:") && text.contains("(v0 -"), "{text}");
-    let dead = lines(&run_ok(&[
+    let dead = common::json_lines(&run_ok(&[
         "replay",
         "--redis",
         &url,
@@ -279,7 +273,7 @@ async fn archives_round_trip_and_retraining_reproduces_the_run() {
         t.to_str().expect("utf-8"),
     ]);
     assert!(out.starts_with("removed 20 entries"), "{out}");
-    let kept = lines(&run_ok(&["replay", "--redis", &url, "--namespace", &ns]));
+    let kept = common::json_lines(&run_ok(&["replay", "--redis", &url, "--namespace", &ns]));
     assert_eq!(kept.len(), 5);
     assert_eq!(kept[4]["message"]["rollout"]["group_id"], "g23");
     let archived: Vec<_> = archive::Reader::open(&t).expect("open").collect();

@@ -18,12 +18,6 @@ const GROUPS: u64 = 80;
 const STEPS: u64 = 16;
 const PER_STEP: u64 = 4;
 
-fn lines(out: &str) -> Vec<serde_json::Value> {
-    out.lines()
-        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_memory_budget_archives_finished_entries_and_replay_reads_both() {
     let dir = tempfile::tempdir().expect("tmp");
@@ -162,7 +156,7 @@ async fn a_memory_budget_archives_finished_entries_and_replay_reads_both() {
         a.extend(["--archive-dir".to_string(), s(&archive)]);
         a
     };
-    let listed = lines(&run_ok(
+    let listed = common::json_lines(&run_ok(
         &bus_args(&["replay", "--stream", "scored"])
             .iter()
             .map(String::as_str)
@@ -180,7 +174,7 @@ async fn a_memory_budget_archives_finished_entries_and_replay_reads_both() {
     let want: Vec<String> = (0..GROUPS).map(|i| format!("g{i}")).collect();
     assert_eq!(ids, want);
     // Without the archive only what Redis kept.
-    let redis_only = lines(&run_ok(
+    let redis_only = common::json_lines(&run_ok(
         &common::on_bus(&["replay", "--stream", "scored"], &url, &ns)
             .iter()
             .map(String::as_str)

@@ -128,6 +128,13 @@ pub fn bin() -> Command {
     Command::new(env!("CARGO_BIN_EXE_rlstream"))
 }
 
+/// Each line of `out` as JSON (`replay`'s output).
+pub fn json_lines(out: &str) -> Vec<serde_json::Value> {
+    out.lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("{e}: {l}")))
+        .collect()
+}
+
 pub fn run_ok(args: &[&str]) -> String {
     run_ok_with_env(args, &[])
 }

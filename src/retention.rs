@@ -23,6 +23,10 @@ use std::time::Duration;
 const BYTES_HEADROOM: f64 = 0.9;
 /// Further trims a memory limit may take in one round (see [`trim_standing`]).
 const BYTES_ROUNDS: usize = 3;
+/// The share of its limit a stream may grow by between two rounds before they come sooner.
+const PACE: f64 = 0.25;
+/// The shortest wait between two rounds.
+const MIN_ROUND_EVERY: Duration = Duration::from_millis(250);
 
 /// What a trim did.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -217,13 +221,20 @@ struct Rounds {
 }
 
 impl Rounds {
-    /// Applies every policy once; failures are counted and logged, never returned.
-    async fn run(&self) {
+    /// Applies every policy once; failures are counted and logged, never returned. Returns
+    /// the pace: the most a stream with a memory limit grew by since the last round, as a
+    /// share of its limit.
+    async fn run(&self) -> f64 {
         let (bus, topo) = (self.bus.as_ref(), &self.topo);
+        let mut pace = 0f64;
         for (name, keep) in &self.policies {
             let key = topo.key(name);
             let keep = match *keep {
-                Keep::Bytes(max) => Keep::Bytes(self.headroom(name, max, &key).await),
+                Keep::Bytes(max) => {
+                    let (limit, grew) = self.headroom(name, max, &key).await;
+                    pace = pace.max(grew as f64 / max as f64);
+                    Keep::Bytes(limit)
+                }
                 other => other,
             };
             match trim_standing(bus, topo, name, keep, topo.archive_dir.as_deref()).await {
@@ -248,18 +259,32 @@ impl Rounds {
                 }
             }
         }
+        pace
     }
 
-    /// The limit to trim `name` to this round so that it stays under `max` until the next:
-    /// `max` less what the stream grew by since the last round left it (at least half of
-    /// `max`, so a burst cannot empty it).
-    async fn headroom(&self, name: &str, max: u64, key: &str) -> u64 {
+    /// The limit to trim `name` to this round so that it stays under `max` until the next,
+    /// and what it grew by since the last round left it: `max` less that growth (at least
+    /// half of `max`, so a burst cannot empty it).
+    async fn headroom(&self, name: &str, max: u64, key: &str) -> (u64, u64) {
         let left = self.left.lock().ok().and_then(|l| l.get(name).copied());
         let (Some(left), Ok(now)) = (left, self.bus.memory_usage(key).await) else {
-            return max;
+            return (max, 0);
         };
-        max.saturating_sub(now.saturating_sub(left)).max(max / 2)
+        let grew = now.saturating_sub(left);
+        (max.saturating_sub(grew).max(max / 2), grew)
     }
+}
+
+/// The wait before the next round: a stream that grew by more than [`PACE`] of its limit
+/// in the last wait is trimmed that much sooner (down to [`MIN_ROUND_EVERY`]), and the
+/// wait returns to `every` as it calms down.
+fn next_wait(last: Duration, pace: f64, every: Duration) -> Duration {
+    let scaled = if pace > 0.0 {
+        last.mul_f64((PACE / pace).min(2.0))
+    } else {
+        every
+    };
+    scaled.clamp(MIN_ROUND_EVERY.min(every), every)
 }
 
 /// A new archive file for a standing trim of `stream` into `dir` whose range starts at
@@ -399,11 +424,11 @@ pub fn spawn_standing(
     let task = {
         let rounds = rounds.clone();
         tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
-            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            let mut wait = every;
             loop {
-                tick.tick().await;
-                rounds.run().await;
+                let pace = rounds.run().await;
+                wait = next_wait(wait, pace, every);
+                tokio::time::sleep(wait).await;
             }
         })
     };
@@ -561,6 +586,17 @@ mod tests {
             .map(|e| e.expect("entry").id)
             .collect();
         assert_eq!(archived, ids[..80]);
+    }
+
+    #[test]
+    fn rounds_come_sooner_while_a_stream_grows_fast() {
+        let every = Duration::from_secs(10);
+        // Grew by its whole limit in 10 s: the next round in 2.5 s.
+        assert_eq!(next_wait(every, 1.0, every), Duration::from_millis(2500));
+        // Never below the floor, never above `every`, back up by at most 2× a round.
+        assert_eq!(next_wait(every, 100.0, every), MIN_ROUND_EVERY);
+        assert_eq!(next_wait(Duration::from_secs(1), 0.01, every), Duration::from_secs(2));
+        assert_eq!(next_wait(every, 0.0, every), every);
     }
 
     /// A stream that grew by G since the last round is trimmed to its limit less G (at

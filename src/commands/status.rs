@@ -375,9 +375,10 @@ pub fn render(s: &Status) -> String {
         s.bus, s.namespace
     );
     let _ = writeln!(o);
+    let w = s.streams.iter().map(|st| st.key.len()).max().unwrap_or(0).max(16);
     let _ = writeln!(
         o,
-        "{:<16} {:>9} {:>21}  {:<8} {:>8} {:>8}  CONSUMERS (pending, idle)",
+        "{:<w$} {:>9} {:>21}  {:<8} {:>8} {:>8}  CONSUMERS (pending, idle)",
         "STREAM", "LENGTH", "MEMORY / LIMIT", "GROUP", "PENDING", "LAG"
     );
     for st in &s.streams {
@@ -389,7 +390,7 @@ pub fn render(s: &Status) -> String {
         if st.groups.is_empty() {
             let _ = writeln!(
                 o,
-                "{:<16} {:>9} {memory:>21}  {:<8} {:>8} {:>8}",
+                "{:<w$} {:>9} {memory:>21}  {:<8} {:>8} {:>8}",
                 st.key, st.length, "-", "", ""
             );
         }
@@ -411,7 +412,7 @@ pub fn render(s: &Status) -> String {
             let lag = g.lag.map_or("?".to_string(), |l| l.to_string());
             let _ = writeln!(
                 o,
-                "{key:<16} {len:>9} {mem:>21}  {:<8} {:>8} {lag:>8}  {consumers}",
+                "{key:<w$} {len:>9} {mem:>21}  {:<8} {:>8} {lag:>8}  {consumers}",
                 g.name, g.pending
             );
         }

@@ -5,9 +5,7 @@
 //! `cargo bench --bench codec`
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use rlstream::schema::{
-    self, Floats, RolloutGroup, SamplingMask, ScoredGroup, Tokens, examples,
-};
+use rlstream::schema::{self, Floats, RolloutGroup, SamplingMask, ScoredGroup, Tokens, examples};
 use serde::{Deserialize, Serialize};
 use std::hint::black_box;
 

@@ -25,6 +25,8 @@ const BYTES_HEADROOM: f64 = 0.9;
 const BYTES_ROUNDS: usize = 3;
 /// The share of its limit a stream may grow by between two rounds before they come sooner.
 const PACE: f64 = 0.25;
+/// How long a stopping stage waits for its last round.
+const FINISH_WITHIN: Duration = Duration::from_secs(10);
 /// The shortest wait between two rounds.
 const MIN_ROUND_EVERY: Duration = Duration::from_millis(250);
 
@@ -197,10 +199,18 @@ pub struct Standing {
 
 impl Standing {
     /// Stops the periodic task and runs one last round, so a stage that stops leaves its
-    /// streams within their limits.
+    /// streams within their limits. Gives up after [`FINISH_WITHIN`] (a bus that is down
+    /// must not hold a stopping stage).
     pub async fn finish(self) {
         self.task.abort();
-        self.rounds.run().await;
+        if tokio::time::timeout(FINISH_WITHIN, self.rounds.run())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "the last standing trim did not finish in time; the next stage to run one will"
+            );
+        }
     }
 }
 
@@ -595,7 +605,10 @@ mod tests {
         assert_eq!(next_wait(every, 1.0, every), Duration::from_millis(2500));
         // Never below the floor, never above `every`, back up by at most 2× a round.
         assert_eq!(next_wait(every, 100.0, every), MIN_ROUND_EVERY);
-        assert_eq!(next_wait(Duration::from_secs(1), 0.01, every), Duration::from_secs(2));
+        assert_eq!(
+            next_wait(Duration::from_secs(1), 0.01, every),
+            Duration::from_secs(2)
+        );
         assert_eq!(next_wait(every, 0.0, every), every);
     }
 

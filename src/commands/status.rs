@@ -375,7 +375,13 @@ pub fn render(s: &Status) -> String {
         s.bus, s.namespace
     );
     let _ = writeln!(o);
-    let w = s.streams.iter().map(|st| st.key.len()).max().unwrap_or(0).max(16);
+    let w = s
+        .streams
+        .iter()
+        .map(|st| st.key.len())
+        .max()
+        .unwrap_or(0)
+        .max(16);
     let _ = writeln!(
         o,
         "{:<w$} {:>9} {:>21}  {:<8} {:>8} {:>8}  CONSUMERS (pending, idle)",

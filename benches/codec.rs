@@ -5,7 +5,9 @@
 //! `cargo bench --bench codec`
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
-use rlstream::schema::{self, Floats, RolloutGroup, SamplingMask, ScoredGroup, Tokens, examples};
+use rlstream::schema::{
+    self, CsrMask, Floats, RolloutGroup, SamplingMask, ScoredGroup, Tokens, examples,
+};
 use serde::{Deserialize, Serialize};
 use std::hint::black_box;
 
@@ -42,24 +44,11 @@ fn codec(c: &mut Criterion) {
     g.finish();
 }
 
-/// A mask in the CSR form written before schema 3.0.
-#[derive(Serialize, Deserialize)]
-struct Csr {
-    offsets: Tokens,
-    ids: Tokens,
-}
-
 /// The realistic group's sampling masks, packed kept sets (3.0) against CSR (2.x).
 fn masks(c: &mut Criterion) {
     let src = examples::realistic_rollout_group();
     let masks: Vec<SamplingMask> = src.samples.iter().filter_map(|s| s.mask.clone()).collect();
-    let csr: Vec<Csr> = masks
-        .iter()
-        .map(|m| Csr {
-            offsets: m.offsets.clone(),
-            ids: m.ids.clone(),
-        })
-        .collect();
+    let csr: Vec<CsrMask> = masks.iter().map(CsrMask::from).collect();
     let csr_bytes = rmp_serde::to_vec_named(&csr).unwrap();
     let packed_bytes = rmp_serde::to_vec_named(&masks).unwrap();
     println!(
@@ -79,7 +68,7 @@ fn masks(c: &mut Criterion) {
         b.iter(|| rmp_serde::to_vec_named(black_box(&csr)).unwrap())
     });
     g.bench_function("csr/decode", |b| {
-        b.iter(|| rmp_serde::from_slice::<Vec<Csr>>(black_box(&csr_bytes)).unwrap())
+        b.iter(|| rmp_serde::from_slice::<Vec<CsrMask>>(black_box(&csr_bytes)).unwrap())
     });
     g.finish();
 }

@@ -18,7 +18,7 @@ use flate2::write::DeflateEncoder;
 use rlstream::model::sampler::{Generator, Request};
 use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
 use rlstream::schema::{
-    self, RolloutGroup, Sample, SamplingMask, SamplingParams, SchemaVersion, Tokens,
+    self, CsrMask, RolloutGroup, Sample, SamplingMask, SamplingParams, SchemaVersion,
 };
 use rlstream::stages::generate::GenConfig;
 use serde::Serialize;
@@ -35,13 +35,6 @@ struct Case {
     top_p: f32,
     mask_cap: u32,
     tokens: u32,
-}
-
-/// The CSR form of a mask, as written before 3.0.
-#[derive(Serialize)]
-struct Csr<'a> {
-    offsets: &'a Tokens,
-    ids: &'a Tokens,
 }
 
 fn named<T: Serialize>(v: &T) -> usize {
@@ -170,15 +163,7 @@ fn main() {
         let tokens_b = field(&|s| named(&s.tokens));
         let logprobs_b = field(&|s| named(&s.logprobs));
         let versions_b = field(&|s| named(&s.versions));
-        let csr_b: usize = masks
-            .iter()
-            .map(|m| {
-                named(&Csr {
-                    offsets: &m.offsets,
-                    ids: &m.ids,
-                })
-            })
-            .sum();
+        let csr_b: usize = masks.iter().map(|&m| named(&CsrMask::from(m))).sum();
         let t0 = Instant::now();
         let packed_b: usize = masks.iter().map(named).sum();
         let pack_s = t0.elapsed().as_secs_f64();

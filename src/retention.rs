@@ -12,7 +12,7 @@
 
 use crate::archive::{self, ArchiveError};
 pub use crate::bus::Keep;
-use crate::bus::{Bus, EntryId, RangeBound, SharedBus, Topology};
+use crate::bus::{Bus, EntryId, RangeBound, SharedBus, StreamStats, Topology};
 use crate::roles::Stage;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -60,10 +60,14 @@ impl TrimReport {
     }
 }
 
-/// The lowest id any group still needs: its oldest pending entry or its first undelivered
-/// one, with the group's name. None when the stream has no groups.
-pub async fn floor(bus: &dyn Bus, key: &str) -> Result<Option<(EntryId, String)>, ArchiveError> {
-    let stats = bus.stats(key).await?;
+/// The lowest id any group of the stream (`stats` of `key`) still needs: its oldest pending
+/// entry or its first undelivered one, with the group's name. None when the stream has no
+/// groups.
+pub async fn floor(
+    bus: &dyn Bus,
+    key: &str,
+    stats: &StreamStats,
+) -> Result<Option<(EntryId, String)>, ArchiveError> {
     let mut low: Option<(EntryId, String)> = None;
     for g in &stats.groups {
         let mut need = g.last_delivered.next();
@@ -162,15 +166,15 @@ pub async fn trim(
     let Some(mut cut) = target(bus, &key, keep).await? else {
         return Ok(report);
     };
-    if let Some((need, group)) = floor(bus, &key).await?
+    let stats = bus.stats(&key).await?;
+    if let Some((need, group)) = floor(bus, &key, &stats).await?
         && need < cut
     {
         cut = need;
         report.held_back_by = Some((group, need.to_string()));
     }
     report.cut = Some(cut.to_string());
-    let first = bus.stats(&key).await?.first_id;
-    if first.is_none_or(|f| f >= cut) {
+    if stats.first_id.is_none_or(|f| f >= cut) {
         // Nothing below the cut: no archive file for an empty range.
         return Ok(report);
     }
@@ -451,6 +455,7 @@ mod tests {
     use crate::bus::{GroupStart, MemoryBus, ReadFrom};
     use crate::roles::Stream;
     use bytes::Bytes;
+    use std::sync::Arc;
 
     async fn stream_of(bus: &MemoryBus, key: &str, n: u64) -> Vec<EntryId> {
         let entries: Vec<(EntryId, Bytes)> = (1..=n)
@@ -490,6 +495,18 @@ mod tests {
             .expect("trim");
         assert_eq!((r.removed, r.held_back_by.as_ref()), (5, None));
         assert_eq!(bus.stats(&key).await.expect("stats").length, 2);
+    }
+
+    /// The shipped topology's `rollouts` stream on a new embedded bus, with its `score`
+    /// group.
+    async fn rollouts_for_score() -> (Topology, String, Arc<MemoryBus>) {
+        let topo = Topology::default();
+        let key = topo.key(Stream::Rollouts);
+        let bus = MemoryBus::shared();
+        bus.create_group(&key, "score", GroupStart::Beginning)
+            .await
+            .expect("group");
+        (topo, key, bus)
     }
 
     /// Entries `from..from + n` (ids `i-0`) of 1,000 bytes each.
@@ -540,19 +557,15 @@ mod tests {
     /// stops at unfinished work.
     #[tokio::test]
     async fn a_memory_limit_trims_finished_entries_into_the_archive_dir() {
-        let topo = Topology::default();
-        let key = topo.key(Stream::Rollouts);
-        let bus = MemoryBus::new();
-        bus.create_group(&key, "score", GroupStart::Beginning)
-            .await
-            .expect("group");
+        let (topo, key, shared) = rollouts_for_score().await;
+        let bus = shared.as_ref();
         let entries = kilobytes(1, 100);
         bus.append(&key, &entries).await.expect("append");
         let each = 1000 + MemoryBus::ENTRY_OVERHEAD;
         let limit = Keep::Bytes(50 * each);
         let dir = tempfile::tempdir().expect("tmp");
         // Nothing delivered yet: nothing may go, and no file is left behind.
-        let r = trim_standing(&bus, &topo, "rollouts", limit, Some(dir.path()))
+        let r = trim_standing(bus, &topo, "rollouts", limit, Some(dir.path()))
             .await
             .expect("trim");
         assert_eq!(r.removed, 0);
@@ -568,18 +581,18 @@ mod tests {
             .expect("read");
         let ids: Vec<EntryId> = entries.iter().map(|(id, _)| *id).collect();
         bus.ack(&key, "score", &ids[..80]).await.expect("ack");
-        let r = trim_standing(&bus, &topo, "rollouts", limit, Some(dir.path()))
+        let r = trim_standing(bus, &topo, "rollouts", limit, Some(dir.path()))
             .await
             .expect("trim");
         assert_eq!((r.removed, r.archived), (55, 55), "{r:?}");
         assert!(bus.memory_usage(&key).await.expect("memory") <= 50 * each);
         // Under the limit now: nothing more goes, whatever is finished.
-        let r = trim_standing(&bus, &topo, "rollouts", limit, Some(dir.path()))
+        let r = trim_standing(bus, &topo, "rollouts", limit, Some(dir.path()))
             .await
             .expect("trim");
         assert_eq!(r.removed, 0);
         // A tighter limit stops past the last finished entry, 80.
-        let r = trim_standing(&bus, &topo, "rollouts", Keep::Bytes(each), Some(dir.path()))
+        let r = trim_standing(bus, &topo, "rollouts", Keep::Bytes(each), Some(dir.path()))
             .await
             .expect("trim");
         assert_eq!(r.removed, 25, "{r:?}");
@@ -616,12 +629,7 @@ mod tests {
     /// least half the limit), so it is still under the limit when the next round comes.
     #[tokio::test]
     async fn a_round_leaves_room_for_what_the_stream_grows_by() {
-        let topo = Topology::default();
-        let key = topo.key(Stream::Rollouts);
-        let bus = MemoryBus::shared();
-        bus.create_group(&key, "score", GroupStart::Beginning)
-            .await
-            .expect("group");
+        let (topo, key, bus) = rollouts_for_score().await;
         let each = 1000 + MemoryBus::ENTRY_OVERHEAD;
         let rounds = Rounds {
             bus: bus.clone(),

@@ -127,11 +127,21 @@ impl Serialize for SamplingMask {
     }
 }
 
-/// The CSR form written before 3.0.
-#[derive(Deserialize)]
-struct Csr {
-    offsets: Tokens,
-    ids: Tokens,
+/// A mask in the CSR wire form written before 3.0 (a map of packed u32s), still read; for
+/// tools that need to write or measure that form.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct CsrMask {
+    pub offsets: Tokens,
+    pub ids: Tokens,
+}
+
+impl From<&SamplingMask> for CsrMask {
+    fn from(m: &SamplingMask) -> Self {
+        CsrMask {
+            offsets: m.offsets.clone(),
+            ids: m.ids.clone(),
+        }
+    }
 }
 
 struct MaskVisitor;
@@ -148,7 +158,7 @@ impl<'de> Visitor<'de> for MaskVisitor {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, map: A) -> Result<SamplingMask, A::Error> {
-        let csr = Csr::deserialize(de::value::MapAccessDeserializer::new(map))?;
+        let csr = CsrMask::deserialize(de::value::MapAccessDeserializer::new(map))?;
         Ok(SamplingMask {
             offsets: csr.offsets,
             ids: csr.ids,

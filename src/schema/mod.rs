@@ -25,7 +25,7 @@ pub use dead::DeadLetter;
 pub use error::CodecError;
 pub use event::Event;
 pub use limits::{Limits, Refusal};
-pub use mask::SamplingMask;
+pub use mask::{CsrMask, SamplingMask};
 pub use packed::{Floats, Packable, Packed, Tokens};
 pub use prompt::Prompt;
 pub use rollout::{

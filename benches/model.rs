@@ -84,15 +84,8 @@ fn bench_train<B: AutodiffBackend + Kernels>(c: &mut Criterion, name: &str) {
     g.sample_size(10);
     g.bench_function(name, |b| {
         b.iter(|| {
-            let batch: Vec<ScoredSeq<'_>> = seqs
-                .iter()
-                .map(|(p, c)| ScoredSeq {
-                    prompt: p,
-                    completion: c,
-                    mask: None,
-                    routing: None,
-                })
-                .collect();
+            let batch: Vec<ScoredSeq<'_>> =
+                seqs.iter().map(|(p, c)| ScoredSeq::plain(p, c)).collect();
             let (lp, valid) = completion_logprobs(&model, &batch, 1.0);
             let loss = (lp * valid)
                 .sum()

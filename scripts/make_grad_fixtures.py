@@ -16,7 +16,7 @@ defines them, the PPO loss and the TIS loss and every parameter's gradient, in f
 - TIS: -(min(r, is_cap), without gradient) * A * log-prob;
 - the loss is the sum over completion tokens divided by their number.
 
-Outputs are committed; tests/grad_parity.rs compares rlstream's trainer with them.
+Outputs are committed; tests/integration/grad_parity.rs compares rlstream's trainer with them.
 """
 import json
 import pathlib

@@ -1,17 +1,27 @@
 #!/usr/bin/env bash
-# The test command: formatting, lints, the Python schema and ops checks and every test.
+# The test command: formatting, lints, the Python schema and ops checks and every test,
+# then a table of each phase's wall time (the budget: CONTRIBUTING.md, "CI").
 # Needs Redis on 127.0.0.1:6379 (RLSTREAM_TEST_REDIS overrides); .ci/run starts one.
 # Installs Prometheus/promtool (Debian package) when missing and run as root.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/setup-python.sh
-scripts/setup-prometheus.sh
-.venv/bin/python schemas/check.py fixtures
-.venv/bin/python ops/check.py
-cargo fmt --all --check
-cargo clippy --all-targets -- -D warnings
+source scripts/phases.sh
+
+phase "python checks set-up" scripts/setup-python.sh
+phase "prometheus set-up" scripts/setup-prometheus.sh
+phase "schema fixtures (python)" .venv/bin/python schemas/check.py fixtures
+phase "ops configs (python)" .venv/bin/python ops/check.py
+phase "cargo fmt" cargo fmt --all --check
+
+# Lint while building the tests: clippy is the compiler of this crate's targets
+# (RUSTC_WORKSPACE_WRAPPER), so the dependencies are compiled once, for the tests, and
+# every target (lib, bins, tests, benches, examples) is linted as it is built. `cargo
+# clippy --all-targets -- -D warnings` checks the same lints without building.
+export RUSTC_WORKSPACE_WRAPPER="${RUSTC_WORKSPACE_WRAPPER:-$(rustc --print sysroot)/bin/clippy-driver}"
+export CLIPPY_ARGS="-Dwarnings"
+phase "lint + build every target" cargo test --no-run --all-targets
 if cargo nextest --version >/dev/null 2>&1; then
-  cargo nextest run --no-fail-fast
+  phase "tests (nextest)" cargo nextest run --no-fail-fast
 else
-  cargo test --no-fail-fast
+  phase "tests (cargo test)" cargo test --no-fail-fast
 fi

@@ -5,23 +5,31 @@
 //! - [`schema`]: the messages stages exchange (MessagePack maps, versioned, validated).
 //! - [`bus`]: streams with consumer groups, on Redis or in memory, and the typed
 //!   [`bus::Consumer`] that applies the delivery policy (claim, dead-letter).
-//! - [`model`]: the policy (Llama/Qwen2-family decoder in burn), Hugging Face checkpoints,
-//!   the KV-cache sampler and the trainer's log-probs.
+//! - [`model`]: the policy (Llama/Qwen2-family and mixture-of-experts decoders in burn),
+//!   Hugging Face checkpoints, LoRA adapters, the KV-cache sampler and the trainer's
+//!   log-probs.
 //! - [`tasks`]: built-in tasks, verifiers and JSONL datasets.
-//! - [`env`]: environments of multi-turn episodes (the built-in `guess` game).
+//! - [`env`]: environments of multi-turn episodes (the built-in `guess` game and `calc`
+//!   tool, environment processes speaking JSON lines) and playing them to the end.
+//! - [`child`]: a child process speaking JSON lines (external scorers, environment
+//!   processes).
 //! - [`stages`]: `feed`, `gen`, `score`, `train`, each `run(config, bus, topology, shutdown)`.
 //! - [`weights`]: weight publication and the generator's follower.
 //! - [`config`]: the config file / environment / flag precedence.
 //! - [`metrics`]: every metric name and the Prometheus exporter.
 //! - [`archive`] and [`retention`]: stream archives (dump, load) and safe trimming.
-//! - [`commands`]: user commands other than the stages (`run`, `status`, `replay`,
-//!   `generate`, `sft`).
+//! - [`commands`]: what commands do beyond a stage (`run`, `eval`, `status`, `replay`,
+//!   `sft`, `generate`).
+//! - [`cli`]: the command line, one module per command.
+//! - [`settings`]: the one-definition settings macro; [`roles`]: stage and stream names;
+//!   [`time`]: durations as people write them.
 //! - [`seed`]: seeds derived from the run seed and a prompt's identity.
 //! - [`cpu`]: OpenBLAS kernel selection for the `blas` feature.
 //! - [`display`] and [`report`]: progress bars or log lines, and the run report.
 
 pub mod archive;
 pub mod bus;
+pub mod child;
 pub mod cli;
 pub mod commands;
 pub mod config;

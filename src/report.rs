@@ -356,6 +356,26 @@ fn panel(
     }
 }
 
+/// The series' colours under the panels, and what the circles are when there are any.
+fn legend(svg: &mut String, series: &[(&str, &str, Vec<f64>)], circles: bool) {
+    for (i, (name, color, _)) in series.iter().enumerate() {
+        let x = 250.0 + i as f64 * 250.0;
+        let _ = writeln!(
+            svg,
+            r#"<line x1="{x}" y1="368" x2="{}" y2="368" stroke="{color}" stroke-width="2"/><text x="{}" y="372" font-size="12">{name} (smoothed; raw faint)</text>"#,
+            x + 18.0,
+            x + 22.0
+        );
+    }
+    if circles {
+        let _ = writeln!(
+            svg,
+            r#"<text x="{:.0}" y="390" font-size="12" text-anchor="middle">circles: held-out reward and pass@1 at the sampling temperature, with 95% intervals</text>"#,
+            WIDTH / 2.0
+        );
+    }
+}
+
 /// Reward and accuracy against wall-clock time (left) and against step (right), with the
 /// held-out evaluations on both.
 pub fn learning_curve_svg(rows: &[StepRow], held_out: &[Marker], title: &str) -> String {
@@ -423,22 +443,7 @@ pub fn learning_curve_svg(rows: &[StepRow], held_out: &[Marker], title: &str) ->
         &by_step,
         "trainer step",
     );
-    for (i, (name, color, _)) in series.iter().enumerate() {
-        let x = 250.0 + i as f64 * 250.0;
-        let _ = writeln!(
-            svg,
-            r#"<line x1="{x}" y1="368" x2="{}" y2="368" stroke="{color}" stroke-width="2"/><text x="{}" y="372" font-size="12">{name} (smoothed; raw faint)</text>"#,
-            x + 18.0,
-            x + 22.0
-        );
-    }
-    if !held_out.is_empty() {
-        let _ = writeln!(
-            svg,
-            r#"<text x="{:.0}" y="390" font-size="12" text-anchor="middle">circles: held-out reward and pass@1 at the sampling temperature, with 95% intervals</text>"#,
-            WIDTH / 2.0
-        );
-    }
+    legend(&mut svg, &series, !held_out.is_empty());
     svg.push_str("</svg>\n");
     svg
 }

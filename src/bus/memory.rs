@@ -18,19 +18,19 @@ use tokio::sync::Notify;
 
 #[derive(Default)]
 pub struct MemoryBus {
-    state: Mutex<State>,
+    state: Mutex<MemoryState>,
     /// Woken on every append, so blocked readers re-check their streams.
     appended: Arc<Notify>,
 }
 
 #[derive(Default)]
-struct State {
-    streams: HashMap<String, Stream>,
+struct MemoryState {
+    streams: HashMap<String, StreamLog>,
     blobs: HashMap<String, Bytes>,
 }
 
 #[derive(Default)]
-struct Stream {
+struct StreamLog {
     entries: BTreeMap<EntryId, Bytes>,
     last_id: EntryId,
     groups: BTreeMap<String, Group>,
@@ -38,12 +38,12 @@ struct Stream {
 
 struct Group {
     last_delivered: EntryId,
-    pending: BTreeMap<EntryId, Pending>,
+    pending: BTreeMap<EntryId, PendingEntry>,
     /// Consumer name → last time it read.
     consumers: BTreeMap<String, Instant>,
 }
 
-struct Pending {
+struct PendingEntry {
     consumer: String,
     delivered_at: Instant,
     deliveries: u32,
@@ -62,7 +62,7 @@ impl MemoryBus {
         Arc::new(Self::new())
     }
 
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn lock(&self) -> MutexGuard<'_, MemoryState> {
         // A panic while holding the lock leaves consistent data (every mutation is
         // completed before any call that could panic), so poisoning is not fatal.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -79,7 +79,7 @@ impl MemoryBus {
     }
 }
 
-impl Stream {
+impl StreamLog {
     fn next_id(&mut self) -> EntryId {
         let ms = crate::time::now_ms();
         let id = if ms > self.last_id.ms {
@@ -185,7 +185,7 @@ impl Bus for MemoryBus {
                     .streams
                     .get_mut(stream)
                     .ok_or_else(|| no_group(stream, group))?;
-                let Stream {
+                let StreamLog {
                     entries, groups, ..
                 } = s;
                 let g = groups
@@ -224,7 +224,7 @@ impl Bus for MemoryBus {
                             .map(|(id, payload)| {
                                 g.pending.insert(
                                     id,
-                                    Pending {
+                                    PendingEntry {
                                         consumer: consumer.to_string(),
                                         delivered_at: now,
                                         deliveries: 1,
@@ -298,7 +298,7 @@ impl Bus for MemoryBus {
             .streams
             .get_mut(stream)
             .ok_or_else(|| no_group(stream, group))?;
-        let Stream {
+        let StreamLog {
             entries, groups, ..
         } = s;
         let g = groups

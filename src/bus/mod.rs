@@ -4,7 +4,7 @@
 //! [`Bus`] is the one interface every stage talks to. [`RedisBus`] is the real thing
 //! (Redis streams: XADD, XREADGROUP, XACK, XAUTOCLAIM, XINFO); [`MemoryBus`] gives the same
 //! consumer-group semantics in process for `rlstream run` and fast tests. The conformance
-//! suite in `tests/bus_conformance.rs` runs unchanged against both.
+//! suite in `tests/integration/bus_conformance.rs` runs unchanged against both.
 //!
 //! Delivery is at-least-once: an entry read through a group stays pending until acked, and
 //! an entry left pending longer than `claim_idle` is claimed by another consumer. Policy on

@@ -6,7 +6,7 @@ use anyhow::{Result, bail};
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub struct DumpCommand {
     #[command(flatten)]
     stage: StageArgs,
     /// Stream to archive (repeatable) [default: every stream of the topology].
@@ -24,7 +24,7 @@ pub struct Args {
     out: PathBuf,
 }
 
-impl Args {
+impl DumpCommand {
     pub async fn exec(self) -> Result<()> {
         if self.out.exists() {
             bail!(

@@ -5,12 +5,12 @@ use crate::display::DisplayMode;
 use anyhow::Result;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub struct EvalCommand {
     #[command(flatten)]
     eval: EvalArgs,
 }
 
-impl Args {
+impl EvalCommand {
     pub fn exec(self) -> Result<()> {
         let opts = self.eval.over(&EvalOptions::default());
         let r = eval::run(&opts, DisplayMode::auto())?;

@@ -6,14 +6,14 @@ use crate::roles::{Stage, Stream};
 use anyhow::Result;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub struct FeedCommand {
     #[command(flatten)]
     stage: StageArgs,
     #[command(flatten)]
     feed: FeedArgs,
 }
 
-impl Args {
+impl FeedCommand {
     pub fn config(&self, env: impl Iterator<Item = (String, String)>) -> Result<Config> {
         self.stage
             .resolve(toml::Table::new(), env, [self.feed.layer()])

@@ -4,12 +4,12 @@ use crate::commands::generate::{self, GenerateOptions};
 use anyhow::Result;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub struct GenerateCommand {
     #[command(flatten)]
     opts: GenerateOptions,
 }
 
-impl Args {
+impl GenerateCommand {
     pub fn exec(self) -> Result<()> {
         generate::run(&self.opts, &mut std::io::stdout().lock())?;
         Ok(())

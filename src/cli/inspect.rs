@@ -5,7 +5,7 @@ use anyhow::{Context, Result};
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub struct InspectCommand {
     /// The message type the file holds.
     #[arg(long, value_enum)]
     kind: Kind,
@@ -23,7 +23,7 @@ enum Kind {
     Event,
 }
 
-impl Args {
+impl InspectCommand {
     pub fn exec(self) -> Result<()> {
         let file = &self.file;
         let bytes =

@@ -6,7 +6,7 @@ use anyhow::Result;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub struct LoadCommand {
     #[command(flatten)]
     stage: StageArgs,
     /// The archive (written by `rlstream dump` or `rlstream trim --archive`).
@@ -16,7 +16,7 @@ pub struct Args {
     streams: Vec<String>,
 }
 
-impl Args {
+impl LoadCommand {
     pub async fn exec(self) -> Result<()> {
         let (_, topo, bus) = plain_connect(&self.stage, Stage::Load).await?;
         let only = (!self.streams.is_empty()).then_some(self.streams.as_slice());

@@ -1,5 +1,5 @@
-//! The `rlstream` command line: one module per command, each with its `Args` (clap) and an
-//! `exec`. Stage settings come from their one definition (see [`crate::settings`]); a
+//! The `rlstream` command line: one module per command, each with its clap struct
+//! (`RunCommand`, `FeedCommand`, …) and an `exec`. Stage settings come from their one definition (see [`crate::settings`]); a
 //! command's flags are the last layer over its defaults, the file and the environment.
 
 mod common;
@@ -39,42 +39,42 @@ pub struct Cli {
 pub enum Command {
     /// The whole pipeline in one process: warm start, then feed, gen, score and train on the
     /// embedded bus (or Redis with --redis), with a live display and a report.
-    Run(Box<run::Args>),
+    Run(Box<run::RunCommand>),
     /// Push prompts from a built-in task or a JSONL dataset to the prompts stream.
-    Feed(feed::Args),
+    Feed(feed::FeedCommand),
     /// Generator: sample G completions per prompt, follow new weights without stopping.
-    Gen(stage_gen::Args),
+    Gen(stage_gen::GenCommand),
     /// Scorer: reward completions, compute group advantages.
-    Score(score::Args),
+    Score(score::ScoreCommand),
     /// Trainer: importance-weighted policy gradient, weight publication, checkpoints.
-    Train(train::Args),
+    Train(train::TrainCommand),
     /// Warm start: supervised training on a built-in task's answers; writes a HF checkpoint.
-    Sft(sft::Args),
+    Sft(sft::SftCommand),
     /// Held-out results of a checkpoint: pass@1 and reward at the training temperature,
     /// greedy accuracy and reward, each with its 95% interval.
-    Eval(eval::Args),
+    Eval(eval::EvalCommand),
     /// Sample from a Hugging Face checkpoint (Llama/Qwen2 family).
-    Generate(generate::Args),
+    Generate(generate::GenerateCommand),
     /// A running pipeline at a glance, from Redis alone: each stream's length, pending and
     /// lag per group, consumers and their idle time, every process's version and
     /// throughput, the trainer's last step, the newest weights and dead letters.
-    Status(status::Args),
+    Status(status::StatusCommand),
     /// Read any range of a stream, from Redis or an archive, as JSON lines, a table or
     /// text with per-token versions and log-probs; with --train, re-run training from a
     /// checkpoint over the recorded scored entries and compare each step with the run.
-    Replay(replay::Args),
+    Replay(replay::ReplayCommand),
     /// Write stream ranges to an archive file (gzip; keeps entry ids and message bytes).
-    Dump(dump::Args),
+    Dump(dump::DumpCommand),
     /// Write an archive back into Redis under --namespace, keeping entry ids. Refuses
     /// streams that already hold newer entries.
-    Load(load::Args),
+    Load(load::LoadCommand),
     /// Remove old entries from a stream, never one a consumer group has not finished;
     /// with --archive, write them to a file first.
-    Trim(trim::Args),
+    Trim(trim::TrimCommand),
     /// Check a stream topology file and print the keys, groups and policy it resolves to.
-    Streams(streams::Args),
+    Streams(streams::StreamsCommand),
     /// Decode and validate a MessagePack message file, print it as JSON (bin as base64).
-    Inspect(inspect::Args),
+    Inspect(inspect::InspectCommand),
 }
 
 impl Cli {

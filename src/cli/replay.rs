@@ -8,7 +8,7 @@ use std::io::Write as _;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub struct ReplayCommand {
     #[command(flatten)]
     stage: StageArgs,
     /// Read this archive instead of Redis.
@@ -56,7 +56,7 @@ pub struct Args {
     steps: Option<u64>,
 }
 
-impl Args {
+impl ReplayCommand {
     pub async fn exec(self) -> Result<()> {
         let source = match &self.archive {
             Some(path) => Source::Archive(path.clone()),

@@ -12,7 +12,7 @@ use anyhow::Result;
 use std::sync::Arc;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub struct RunCommand {
     #[command(flatten)]
     stage: StageArgs,
     #[command(flatten)]
@@ -69,7 +69,7 @@ pub fn adjust(mut cmd: clap::Command) -> clap::Command {
     )
 }
 
-impl Args {
+impl RunCommand {
     fn layers(&self) -> [toml::Table; 5] {
         [
             self.run.layer(),

@@ -6,14 +6,14 @@ use crate::roles::Stage;
 use anyhow::Result;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub struct ScoreCommand {
     #[command(flatten)]
     stage: StageArgs,
     #[command(flatten)]
     score: ScoreArgs,
 }
 
-impl Args {
+impl ScoreCommand {
     pub fn config(&self, env: impl Iterator<Item = (String, String)>) -> Result<Config> {
         self.stage
             .resolve(toml::Table::new(), env, [self.score.layer()])

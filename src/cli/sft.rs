@@ -4,12 +4,12 @@ use crate::commands::sft::{self, SftArgs, SftOptions};
 use anyhow::Result;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub struct SftCommand {
     #[command(flatten)]
     sft: SftArgs,
 }
 
-impl Args {
+impl SftCommand {
     pub fn exec(self) -> Result<()> {
         let opts = self.sft.over(&SftOptions::default());
         let every = (opts.steps / 10).max(1);

@@ -8,7 +8,7 @@ use crate::weights::Transport;
 use anyhow::{Result, bail};
 
 #[derive(clap::Args)]
-pub struct Args {
+pub struct GenCommand {
     #[command(flatten)]
     stage: StageArgs,
     #[command(flatten)]
@@ -19,7 +19,7 @@ pub struct Args {
     weights: WeightsArgs,
 }
 
-impl Args {
+impl GenCommand {
     pub fn config(&self, env: impl Iterator<Item = (String, String)>) -> Result<Config> {
         self.stage.resolve(
             toml::Table::new(),

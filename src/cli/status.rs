@@ -7,7 +7,7 @@ use anyhow::{Result, bail};
 use std::io::IsTerminal;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub struct StatusCommand {
     #[command(flatten)]
     stage: StageArgs,
     /// Redraw every SECS seconds (default 2) until Ctrl-C.
@@ -21,7 +21,7 @@ pub struct Args {
     json: bool,
 }
 
-impl Args {
+impl StatusCommand {
     pub async fn exec(self) -> Result<()> {
         if !(self.window.is_finite() && self.window > 0.0) {
             bail!(

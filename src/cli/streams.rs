@@ -5,7 +5,7 @@ use anyhow::Result;
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub struct StreamsCommand {
     /// Stream topology file [default: the shipped streams/default.toml].
     #[arg(long, env = "RLSTREAM_TOPOLOGY", value_name = "FILE")]
     topology: Option<PathBuf>,
@@ -14,7 +14,7 @@ pub struct Args {
     namespace: Option<String>,
 }
 
-impl Args {
+impl StreamsCommand {
     pub fn exec(self) -> Result<()> {
         let mut topo = match &self.topology {
             Some(p) => Topology::load(p)?,

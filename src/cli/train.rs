@@ -8,7 +8,7 @@ use crate::weights::Transport;
 use anyhow::Result;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub struct TrainCommand {
     #[command(flatten)]
     stage: StageArgs,
     #[command(flatten)]
@@ -19,7 +19,7 @@ pub struct Args {
     weights: WeightsArgs,
 }
 
-impl Args {
+impl TrainCommand {
     pub fn config(&self, env: impl Iterator<Item = (String, String)>) -> Result<Config> {
         self.stage.resolve(
             toml::Table::new(),

@@ -7,7 +7,7 @@ use anyhow::{Result, bail};
 use std::path::PathBuf;
 
 #[derive(clap::Args)]
-pub struct Args {
+pub struct TrimCommand {
     #[command(flatten)]
     stage: StageArgs,
     /// The stream to trim (a name of the topology: prompts, rollouts, scored, ...).
@@ -31,7 +31,7 @@ pub struct Args {
     archive: Option<PathBuf>,
 }
 
-impl Args {
+impl TrimCommand {
     pub async fn exec(self) -> Result<()> {
         let keep = match self.max_bytes {
             Some(0) => bail!("--max-bytes 0 would remove everything; use a positive limit"),

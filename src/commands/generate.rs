@@ -87,7 +87,8 @@ fn render_chat(opts: &GenerateOptions, user: &str) -> Result<String, GenerateErr
     Ok(template.render(&messages, true, &kwargs)?)
 }
 
-pub fn run(opts: &GenerateOptions, out: &mut impl Write) -> Result<(), GenerateError> {
+/// The sampling flags, checked.
+fn check_sampling(opts: &GenerateOptions) -> Result<(), GenerateError> {
     let usage = |m: String| Err(GenerateError::Usage(m));
     if !(opts.temperature.is_finite() && opts.temperature >= 0.0) {
         return usage(format!(
@@ -101,29 +102,41 @@ pub fn run(opts: &GenerateOptions, out: &mut impl Write) -> Result<(), GenerateE
     if opts.n == 0 || opts.max_new_tokens == 0 {
         return usage("--n and --max-new-tokens must be at least 1".into());
     }
-    let model: Policy<InferBackend> =
-        crate::commands::eval::load_model(&opts.model, opts.adapter.as_deref())?;
-    let tokenizer = Tokenizer::load(&opts.model).ok();
+    Ok(())
+}
+
+/// The prompt's ids: `--prompt-ids`, or `--prompt` / `--chat` encoded with the model's
+/// tokenizer.
+fn prompt_ids(
+    opts: &GenerateOptions,
+    tokenizer: Option<&Tokenizer>,
+) -> Result<Vec<u32>, GenerateError> {
+    let usage = |m: String| Err(GenerateError::Usage(m));
     let rendered = match &opts.chat {
         Some(user) => Some(render_chat(opts, user)?),
         None => opts.prompt.clone(),
     };
-    let prompt = match (&rendered, &opts.prompt_ids) {
-        (Some(_), Some(_)) => return usage("give --prompt or --prompt-ids, not both".into()),
-        (None, None) => {
-            return usage("give --prompt TEXT, --chat TEXT or --prompt-ids 1,2,3".into());
-        }
-        (None, Some(ids)) => ids.clone(),
-        (Some(text), None) => match &tokenizer {
-            Some(t) => t.encode(text)?,
-            None => {
-                return usage(format!(
-                    "{} has no tokenizer (tokenizer.json); pass --prompt-ids instead",
-                    opts.model.display()
-                ));
-            }
+    match (&rendered, &opts.prompt_ids) {
+        (Some(_), Some(_)) => usage("give --prompt or --prompt-ids, not both".into()),
+        (None, None) => usage("give --prompt TEXT, --chat TEXT or --prompt-ids 1,2,3".into()),
+        (None, Some(ids)) => Ok(ids.clone()),
+        (Some(text), None) => match tokenizer {
+            Some(t) => Ok(t.encode(text)?),
+            None => usage(format!(
+                "{} has no tokenizer (tokenizer.json); pass --prompt-ids instead",
+                opts.model.display()
+            )),
         },
-    };
+    }
+}
+
+pub fn run(opts: &GenerateOptions, out: &mut impl Write) -> Result<(), GenerateError> {
+    let usage = |m: String| Err(GenerateError::Usage(m));
+    check_sampling(opts)?;
+    let model: Policy<InferBackend> =
+        crate::commands::eval::load_model(&opts.model, opts.adapter.as_deref())?;
+    let tokenizer = Tokenizer::load(&opts.model).ok();
+    let prompt = prompt_ids(opts, tokenizer.as_ref())?;
     let vocab = model.config().vocab_size;
     if let Some(bad) = prompt.iter().find(|&&t| t as usize >= vocab) {
         return usage(format!(

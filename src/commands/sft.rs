@@ -181,12 +181,7 @@ pub fn run(
             .collect();
         let seqs: Vec<ScoredSeq<'_>> = batch
             .iter()
-            .map(|(p, c, _)| ScoredSeq {
-                prompt: p,
-                completion: c,
-                mask: None,
-                routing: None,
-            })
+            .map(|(p, c, _)| ScoredSeq::plain(p, c))
             .collect();
         let (lp, valid) = completion_logprobs(&model, &seqs, 1.0);
         // Only the model's own tokens are learned: an episode's environment tokens are

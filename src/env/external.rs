@@ -15,10 +15,10 @@
 //! `"error": "…"`. Answers may come in any order: each names its episode, and an episode
 //! has at most one request out at a time.
 //!
-//! What goes wrong ends episodes, never the generator:
+//! The process is a [`JsonLinesChild`] matched by `episode_id`; what goes wrong ends
+//! episodes, never the generator:
 //! - the process exits (`env_crash`): every episode it was serving ends, and the next
-//!   request starts a new process (waiting so that starts are at least [`RESTART_EVERY`]
-//!   apart);
+//!   request starts a new process (with the child's restart backoff);
 //! - a step is not answered within the generator's `env_timeout_ms` (`env_timeout`); when
 //!   the process said nothing at all in that time it is taken as hung, killed and
 //!   restarted;
@@ -30,80 +30,32 @@
 //! with the process) and ends as `env_crash` at its next step.
 
 use super::{EnvError, Environment, Step};
+use crate::child::{ChildError, ChildSpec, JsonLinesChild, Matching, shown};
 use serde_json::{Value, json};
-use std::collections::{BTreeMap, HashMap};
-use std::io::{BufRead, BufReader, Write};
-use std::process::{Child, ChildStdin, Command, Stdio};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, mpsc};
-use std::time::{Duration, Instant};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
-/// Most one start of the environment process per this long: a process that dies at once
-/// is not restarted in a loop.
-pub const RESTART_EVERY: Duration = Duration::from_secs(1);
+/// The field that names an episode in every request and answer.
+const EPISODE_ID: &str = "episode_id";
 
-/// Longest line of an environment's answer kept in an error message.
-const SHOWN: usize = 200;
-
-/// What the reader thread hands a waiting request.
-enum Reply {
-    Answer(serde_json::Map<String, Value>),
-    Lost(EnvError),
-}
-
-type Waiting = Arc<Mutex<HashMap<String, mpsc::Sender<Reply>>>>;
-
-/// What a request keeps of the process it was sent to, to act on a timeout without the
-/// state lock.
-struct Handle {
-    child: Arc<Mutex<Child>>,
-    alive: Arc<AtomicBool>,
-    waiting: Waiting,
-    heard: Arc<AtomicU64>,
-}
-
-/// One started process.
-struct Running {
-    child: Arc<Mutex<Child>>,
-    stdin: ChildStdin,
-    /// Requests out, by episode id.
-    waiting: Waiting,
-    /// Lines read from the process (any): a hung process reads none.
-    heard: Arc<AtomicU64>,
-    alive: Arc<AtomicBool>,
-    incarnation: u64,
-}
-
-impl Running {
-    fn kill(&self) {
-        self.alive.store(false, Ordering::SeqCst);
-        let mut child = lock(&self.child);
-        let _ = child.kill();
+impl From<ChildError> for EnvError {
+    fn from(e: ChildError) -> Self {
+        match e {
+            ChildError::Start { .. } => EnvError::Setup(e.to_string()),
+            ChildError::Timeout { ms, .. } => EnvError::Timeout(ms),
+            ChildError::Protocol { .. } => EnvError::Protocol(e.to_string()),
+            ChildError::Exited { .. }
+            | ChildError::Replaced { .. }
+            | ChildError::Backoff { .. } => EnvError::Crash(e.to_string()),
+        }
     }
-}
-
-impl Drop for Running {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = lock(&self.child).wait();
-    }
-}
-
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
-
-struct State {
-    running: Option<Running>,
-    started: Option<Instant>,
-    incarnations: u64,
 }
 
 /// The environment process of a generator, started on demand and restarted when it dies.
 pub struct EnvProcess {
-    argv: Vec<String>,
-    timeout: Duration,
-    state: Mutex<State>,
+    child: Arc<JsonLinesChild>,
     episodes: AtomicU64,
 }
 
@@ -111,35 +63,27 @@ impl EnvProcess {
     /// Starts `cmd` (split on whitespace, run without a shell); steps not answered within
     /// `timeout` end their episode. An error when the command cannot start at all.
     pub fn start(cmd: &str, timeout: Duration) -> Result<Arc<Self>, EnvError> {
-        let argv: Vec<String> = cmd.split_whitespace().map(String::from).collect();
-        if argv.is_empty() {
-            return Err(EnvError::Setup("the environment command is empty".into()));
-        }
-        let p = Arc::new(EnvProcess {
-            argv,
+        let spec = ChildSpec {
+            what: "environment",
+            command: cmd.to_string(),
+            matching: Matching::ByKey(EPISODE_ID),
             timeout,
-            state: Mutex::new(State {
-                running: None,
-                started: None,
-                incarnations: 0,
-            }),
+        };
+        let child = JsonLinesChild::start(spec, crate::metrics::env_started)?;
+        Ok(Arc::new(EnvProcess {
+            child,
             episodes: AtomicU64::new(0),
-        });
-        {
-            let mut st = lock(&p.state);
-            p.spawn(&mut st)?;
-        }
-        Ok(p)
+        }))
     }
 
     /// The command, as started.
     pub fn command(&self) -> String {
-        self.argv.join(" ")
+        self.child.command()
     }
 
     /// How many processes were started so far (1 + restarts).
     pub fn starts(&self) -> u64 {
-        lock(&self.state).incarnations
+        self.child.starts()
     }
 
     /// A new episode of the prompt `prompt` (its id `prompt_id`, its meta `meta`): reset
@@ -156,7 +100,7 @@ impl EnvProcess {
             process: self.clone(),
             reset: Some(json!({
                 "op": "reset",
-                "episode_id": id,
+                EPISODE_ID: id,
                 "env": meta.get(super::ENV).cloned().unwrap_or_default(),
                 "prompt": prompt,
                 "meta": meta,
@@ -164,241 +108,6 @@ impl EnvProcess {
             id,
             incarnation: None,
         }
-    }
-
-    fn spawn(&self, st: &mut State) -> Result<(), EnvError> {
-        let mut child = Command::new(&self.argv[0])
-            .args(&self.argv[1..])
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::inherit())
-            .spawn()
-            .map_err(|e| {
-                EnvError::Setup(format!(
-                    "cannot start the environment command `{}`: {e}",
-                    self.command()
-                ))
-            })?;
-        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
-            let _ = child.kill();
-            return Err(EnvError::Crash(
-                "the environment process has no pipes".into(),
-            ));
-        };
-        st.incarnations += 1;
-        st.started = Some(Instant::now());
-        let running = Running {
-            child: Arc::new(Mutex::new(child)),
-            stdin,
-            waiting: Arc::default(),
-            heard: Arc::default(),
-            alive: Arc::new(AtomicBool::new(true)),
-            incarnation: st.incarnations,
-        };
-        let (waiting, heard, alive, child) = (
-            running.waiting.clone(),
-            running.heard.clone(),
-            running.alive.clone(),
-            running.child.clone(),
-        );
-        let spawned = std::thread::Builder::new()
-            .name("env-read".into())
-            .spawn(move || read(BufReader::new(stdout), waiting, heard, alive, child));
-        if let Err(e) = spawned {
-            return Err(EnvError::Crash(format!(
-                "cannot start a reader thread: {e}"
-            )));
-        }
-        crate::metrics::env_started(st.incarnations);
-        st.running = Some(running);
-        Ok(())
-    }
-
-    /// Sends `msg` for `episode` and waits for its answer. `on` is the process the episode
-    /// was reset on (`None` for a reset). Returns the answer and the process it came from.
-    fn request(
-        &self,
-        episode: &str,
-        on: Option<u64>,
-        msg: &Value,
-    ) -> Result<(serde_json::Map<String, Value>, u64), EnvError> {
-        let (rx, handle, sent_heard, incarnation) = {
-            let mut st = lock(&self.state);
-            let dead = st
-                .running
-                .as_ref()
-                .is_none_or(|r| !r.alive.load(Ordering::SeqCst));
-            if dead {
-                st.running = None;
-                if on.is_some() {
-                    return Err(EnvError::Crash(
-                        "the environment process exited; the episode's state went with it".into(),
-                    ));
-                }
-                // A process that dies at once is not restarted in a loop: the request
-                // waits (on its step thread, within its deadline) for the next start.
-                if let Some(wait) = st
-                    .started
-                    .and_then(|t| RESTART_EVERY.checked_sub(t.elapsed()))
-                {
-                    std::thread::sleep(wait);
-                }
-                tracing::warn!(cmd = %self.command(), "restarting the environment process");
-                self.spawn(&mut st)?;
-            }
-            let Some(running) = st.running.as_mut() else {
-                return Err(EnvError::Crash(
-                    "the environment process is not running".into(),
-                ));
-            };
-            if on.is_some_and(|i| i != running.incarnation) {
-                return Err(EnvError::Crash(
-                    "the environment process was restarted; the episode's state went with it"
-                        .into(),
-                ));
-            }
-            let (tx, rx) = mpsc::channel();
-            lock(&running.waiting).insert(episode.to_string(), tx);
-            let sent_heard = running.heard.load(Ordering::SeqCst);
-            if let Err(e) = write_line(&mut running.stdin, msg) {
-                lock(&running.waiting).remove(episode);
-                running.kill();
-                return Err(EnvError::Crash(format!(
-                    "cannot write to the environment process: {e}"
-                )));
-            }
-            let handle = Handle {
-                child: running.child.clone(),
-                alive: running.alive.clone(),
-                waiting: running.waiting.clone(),
-                heard: running.heard.clone(),
-            };
-            (rx, handle, sent_heard, running.incarnation)
-        };
-        match rx.recv_timeout(self.timeout) {
-            Ok(Reply::Answer(a)) => Ok((a, incarnation)),
-            Ok(Reply::Lost(e)) => Err(e),
-            Err(_) => {
-                // Without the state lock: a writer blocked on a full pipe to a hung process
-                // holds it, and killing the process is what frees that writer.
-                lock(&handle.waiting).remove(episode);
-                if handle.heard.load(Ordering::SeqCst) == sent_heard
-                    && handle.alive.swap(false, Ordering::SeqCst)
-                {
-                    tracing::warn!(
-                        cmd = %self.command(),
-                        "the environment process said nothing for {} ms; killing it",
-                        self.timeout.as_millis()
-                    );
-                    let _ = lock(&handle.child).kill();
-                }
-                Err(EnvError::Timeout(self.timeout.as_millis() as u64))
-            }
-        }
-    }
-
-    /// Sends `msg` expecting no answer (a close); errors are ignored.
-    fn tell(&self, on: u64, msg: &Value) {
-        let mut st = lock(&self.state);
-        if let Some(r) = st.running.as_mut().filter(|r| r.incarnation == on) {
-            let _ = write_line(&mut r.stdin, msg);
-        }
-    }
-}
-
-/// Writes `msg` as one line and flushes it.
-fn write_line(stdin: &mut ChildStdin, msg: &Value) -> std::io::Result<()> {
-    let mut line = msg.to_string();
-    line.push('\n');
-    stdin.write_all(line.as_bytes())?;
-    stdin.flush()
-}
-
-/// The reader thread of one process: hands each answer to its episode; on the process's
-/// end or a garbage line, ends every episode it was serving.
-fn read(
-    stdout: BufReader<std::process::ChildStdout>,
-    waiting: Waiting,
-    heard: Arc<AtomicU64>,
-    alive: Arc<AtomicBool>,
-    child: Arc<Mutex<Child>>,
-) {
-    let mut lost = None;
-    for line in stdout.lines() {
-        let line = match line {
-            Ok(l) => l,
-            Err(e) => {
-                lost = Some(EnvError::Protocol(format!(
-                    "the environment process wrote a line that is not UTF-8: {e}"
-                )));
-                break;
-            }
-        };
-        heard.fetch_add(1, Ordering::SeqCst);
-        if line.trim().is_empty() {
-            continue;
-        }
-        let parsed: Option<(String, serde_json::Map<String, Value>)> =
-            match serde_json::from_str::<Value>(&line) {
-                Ok(Value::Object(map)) => match map.get("episode_id") {
-                    Some(Value::String(id)) => Some((id.clone(), map)),
-                    _ => None,
-                },
-                _ => None,
-            };
-        let Some((id, answer)) = parsed else {
-            lost = Some(EnvError::Protocol(format!(
-                "the environment process wrote {:?}, not a JSON object with an `episode_id`",
-                shown(&line)
-            )));
-            break;
-        };
-        match lock(&waiting).remove(&id) {
-            Some(tx) => {
-                let _ = tx.send(Reply::Answer(answer));
-            }
-            None => tracing::debug!(episode = %id, "an answer no one waits for (late)"),
-        }
-    }
-    alive.store(false, Ordering::SeqCst);
-    let lost = match lost {
-        Some(e) => {
-            tracing::warn!(error = %e, "killing the environment process");
-            let _ = lock(&child).kill();
-            e
-        }
-        None => {
-            // Its stdout closed: it exited, or is about to, or closed stdout and runs on
-            // (then it is killed, so that waiting on it cannot hang).
-            let mut c = lock(&child);
-            let mut exited = c.try_wait();
-            if matches!(exited, Ok(None)) {
-                std::thread::sleep(Duration::from_millis(50));
-                exited = c.try_wait();
-            }
-            if matches!(exited, Ok(None)) {
-                let _ = c.kill();
-                exited = c.wait().map(Some);
-            }
-            drop(c);
-            let status = match exited {
-                Ok(Some(s)) => s.to_string(),
-                Ok(None) => "still running".to_string(),
-                Err(e) => e.to_string(),
-            };
-            tracing::warn!(%status, "the environment process exited");
-            EnvError::Crash(format!("the environment process exited ({status})"))
-        }
-    };
-    for (_, tx) in lock(&waiting).drain() {
-        let _ = tx.send(Reply::Lost(lost.clone()));
-    }
-}
-
-fn shown(line: &str) -> String {
-    match line.char_indices().nth(SHOWN) {
-        Some((i, _)) => format!("{}…", &line[..i]),
-        None => line.to_string(),
     }
 }
 
@@ -422,7 +131,8 @@ impl External {
 impl Environment for External {
     fn step(&mut self, action: &str) -> Result<Step, EnvError> {
         if let Some(reset) = self.reset.take() {
-            let (a, on) = self.process.request(&self.id, None, &reset)?;
+            let answer = self.process.child.request(&self.id, None, &reset)?;
+            let (a, on) = (answer.fields, answer.incarnation);
             if let Some(e) = a.get("error") {
                 return Err(EnvError::Setup(format!(
                     "the environment refused the episode: {e}"
@@ -436,17 +146,20 @@ impl Environment for External {
             }
             self.incarnation = Some(on);
         }
-        let msg = json!({"op": "step", "episode_id": self.id, "action": action});
-        let (a, _) = self.process.request(&self.id, self.incarnation, &msg)?;
-        parse_step(a)
+        let msg = json!({"op": "step", EPISODE_ID: self.id, "action": action});
+        let answer = self
+            .process
+            .child
+            .request(&self.id, self.incarnation, &msg)?;
+        parse_step(answer.fields)
     }
 }
 
 impl Drop for External {
     fn drop(&mut self) {
         if let Some(on) = self.incarnation {
-            self.process
-                .tell(on, &json!({"op": "close", "episode_id": self.id}));
+            let close = json!({"op": "close", EPISODE_ID: self.id});
+            self.process.child.tell(on, &close);
         }
     }
 }

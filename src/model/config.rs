@@ -316,6 +316,15 @@ impl PolicyConfig {
                 format!("{} must be positive", self.rms_norm_eps),
             ));
         }
+        self.validate_experts()
+    }
+
+    /// The expert fields: present exactly for a mixture-of-experts architecture, in range.
+    fn validate_experts(&self) -> Result<(), ModelError> {
+        let bad = |field: &str, reason: String| ModelError::Config {
+            field: field.to_string(),
+            reason,
+        };
         match (&self.moe, self.architecture.is_moe()) {
             (Some(m), true) => {
                 if m.num_experts == 0 || m.num_experts > usize::from(u16::MAX) {
@@ -507,103 +516,22 @@ fn token_id(v: &Option<serde_json::Value>) -> Option<u32> {
 
 impl HfConfig {
     fn into_policy(self) -> Result<PolicyConfig, ModelError> {
-        let arch = match self.architectures.first().map(String::as_str) {
-            Some("Qwen2ForCausalLM") => Architecture::Qwen2,
-            Some("Qwen3ForCausalLM") => Architecture::Qwen3,
-            Some("LlamaForCausalLM") => Architecture::Llama,
-            Some("Qwen2MoeForCausalLM") => Architecture::Qwen2Moe,
-            Some("Qwen3MoeForCausalLM") => Architecture::Qwen3Moe,
-            other => {
-                return Err(ModelError::Unsupported(format!(
-                    "architecture {other:?}; rlstream reads LlamaForCausalLM, Qwen2ForCausalLM, \
-                     Qwen3ForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM"
-                )));
-            }
-        };
+        let arch = self.architecture()?;
         if !arch.is_moe() && self.num_experts.is_some_and(|n| n > 0) {
             return Err(ModelError::Unsupported(format!(
                 "num_experts (mixture-of-experts layers) on {}, a dense architecture",
                 arch.hf_name()
             )));
         }
-        let moe = if arch.is_moe() {
-            let need = |field: &str, v: Option<usize>| {
-                v.ok_or_else(|| ModelError::Config {
-                    field: field.into(),
-                    reason: format!("is required for {}", arch.hf_name()),
-                })
-            };
-            Some(MoeConfig {
-                num_experts: need("num_experts", self.num_experts)?,
-                top_k: need("num_experts_per_tok", self.num_experts_per_tok)?,
-                expert_size: need("moe_intermediate_size", self.moe_intermediate_size)?,
-                norm_topk_prob: self.norm_topk_prob.unwrap_or(false),
-                shared_expert_size: match arch {
-                    Architecture::Qwen2Moe => Some(need(
-                        "shared_expert_intermediate_size",
-                        self.shared_expert_intermediate_size,
-                    )?),
-                    _ => None,
-                },
-                sparse_step: self.decoder_sparse_step.unwrap_or(1),
-                dense_layers: self.mlp_only_layers.clone().unwrap_or_default(),
-            })
-        } else {
-            None
-        };
+        let moe = self.experts(arch)?;
         if self.hidden_act != "silu" {
             return Err(ModelError::Unsupported(format!(
                 "hidden_act `{}` (only silu)",
                 self.hidden_act
             )));
         }
-        let mut rope_theta = self.rope_theta.unwrap_or(DEFAULT_ROPE_THETA);
-        let mut rope_scaling = None;
-        for (field, v) in [
-            ("rope_scaling", &self.rope_scaling),
-            ("rope_parameters", &self.rope_parameters),
-        ] {
-            let Some(p) = v.as_ref().filter(|v| !v.is_null()) else {
-                continue;
-            };
-            // transformers 4 wrote `type`, later versions `rope_type`.
-            let kind = p
-                .get("rope_type")
-                .or_else(|| p.get("type"))
-                .and_then(|t| t.as_str())
-                .unwrap_or("default");
-            match kind {
-                "default" => {}
-                "llama3" => rope_scaling = Some(Llama3Rope::from_json(p)?),
-                other => {
-                    return Err(ModelError::Unsupported(format!(
-                        "{field}.rope_type `{other}`; rlstream supports the plain rotary \
-                         embedding and llama3 scaling"
-                    )));
-                }
-            }
-            if let Some(theta) = p.get("rope_theta").and_then(|t| t.as_f64()) {
-                rope_theta = theta;
-            }
-        }
-        if self.mlp_bias == Some(true) {
-            return Err(ModelError::Unsupported("mlp_bias = true".into()));
-        }
-        if self.use_sliding_window == Some(true) {
-            return Err(ModelError::Unsupported(
-                "use_sliding_window = true (sliding-window attention)".into(),
-            ));
-        }
-        if let Some(t) = self
-            .layer_types
-            .iter()
-            .flatten()
-            .find(|t| t.as_str() != "full_attention")
-        {
-            return Err(ModelError::Unsupported(format!(
-                "layer_types `{t}` (rlstream runs full attention in every layer)"
-            )));
-        }
+        let (rope_theta, rope_scaling) = self.rope()?;
+        self.check_supported()?;
         if self.num_attention_heads == 0 {
             return Err(ModelError::Config {
                 field: "num_attention_heads".into(),
@@ -643,5 +571,108 @@ impl HfConfig {
         };
         cfg.validate()?;
         Ok(cfg)
+    }
+
+    /// The architecture `architectures` names, if rlstream runs it.
+    fn architecture(&self) -> Result<Architecture, ModelError> {
+        Ok(match self.architectures.first().map(String::as_str) {
+            Some("Qwen2ForCausalLM") => Architecture::Qwen2,
+            Some("Qwen3ForCausalLM") => Architecture::Qwen3,
+            Some("LlamaForCausalLM") => Architecture::Llama,
+            Some("Qwen2MoeForCausalLM") => Architecture::Qwen2Moe,
+            Some("Qwen3MoeForCausalLM") => Architecture::Qwen3Moe,
+            other => {
+                return Err(ModelError::Unsupported(format!(
+                    "architecture {other:?}; rlstream reads LlamaForCausalLM, Qwen2ForCausalLM, \
+                     Qwen3ForCausalLM, Qwen2MoeForCausalLM and Qwen3MoeForCausalLM"
+                )));
+            }
+        })
+    }
+
+    /// The mixture-of-experts fields of `arch` (all required), `None` for a dense one.
+    fn experts(&self, arch: Architecture) -> Result<Option<MoeConfig>, ModelError> {
+        if !arch.is_moe() {
+            return Ok(None);
+        }
+        let need = |field: &str, v: Option<usize>| {
+            v.ok_or_else(|| ModelError::Config {
+                field: field.into(),
+                reason: format!("is required for {}", arch.hf_name()),
+            })
+        };
+        Ok(Some(MoeConfig {
+            num_experts: need("num_experts", self.num_experts)?,
+            top_k: need("num_experts_per_tok", self.num_experts_per_tok)?,
+            expert_size: need("moe_intermediate_size", self.moe_intermediate_size)?,
+            norm_topk_prob: self.norm_topk_prob.unwrap_or(false),
+            shared_expert_size: match arch {
+                Architecture::Qwen2Moe => Some(need(
+                    "shared_expert_intermediate_size",
+                    self.shared_expert_intermediate_size,
+                )?),
+                _ => None,
+            },
+            sparse_step: self.decoder_sparse_step.unwrap_or(1),
+            dense_layers: self.mlp_only_layers.clone().unwrap_or_default(),
+        }))
+    }
+
+    /// The rotary base and scaling, from `rope_theta` and `rope_scaling` or
+    /// `rope_parameters` (transformers 5).
+    fn rope(&self) -> Result<(f64, Option<Llama3Rope>), ModelError> {
+        let mut rope_theta = self.rope_theta.unwrap_or(DEFAULT_ROPE_THETA);
+        let mut rope_scaling = None;
+        for (field, v) in [
+            ("rope_scaling", &self.rope_scaling),
+            ("rope_parameters", &self.rope_parameters),
+        ] {
+            let Some(p) = v.as_ref().filter(|v| !v.is_null()) else {
+                continue;
+            };
+            // transformers 4 wrote `type`, later versions `rope_type`.
+            let kind = p
+                .get("rope_type")
+                .or_else(|| p.get("type"))
+                .and_then(|t| t.as_str())
+                .unwrap_or("default");
+            match kind {
+                "default" => {}
+                "llama3" => rope_scaling = Some(Llama3Rope::from_json(p)?),
+                other => {
+                    return Err(ModelError::Unsupported(format!(
+                        "{field}.rope_type `{other}`; rlstream supports the plain rotary \
+                         embedding and llama3 scaling"
+                    )));
+                }
+            }
+            if let Some(theta) = p.get("rope_theta").and_then(|t| t.as_f64()) {
+                rope_theta = theta;
+            }
+        }
+        Ok((rope_theta, rope_scaling))
+    }
+
+    /// Layer variants rlstream does not run (MLP bias, sliding or other attention).
+    fn check_supported(&self) -> Result<(), ModelError> {
+        if self.mlp_bias == Some(true) {
+            return Err(ModelError::Unsupported("mlp_bias = true".into()));
+        }
+        if self.use_sliding_window == Some(true) {
+            return Err(ModelError::Unsupported(
+                "use_sliding_window = true (sliding-window attention)".into(),
+            ));
+        }
+        if let Some(t) = self
+            .layer_types
+            .iter()
+            .flatten()
+            .find(|t| t.as_str() != "full_attention")
+        {
+            return Err(ModelError::Unsupported(format!(
+                "layer_types `{t}` (rlstream runs full attention in every layer)"
+            )));
+        }
+        Ok(())
     }
 }

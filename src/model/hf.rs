@@ -5,50 +5,20 @@
 //! written here loads in `transformers` and the other way round. The same named tensors,
 //! serialised as one safetensors buffer, are the weight blob the trainer publishes.
 
-use super::config::PolicyConfig;
-use super::llama::{Assembler, Block, Mlp, Policy};
+use super::config::{MoeConfig, PolicyConfig};
+use super::layers::Mlp;
+use super::llama::{Assembler, Attention, Block, Policy};
 use super::moe::Moe;
+use super::tensors::{
+    HostTensor, TensorMap, WeightDtype, read_safetensors_file, safetensors_to_tensors,
+    tensors_to_safetensors, tensors_to_safetensors_as, transpose,
+};
 use super::{ModelError, host_f32};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
-use safetensors::{Dtype, SafeTensors, tensor::TensorView};
 use std::borrow::Cow;
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::Path;
-
-/// A tensor on the host: shape and row-major f32 values.
-#[derive(Debug, Clone, PartialEq)]
-pub struct HostTensor {
-    pub shape: Vec<usize>,
-    pub data: Vec<f32>,
-}
-
-/// Named host tensors, in name order.
-pub type TensorMap = BTreeMap<String, HostTensor>;
-
-/// The dtype a checkpoint's `model.safetensors` is written in. Computation is f32 either
-/// way; bf16 halves the file, and a trainer resumes from its own f32 record.
-#[derive(
-    Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize, clap::ValueEnum,
-)]
-#[serde(rename_all = "lowercase")]
-pub enum WeightDtype {
-    /// 32-bit floats, exactly the trainer's weights.
-    F32,
-    /// bfloat16, rounded to nearest even from f32 (as `torch.Tensor.to(torch.bfloat16)`).
-    Bf16,
-}
-crate::enum_setting!(WeightDtype);
-
-impl WeightDtype {
-    /// The `torch_dtype` of `config.json`.
-    pub fn torch_name(self) -> &'static str {
-        match self {
-            WeightDtype::F32 => "float32",
-            WeightDtype::Bf16 => "bfloat16",
-        }
-    }
-}
 
 /// Every tensor a policy of this config has, with its HF name and shape.
 pub fn expected_tensors(cfg: &PolicyConfig) -> Vec<(String, Vec<usize>)> {
@@ -134,119 +104,29 @@ impl<B: Backend> Policy<B> {
         device: &B::Device,
     ) -> Result<Self, ModelError> {
         cfg.validate()?;
-        let shapes: HashMap<String, Vec<usize>> = expected_tensors(cfg).into_iter().collect();
-        let get = |name: &str| -> Result<Cow<'a, HostTensor>, ModelError> {
-            let t = take(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
-            let expected = &shapes[name];
-            if &t.shape != expected {
-                return Err(ModelError::Shape {
-                    name: name.to_string(),
-                    expected: expected.clone(),
-                    found: t.shape.clone(),
-                });
-            }
-            Ok(t)
+        let load = Loader {
+            source: std::marker::PhantomData,
+            cfg,
+            shapes: expected_tensors(cfg).into_iter().collect(),
+            take,
+            device,
+            asm: Assembler::<B>::new(device),
         };
-        let t2 = |name: &str| -> Result<Tensor<B, 2>, ModelError> {
-            let t = get(name)?.into_owned();
-            let shape = [t.shape[0], t.shape[1]];
-            Ok(Tensor::from_data(TensorData::new(t.data, shape), device))
-        };
-        // Linear weights: HF stores [out, in], burn's Linear wants [in, out]. Transpose on
-        // the host so the parameter is contiguous (a transposed view would be copied on
-        // every forward pass).
-        let lin_w = |name: &str| -> Result<Tensor<B, 2>, ModelError> {
-            let t = get(name)?;
-            let (rows, cols) = (t.shape[0], t.shape[1]);
-            Ok(Tensor::from_data(
-                TensorData::new(transpose(&t.data, rows, cols), [cols, rows]),
-                device,
-            ))
-        };
-        let t1 = |name: &str| -> Result<Tensor<B, 1>, ModelError> {
-            let t = get(name)?.into_owned();
-            let shape = [t.shape[0]];
-            Ok(Tensor::from_data(TensorData::new(t.data, shape), device))
-        };
-        let asm = Assembler::<B>::new(device);
-        let eps = cfg.rms_norm_eps;
         let mut blocks = Vec::with_capacity(cfg.num_layers);
         let mut moe_index = 0;
         for i in 0..cfg.num_layers {
-            let p = format!("model.layers.{i}");
-            let bias = |n: &str| -> Result<Option<Tensor<B, 1>>, ModelError> {
-                if cfg.qkv_bias {
-                    t1(&format!("{p}.self_attn.{n}_proj.bias")).map(Some)
-                } else {
-                    Ok(None)
-                }
-            };
-            let proj = |n: &str| lin_w(&format!("{p}.self_attn.{n}_proj.weight"));
-            let qk_norm = if cfg.qk_norm {
-                let norm = |n: &str| -> Result<_, ModelError> {
-                    Ok(asm.norm(t1(&format!("{p}.self_attn.{n}_norm.weight"))?, eps))
-                };
-                Some((norm("q")?, norm("k")?))
-            } else {
-                None
-            };
-            let attn = asm.attention(
-                cfg,
-                [
-                    asm.linear(proj("q")?, bias("q")?),
-                    asm.linear(proj("k")?, bias("k")?),
-                    asm.linear(proj("v")?, bias("v")?),
-                    asm.linear(proj("o")?, None),
-                ],
-                qk_norm,
-            );
-            let swiglu = |prefix: &str| -> Result<Mlp<B>, ModelError> {
-                let w = |n: &str| lin_w(&format!("{prefix}.{n}_proj.weight"));
-                Ok(Mlp {
-                    gate: asm.linear(w("gate")?, None),
-                    up: asm.linear(w("up")?, None),
-                    down: asm.linear(w("down")?, None),
-                })
-            };
-            let (mlp, moe) = match &cfg.moe {
-                Some(m) if m.is_sparse(i) => {
-                    let experts = (0..m.num_experts)
-                        .map(|j| swiglu(&format!("{p}.mlp.experts.{j}")))
-                        .collect::<Result<Vec<_>, _>>()?;
-                    let shared = match m.shared_expert_size {
-                        Some(_) => Some((
-                            swiglu(&format!("{p}.mlp.shared_expert"))?,
-                            asm.linear(lin_w(&format!("{p}.mlp.shared_expert_gate.weight"))?, None),
-                        )),
-                        None => None,
-                    };
-                    let router = asm.linear(lin_w(&format!("{p}.mlp.gate.weight"))?, None);
-                    let index = moe_index;
-                    moe_index += 1;
-                    let moe = Moe::new(router, experts, shared, m.top_k, m.norm_topk_prob, index);
-                    (None, Some(moe))
-                }
-                _ => (Some(swiglu(&format!("{p}.mlp"))?), None),
-            };
-            blocks.push(Block {
-                attn_norm: asm.norm(t1(&format!("{p}.input_layernorm.weight"))?, eps),
-                attn,
-                mlp_norm: asm.norm(t1(&format!("{p}.post_attention_layernorm.weight"))?, eps),
-                mlp,
-                moe,
-                lora: None,
-            });
+            blocks.push(load.block(i, &mut moe_index)?);
         }
         let head = if cfg.tie_embeddings {
             None
         } else {
-            Some(asm.linear(lin_w("lm_head.weight")?, None))
+            Some(load.asm.linear(load.linear_weight("lm_head.weight")?, None))
         };
-        Ok(asm.policy(
+        Ok(load.asm.policy(
             cfg,
-            t2("model.embed_tokens.weight")?,
+            load.matrix("model.embed_tokens.weight")?,
             blocks,
-            asm.norm(t1("model.norm.weight")?, eps),
+            load.norm("model.norm.weight")?,
             head,
         ))
     }
@@ -283,88 +163,16 @@ impl<B: Backend> Policy<B> {
         if self.has_adapter() {
             return self.merged().to_tensors();
         }
-        let mut on_device: Vec<(String, Vec<usize>, TensorData)> = Vec::new();
-        let mut put2 = |name: String, t: Tensor<B, 2>, transpose: bool| {
-            let t = if transpose { t.transpose() } else { t };
-            on_device.push((name, t.dims().to_vec(), t.into_data()));
-        };
-        put2(
-            "model.embed_tokens.weight".into(),
-            self.embed.weight.val(),
-            false,
-        );
+        let mut out = Collected::default();
+        out.matrix("model.embed_tokens.weight", self.embed.weight.val(), false);
         if let Some(head) = &self.head {
-            put2("lm_head.weight".into(), head.weight.val(), true);
+            out.linear("lm_head.weight", head);
         }
+        out.vector("model.norm.weight", self.norm.gamma.val());
         for (i, b) in self.blocks.iter().enumerate() {
-            let p = format!("model.layers.{i}");
-            for (n, lin) in [
-                ("q", &b.attn.q),
-                ("k", &b.attn.k),
-                ("v", &b.attn.v),
-                ("o", &b.attn.o),
-            ] {
-                put2(
-                    format!("{p}.self_attn.{n}_proj.weight"),
-                    lin.weight.val(),
-                    true,
-                );
-            }
-            let mut swiglu = |prefix: String, mlp: &Mlp<B>| {
-                for (n, lin) in [("gate", &mlp.gate), ("up", &mlp.up), ("down", &mlp.down)] {
-                    put2(format!("{prefix}.{n}_proj.weight"), lin.weight.val(), true);
-                }
-            };
-            if let Some(mlp) = &b.mlp {
-                swiglu(format!("{p}.mlp"), mlp);
-            }
-            if let Some(moe) = &b.moe {
-                for (j, expert) in moe.experts.iter().enumerate() {
-                    swiglu(format!("{p}.mlp.experts.{j}"), expert);
-                }
-                if let Some(shared) = &moe.shared {
-                    swiglu(format!("{p}.mlp.shared_expert"), shared);
-                }
-                if let Some(gate) = &moe.shared_gate {
-                    put2(
-                        format!("{p}.mlp.shared_expert_gate.weight"),
-                        gate.weight.val(),
-                        true,
-                    );
-                }
-                put2(
-                    format!("{p}.mlp.gate.weight"),
-                    moe.router.weight.val(),
-                    true,
-                );
-            }
+            out.block(&format!("model.layers.{i}"), b);
         }
-        let mut put1 = |name: String, t: Tensor<B, 1>| {
-            on_device.push((name, t.dims().to_vec(), t.into_data()));
-        };
-        put1("model.norm.weight".into(), self.norm.gamma.val());
-        for (i, b) in self.blocks.iter().enumerate() {
-            let p = format!("model.layers.{i}");
-            put1(
-                format!("{p}.input_layernorm.weight"),
-                b.attn_norm.gamma.val(),
-            );
-            put1(
-                format!("{p}.post_attention_layernorm.weight"),
-                b.mlp_norm.gamma.val(),
-            );
-            for (n, norm) in [("q", &b.attn.q_norm), ("k", &b.attn.k_norm)] {
-                if let Some(norm) = norm {
-                    put1(format!("{p}.self_attn.{n}_norm.weight"), norm.gamma.val());
-                }
-            }
-            for (n, lin) in [("q", &b.attn.q), ("k", &b.attn.k), ("v", &b.attn.v)] {
-                if let Some(bias) = &lin.bias {
-                    put1(format!("{p}.self_attn.{n}_proj.bias"), bias.val());
-                }
-            }
-        }
-        on_device
+        out.on_device
             .into_iter()
             .map(|(name, shape, data)| {
                 Ok((
@@ -399,50 +207,232 @@ impl<B: Backend> Policy<B> {
 
     /// Writes `config.json` (with `torch_dtype`) and `model.safetensors` in `dtype`.
     pub fn save_hf_as(&self, dir: &Path, dtype: WeightDtype) -> Result<(), ModelError> {
-        std::fs::create_dir_all(dir).map_err(|source| io_err(dir, source))?;
+        std::fs::create_dir_all(dir).map_err(|source| ModelError::io(dir, source))?;
         let config = dir.join("config.json");
         std::fs::write(&config, self.config().to_hf_json_as(dtype.torch_name()))
-            .map_err(|source| io_err(&config, source))?;
+            .map_err(|source| ModelError::io(&config, source))?;
         let weights = dir.join("model.safetensors");
         let tmp = dir.join("model.safetensors.tmp");
         let bytes = tensors_to_safetensors_as(&self.to_tensors()?, dtype)?;
-        std::fs::write(&tmp, bytes).map_err(|source| io_err(&tmp, source))?;
-        std::fs::rename(&tmp, &weights).map_err(|source| io_err(&weights, source))
+        std::fs::write(&tmp, bytes).map_err(|source| ModelError::io(&tmp, source))?;
+        std::fs::rename(&tmp, &weights).map_err(|source| ModelError::io(&weights, source))
     }
 }
 
-/// The `[cols, rows]` transpose of a row-major `[rows, cols]` matrix, in 32 × 32 tiles so
-/// that reads and writes both stay in cache (a 0.5B model's linear weights are 358M values).
-pub(crate) fn transpose(data: &[f32], rows: usize, cols: usize) -> Vec<f32> {
-    use rayon::prelude::*;
-    const TILE: usize = 32;
-    let mut out = vec![0f32; rows * cols];
-    if rows == 0 || cols == 0 {
-        return out;
+/// Named host tensors, checked against the shapes a config expects and made into burn
+/// tensors and modules on `device`.
+struct Loader<'a, 'd, B: Backend, F> {
+    /// Where the tensors `take` hands out live (borrowed from a map, or owned).
+    source: std::marker::PhantomData<Cow<'a, HostTensor>>,
+    cfg: &'d PolicyConfig,
+    shapes: HashMap<String, Vec<usize>>,
+    take: F,
+    device: &'d B::Device,
+    asm: Assembler<'d, B>,
+}
+
+impl<'a, 'd, B, F> Loader<'a, 'd, B, F>
+where
+    B: Backend,
+    F: Fn(&str) -> Option<Cow<'a, HostTensor>>,
+{
+    fn get(&self, name: &str) -> Result<Cow<'a, HostTensor>, ModelError> {
+        let t = (self.take)(name).ok_or_else(|| ModelError::MissingTensor(name.to_string()))?;
+        let expected = &self.shapes[name];
+        if &t.shape != expected {
+            return Err(ModelError::Shape {
+                name: name.to_string(),
+                expected: expected.clone(),
+                found: t.shape.clone(),
+            });
+        }
+        Ok(t)
     }
-    // Each band of TILE output rows (input columns) is contiguous: the bands go to the
-    // cores in parallel, each written in cache tiles.
-    out.par_chunks_mut(TILE * rows)
-        .enumerate()
-        .for_each(|(band, chunk)| {
-            let c0 = band * TILE;
-            let c1 = (c0 + TILE).min(cols);
-            for r0 in (0..rows).step_by(TILE) {
-                for r in r0..(r0 + TILE).min(rows) {
-                    let row = &data[r * cols..(r + 1) * cols];
-                    for c in c0..c1 {
-                        chunk[(c - c0) * rows + r] = row[c];
-                    }
-                }
+
+    fn matrix(&self, name: &str) -> Result<Tensor<B, 2>, ModelError> {
+        let t = self.get(name)?.into_owned();
+        let shape = [t.shape[0], t.shape[1]];
+        Ok(Tensor::from_data(
+            TensorData::new(t.data, shape),
+            self.device,
+        ))
+    }
+
+    /// A linear weight: HF stores `[out, in]`, burn's `Linear` wants `[in, out]`. Transposed
+    /// on the host so the parameter is contiguous (a transposed view would be copied on
+    /// every forward pass).
+    fn linear_weight(&self, name: &str) -> Result<Tensor<B, 2>, ModelError> {
+        let t = self.get(name)?;
+        let (rows, cols) = (t.shape[0], t.shape[1]);
+        Ok(Tensor::from_data(
+            TensorData::new(transpose(&t.data, rows, cols), [cols, rows]),
+            self.device,
+        ))
+    }
+
+    fn vector(&self, name: &str) -> Result<Tensor<B, 1>, ModelError> {
+        let t = self.get(name)?.into_owned();
+        let shape = [t.shape[0]];
+        Ok(Tensor::from_data(
+            TensorData::new(t.data, shape),
+            self.device,
+        ))
+    }
+
+    fn norm(&self, name: &str) -> Result<burn::nn::RmsNorm<B>, ModelError> {
+        Ok(self.asm.norm(self.vector(name)?, self.cfg.rms_norm_eps))
+    }
+
+    /// A bias-free linear layer.
+    fn plain_linear(&self, name: &str) -> Result<burn::nn::Linear<B>, ModelError> {
+        Ok(self.asm.linear(self.linear_weight(name)?, None))
+    }
+
+    /// The SwiGLU MLP under `prefix` (`model.layers.3.mlp`, an expert, the shared expert).
+    fn swiglu(&self, prefix: &str) -> Result<Mlp<B>, ModelError> {
+        let w = |n: &str| self.plain_linear(&format!("{prefix}.{n}_proj.weight"));
+        Ok(Mlp {
+            gate: w("gate")?,
+            up: w("up")?,
+            down: w("down")?,
+        })
+    }
+
+    /// The attention of layer `p` (`model.layers.3`).
+    fn attention(&self, p: &str) -> Result<Attention<B>, ModelError> {
+        let proj = |n: &str| -> Result<burn::nn::Linear<B>, ModelError> {
+            let weight = self.linear_weight(&format!("{p}.self_attn.{n}_proj.weight"))?;
+            let bias = if self.cfg.qkv_bias && n != "o" {
+                Some(self.vector(&format!("{p}.self_attn.{n}_proj.bias"))?)
+            } else {
+                None
+            };
+            Ok(self.asm.linear(weight, bias))
+        };
+        let qk_norm = if self.cfg.qk_norm {
+            let norm = |n: &str| self.norm(&format!("{p}.self_attn.{n}_norm.weight"));
+            Some((norm("q")?, norm("k")?))
+        } else {
+            None
+        };
+        let projections = [proj("q")?, proj("k")?, proj("v")?, proj("o")?];
+        Ok(self.asm.attention(self.cfg, projections, qk_norm))
+    }
+
+    /// The routed experts of layer `p`, the `index`-th MoE layer.
+    fn experts(&self, p: &str, m: &MoeConfig, index: usize) -> Result<Moe<B>, ModelError> {
+        let experts = (0..m.num_experts)
+            .map(|j| self.swiglu(&format!("{p}.mlp.experts.{j}")))
+            .collect::<Result<Vec<_>, _>>()?;
+        let shared = match m.shared_expert_size {
+            Some(_) => Some((
+                self.swiglu(&format!("{p}.mlp.shared_expert"))?,
+                self.plain_linear(&format!("{p}.mlp.shared_expert_gate.weight"))?,
+            )),
+            None => None,
+        };
+        let router = self.plain_linear(&format!("{p}.mlp.gate.weight"))?;
+        Ok(Moe::new(
+            router,
+            experts,
+            shared,
+            m.top_k,
+            m.norm_topk_prob,
+            index,
+        ))
+    }
+
+    /// Decoder layer `i`; `moe_index` counts the MoE layers built so far.
+    fn block(&self, i: usize, moe_index: &mut usize) -> Result<Block<B>, ModelError> {
+        let p = format!("model.layers.{i}");
+        let (mlp, moe) = match &self.cfg.moe {
+            Some(m) if m.is_sparse(i) => {
+                let moe = self.experts(&p, m, *moe_index)?;
+                *moe_index += 1;
+                (None, Some(moe))
             }
-        });
-    out
+            _ => (Some(self.swiglu(&format!("{p}.mlp"))?), None),
+        };
+        Ok(Block {
+            attn_norm: self.norm(&format!("{p}.input_layernorm.weight"))?,
+            attn: self.attention(&p)?,
+            mlp_norm: self.norm(&format!("{p}.post_attention_layernorm.weight"))?,
+            mlp,
+            moe,
+            lora: None,
+        })
+    }
 }
 
-fn io_err(path: &Path, source: std::io::Error) -> ModelError {
-    ModelError::Io {
-        path: path.display().to_string(),
-        source,
+/// A model's parameters by HF name, still on the device, in the order they were read.
+#[derive(Default)]
+struct Collected {
+    on_device: Vec<(String, Vec<usize>, TensorData)>,
+}
+
+impl Collected {
+    fn matrix<B: Backend>(&mut self, name: &str, t: Tensor<B, 2>, transpose: bool) {
+        let t = if transpose { t.transpose() } else { t };
+        self.on_device
+            .push((name.to_string(), t.dims().to_vec(), t.into_data()));
+    }
+
+    /// A linear layer's weight in HF's `[out, in]`.
+    fn linear<B: Backend>(&mut self, name: &str, lin: &burn::nn::Linear<B>) {
+        self.matrix(name, lin.weight.val(), true);
+    }
+
+    fn vector<B: Backend>(&mut self, name: &str, t: Tensor<B, 1>) {
+        self.on_device
+            .push((name.to_string(), t.dims().to_vec(), t.into_data()));
+    }
+
+    fn swiglu<B: Backend>(&mut self, prefix: &str, mlp: &Mlp<B>) {
+        for (n, lin) in [("gate", &mlp.gate), ("up", &mlp.up), ("down", &mlp.down)] {
+            self.linear(&format!("{prefix}.{n}_proj.weight"), lin);
+        }
+    }
+
+    /// Every parameter of the decoder layer `p` (`model.layers.3`).
+    fn block<B: Backend>(&mut self, p: &str, b: &Block<B>) {
+        let attn = &b.attn;
+        for (n, lin) in [
+            ("q", &attn.q),
+            ("k", &attn.k),
+            ("v", &attn.v),
+            ("o", &attn.o),
+        ] {
+            self.linear(&format!("{p}.self_attn.{n}_proj.weight"), lin);
+            if let Some(bias) = &lin.bias {
+                self.vector(&format!("{p}.self_attn.{n}_proj.bias"), bias.val());
+            }
+        }
+        for (n, norm) in [("q", &attn.q_norm), ("k", &attn.k_norm)] {
+            if let Some(norm) = norm {
+                self.vector(&format!("{p}.self_attn.{n}_norm.weight"), norm.gamma.val());
+            }
+        }
+        self.vector(
+            &format!("{p}.input_layernorm.weight"),
+            b.attn_norm.gamma.val(),
+        );
+        let post = format!("{p}.post_attention_layernorm.weight");
+        self.vector(&post, b.mlp_norm.gamma.val());
+        if let Some(mlp) = &b.mlp {
+            self.swiglu(&format!("{p}.mlp"), mlp);
+        }
+        if let Some(moe) = &b.moe {
+            for (j, expert) in moe.experts.iter().enumerate() {
+                self.swiglu(&format!("{p}.mlp.experts.{j}"), expert);
+            }
+            if let Some(shared) = &moe.shared {
+                self.swiglu(&format!("{p}.mlp.shared_expert"), shared);
+            }
+            if let Some(gate) = &moe.shared_gate {
+                self.linear(&format!("{p}.mlp.shared_expert_gate.weight"), gate);
+            }
+            self.linear(&format!("{p}.mlp.gate.weight"), &moe.router);
+        }
     }
 }
 
@@ -551,7 +541,8 @@ pub fn read_hf_tensors(dir: &Path) -> Result<TensorMap, ModelError> {
     let files: Vec<std::path::PathBuf> = if single.exists() {
         vec![single]
     } else if index.exists() {
-        let text = std::fs::read_to_string(&index).map_err(|source| io_err(&index, source))?;
+        let text =
+            std::fs::read_to_string(&index).map_err(|source| ModelError::io(&index, source))?;
         let v: serde_json::Value =
             serde_json::from_str(&text).map_err(|e| ModelError::Safetensors {
                 path: Some(index.display().to_string()),
@@ -581,221 +572,6 @@ pub fn read_hf_tensors(dir: &Path) -> Result<TensorMap, ModelError> {
         out.extend(read_safetensors_file(&f)?);
     }
     Ok(out)
-}
-
-/// Reads a safetensors file tensor by tensor, each straight into its f32 buffer: the file
-/// is never held whole, so loading needs the model's f32 size plus one tensor (a bf16
-/// tensor is read, then widened). Offsets, sizes and dtypes are checked against the header
-/// and the file's length before anything is read.
-pub fn read_safetensors_file(path: &Path) -> Result<TensorMap, ModelError> {
-    use std::io::{Read, Seek, SeekFrom};
-    let bad = |reason: String| ModelError::Safetensors {
-        path: Some(path.display().to_string()),
-        reason,
-    };
-    let mut file = std::fs::File::open(path).map_err(|e| ModelError::MissingFile {
-        path: path.display().to_string(),
-        reason: e.to_string(),
-    })?;
-    let file_len = file
-        .metadata()
-        .map_err(|source| io_err(path, source))?
-        .len();
-    let mut n = [0u8; 8];
-    file.read_exact(&mut n)
-        .map_err(|e| bad(format!("no header: {e}")))?;
-    let header_len = u64::from_le_bytes(n);
-    if header_len > 100 << 20 || 8 + header_len > file_len {
-        return Err(bad(format!(
-            "header length {header_len} does not fit a {file_len}-byte file"
-        )));
-    }
-    let mut header = vec![0u8; header_len as usize];
-    file.read_exact(&mut header)
-        .map_err(|e| bad(format!("truncated header: {e}")))?;
-    let header: serde_json::Map<String, serde_json::Value> =
-        serde_json::from_slice(&header).map_err(|e| bad(format!("header is not JSON: {e}")))?;
-    let data_start = 8 + header_len;
-    let mut entries = Vec::with_capacity(header.len());
-    for (name, info) in &header {
-        if name == "__metadata__" {
-            continue;
-        }
-        let dtype = info["dtype"].as_str().unwrap_or_default();
-        let width = match dtype {
-            "F32" => 4,
-            "BF16" | "F16" => 2,
-            other => {
-                return Err(ModelError::Dtype {
-                    name: name.clone(),
-                    dtype: other.to_string(),
-                });
-            }
-        };
-        let shape: Vec<usize> = info["shape"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .filter_map(|d| d.as_u64().map(|d| d as usize))
-                    .collect()
-            })
-            .ok_or_else(|| bad(format!("{name}: no shape")))?;
-        let offsets = info["data_offsets"]
-            .as_array()
-            .and_then(|o| Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?)))
-            .ok_or_else(|| bad(format!("{name}: no data_offsets")))?;
-        let count: usize = shape.iter().product();
-        if offsets.1 < offsets.0
-            || offsets.1 - offsets.0 != (count * width) as u64
-            || data_start + offsets.1 > file_len
-        {
-            return Err(bad(format!(
-                "{name}: offsets {offsets:?} do not hold {count} {dtype} values inside the file"
-            )));
-        }
-        entries.push((offsets.0, name.clone(), dtype, shape, count));
-    }
-    entries.sort_by_key(|e| e.0);
-    let mut out = TensorMap::new();
-    for (begin, name, dtype, shape, count) in entries {
-        file.seek(SeekFrom::Start(data_start + begin))
-            .map_err(|source| io_err(path, source))?;
-        let read_err = |e: std::io::Error| bad(format!("{name}: {e}"));
-        let data = if dtype == "F32" {
-            let mut data = vec![0f32; count];
-            file.read_exact(bytemuck::cast_slice_mut(&mut data))
-                .map_err(read_err)?;
-            if cfg!(target_endian = "big") {
-                data.iter_mut()
-                    .for_each(|x| *x = f32::from_bits(u32::from_le(x.to_bits())));
-            }
-            data
-        } else {
-            let mut raw = vec![0u16; count];
-            file.read_exact(bytemuck::cast_slice_mut(&mut raw))
-                .map_err(read_err)?;
-            if dtype == "BF16" {
-                // bf16 is the top half of an f32: widening is a shift (exact, NaNs kept).
-                raw.into_iter()
-                    .map(|b| f32::from_bits(u32::from(u16::from_le(b)) << 16))
-                    .collect()
-            } else {
-                raw.into_iter()
-                    .map(|b| half::f16::from_bits(u16::from_le(b)).to_f32())
-                    .collect()
-            }
-        };
-        out.insert(name, HostTensor { shape, data });
-    }
-    Ok(out)
-}
-
-/// Decodes a safetensors buffer; F32, F16 and BF16 become f32.
-pub fn safetensors_to_tensors(bytes: &[u8], path: Option<&Path>) -> Result<TensorMap, ModelError> {
-    let st = SafeTensors::deserialize(bytes).map_err(|e| ModelError::Safetensors {
-        path: path.map(|p| p.display().to_string()),
-        reason: e.to_string(),
-    })?;
-    use rayon::prelude::*;
-    let mut out = TensorMap::new();
-    for (name, view) in st.tensors() {
-        // Widened on every core: a 0.5B-parameter version is a billion values.
-        let raw = view.data();
-        let data: Vec<f32> = match view.dtype() {
-            Dtype::F32 => raw
-                .par_chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect(),
-            Dtype::BF16 => raw
-                .par_chunks_exact(2)
-                .map(|c| f32::from_bits(u32::from(u16::from_le_bytes([c[0], c[1]])) << 16))
-                .collect(),
-            Dtype::F16 => raw
-                .par_chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-                .collect(),
-            other => {
-                return Err(ModelError::Dtype {
-                    name,
-                    dtype: format!("{other:?}"),
-                });
-            }
-        };
-        out.insert(
-            name,
-            HostTensor {
-                shape: view.shape().to_vec(),
-                data,
-            },
-        );
-    }
-    Ok(out)
-}
-
-/// Encodes named tensors as one safetensors buffer (f32, `format = pt` metadata so
-/// `transformers` accepts it).
-pub fn tensors_to_safetensors(tensors: &TensorMap) -> Result<Vec<u8>, ModelError> {
-    tensors_to_safetensors_as(tensors, WeightDtype::F32)
-}
-
-/// [`tensors_to_safetensors`] in `dtype`.
-pub fn tensors_to_safetensors_as(
-    tensors: &TensorMap,
-    dtype: WeightDtype,
-) -> Result<Vec<u8>, ModelError> {
-    let bytes: Vec<(&String, Vec<u8>, &Vec<usize>)> = tensors
-        .iter()
-        .map(|(n, t)| {
-            let b = match dtype {
-                WeightDtype::F32 => bytemuck::cast_slice::<f32, u8>(&t.data).to_vec(),
-                WeightDtype::Bf16 => t
-                    .data
-                    .iter()
-                    .flat_map(|&x| half::bf16::from_f32(x).to_le_bytes())
-                    .collect(),
-            };
-            (n, b, &t.shape)
-        })
-        .collect();
-    let st_dtype = match dtype {
-        WeightDtype::F32 => Dtype::F32,
-        WeightDtype::Bf16 => Dtype::BF16,
-    };
-    let views = bytes
-        .iter()
-        .map(|(n, b, s)| {
-            TensorView::new(st_dtype, s.to_vec(), b)
-                .map(|v| (n.as_str(), v))
-                .map_err(|e| ModelError::Safetensors {
-                    path: None,
-                    reason: e.to_string(),
-                })
-        })
-        .collect::<Result<Vec<_>, _>>()?;
-    let meta = std::collections::HashMap::from([("format".to_string(), "pt".to_string())]);
-    safetensors::serialize(views, Some(meta)).map_err(|e| ModelError::Safetensors {
-        path: None,
-        reason: e.to_string(),
-    })
-}
-
-/// xxh3-64 of a weight blob as 16 hex digits (the `checksum` of a WeightsAnnounce).
-pub fn checksum(bytes: &[u8]) -> String {
-    format!("{:016x}", xxhash_rust::xxh3::xxh3_64(bytes))
-}
-
-/// xxh3-64 over named host tensors (name, shape, then the f32 values, in name order), as
-/// 16 hex digits: the checksum of a version handed over in process.
-pub fn tensors_checksum(tensors: &TensorMap) -> String {
-    let mut h = xxhash_rust::xxh3::Xxh3::new();
-    for (name, t) in tensors {
-        h.update(name.as_bytes());
-        for d in &t.shape {
-            h.update(&(*d as u64).to_le_bytes());
-        }
-        h.update(bytemuck::cast_slice(&t.data));
-    }
-    format!("{:016x}", h.digest())
 }
 
 #[cfg(test)]
@@ -848,18 +624,6 @@ mod tests {
         let reloaded: Policy<NdArray> = load_hf(&bf16_dir, &Default::default()).expect("load");
         assert_eq!(reloaded.to_tensors().expect("tensors"), streamed);
         assert_eq!(read_hf_tensors(&f32_dir).expect("read f32"), exact);
-    }
-
-    #[test]
-    fn transpose_swaps_rows_and_columns() {
-        let (rows, cols) = (37, 70);
-        let data: Vec<f32> = (0..rows * cols).map(|i| i as f32).collect();
-        let t = transpose(&data, rows, cols);
-        for r in 0..rows {
-            for c in 0..cols {
-                assert_eq!(t[c * rows + r], data[r * cols + c]);
-            }
-        }
     }
 
     /// A file cut short or with offsets past its end is refused with the file named.

@@ -7,99 +7,17 @@
 //! batch: the cache is left-aligned per row and masked before each row's start.
 
 use super::config::PolicyConfig;
-use super::kernels::Kernels;
-use super::lora::{BlockLora, Lora};
+use super::kernels::{Kernels, MASKED};
+use super::layers::{BlockLora, Lora, Mlp, adapted, native_linear, rms_norm};
 use super::moe::{Moe, Routes};
 use burn::module::{Module, Param};
 use burn::nn::{Embedding, Linear, RmsNorm};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 
-/// Additive attention bias for masked positions. Finite, so a fully masked row (never
-/// produced here) would not turn into NaN, and gradients stay clean.
-pub(crate) const MASKED: f32 = -1e9;
-
 /// Rows up to which the tied LM head multiplies the embedding as stored (see
 /// [`Policy::project`]): decode steps, not training batches.
 const FEW_ROWS: usize = 128;
-
-#[derive(Module, Debug)]
-pub struct Mlp<B: Backend> {
-    pub gate: Linear<B>,
-    pub up: Linear<B>,
-    pub down: Linear<B>,
-}
-
-impl<B: Kernels> Mlp<B> {
-    /// On the rows `[b × l, hidden]` of a `[b, l]` batch, with the layer's adapters.
-    pub(crate) fn forward(
-        &self,
-        x: Tensor<B, 2>,
-        bl: [usize; 2],
-        lora: Option<&BlockLora<B>>,
-    ) -> Tensor<B, 2> {
-        let gate = adapted(
-            &self.gate,
-            lora.and_then(|l| l.gate.as_ref()),
-            x.clone(),
-            bl,
-        );
-        let up = adapted(&self.up, lora.and_then(|l| l.up.as_ref()), x, bl);
-        let down = lora.and_then(|l| l.down.as_ref());
-        adapted(&self.down, down, B::swiglu(gate, up), bl)
-    }
-}
-
-/// `layer` on the rows `[b × l, in]` of a `[b, l]` batch: through the fused kernel where
-/// the backend has a native one (one matrix product each way), else burn's `Linear` on
-/// `[b, l, in]` (Flex's matrix product parallelises, and rounds, by that shape).
-pub(crate) fn linear<B: Kernels>(
-    layer: &Linear<B>,
-    x: Tensor<B, 2>,
-    [b, l]: [usize; 2],
-) -> Tensor<B, 2> {
-    if B::NATIVE_LINEAR {
-        return native_linear(layer, x);
-    }
-    let d = x.dims()[1];
-    let y = layer.forward(x.reshape([b, l, d]));
-    let out = y.dims()[2];
-    y.reshape([b * l, out])
-}
-
-/// [`linear`] plus the adapter's `x · A · B · scale` when there is one (unmerged, as
-/// PEFT computes it; dropout on the adapter's input while training).
-fn adapted<B: Kernels>(
-    layer: &Linear<B>,
-    lora: Option<&Lora<B>>,
-    x: Tensor<B, 2>,
-    bl: [usize; 2],
-) -> Tensor<B, 2> {
-    let Some(lora) = lora else {
-        return linear(layer, x, bl);
-    };
-    let y = linear(layer, x.clone(), bl);
-    let x = if lora.dropout > 0.0 && B::ad_enabled(&x.device()) {
-        burn::nn::DropoutConfig::new(lora.dropout).init().forward(x)
-    } else {
-        x
-    };
-    let down = B::linear_rows(x, lora.a.val(), None).mul_scalar(lora.scale);
-    y + B::linear_rows(down, lora.b.val(), None)
-}
-
-/// `layer` on rows through [`Kernels::linear_rows`].
-fn native_linear<B: Kernels>(layer: &Linear<B>, x: Tensor<B, 2>) -> Tensor<B, 2> {
-    B::linear_rows(x, layer.weight.val(), layer.bias.as_ref().map(|b| b.val()))
-}
-
-/// `norm` over the last dimension of `x` (the fused kernel on rows).
-fn rms_norm<B: Kernels, const D: usize>(norm: &RmsNorm<B>, x: Tensor<B, D>) -> Tensor<B, D> {
-    let dims = x.dims();
-    let d = dims[D - 1];
-    let rows = dims[..D - 1].iter().product();
-    B::rms_norm(x.reshape([rows, d]), norm.gamma.val(), norm.epsilon).reshape(dims)
-}
 
 #[derive(Module, Debug)]
 pub struct Attention<B: Backend> {

@@ -7,13 +7,14 @@
 //! of the base. On disk it is PEFT's format, `adapter_model.safetensors` with
 //! `base_model.model.model.layers.{i}.self_attn.q_proj.lora_A.weight` `[r, in]` and
 //! `lora_B.weight` `[out, r]`, plus `adapter_config.json`, so Python `peft` loads it onto
-//! the Hugging Face base model (`tests/lora_peft.rs` checks the logits).
+//! the Hugging Face base model (`tests/integration/lora.rs` checks the logits against `peft`'s).
 //!
 //! A fresh adapter is PEFT's default initialisation: `A` uniform in `±1/√in` (Kaiming
 //! uniform with `a = √5`), `B` zero, so the adapted model starts as the base.
 
-use super::hf::{HostTensor, TensorMap, tensors_checksum};
+use super::layers::{BlockLora, Lora, Target};
 use super::llama::Policy;
+use super::tensors::{HostTensor, TensorMap, WeightDtype, tensors_checksum};
 use super::{ModelError, host_f32};
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
@@ -27,87 +28,6 @@ pub const ADAPTER_FILE: &str = "adapter_model.safetensors";
 pub const ADAPTER_CONFIG: &str = "adapter_config.json";
 /// Prefix of every tensor name PEFT writes for a causal LM.
 const PEFT_PREFIX: &str = "base_model.model.model.layers";
-
-/// A linear layer an adapter can sit on, by its Hugging Face module name.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
-pub enum Target {
-    Q,
-    K,
-    V,
-    O,
-    Gate,
-    Up,
-    Down,
-}
-
-impl Target {
-    pub const ALL: [Target; 7] = [
-        Target::Q,
-        Target::K,
-        Target::V,
-        Target::O,
-        Target::Gate,
-        Target::Up,
-        Target::Down,
-    ];
-
-    /// The module's name in a checkpoint (`q_proj`).
-    pub fn module(self) -> &'static str {
-        match self {
-            Target::Q => "q_proj",
-            Target::K => "k_proj",
-            Target::V => "v_proj",
-            Target::O => "o_proj",
-            Target::Gate => "gate_proj",
-            Target::Up => "up_proj",
-            Target::Down => "down_proj",
-        }
-    }
-
-    /// The module's parent in a layer (`self_attn` or `mlp`).
-    fn parent(self) -> &'static str {
-        match self {
-            Target::Q | Target::K | Target::V | Target::O => "self_attn",
-            Target::Gate | Target::Up | Target::Down => "mlp",
-        }
-    }
-
-    /// The short name of the `lora_targets` setting (`q`, `gate`).
-    pub fn short(self) -> &'static str {
-        self.module().trim_end_matches("_proj")
-    }
-
-    fn from_name(name: &str) -> Option<Target> {
-        Target::ALL
-            .into_iter()
-            .find(|t| t.short() == name || t.module() == name)
-    }
-
-    /// Parses `all-linear` or a comma-separated list of `q,k,v,o,gate,up,down` (the
-    /// `_proj` names too).
-    pub fn parse_list(s: &str) -> Result<Vec<Target>, String> {
-        let s = s.trim();
-        if s == "all-linear" {
-            return Ok(Target::ALL.to_vec());
-        }
-        let mut out = Vec::new();
-        for name in s.split(',').map(str::trim).filter(|n| !n.is_empty()) {
-            let t = Target::from_name(name).ok_or_else(|| {
-                format!("unknown target module `{name}`: use all-linear or a list of q,k,v,o,gate,up,down")
-            })?;
-            if !out.contains(&t) {
-                out.push(t);
-            }
-        }
-        if out.is_empty() {
-            return Err(
-                "no target modules: use all-linear or a list of q,k,v,o,gate,up,down".into(),
-            );
-        }
-        out.sort();
-        Ok(out)
-    }
-}
 
 /// An adapter's shape and scaling: what `adapter_config.json` says.
 #[derive(Debug, Clone, PartialEq)]
@@ -292,69 +212,6 @@ pub fn peft_name(layer: usize, t: Target, which: char) -> String {
     )
 }
 
-/// One adapted linear layer: `x · A · B · scale`, added to the layer's output.
-#[derive(Module, Debug)]
-pub struct Lora<B: Backend> {
-    /// `[in, r]`.
-    pub a: Param<Tensor<B, 2>>,
-    /// `[r, out]`.
-    pub b: Param<Tensor<B, 2>>,
-    #[module(skip)]
-    pub scale: f64,
-    #[module(skip)]
-    pub dropout: f64,
-}
-
-/// The adapters of one decoder layer, by target.
-#[derive(Module, Debug)]
-pub struct BlockLora<B: Backend> {
-    pub q: Option<Lora<B>>,
-    pub k: Option<Lora<B>>,
-    pub v: Option<Lora<B>>,
-    pub o: Option<Lora<B>>,
-    pub gate: Option<Lora<B>>,
-    pub up: Option<Lora<B>>,
-    pub down: Option<Lora<B>>,
-}
-
-impl<B: Backend> BlockLora<B> {
-    pub fn get(&self, t: Target) -> Option<&Lora<B>> {
-        match t {
-            Target::Q => self.q.as_ref(),
-            Target::K => self.k.as_ref(),
-            Target::V => self.v.as_ref(),
-            Target::O => self.o.as_ref(),
-            Target::Gate => self.gate.as_ref(),
-            Target::Up => self.up.as_ref(),
-            Target::Down => self.down.as_ref(),
-        }
-    }
-
-    fn slot(&mut self, t: Target) -> &mut Option<Lora<B>> {
-        match t {
-            Target::Q => &mut self.q,
-            Target::K => &mut self.k,
-            Target::V => &mut self.v,
-            Target::O => &mut self.o,
-            Target::Gate => &mut self.gate,
-            Target::Up => &mut self.up,
-            Target::Down => &mut self.down,
-        }
-    }
-
-    fn empty() -> Self {
-        BlockLora {
-            q: None,
-            k: None,
-            v: None,
-            o: None,
-            gate: None,
-            up: None,
-            down: None,
-        }
-    }
-}
-
 /// A trainable parameter whose id is fixed by its place in the adapter, so that a resumed
 /// trainer's optimizer state finds its parameters.
 fn param<B: Backend>(value: Tensor<B, 2>, name: &str) -> Param<Tensor<B, 2>> {
@@ -443,7 +300,10 @@ impl<B: Backend> Policy<B> {
                     // PEFT's [r, in] and [out, r] are the transposes of burn's layout.
                     let (rows, cols) = (h.shape[0], h.shape[1]);
                     Ok(Tensor::from_data(
-                        TensorData::new(super::hf::transpose(&h.data, rows, cols), [cols, rows]),
+                        TensorData::new(
+                            super::tensors::transpose(&h.data, rows, cols),
+                            [cols, rows],
+                        ),
                         &device,
                     ))
                 };
@@ -539,7 +399,7 @@ impl<B: Backend> Policy<B> {
         dir: &Path,
         spec: &LoraSpec,
         base_model: Option<&str>,
-        dtype: super::hf::WeightDtype,
+        dtype: WeightDtype,
     ) -> Result<(), ModelError> {
         write_adapter(dir, spec, &self.adapter_tensors()?, base_model, dtype)
     }
@@ -564,14 +424,14 @@ pub fn write_adapter(
     spec: &LoraSpec,
     tensors: &TensorMap,
     base_model: Option<&str>,
-    dtype: super::hf::WeightDtype,
+    dtype: WeightDtype,
 ) -> Result<(), ModelError> {
     let io = |path: &Path, source| ModelError::Io {
         path: path.display().to_string(),
         source,
     };
     std::fs::create_dir_all(dir).map_err(|e| io(dir, e))?;
-    let bytes = super::hf::tensors_to_safetensors_as(tensors, dtype)?;
+    let bytes = super::tensors::tensors_to_safetensors_as(tensors, dtype)?;
     for (name, contents) in [
         (ADAPTER_FILE, bytes),
         (ADAPTER_CONFIG, spec.to_peft_json(base_model).into_bytes()),
@@ -595,7 +455,7 @@ pub fn read_adapter(dir: &Path) -> Result<(LoraSpec, TensorMap), ModelError> {
         field: config.display().to_string(),
         reason,
     })?;
-    let tensors = super::hf::read_safetensors_file(&dir.join(ADAPTER_FILE))?
+    let tensors = super::tensors::read_safetensors_file(&dir.join(ADAPTER_FILE))?
         .into_iter()
         .map(|(name, t)| (plain_name(name), t))
         .collect();

@@ -18,14 +18,17 @@
 
 pub mod chat;
 pub mod config;
+pub mod draw;
 pub mod fault;
 pub mod hf;
 pub mod kernels;
+pub mod layers;
 pub mod llama;
 pub mod logprobs;
 pub mod lora;
 pub mod moe;
 pub mod sampler;
+pub mod tensors;
 pub mod tokenizer;
 
 pub use config::{Architecture, MoeConfig, PolicyConfig};
@@ -85,6 +88,16 @@ pub enum ModelError {
         #[source]
         source: std::io::Error,
     },
+}
+
+impl ModelError {
+    /// A failed read or write of `path`.
+    pub(crate) fn io(path: &std::path::Path, source: std::io::Error) -> Self {
+        ModelError::Io {
+            path: path.display().to_string(),
+            source,
+        }
+    }
 }
 
 /// A tensor's values on the host as f32.

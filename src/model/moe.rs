@@ -15,7 +15,7 @@
 //! them into the rollout message.
 
 use super::kernels::Kernels;
-use super::llama::{Mlp, linear};
+use super::layers::{Mlp, linear};
 use burn::module::Module;
 use burn::nn::Linear;
 use burn::tensor::backend::Backend;

@@ -157,7 +157,7 @@ fn map_decode_error(kind: &'static str, len: usize, e: rmp_serde::decode::Error)
 
 /// Length of the first MessagePack value in `buf`, walking headers only (strings and bins
 /// are skipped, not copied). `None` if the value runs past the end or uses a reserved byte.
-fn encoded_len(buf: &[u8]) -> Option<usize> {
+pub(super) fn encoded_len(buf: &[u8]) -> Option<usize> {
     fn be(buf: &[u8], at: usize, n: usize) -> Option<usize> {
         let bytes = buf.get(at..at + n)?;
         Some(
@@ -216,22 +216,4 @@ fn encoded_len(buf: &[u8]) -> Option<usize> {
         }
     }
     Some(pos)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::schema::examples;
-
-    #[test]
-    fn encoded_len_walks_every_message() {
-        let bytes = encode(&examples::realistic_rollout_group()).unwrap();
-        assert_eq!(encoded_len(&bytes), Some(bytes.len()));
-        let bytes = encode(&examples::scored_group()).unwrap();
-        assert_eq!(encoded_len(&bytes), Some(bytes.len()));
-        assert_eq!(encoded_len(&bytes[..bytes.len() - 1]), None);
-        let mut longer = bytes.clone();
-        longer.push(0xc0);
-        assert_eq!(encoded_len(&longer), Some(bytes.len()));
-    }
 }

@@ -390,3 +390,21 @@ pub fn event() -> Event {
         time_us: EXAMPLE_TIME_US,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::schema::codec::{encode, encoded_len};
+
+    #[test]
+    fn encoded_len_walks_every_message() {
+        let bytes = encode(&realistic_rollout_group()).unwrap();
+        assert_eq!(encoded_len(&bytes), Some(bytes.len()));
+        let bytes = encode(&scored_group()).unwrap();
+        assert_eq!(encoded_len(&bytes), Some(bytes.len()));
+        assert_eq!(encoded_len(&bytes[..bytes.len() - 1]), None);
+        let mut longer = bytes.clone();
+        longer.push(0xc0);
+        assert_eq!(encoded_len(&longer), Some(bytes.len()));
+    }
+}

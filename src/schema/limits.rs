@@ -5,7 +5,7 @@
 //! Each refusal names the field and the limit; its `reason` is the dead-letter reason and
 //! the `reason` label of `rlstream_dead_letters_total`.
 
-use super::{Prompt, RolloutGroup, RoutingShape, ScoredGroup};
+use super::{RolloutGroup, RoutingShape, ScoredGroup};
 use std::fmt;
 
 /// What the model a stage runs can take.
@@ -75,14 +75,6 @@ impl Limits {
             });
         }
         Ok(())
-    }
-
-    /// A prompt message with pre-tokenized ids.
-    pub fn prompt_message(&self, p: &Prompt) -> Result<(), Refusal> {
-        match &p.prompt_tokens {
-            Some(t) => self.ids("prompt_tokens", t.as_slice()),
-            None => Ok(()),
-        }
     }
 
     /// A generated group as the trainer will run it: a non-empty prompt, every id (prompt,

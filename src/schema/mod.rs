@@ -94,3 +94,6 @@ pub(crate) fn check_finite(
         )),
     }
 }
+
+#[cfg(test)]
+mod tests;

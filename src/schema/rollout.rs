@@ -250,6 +250,16 @@ impl Sample {
                 format!("log-prob {} is positive", self.logprobs[i]),
             ));
         }
+        self.validate_versions(kind, idx)?;
+        self.validate_turns(kind, idx)?;
+        self.validate_mask(kind, idx)
+    }
+
+    /// The version runs: present for a non-empty sample, from token 0, starts increasing
+    /// and versions never decreasing, all within the tokens.
+    fn validate_versions(&self, kind: &'static str, idx: usize) -> Result<(), CodecError> {
+        let n = self.tokens.len();
+        let field = |name: &str| format!("samples[{idx}].{name}");
         if n > 0 && self.versions.is_empty() {
             return Err(CodecError::invalid(
                 kind,
@@ -285,6 +295,14 @@ impl Sample {
                 format!("run starts at {} past the last token {}", last.start, n - 1),
             ));
         }
+        Ok(())
+    }
+
+    /// An episode's environment spans (ordered, non-empty, within the tokens) and turn
+    /// rewards (finite, on model tokens, in order).
+    fn validate_turns(&self, kind: &'static str, idx: usize) -> Result<(), CodecError> {
+        let n = self.tokens.len();
+        let field = |name: &str| format!("samples[{idx}].{name}");
         let mut end = 0u64;
         for (j, span) in self.env.iter().enumerate() {
             let at = format!("{}[{j}]", field("env"));
@@ -328,6 +346,15 @@ impl Sample {
             }
             after = Some(i);
         }
+        Ok(())
+    }
+
+    /// The sampling mask: one kept set per token, well-formed offsets, and every sampled
+    /// model token in its kept set.
+    fn validate_mask(&self, kind: &'static str, idx: usize) -> Result<(), CodecError> {
+        let n = self.tokens.len();
+        let field = |name: &str| format!("samples[{idx}].{name}");
+        let own = self.model_tokens();
         if let Some(mask) = &self.mask {
             if mask.offsets.len() != n + 1 {
                 return Err(CodecError::length(
@@ -526,79 +553,5 @@ mod tests {
             vec![(0..3, false), (3..4, true)]
         );
         assert!(turn_ranges(0, &[]).is_empty());
-    }
-
-    /// Environment spans must be non-empty, in order, not overlapping and within the
-    /// tokens; an environment token needs no place in the kept set of a sampling mask.
-    #[test]
-    fn environment_spans_are_checked() {
-        let g = crate::schema::examples::episode_group();
-        assert!(g.validate_as("RolloutGroup").is_ok());
-        assert_eq!(
-            g.samples[0].model_tokens(),
-            vec![true, true, false, false, false, true, true, true]
-        );
-        for (spans, want) in [
-            (vec![(2, 0)], "samples[0].env[0]"),
-            (vec![(2, 3), (4, 1)], "samples[0].env[1]"),
-            (vec![(6, 3)], "within the 8 tokens"),
-        ] {
-            let mut bad = g.clone();
-            bad.samples[0].env = spans.into_iter().map(Into::into).collect();
-            let e = bad.validate_as("RolloutGroup").unwrap_err().to_string();
-            assert!(e.contains(want), "{e}");
-        }
-        let mut masked = g.clone();
-        let s = &mut masked.samples[0];
-        let offsets: Vec<u32> = (0..=s.tokens.len() as u32).collect();
-        // Each model token's kept set is itself; the environment's hold another id.
-        let ids: Vec<u32> = s
-            .tokens
-            .iter()
-            .zip(s.model_tokens())
-            .map(|(&t, own)| if own { t } else { 15 })
-            .collect();
-        s.mask = Some(SamplingMask {
-            offsets: offsets.into(),
-            ids: ids.into(),
-        });
-        assert!(masked.validate_as("RolloutGroup").is_ok());
-        // Packed kept sets: 3.0, whatever else the group holds.
-        let packed = SchemaVersion { major: 3, minor: 0 };
-        assert_eq!(RolloutGroup::version_for(&masked.samples), packed);
-        masked.samples.iter_mut().for_each(|s| s.env.clear());
-        assert!(
-            masked.validate_as("RolloutGroup").is_err(),
-            "now token 2 is the model's"
-        );
-        // Without masks, turn rewards alone still make an episode (one solved in a single
-        // turn).
-        masked.samples.iter_mut().for_each(|s| s.mask = None);
-        let episode = SchemaVersion { major: 2, minor: 1 };
-        assert_eq!(RolloutGroup::version_for(&masked.samples), episode);
-        masked
-            .samples
-            .iter_mut()
-            .for_each(|s| s.turn_rewards.clear());
-        assert_eq!(
-            RolloutGroup::version_for(&masked.samples),
-            SchemaVersion::CURRENT
-        );
-    }
-
-    #[test]
-    fn turn_rewards_are_checked() {
-        let g = crate::schema::examples::episode_group();
-        for (rewards, want) in [
-            (vec![(3, 1.0)], "not one of the 8 tokens' model tokens"),
-            (vec![(8, 1.0)], "not one of the 8 tokens' model tokens"),
-            (vec![(5, 1.0), (1, 1.0)], "indices must increase"),
-            (vec![(1, f32::NAN)], "not finite"),
-        ] {
-            let mut bad = g.clone();
-            bad.samples[0].turn_rewards = rewards.into_iter().map(Into::into).collect();
-            let e = bad.validate_as("RolloutGroup").unwrap_err().to_string();
-            assert!(e.contains(want) && e.contains("turn_rewards"), "{e}");
-        }
     }
 }

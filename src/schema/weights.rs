@@ -137,17 +137,27 @@ impl Message for WeightsAnnounce {
                 "must be at least 1",
             ));
         }
-        let hex16 = |field: &str, v: &str| {
-            if v.len() != 16 || !v.bytes().all(|b| b.is_ascii_hexdigit()) {
-                return Err(CodecError::invalid(
-                    Self::KIND,
-                    field,
-                    format!("`{v}` is not 16 hex digits"),
-                ));
-            }
-            Ok(())
-        };
         hex16("checksum", &self.checksum)?;
+        self.validate_adapter()?;
+        self.validate_delta()
+    }
+}
+
+/// `v` as the 16 hex digits of an xxh3-64 checksum, or an error naming `field`.
+fn hex16(field: &str, v: &str) -> Result<(), CodecError> {
+    if v.len() != 16 || !v.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return Err(CodecError::invalid(
+            WeightsAnnounce::KIND,
+            field,
+            format!("`{v}` is not 16 hex digits"),
+        ));
+    }
+    Ok(())
+}
+
+impl WeightsAnnounce {
+    /// The adapter fields: present exactly for an adapter version, which is never a delta.
+    fn validate_adapter(&self) -> Result<(), CodecError> {
         match (&self.kind, &self.lora) {
             (WeightsKind::Lora, Some(info)) => {
                 hex16("lora.base_checksum", &info.base_checksum)?;
@@ -189,6 +199,12 @@ impl Message for WeightsAnnounce {
             }
             (WeightsKind::Full, None) => {}
         }
+        Ok(())
+    }
+
+    /// A delta's base, keyframe and stored size and checksum: all there for a delta, none
+    /// for a whole version.
+    fn validate_delta(&self) -> Result<(), CodecError> {
         if let Some(c) = &self.stored_checksum {
             hex16("stored_checksum", c)?;
         }

@@ -146,6 +146,11 @@ impl BuiltinTask {
         }
     }
 
+    /// The id of prompt number `index` of this task's stream (`sort-000042`).
+    pub fn prompt_id(self, index: u64) -> String {
+        format!("{}-{index:06}", self.name())
+    }
+
     /// Training prompt number `index` of the stream seeded by `seed` (deterministic): never
     /// a held-out prompt ([`held_out`]), whatever the seed.
     pub fn item(self, seed: u64, index: u64) -> TaskItem {

@@ -1,7 +1,7 @@
 //! The `[weights]` settings: how published versions travel, read by the trainer (which
 //! writes them) and the generators (which read them), so both sides take the same flags.
 
-use crate::model::hf::WeightDtype;
+use crate::model::tensors::WeightDtype;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
 

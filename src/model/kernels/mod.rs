@@ -15,7 +15,7 @@
 //!   one node whose backward calls the inner backend's backward kernel ([`autodiff`]), so
 //!   the graph holds one saved tensor per block instead of a dozen.
 //!
-//! `tests/grad_parity.rs` checks the loss and every gradient against PyTorch through these
+//! `tests/integration/grad_parity.rs` checks the loss and every gradient against PyTorch through these
 //! kernels; the unit tests below check each native kernel, forward and backward, against
 //! the composition on random inputs.
 
@@ -106,7 +106,7 @@ pub trait Kernels: Backend {
 
     /// Attention probabilities `softmax(scores · scale + bias)` over the last dimension of
     /// `scores` `[b, heads, l, t]`, with `bias` `[1 or b, 1, l, t]` (0 or
-    /// [`MASKED`](super::llama::MASKED)) broadcast over heads.
+    /// [`MASKED`]) broadcast over heads.
     fn attn_softmax(scores: Tensor<Self, 4>, bias: Tensor<Self, 4>, scale: f64) -> Tensor<Self, 4> {
         reference::attn_softmax(scores, bias, scale)
     }
@@ -166,6 +166,10 @@ pub trait Kernels: Backend {
         reference::token_logprobs_backward(logits, lse, targets, temperature, dy)
     }
 }
+
+/// Additive attention bias for masked positions. Finite, so a fully masked row (never
+/// produced here) would not turn into NaN, and gradients stay clean.
+pub(crate) const MASKED: f32 = -1e9;
 
 /// Whether log-probs at `temperature` are of the logits divided by it: not at 1, and not
 /// when it is not positive (greedy decoding records log-probs of the unscaled distribution).

@@ -6,8 +6,7 @@
 //! both are compared with burn differentiating the composition itself, operation by
 //! operation. A wrong native kernel or a wrong derivative fails here.
 
-use super::{Kernels, reference};
-use crate::model::llama::MASKED;
+use super::{Kernels, MASKED, reference};
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, Tensor, TensorData};

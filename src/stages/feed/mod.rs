@@ -34,7 +34,7 @@ pub fn items(cfg: &FeedConfig) -> Result<(String, Vec<(String, TaskItem)>), Stag
         (Some(task), None) => Ok((
             task.name().to_string(),
             (0..cfg.count)
-                .map(|i| (format!("{}-{:06}", task.name(), i), task.item(cfg.seed, i)))
+                .map(|i| (task.prompt_id(i), task.item(cfg.seed, i)))
                 .collect(),
         )),
         (None, Some(path)) => {

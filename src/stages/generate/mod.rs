@@ -33,25 +33,24 @@
 mod config;
 pub mod decode;
 mod reader;
+mod writer;
 
 pub use config::*;
 pub use decode::DecodeStats;
 
 use super::StageError;
 use super::policy::PolicySettings;
-use crate::bus::{EntryId, SharedBus, Topology};
+use crate::bus::{SharedBus, Topology};
 use crate::env::Environments;
 use crate::model::hf::load_hf;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{InferBackend, Policy};
 use crate::roles::{Stage, Stream};
-use crate::schema;
 use crate::tasks;
 use crate::weights::{Follower, ModelSlot, Transport, Versioned};
-use bytes::Bytes;
-use decode::{Decoded, Decoder, Finished, ToDecoder};
+use decode::{Decoded, Decoder, ToDecoder};
 use reader::Settled;
-use reader::{Reader, Shared};
+use reader::{PromptReader, Shared};
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
@@ -59,6 +58,7 @@ use std::sync::mpsc;
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
+use writer::RolloutWriter;
 
 #[derive(Debug, Clone, Default, PartialEq)]
 pub struct GenSummary {
@@ -125,66 +125,34 @@ fn spawn_follower(
     (task, announced)
 }
 
-/// Publishes finished groups and acks their prompts.
-struct Publisher<'a> {
-    bus: SharedBus,
-    topo: &'a Topology,
-    /// Tells the reader which prompt entries are acked, and which failed.
-    settled: tokio::sync::mpsc::UnboundedSender<Settled>,
-    in_flight: Arc<AtomicUsize>,
-    /// Wakes a reader held back by the in-flight bound.
-    released: Arc<Notify>,
-    summary: GenSummary,
+/// The policy's own tokenizer. Text prompts are encoded with it: one that cannot be loaded
+/// stops the generator (encoding with another would feed the model wrong ids).
+fn policy_tokenizer(policy: &PolicySettings) -> Result<Tokenizer, StageError> {
+    Ok(match &policy.model {
+        Some(dir) => Tokenizer::load(dir)?,
+        None => Tokenizer::Char(tasks::char_tokenizer()),
+    })
 }
 
-impl Publisher<'_> {
-    /// Hands the reader what became of `n` prompts, and frees their room in the in-flight
-    /// bound (waking a reader held back by it).
-    fn settle(&self, settled: Settled, n: usize) {
-        let _ = self.settled.send(settled);
-        self.in_flight.fetch_sub(n, Ordering::Relaxed);
-        self.released.notify_one();
-    }
-
-    /// Publishes the finished groups of `decoded` and hands its failed prompts to the
-    /// reader, which dead-letters them.
-    async fn publish(&mut self, decoded: Vec<Decoded>) -> Result<(), StageError> {
-        let mut batch: Vec<Finished> = Vec::with_capacity(decoded.len());
-        for d in decoded {
-            match d {
-                Decoded::Group(f) => batch.push(f),
-                Decoded::Failed(f) => {
-                    self.settle(Settled::Failed(f), 1);
-                }
-            }
-        }
-        if batch.is_empty() {
-            return Ok(());
-        }
-        let payloads = batch
-            .iter()
-            .map(|f| schema::encode(&f.group).map(Bytes::from))
-            .collect::<Result<Vec<_>, _>>()?;
-        let entries: Vec<EntryId> = batch.iter().map(|f| f.entry).collect();
-        let (topo, out) = (self.topo, Stream::Rollouts);
-        self.bus
-            .publish(&topo.key(out), &payloads, topo.max_len(out))
-            .await?;
-        let prompts = Stream::Prompts;
-        self.bus
-            .ack(&topo.key(prompts), topo.group(prompts), &entries)
-            .await?;
-        self.settle(Settled::Acked(entries), batch.len());
-        let tokens: u64 = batch
-            .iter()
-            .map(|f| f.group.completion_tokens() as u64)
-            .sum();
-        let samples: u64 = batch.iter().map(|f| f.group.samples.len() as u64).sum();
-        crate::metrics::generated(samples, tokens);
-        self.summary.groups += batch.len() as u64;
-        self.summary.tokens += tokens;
-        Ok(())
-    }
+/// The decode thread's state: the model slot, its own tokenizer (an episode's turns to
+/// text, its observations to tokens) and the episodes' environments.
+fn new_decoder(
+    policy: &PolicySettings,
+    cfg: &GenConfig,
+    slot: &ModelSlot<InferBackend>,
+) -> Result<Decoder, StageError> {
+    let environments = match &cfg.env_cmd {
+        Some(cmd) => Environments::external(cmd, Duration::from_millis(cfg.env_timeout_ms))
+            .map_err(|e| crate::settings::invalid("gen.env_cmd", e.to_string()))?,
+        None => Environments::builtin(),
+    };
+    Ok(Decoder::new(
+        policy.clone(),
+        cfg.clone(),
+        slot.clone(),
+        policy_tokenizer(policy)?,
+        environments,
+    ))
 }
 
 /// Runs the generator on the model in `slot` until `shutdown`; new versions arrive through
@@ -198,33 +166,13 @@ pub async fn run(
     transport: Transport,
     shutdown: impl Future<Output = ()>,
 ) -> Result<GenSummary, StageError> {
-    // Text prompts are encoded with the model's own tokenizer: one that cannot be loaded
-    // stops the generator (encoding with another would feed the model wrong ids).
-    let load = || -> Result<Tokenizer, StageError> {
-        Ok(match &policy.model {
-            Some(dir) => Tokenizer::load(dir)?,
-            None => Tokenizer::Char(tasks::char_tokenizer()),
-        })
-    };
-    let tokenizer = load()?;
+    let tokenizer = policy_tokenizer(policy)?;
     let stop = Arc::new(AtomicBool::new(false));
     let in_flight = Arc::new(AtomicUsize::new(0));
     let (admit_tx, admit_rx) = mpsc::channel::<ToDecoder>();
     let (done_tx, done_rx) = tokio::sync::mpsc::unbounded_channel::<Decoded>();
     let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<Settled>();
-    // The decoder's own copy: an episode's turns to text, its observations to tokens.
-    let environments = match &cfg.env_cmd {
-        Some(cmd) => Environments::external(cmd, Duration::from_millis(cfg.env_timeout_ms))
-            .map_err(|e| crate::settings::invalid("gen.env_cmd", e.to_string()))?,
-        None => Environments::builtin(),
-    };
-    let decoder = Decoder::new(
-        policy.clone(),
-        cfg.clone(),
-        slot.clone(),
-        load()?,
-        environments,
-    );
+    let decoder = new_decoder(policy, cfg, &slot)?;
     let decode = decoder.spawn(admit_rx, done_tx, stop.clone())?;
     let (follower, announced) =
         spawn_follower(bus.clone(), topo, slot.clone(), transport, stop.clone());
@@ -237,9 +185,10 @@ pub async fn run(
         announced,
         slot: slot.clone(),
     };
-    let reader = Reader::join(policy, cfg, bus.clone(), topo, tokenizer, &model, shared).await?;
+    let reader =
+        PromptReader::join(policy, cfg, bus.clone(), topo, tokenizer, &model, shared).await?;
     let reader = tokio::spawn(reader.run(admit_tx, settled_rx));
-    let mut publisher = Publisher {
+    let mut publisher = RolloutWriter {
         bus: bus.clone(),
         topo,
         settled: settled_tx,
@@ -288,7 +237,7 @@ pub async fn run(
 /// The publishing loop, with heartbeats, until shutdown (then until the decode thread has
 /// handed on what it finished) or a failure; the publisher's outcome and the reader's.
 async fn publish_until_stopped(
-    publisher: &mut Publisher<'_>,
+    publisher: &mut RolloutWriter<'_>,
     heartbeat: &mut super::Heartbeat,
     slot: &ModelSlot<InferBackend>,
     mut done_rx: tokio::sync::mpsc::UnboundedReceiver<Decoded>,

@@ -79,15 +79,15 @@ pub struct Shared {
     pub slot: ModelSlot<InferBackend>,
 }
 
-pub struct Reader {
+pub struct PromptReader {
     bus: SharedBus,
     topo: Topology,
     consumer: Consumer<Prompt>,
     tokenizer: Tokenizer,
     /// What the model takes, and how a prompt is fitted to it.
     fit: PromptFit,
-    /// Steps of work allowed in flight: `max_lag` (at least 1).
-    max_lag: u64,
+    /// Steps of work allowed in flight ([`PolicySettings::steps_in_flight`]).
+    steps_in_flight: u64,
     groups_per_step: usize,
     /// Most groups waiting here for rows, so a stopped generator leaves little pending.
     local_cap: usize,
@@ -96,7 +96,7 @@ pub struct Reader {
     shared: Shared,
 }
 
-impl Reader {
+impl PromptReader {
     pub async fn join(
         policy: &crate::stages::policy::PolicySettings,
         cfg: &GenConfig,
@@ -120,7 +120,7 @@ impl Reader {
             opts,
         )
         .await?;
-        Ok(Reader {
+        Ok(PromptReader {
             bus,
             topo: topo.clone(),
             consumer,
@@ -131,7 +131,7 @@ impl Reader {
                 max_new_tokens: cfg.max_new_tokens as usize,
                 truncate: cfg.truncate_prompt,
             },
-            max_lag: policy.max_lag.max(1),
+            steps_in_flight: policy.steps_in_flight(),
             groups_per_step: policy.groups_per_step,
             local_cap: per_batch * 2,
             backlog: 0,
@@ -208,7 +208,7 @@ impl Reader {
             .announced
             .load(Ordering::Relaxed)
             .saturating_sub(self.shared.slot.load().version);
-        self.max_lag.saturating_sub(behind) as usize * self.groups_per_step
+        self.steps_in_flight.saturating_sub(behind) as usize * self.groups_per_step
     }
 
     /// Whether the in-flight bound leaves room for more prompts; when it does not, waits
@@ -218,7 +218,7 @@ impl Reader {
             BACKLOG_REFRESH.saturating_sub(t.elapsed())
         });
         if due.is_zero() {
-            let cap = (self.max_lag as usize * self.groups_per_step).min(10_000) as u64;
+            let cap = (self.steps_in_flight as usize * self.groups_per_step).min(10_000) as u64;
             self.backlog = downstream_backlog(self.bus.as_ref(), &self.topo, cap).await;
             self.refreshed = Some(Instant::now());
             due = BACKLOG_REFRESH;

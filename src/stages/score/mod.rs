@@ -8,9 +8,11 @@
 //! per-token advantages (`stages::train::credit`).
 
 mod config;
+mod external;
 pub mod steps;
 pub mod teacher;
 pub use config::*;
+pub use external::ScorerError;
 
 use super::StageError;
 use crate::bus::{Consumer, Delivery, SharedBus, Topology};
@@ -20,10 +22,9 @@ use crate::roles::{Stage, Stream};
 use crate::schema::{self, Floats, RolloutGroup, ScoredGroup};
 use crate::tasks;
 use bytes::Bytes;
-use serde::{Deserialize, Serialize};
+use external::{ExternalRequest, ScorerProcess};
 use std::future::Future;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
 
 /// Tokens of a completion that make its text: all but a final stop token.
 fn text_len(tokens: &[u32], stop: &[u32]) -> usize {
@@ -59,37 +60,6 @@ pub fn advantages(rewards: &[f32], kind: AdvantageKind) -> Vec<f32> {
         }
         AdvantageKind::Nostd => rewards.iter().map(|r| r - mean).collect(),
     }
-}
-
-/// One request to an external scorer (a JSON line on its stdin).
-#[derive(Debug, Serialize)]
-struct ExternalRequest<'a> {
-    group_id: &'a str,
-    task: &'a str,
-    prompt: String,
-    completions: Vec<String>,
-    /// Each completion's token ids (the stop token included): what `token_rewards`
-    /// indices count.
-    tokens: Vec<&'a [u32]>,
-    /// Each completion split into steps (with `--step-separator`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    steps: Option<Vec<Vec<String>>>,
-    meta: &'a std::collections::BTreeMap<String, String>,
-}
-
-/// Its answer (a JSON line on its stdout).
-#[derive(Debug, Deserialize)]
-struct ExternalResponse {
-    #[serde(default)]
-    rewards: Option<Vec<f32>>,
-    /// Per completion, `[token index, reward]` pairs.
-    #[serde(default)]
-    token_rewards: Option<Vec<Vec<(usize, f32)>>>,
-    /// Per completion, one reward per step.
-    #[serde(default)]
-    step_rewards: Option<Vec<Vec<f32>>>,
-    #[serde(default)]
-    error: Option<String>,
 }
 
 /// What a scorer says about a group: one outcome reward per completion, and rewards placed
@@ -132,42 +102,6 @@ pub fn episode_scores(g: &RolloutGroup) -> Scores {
         teacher: None,
         from_env: true,
     }
-}
-
-/// What went wrong with an external scorer. Each is worth a retry: the group goes back to
-/// pending and is dead-lettered once it has used its deliveries.
-#[derive(Debug, thiserror::Error)]
-pub enum ScorerError {
-    #[error("--scorer-cmd is empty")]
-    EmptyCommand,
-    #[error("cannot start scorer `{cmd}`: {source}")]
-    Spawn {
-        cmd: String,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("scorer {pipe}: {source}")]
-    Pipe {
-        pipe: &'static str,
-        #[source]
-        source: std::io::Error,
-    },
-    #[error("scorer exited")]
-    Exited,
-    #[error("scorer gave no answer within {0:?}")]
-    Timeout(Duration),
-    #[error("scorer answered non-JSON ({error}): {answer}")]
-    NotJson { error: String, answer: String },
-    #[error("scorer error: {0}")]
-    Reported(String),
-    #[error("scorer answer has no `rewards`")]
-    NoRewards,
-    #[error("scorer returned {got} rewards for {want} completions")]
-    Count { got: usize, want: usize },
-    #[error("scorer returned a non-finite reward {0}")]
-    NonFinite(f32),
-    #[error("scorer answer: {0}")]
-    BadTokenRewards(String),
 }
 
 /// Why a group was not scored.
@@ -217,139 +151,18 @@ impl ScoreError {
     }
 }
 
-/// An external scorer process, restarted if it dies.
-struct External {
-    argv: Vec<String>,
-    timeout: Duration,
-    child: Option<(
-        tokio::process::Child,
-        tokio::process::ChildStdin,
-        BufReader<tokio::process::ChildStdout>,
-    )>,
-}
-
-impl External {
-    fn new(cmd: &str, timeout: Duration) -> Result<Self, ScorerError> {
-        let argv: Vec<String> = cmd.split_whitespace().map(String::from).collect();
-        if argv.is_empty() {
-            return Err(ScorerError::EmptyCommand);
-        }
-        Ok(External {
-            argv,
-            timeout,
-            child: None,
-        })
-    }
-
-    fn spawn(&mut self) -> Result<(), ScorerError> {
-        let mut child = tokio::process::Command::new(&self.argv[0])
-            .args(&self.argv[1..])
-            .stdin(std::process::Stdio::piped())
-            .stdout(std::process::Stdio::piped())
-            .kill_on_drop(true)
-            .spawn()
-            .map_err(|source| ScorerError::Spawn {
-                cmd: self.argv.join(" "),
-                source,
-            })?;
-        // Both are piped just above, so both are there.
-        let (Some(stdin), Some(stdout)) = (child.stdin.take(), child.stdout.take()) else {
-            return Err(ScorerError::Exited);
-        };
-        self.child = Some((child, stdin, BufReader::new(stdout)));
-        Ok(())
-    }
-
-    /// `step_ends[i][k]`: the last token of completion `i`'s step `k` (with a separator).
-    async fn score(
-        &mut self,
-        req: &ExternalRequest<'_>,
-        step_ends: Option<&[Vec<usize>]>,
-    ) -> Result<Scores, ScorerError> {
-        if self.child.is_none() {
-            self.spawn()?;
-        }
-        let mut line = serde_json::to_string(req).map_err(|e| ScorerError::NotJson {
-            error: e.to_string(),
-            answer: String::new(),
-        })?;
-        line.push('\n');
-        let result = {
-            let Some((_, stdin, stdout)) = self.child.as_mut() else {
-                return Err(ScorerError::Exited);
-            };
-            let pipe = |pipe| move |source| ScorerError::Pipe { pipe, source };
-            let exchange = async {
-                stdin
-                    .write_all(line.as_bytes())
-                    .await
-                    .map_err(pipe("stdin"))?;
-                stdin.flush().await.map_err(pipe("stdin"))?;
-                let mut answer = String::new();
-                let n = stdout
-                    .read_line(&mut answer)
-                    .await
-                    .map_err(pipe("stdout"))?;
-                if n == 0 {
-                    return Err(ScorerError::Exited);
-                }
-                Ok(answer)
-            };
-            tokio::time::timeout(self.timeout, exchange)
-                .await
-                .unwrap_or(Err(ScorerError::Timeout(self.timeout)))
-        };
-        let answer = match result {
-            Ok(a) => a,
-            Err(e) => {
-                // Its state is unknown: start a fresh one next time.
-                self.child = None;
-                return Err(e);
-            }
-        };
-        let resp: ExternalResponse =
-            serde_json::from_str(&answer).map_err(|e| ScorerError::NotJson {
-                error: e.to_string(),
-                answer: answer.trim().to_string(),
-            })?;
-        if let Some(e) = resp.error {
-            return Err(ScorerError::Reported(e));
-        }
-        let rewards = resp.rewards.ok_or(ScorerError::NoRewards)?;
-        if rewards.len() != req.completions.len() {
-            return Err(ScorerError::Count {
-                got: rewards.len(),
-                want: req.completions.len(),
-            });
-        }
-        if let Some(&bad) = rewards.iter().find(|r| !r.is_finite()) {
-            return Err(ScorerError::NonFinite(bad));
-        }
-        let lens: Vec<usize> = req.tokens.iter().map(|t| t.len()).collect();
-        let token_rewards = match (resp.token_rewards, resp.step_rewards) {
-            (Some(_), Some(_)) => {
-                return Err(ScorerError::BadTokenRewards(
-                    "give token_rewards or step_rewards, not both".into(),
-                ));
-            }
-            (Some(pairs), None) => Some(steps::placed(&pairs, &lens)?),
-            (None, Some(per_step)) => {
-                let Some(ends) = step_ends else {
-                    return Err(ScorerError::BadTokenRewards(
-                        "step_rewards need steps: start score with --step-separator".into(),
-                    ));
-                };
-                Some(steps::step_rewards(&per_step, ends, &lens)?)
-            }
-            (None, None) => None,
-        };
-        Ok(Scores {
-            rewards,
-            token_rewards,
-            teacher: None,
-            from_env: false,
-        })
-    }
+/// The built-in verifier's rewards of a group's completion texts.
+fn builtin_scores(g: &RolloutGroup, texts: &[String]) -> Result<Scores, ScoreError> {
+    let rewards = texts
+        .iter()
+        .map(|t| tasks::score(t, &g.meta).ok_or_else(|| ScoreError::NoAnswer(g.group_id.clone())))
+        .collect::<Result<Vec<f32>, ScoreError>>()?;
+    Ok(Scores {
+        rewards,
+        token_rewards: None,
+        teacher: None,
+        from_env: false,
+    })
 }
 
 /// Rewards groups: built-in verifiers, or a pool of external programs each scoring one
@@ -357,7 +170,7 @@ impl External {
 pub struct Scorer {
     tokenizer: Tokenizer,
     /// Empty for the built-in verifiers.
-    pool: Vec<External>,
+    pool: Vec<ScorerProcess>,
     step_separator: Option<String>,
     teacher: Option<teacher::Teacher>,
     distill: DistillKind,
@@ -373,7 +186,7 @@ impl Scorer {
         let timeout = Duration::from_secs_f64(cfg.scorer_timeout_s);
         let pool = match &cfg.scorer_cmd {
             Some(cmd) => (0..cfg.scorers.max(1))
-                .map(|_| External::new(cmd, timeout))
+                .map(|_| ScorerProcess::start(cmd, timeout))
                 .collect::<Result<Vec<_>, _>>()?,
             None => Vec::new(),
         };
@@ -485,44 +298,11 @@ impl Scorer {
             };
             match p {
                 Err(e) => out.push(Some(Err(e))),
-                Ok((texts, _)) if self.pool.is_empty() => out.push(Some(
-                    texts
-                        .iter()
-                        .map(|t| {
-                            tasks::score(t, &g.meta)
-                                .ok_or_else(|| ScoreError::NoAnswer(g.group_id.clone()))
-                        })
-                        .collect::<Result<Vec<f32>, ScoreError>>()
-                        .map(|rewards| Scores {
-                            rewards,
-                            token_rewards: None,
-                            teacher: None,
-                            from_env: false,
-                        }),
-                )),
+                Ok((texts, _)) if self.pool.is_empty() => out.push(Some(builtin_scores(g, &texts))),
                 Ok((completions, prompt)) => {
                     out.push(None);
-                    let (step_texts, ends) = match steps {
-                        Some(st) => {
-                            let (t, e): (Vec<Vec<String>>, Vec<Vec<usize>>) =
-                                st.into_iter().map(|s| (s.texts, s.last_tokens)).unzip();
-                            (Some(t), Some(e))
-                        }
-                        None => (None, None),
-                    };
-                    waiting.push((
-                        i,
-                        ExternalRequest {
-                            group_id: &g.group_id,
-                            task: &g.task,
-                            prompt,
-                            completions,
-                            tokens: g.samples.iter().map(|s| s.tokens.as_slice()).collect(),
-                            steps: step_texts,
-                            meta: &g.meta,
-                        },
-                        ends,
-                    ));
+                    let (req, ends) = ExternalRequest::new(g, prompt, completions, steps);
+                    waiting.push((i, req, ends));
                 }
             }
         }
@@ -530,7 +310,7 @@ impl Scorer {
             let calls =
                 chunk
                     .iter()
-                    .zip(self.pool.iter_mut())
+                    .zip(self.pool.iter())
                     .map(|((i, req, ends), ext)| async move {
                         (*i, ext.score(req, ends.as_deref()).await)
                     });
@@ -540,7 +320,7 @@ impl Scorer {
         }
         let mut out: Vec<Result<Scores, ScoreError>> = out
             .into_iter()
-            .map(|r| r.unwrap_or(Err(ScoreError::External(ScorerError::Exited))))
+            .map(|r| r.unwrap_or(Err(ScoreError::External(ScorerError::Unscored))))
             .collect();
         if let Some(teacher) = &self.teacher {
             self.add_teacher(teacher, groups, &mut out).await;

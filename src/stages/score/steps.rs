@@ -19,7 +19,6 @@
 //! rewards, one reward per step; a bad answer is a scorer error, retried and then
 //! dead-lettered like any other.
 
-use super::ScorerError;
 use crate::model::ModelError;
 use crate::model::tokenizer::Tokenizer;
 use crate::schema::Floats;
@@ -84,11 +83,16 @@ pub fn split(
     Ok(out)
 }
 
-fn bad(msg: String) -> ScorerError {
-    ScorerError::BadTokenRewards(msg)
+/// A scorer's placed rewards that do not fit the completions: what is wrong, in words.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct BadRewards(pub String);
+
+fn bad(msg: String) -> BadRewards {
+    BadRewards(msg)
 }
 
-fn check_count<T>(field: &str, given: &[T], lens: &[usize]) -> Result<(), ScorerError> {
+fn check_count<T>(field: &str, given: &[T], lens: &[usize]) -> Result<(), BadRewards> {
     if given.len() != lens.len() {
         return Err(bad(format!(
             "{} lists in {field} for {} completions",
@@ -99,7 +103,7 @@ fn check_count<T>(field: &str, given: &[T], lens: &[usize]) -> Result<(), Scorer
     Ok(())
 }
 
-fn check_finite(field: &str, i: usize, r: f32) -> Result<(), ScorerError> {
+fn check_finite(field: &str, i: usize, r: f32) -> Result<(), BadRewards> {
     if !r.is_finite() {
         return Err(bad(format!("{field}[{i}] holds the non-finite reward {r}")));
     }
@@ -107,7 +111,7 @@ fn check_finite(field: &str, i: usize, r: f32) -> Result<(), ScorerError> {
 }
 
 /// Dense per-token rewards from `[index, reward]` pairs; `lens[i]`: completion `i`'s tokens.
-pub fn placed(pairs: &[Vec<(usize, f32)>], lens: &[usize]) -> Result<Vec<Floats>, ScorerError> {
+pub fn placed(pairs: &[Vec<(usize, f32)>], lens: &[usize]) -> Result<Vec<Floats>, BadRewards> {
     check_count("token_rewards", pairs, lens)?;
     pairs
         .iter()
@@ -138,7 +142,7 @@ pub fn step_rewards(
     per_step: &[Vec<f32>],
     last_tokens: &[Vec<usize>],
     lens: &[usize],
-) -> Result<Vec<Floats>, ScorerError> {
+) -> Result<Vec<Floats>, BadRewards> {
     check_count("step_rewards", per_step, lens)?;
     per_step
         .iter()

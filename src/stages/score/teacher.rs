@@ -107,12 +107,7 @@ fn group_logprobs(
     let seqs: Vec<ScoredSeq> = g
         .samples
         .iter()
-        .map(|s| ScoredSeq {
-            prompt: &g.prompt_tokens,
-            completion: &s.tokens,
-            mask: None,
-            routing: None,
-        })
+        .map(|s| ScoredSeq::plain(&g.prompt_tokens, &s.tokens))
         .collect();
     let (lp, _) = completion_logprobs(model, &seqs, 1.0);
     let c = lp.dims()[1];

@@ -58,7 +58,7 @@ crate::settings! {
         /// Checkpoint every this many steps (entries are acked only after a checkpoint).
         pub checkpoint_every: u64 = 10,
         /// Dtype of each checkpoint's model.safetensors: f32 or bf16 (half the size; the trainer resumes from its own f32 record either way).
-        pub save_dtype: crate::model::hf::WeightDtype = crate::model::hf::WeightDtype::F32,
+        pub save_dtype: crate::model::tensors::WeightDtype = crate::model::tensors::WeightDtype::F32,
         /// Where checkpoints go.
         #[arg(value_name = "DIR")]
         pub checkpoint_dir: PathBuf = PathBuf::from("checkpoints"),
@@ -136,7 +136,7 @@ impl TrainConfig {
             rank: self.lora_rank,
             alpha: self.lora_alpha,
             dropout: self.lora_dropout,
-            targets: crate::model::lora::Target::parse_list(&self.lora_targets)?,
+            targets: crate::model::layers::Target::parse_list(&self.lora_targets)?,
         };
         spec.validate()?;
         Ok(spec)

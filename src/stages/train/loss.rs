@@ -373,12 +373,7 @@ mod tests {
         for s in &mut rollout.samples {
             s.mask = None;
         }
-        let seq = ScoredSeq {
-            prompt: &rollout.prompt_tokens,
-            completion: &rollout.samples[0].tokens,
-            mask: None,
-            routing: None,
-        };
+        let seq = ScoredSeq::plain(&rollout.prompt_tokens, &rollout.samples[0].tokens);
         // A backward pass consumes its graph: each token's log-prob gets a forward of its own.
         let lp = || completion_logprobs(&model, &[seq], 1.0).0;
         let per_token = |t: usize| {

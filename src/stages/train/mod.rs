@@ -22,11 +22,13 @@ mod config;
 pub mod credit;
 pub mod intake;
 mod loss;
+mod state;
 mod trainer;
 
 pub use checkpoint::CheckpointError;
 pub use config::*;
-pub use trainer::{Trainer, TrainerState};
+pub use state::TrainerState;
+pub use trainer::Trainer;
 
 use super::StageError;
 use super::policy::PolicySettings;

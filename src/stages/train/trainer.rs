@@ -4,10 +4,12 @@
 use super::TrainerSettings;
 use super::adamw::{self, FusedAdamW, GradScaleHandle};
 use super::checkpoint::{self, CheckpointError, MODEL_RECORD, OPTIM_RECORD};
-use super::intake::DropReason;
 use super::loss::{self, Samples};
-use crate::model::hf::{WeightDtype, load_hf};
+use super::state::{REMEMBERED_GROUPS, TrainerState};
+use crate::model::hf::load_hf;
+use crate::model::layers;
 use crate::model::lora::{self, LoraSpec};
+use crate::model::tensors::WeightDtype;
 use crate::model::{ModelError, Policy, TrainBackend};
 use crate::schema::{ScoredGroup, StepRecord};
 use crate::weights::{AdapterVersion, Payload};
@@ -17,50 +19,15 @@ use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
 use burn::tensor::Tensor;
 use burn::tensor::backend::AutodiffBackend;
-use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, HashSet, VecDeque};
+
+use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::time::Instant;
-
-/// Group ids remembered for de-duplication.
-const REMEMBERED_GROUPS: usize = 100_000;
 
 type Optim = OptimizerAdaptor<FusedAdamW, Policy<TrainBackend>, TrainBackend>;
 /// The optimizer and the handle that sets its gradient factor (clipping).
 type OptimParts = (Optim, GradScaleHandle);
 type Reference = Policy<<TrainBackend as AutodiffBackend>::InnerBackend>;
-
-/// Persistent trainer state, saved as `state.json` in each checkpoint.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct TrainerState {
-    pub version: u64,
-    pub step: u64,
-    pub trained_groups: u64,
-    pub dropped: BTreeMap<String, u64>,
-    /// Recently trained group ids (de-duplication across restarts).
-    pub recent_groups: VecDeque<String>,
-    /// Recently dropped group ids with the reason, for accounting.
-    pub recent_dropped: VecDeque<(String, String)>,
-    /// LoRA: the checksum of the frozen base the adapter was trained on (a resume on
-    /// another base is refused).
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub base_checksum: Option<String>,
-}
-
-impl TrainerState {
-    /// Counts a group that will not be trained, with the reason: the one place a drop is
-    /// recorded, for every reason.
-    pub fn record_drop(&mut self, g: &ScoredGroup, reason: DropReason) {
-        let reason = reason.as_str();
-        *self.dropped.entry(reason.to_string()).or_default() += 1;
-        crate::metrics::dropped(reason, g.rollout.samples.len() as u64);
-        self.recent_dropped
-            .push_back((g.rollout.group_id.clone(), reason.to_string()));
-        while self.recent_dropped.len() > REMEMBERED_GROUPS {
-            self.recent_dropped.pop_front();
-        }
-    }
-}
 
 /// Global L2 norm of the gradients, read in place (each gradient is handed back to
 /// `grads` around the same buffer).
@@ -374,7 +341,7 @@ impl Trainer {
     pub fn named_gradients(
         &self,
         groups: &[&ScoredGroup],
-    ) -> Result<(crate::model::hf::TensorMap, StepRecord), ModelError> {
+    ) -> Result<(crate::model::tensors::TensorMap, StepRecord), ModelError> {
         let (grads, stats) = self.gradients(groups)?;
         let as_weights = self
             .model()
@@ -466,7 +433,7 @@ impl Trainer {
 /// The spec of the adapter `model` carries (read back from its first adapted layer).
 fn adapter_spec<B: burn::tensor::backend::Backend>(model: &Policy<B>) -> Option<LoraSpec> {
     let block = model.blocks.iter().find_map(|b| b.lora.as_ref())?;
-    let targets: Vec<lora::Target> = lora::Target::ALL
+    let targets: Vec<layers::Target> = layers::Target::ALL
         .into_iter()
         .filter(|&t| block.get(t).is_some())
         .collect();

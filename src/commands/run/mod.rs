@@ -1,0 +1,304 @@
+//! `rlstream run`: the whole pipeline in one process.
+//!
+//! Warm start (or `--model`), then feed, gen, score and train run as tasks of one runtime
+//! over one bus: the embedded [`MemoryBus`](crate::bus::MemoryBus) unless `--redis` is given.
+//! The stages are the same `stages::*::run` functions the separate processes call; only the
+//! weight handoff differs ([`Transport::InProcess`]: host tensors by reference, announced on
+//! the weights stream like any other version).
+//!
+//! Two schedules:
+//! - **async** (default): the feeder keeps a few steps of prompts queued, the generator
+//!   decodes continuously under its in-flight bound and swaps weights between forward
+//!   passes, the trainer trains on whatever is scored.
+//! - **sync** (`--sync`): the baseline with no overlap. The feeder releases one step's
+//!   prompts, waits until the trainer has stepped on them and the generator holds the new
+//!   version, then releases the next. The generator waits for the trainer and the trainer
+//!   for the generator; every batch waits for its longest completion.
+
+mod feeder;
+mod held_out;
+mod monitor;
+mod stage_tasks;
+mod summary;
+
+pub use summary::{HeldOut, RunSummary};
+
+use crate::bus::{SharedBus, Topology};
+use crate::commands::sft::{self, SftOptions};
+use crate::config::Config;
+use crate::display::{DisplayMode, Phase};
+use crate::model::tokenizer::Tokenizer;
+use crate::model::{InferBackend, Policy};
+use crate::report::{self, ReportFiles, StepRow};
+use crate::roles::Stream;
+use crate::schema::StepRecord;
+use crate::stages::generate as gen_stage;
+use crate::stages::{StageError, train, waiting};
+use crate::tasks::{self, BuiltinTask};
+use held_out::{HeldOutEval, held_out_checkpoints};
+use monitor::Monitor;
+use stage_tasks::Stages;
+use std::future::Future;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+use summary::{RunFacts, summarize};
+use tokio::sync::mpsc;
+
+/// Most entries read to count a queue whose lag Redis cannot report (see
+/// [`waiting`]); the report's queue columns stop there.
+const QUEUE_SCAN_CAP: u64 = 1000;
+
+/// Work waiting for each stage: prompts and rollouts not yet finished (lag + pending), scored
+/// groups not yet delivered to the trainer (lag; the trainer keeps what it trained pending
+/// until its checkpoint).
+pub(crate) async fn queue_depths(bus: &SharedBus, topo: &Topology) -> [u64; 3] {
+    let bus = bus.as_ref();
+    [
+        waiting(bus, topo, Stream::Prompts, true, QUEUE_SCAN_CAP).await,
+        waiting(bus, topo, Stream::Rollouts, true, QUEUE_SCAN_CAP).await,
+        waiting(bus, topo, Stream::Scored, false, QUEUE_SCAN_CAP).await,
+    ]
+}
+
+#[derive(Debug, Clone)]
+pub struct RunOptions {
+    pub task: BuiltinTask,
+    /// Start from this Hugging Face model (with the rlstream character tokenizer) instead
+    /// of a warm start.
+    pub model: Option<PathBuf>,
+    /// Warm start when no model is given.
+    pub sft: SftOptions,
+    /// Run directory: warm-start model, checkpoints, report.
+    pub out: PathBuf,
+    /// Report directory (default `OUT/report`).
+    pub report: Option<PathBuf>,
+    pub sync: bool,
+    pub seed: u64,
+    pub display: DisplayMode,
+}
+
+/// The result of [`run`].
+pub struct RunOutcome {
+    pub summary: RunSummary,
+    pub rows: Vec<StepRow>,
+    pub report: ReportFiles,
+}
+
+/// The defaults `rlstream run` puts under the config file: a small model that learns a
+/// built-in task in minutes on a CPU.
+pub fn defaults(task: BuiltinTask) -> Config {
+    // The layer is made of known keys and values, so it always resolves.
+    Config::resolve(
+        defaults_layer(task),
+        None,
+        std::iter::empty(),
+        toml::Table::new(),
+    )
+    .unwrap_or_default()
+}
+
+/// `run`'s own defaults, as a config layer under the file, the environment and the flags:
+/// a quick run that learns in a couple of minutes on two cores.
+pub fn defaults_layer(task: BuiltinTask) -> toml::Table {
+    let mut layer: toml::Table = RUN_DEFAULTS
+        .parse()
+        .expect("the shipped run defaults are valid TOML");
+    let gen_section = toml::Table::from_iter([(
+        "max_new_tokens".to_string(),
+        toml::Value::Integer(i64::from(task.max_answer_tokens() + 2)),
+    )]);
+    layer.insert("gen".into(), toml::Value::Table(gen_section));
+    let run_section = toml::Table::from_iter([(
+        "sft_steps".to_string(),
+        toml::Value::Integer(sft_steps(task) as i64),
+    )]);
+    layer.insert("run".into(), toml::Value::Table(run_section));
+    layer
+}
+
+/// Warm-start steps by default: 100 leaves RL most of a task to learn; `longer`'s warm start
+/// imitates `sort` until it sorts well (400 steps, about 94% greedy accuracy on `sort`), so
+/// that what RL adds, longer inputs, is what the demonstrations lack.
+pub fn sft_steps(task: BuiltinTask) -> u64 {
+    match task {
+        BuiltinTask::Longer => 400,
+        // 300 steps: about half the games won greedily, so RL has turns to save.
+        BuiltinTask::Guess => 300,
+        // 1,500 steps: the player's habits are learned, copying included (about 35% of
+        // episodes succeed at temperature 1: the half that call the tool, less garbled
+        // calls); at 300 the model cannot yet copy the tool's result, and RL sees no reward.
+        BuiltinTask::Calc => 1500,
+        _ => 100,
+    }
+}
+
+/// `run`'s defaults that do not depend on the task (`gen.max_new_tokens` is the task's
+/// longest answer + 2).
+pub const RUN_DEFAULTS: &str = "[train]\nlr = 5e-4\nsteps = 200\ncheckpoint_every = 50\n";
+
+/// A model for the run: `--model` (checked against the task tokenizer) or a warm start.
+fn prepare_model(opts: &RunOptions) -> Result<(PathBuf, f64), StageError> {
+    if let Some(dir) = &opts.model {
+        match Tokenizer::load(dir)? {
+            Tokenizer::Char(t) if t.vocab_size() == tasks::char_tokenizer().vocab_size() => {}
+            _ => {
+                return Err(StageError::Other(format!(
+                    "{} does not use the built-in tasks' character tokenizer; give a model \
+                     written by `rlstream sft` or `rlstream run`, or leave out --model",
+                    dir.display()
+                )));
+            }
+        }
+        return Ok((dir.clone(), 0.0));
+    }
+    let out = opts.out.join("sft");
+    let sft_opts = SftOptions {
+        task: opts.task.demonstrations(),
+        out: out.clone(),
+        seed: opts.seed,
+        ..opts.sft.clone()
+    };
+    let mut phase = Phase::new(opts.display, "warm start", sft_opts.steps);
+    let s = tokio::task::block_in_place(|| {
+        sft::run(&sft_opts, |step, loss| {
+            phase.update(step, &format!("loss {loss:.4}"))
+        })
+    })?;
+    phase.finish(&format!(
+        "{} params, loss {:.4}, held-out greedy accuracy {:.1}% on `{}`",
+        s.params,
+        s.final_loss,
+        100.0 * s.accuracy,
+        sft_opts.task.name()
+    ));
+    Ok((out, s.seconds))
+}
+
+/// Runs warm start and the pipeline until `cfg.train.steps` steps or `shutdown`, then writes
+/// the report. `cfg` is the resolved config (over [`defaults`]); its model and checkpoint
+/// paths are set here.
+pub async fn run(
+    opts: &RunOptions,
+    cfg: Config,
+    bus: SharedBus,
+    topo: Topology,
+    shutdown: impl Future<Output = ()>,
+) -> Result<RunOutcome, StageError> {
+    let (cfg, model_dir, warm_start_s) = prepare(opts, cfg)?;
+    let slot = gen_stage::initial_slot(&model_dir, cfg.generator.adapter.as_deref())?;
+    let params = slot.load().policy.config().num_params();
+    let held = HeldOutEval::new(opts, &cfg);
+    let mut held_out: Vec<HeldOut> = held.of(0, &slot.load().policy)?.into_iter().collect();
+    let (step_tx, step_rx) = mpsc::unbounded_channel::<StepRecord>();
+    let started = Instant::now();
+    let stages = Stages::spawn(opts, &cfg, &bus, &topo, &slot, step_tx);
+    let monitor = Monitor {
+        phase: Phase::new(
+            opts.display,
+            if opts.sync { "RL (sync)" } else { "RL" },
+            cfg.train.steps,
+        ),
+        total: cfg.train.steps,
+        rows: Vec::new(),
+        trained_tokens: 0,
+        started,
+    };
+    let (rows, train_summary, gen_summary, wall_s) = monitor
+        .watch(stages, step_rx, &bus, &topo, &slot, shutdown)
+        .await?;
+
+    // The checkpoint nearest halfway, then the trainer's final weights (its last checkpoint).
+    for (step, dir) in held_out_checkpoints(&cfg.train.checkpoint_dir) {
+        let policy: Policy<InferBackend> = train::checkpoint::load_policy(&dir, &model_dir)?;
+        held_out.extend(held.of(step, &policy)?);
+    }
+    let facts = RunFacts {
+        bus: bus.backend(),
+        params,
+        warm_start_s,
+        wall_s,
+        rows: &rows,
+        train: &train_summary,
+        generator: &gen_summary,
+        held_out,
+    };
+    let summary = summarize(opts, cfg, &facts);
+    let dir = opts
+        .report
+        .clone()
+        .unwrap_or_else(|| opts.out.join("report"));
+    let title = format!(
+        "rlstream run: {} ({}), {} steps, {:.0} s",
+        opts.task.name(),
+        summary.mode,
+        summary.steps,
+        summary.wall_s
+    );
+    let markers: Vec<report::Marker> = summary
+        .held_out
+        .iter()
+        .map(|h| report::Marker {
+            step: h.step,
+            reward: h.eval.reward,
+            pass_at_1: h.eval.pass_at_1,
+        })
+        .collect();
+    let report = report::write_report(&dir, &rows, &markers, &summary, &title)
+        .map_err(|e| StageError::Other(e.to_string()))?;
+    Ok(RunOutcome {
+        summary,
+        rows,
+        report,
+    })
+}
+
+/// Checks the run directory, makes the model (warm start or `--model`) and fixes the
+/// settings every stage must share: the model, the task, the checkpoint directory.
+fn prepare(opts: &RunOptions, mut cfg: Config) -> Result<(Config, PathBuf, f64), StageError> {
+    let checkpoints = opts.out.join("checkpoints");
+    if train::checkpoint::latest(&checkpoints).is_some() {
+        return Err(StageError::Other(format!(
+            "{} already holds a run; choose another --out",
+            opts.out.display()
+        )));
+    }
+    if cfg.train.steps == 0 {
+        return Err(StageError::Other("run needs --steps of at least 1".into()));
+    }
+    std::fs::create_dir_all(&opts.out)
+        .map_err(|e| StageError::Other(format!("cannot create {}: {e}", opts.out.display())))?;
+    let (model_dir, warm_start_s) = prepare_model(opts)?;
+    cfg.policy.model = Some(model_dir.clone());
+    cfg.policy.seed = opts.seed;
+    cfg.train.checkpoint_dir = checkpoints;
+    cfg.feed.task = Some(opts.task);
+    cfg.feed.seed = opts.seed;
+    if opts.sync {
+        // The sync feeder waits for each step's weights in the generator.
+        cfg.train.publish_every = 1;
+    }
+    cfg.validate()?;
+    if cfg.score.distill != crate::stages::score::DistillKind::None
+        && cfg.train.token_discount > 0.0
+    {
+        tracing::warn!(
+            token_discount = cfg.train.token_discount,
+            "distilling with --token-discount above 0 credits each token with the teacher's \
+             signal on every later token, which learns far slower than --token-discount 0 \
+             (README, \"Distillation\")"
+        );
+    }
+    Ok((cfg, model_dir, warm_start_s))
+}
+
+/// The default run directory: `runs/{task}-{unix seconds}`.
+pub fn default_out(task: BuiltinTask) -> PathBuf {
+    let secs = crate::time::now_us() / 1_000_000;
+    Path::new("runs").join(format!("{}-{secs}", task.name()))
+}
+
+/// A namespace of its own for a run on Redis, so that a run never mixes with another's
+/// streams: `run-` and the time in milliseconds.
+pub fn fresh_namespace() -> String {
+    format!("run-{}", crate::time::now_ms())
+}

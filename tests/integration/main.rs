@@ -1,0 +1,43 @@
+//! The integration tests, in one binary: each module is one area, and every test runs the
+//! real thing (a real Redis on loopback, the `rlstream` binary for stage processes, real
+//! burn tensors). One binary links the crate once instead of once per file.
+
+// A test states its scenario end to end, set-up and checks together: the function-length
+// limit the library keeps does not apply here.
+#![allow(clippy::too_many_lines)]
+
+mod bad_input;
+mod bus_conformance;
+mod chaos;
+mod chat_pipeline;
+mod chat_template;
+mod common;
+mod distill;
+mod episodes;
+mod generate_cli;
+mod grad_parity;
+mod layering;
+mod lora;
+mod model_parity;
+mod model_sampling;
+mod observability;
+mod pipeline_processes;
+mod poison;
+mod python_interop;
+mod redis_auth;
+mod redis_restart;
+mod redis_tls;
+mod replay;
+mod reproducible;
+mod routing;
+mod run_command;
+mod schema_bad_input;
+mod schema_fixtures;
+mod score_stage;
+mod settings;
+mod stage_boundaries;
+mod stream_budget;
+mod train_resume;
+mod train_step;
+mod weights_store;
+mod weights_transfer;

@@ -29,7 +29,7 @@
 //!   [`ChildError::Protocol`]: the stream can no longer be trusted, so the process is
 //!   killed and every request out ends.
 //!
-//! A request may name the process it expects (its incarnation, see [`Answer::incarnation`]):
+//! A request may name the process it expects (its incarnation, see [`Response::incarnation`]):
 //! state kept by a process that has since been replaced is gone, so such a request fails
 //! with [`ChildError::Replaced`] rather than reaching a process that never saw it.
 
@@ -93,7 +93,7 @@ pub enum ChildError {
 
 /// An answer, and the process that gave it.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Answer {
+pub struct Response {
     pub fields: Map<String, Value>,
     /// Which start of the process answered (1 for the first): name it in later requests
     /// that depend on state this process keeps.
@@ -329,7 +329,7 @@ impl JsonLinesChild {
     /// Sends `msg` and waits for its answer. With [`Matching::ByKey`], `key` is the value
     /// of the key field `msg` carries. `on` is the process the request depends on (`None`:
     /// any, starting one when needed).
-    pub fn request(&self, key: &str, on: Option<u64>, msg: &Value) -> Result<Answer, ChildError> {
+    pub fn request(&self, key: &str, on: Option<u64>, msg: &Value) -> Result<Response, ChildError> {
         let what = self.spec.what;
         let deadline = Instant::now() + self.spec.timeout;
         let (rx, shared, sent_heard, incarnation, order) = {
@@ -366,7 +366,7 @@ impl JsonLinesChild {
         };
         // The answer has the whole timeout from when the request went out.
         match rx.recv_timeout(self.spec.timeout) {
-            Ok(Ok(fields)) => Ok(Answer {
+            Ok(Ok(fields)) => Ok(Response {
                 fields,
                 incarnation,
             }),

@@ -40,8 +40,8 @@ mod serde_bytes_buf {
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Vec<u8>, D::Error> {
-        struct V;
-        impl serde::de::Visitor<'_> for V {
+        struct BytesVisitor;
+        impl serde::de::Visitor<'_> for BytesVisitor {
             type Value = Vec<u8>;
             fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
                 f.write_str("bytes")
@@ -53,6 +53,6 @@ mod serde_bytes_buf {
                 Ok(v)
             }
         }
-        d.deserialize_bytes(V)
+        d.deserialize_bytes(BytesVisitor)
     }
 }

@@ -182,8 +182,8 @@ enum Number {
 
 impl<'de> Deserialize<'de> for Number {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct V;
-        impl Visitor<'_> for V {
+        struct NumberVisitor;
+        impl Visitor<'_> for NumberVisitor {
             type Value = Number;
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str("a number")
@@ -198,7 +198,7 @@ impl<'de> Deserialize<'de> for Number {
                 Ok(Number::F(v))
             }
         }
-        d.deserialize_any(V)
+        d.deserialize_any(NumberVisitor)
     }
 }
 

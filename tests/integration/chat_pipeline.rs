@@ -12,15 +12,6 @@ use std::time::{Duration, Instant};
 
 const IM_START: u32 = 151_644;
 
-async fn all<M: schema::Message>(bus: &SharedBus, stream: &str) -> Vec<M> {
-    bus.range(stream, RangeBound::Open, RangeBound::Open, 1_000_000)
-        .await
-        .unwrap()
-        .into_iter()
-        .map(|e| schema::decode::<M>(&e.payload).unwrap())
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_qwen3_chat_dataset_runs_through_feed_gen_score_and_train() {
     let dir = tempfile::tempdir().unwrap();
@@ -104,12 +95,12 @@ async fn a_qwen3_chat_dataset_runs_through_feed_gen_score_and_train() {
     let mut swapped = false;
     while Instant::now() < deadline && !(steps.len() >= 4 && swapped) {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        steps = all::<Event>(&bus, &format!("{ns}:events"))
+        steps = crate::common::messages::<Event>(&bus, &format!("{ns}:events"))
             .await
             .into_iter()
             .filter(|e| e.kind == "step")
             .collect();
-        swapped = all::<RolloutGroup>(&bus, &format!("{ns}:rollouts"))
+        swapped = crate::common::messages::<RolloutGroup>(&bus, &format!("{ns}:rollouts"))
             .await
             .iter()
             .flat_map(|g| &g.samples)
@@ -139,7 +130,7 @@ async fn a_qwen3_chat_dataset_runs_through_feed_gen_score_and_train() {
 
     // Prompts are the template's rendering, the generator tokenised them with the real
     // tokenizer, and the scorer scored with the math verifier.
-    let prompts = all::<Prompt>(&bus, &format!("{ns}:prompts")).await;
+    let prompts = crate::common::messages::<Prompt>(&bus, &format!("{ns}:prompts")).await;
     let first = &prompts[0];
     assert!(
         first
@@ -154,9 +145,9 @@ async fn a_qwen3_chat_dataset_runs_through_feed_gen_score_and_train() {
             .iter()
             .any(|p| p.text.ends_with("<think>\n\n</think>\n\n"))
     );
-    let rollouts = all::<RolloutGroup>(&bus, &format!("{ns}:rollouts")).await;
+    let rollouts = crate::common::messages::<RolloutGroup>(&bus, &format!("{ns}:rollouts")).await;
     assert_eq!(rollouts[0].prompt_tokens.as_slice()[0], IM_START);
-    let scored = all::<ScoredGroup>(&bus, &format!("{ns}:scored")).await;
+    let scored = crate::common::messages::<ScoredGroup>(&bus, &format!("{ns}:scored")).await;
     assert!(!scored.is_empty());
     for g in &scored {
         assert_eq!(g.rollout.task, "math_chat");

@@ -595,14 +595,19 @@ pub fn teacher_forced(model: &Policy<InferBackend>, g: &ScoredGroup) -> Vec<Vec<
     flat.chunks(c).map(<[f32]>::to_vec).collect()
 }
 
-/// Every entry of the dead-letter stream `key` (`{namespace}:dead`), decoded.
-pub async fn dead_letters(bus: &SharedBus, key: &str) -> Vec<schema_mod::DeadLetter> {
+/// Every message of stream `key`, decoded (a test fails on one that does not decode).
+pub async fn messages<M: schema_mod::Message>(bus: &SharedBus, key: &str) -> Vec<M> {
     bus.range(key, RangeBound::Open, RangeBound::Open, 1_000_000)
         .await
         .expect("range")
         .iter()
-        .map(|e| schema_mod::decode(&e.payload).expect("a dead letter"))
+        .map(|e| schema_mod::decode(&e.payload).expect("a message of the stream's type"))
         .collect()
+}
+
+/// Every entry of the dead-letter stream `key` (`{namespace}:dead`), decoded.
+pub async fn dead_letters(bus: &SharedBus, key: &str) -> Vec<schema_mod::DeadLetter> {
+    messages(bus, key).await
 }
 
 /// Entry ids pending in a consumer group (XPENDING).

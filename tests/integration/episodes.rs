@@ -352,19 +352,10 @@ async fn gen_score_and_train_play_guess_games_on_redis() {
     interrupt(score, "score", &logs("score"));
 
     let bus = crate::common::redis_bus().await;
-    let scored = bus
-        .range(
-            &format!("{ns}:scored"),
-            RangeBound::Open,
-            RangeBound::Open,
-            10_000,
-        )
-        .await
-        .expect("range");
+    let scored: Vec<ScoredGroup> = crate::common::messages(&bus, &format!("{ns}:scored")).await;
     assert!(scored.len() >= 24, "{} scored groups", scored.len());
     let mut turns_seen = 0;
-    for e in &scored {
-        let s: ScoredGroup = schema::decode(&e.payload).expect("a scored episode group");
+    for s in &scored {
         assert_eq!(s.schema.major, 3);
         assert!(
             s.advantages.iter().all(|&a| a == 0.0),
@@ -562,15 +553,7 @@ async fn a_python_environment_plays_through_the_real_binaries() {
     assert!(metric(&s, "rlstream_env_step_seconds_count") > 0.0, "{s}");
 
     let bus = crate::common::redis_bus().await;
-    let scored = bus
-        .range(
-            &format!("{ns}:scored"),
-            RangeBound::Open,
-            RangeBound::Open,
-            10_000,
-        )
-        .await
-        .expect("range");
+    let scored: Vec<ScoredGroup> = crate::common::messages(&bus, &format!("{ns}:scored")).await;
     assert!(scored.len() >= 16, "{} scored groups", scored.len());
     let tok = tasks::char_tokenizer();
     let text = |ids: &[u32]| -> String {
@@ -581,8 +564,7 @@ async fn a_python_environment_plays_through_the_real_binaries() {
         tok.decode(ids).expect("char ids")
     };
     let (mut calls, mut episodes) = (0, 0);
-    for e in &scored {
-        let s: ScoredGroup = schema::decode(&e.payload).expect("a scored episode group");
+    for s in &scored {
         for (sample, &reward) in s.rollout.samples.iter().zip(&s.rewards) {
             // Replay the turns on the built-in calculator: the process answered alike.
             let mut builtin = Calc::from_meta(&s.rollout.meta).expect("calc meta");

@@ -322,15 +322,6 @@ fn generate(seed: u64) -> Generated {
     out
 }
 
-async fn entries<M: schema::Message>(bus: &SharedBus, key: &str) -> Vec<M> {
-    bus.range(key, RangeBound::Open, RangeBound::Open, 1_000_000)
-        .await
-        .expect("range")
-        .iter()
-        .map(|e| schema::decode(&e.payload).expect("decodes"))
-        .collect()
-}
-
 /// Dead letters by the stream they came from: (message id, reason).
 async fn dead_by_stream(bus: &SharedBus, ns: &str) -> BTreeMap<String, Vec<(String, String)>> {
     let mut out: BTreeMap<String, Vec<(String, String)>> = BTreeMap::new();
@@ -455,7 +446,7 @@ async fn every_message_is_processed_or_refused_and_no_stage_stops() {
         let prompts = progress(&bus, &ns, "prompts", "gen").await;
         let rollouts = progress(&bus, &ns, "rollouts", "score").await;
         let scored = progress(&bus, &ns, "scored", "train").await;
-        let steps = entries::<Event>(&bus, &format!("{ns}:events"))
+        let steps = crate::common::messages::<Event>(&bus, &format!("{ns}:events"))
             .await
             .iter()
             .filter(|e| e.kind == "step")
@@ -491,8 +482,9 @@ async fn every_message_is_processed_or_refused_and_no_stage_stops() {
     let dead_ids = |stream: &str| -> BTreeMap<String, String> {
         dead.get(stream).into_iter().flatten().cloned().collect()
     };
-    let rollouts: Vec<RolloutGroup> = entries(&bus, &format!("{ns}:rollouts")).await;
-    let scored: Vec<ScoredGroup> = entries(&bus, &format!("{ns}:scored")).await;
+    let rollouts: Vec<RolloutGroup> =
+        crate::common::messages(&bus, &format!("{ns}:rollouts")).await;
+    let scored: Vec<ScoredGroup> = crate::common::messages(&bus, &format!("{ns}:scored")).await;
 
     // gen: each prompt was generated or dead-lettered, by the rules.
     let generated_from: BTreeSet<&str> = rollouts.iter().map(|g| g.prompt_id.as_str()).collect();

@@ -4,9 +4,8 @@
 //! The prompts are rendered with the template, the trainer steps and publishes, the
 //! generator swaps to the new weights, and the scorer uses the math verifier.
 
-use crate::common::{interrupt, run_ok, spawn};
-use rlstream::bus::{RangeBound, SharedBus};
-use rlstream::schema::{self, Event, Prompt, RolloutGroup, ScoredGroup};
+use crate::common::{interrupt, messages, run_ok, spawn};
+use rlstream::schema::{Event, Prompt, RolloutGroup, ScoredGroup};
 use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
@@ -95,12 +94,12 @@ async fn a_qwen3_chat_dataset_runs_through_feed_gen_score_and_train() {
     let mut swapped = false;
     while Instant::now() < deadline && !(steps.len() >= 4 && swapped) {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        steps = crate::common::messages::<Event>(&bus, &format!("{ns}:events"))
+        steps = messages::<Event>(&bus, &format!("{ns}:events"))
             .await
             .into_iter()
             .filter(|e| e.kind == "step")
             .collect();
-        swapped = crate::common::messages::<RolloutGroup>(&bus, &format!("{ns}:rollouts"))
+        swapped = messages::<RolloutGroup>(&bus, &format!("{ns}:rollouts"))
             .await
             .iter()
             .flat_map(|g| &g.samples)
@@ -130,7 +129,7 @@ async fn a_qwen3_chat_dataset_runs_through_feed_gen_score_and_train() {
 
     // Prompts are the template's rendering, the generator tokenised them with the real
     // tokenizer, and the scorer scored with the math verifier.
-    let prompts = crate::common::messages::<Prompt>(&bus, &format!("{ns}:prompts")).await;
+    let prompts = messages::<Prompt>(&bus, &format!("{ns}:prompts")).await;
     let first = &prompts[0];
     assert!(
         first
@@ -145,9 +144,9 @@ async fn a_qwen3_chat_dataset_runs_through_feed_gen_score_and_train() {
             .iter()
             .any(|p| p.text.ends_with("<think>\n\n</think>\n\n"))
     );
-    let rollouts = crate::common::messages::<RolloutGroup>(&bus, &format!("{ns}:rollouts")).await;
+    let rollouts = messages::<RolloutGroup>(&bus, &format!("{ns}:rollouts")).await;
     assert_eq!(rollouts[0].prompt_tokens.as_slice()[0], IM_START);
-    let scored = crate::common::messages::<ScoredGroup>(&bus, &format!("{ns}:scored")).await;
+    let scored = messages::<ScoredGroup>(&bus, &format!("{ns}:scored")).await;
     assert!(!scored.is_empty());
     for g in &scored {
         assert_eq!(g.rollout.task, "math_chat");

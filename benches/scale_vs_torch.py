@@ -3,7 +3,7 @@
 peak resident memory of one PPO step (forward, backward, AdamW), with and without
 micro-batching, on the same checkpoint and the same batch; and (`--parts gen`) the time and
 peak memory of loading the checkpoint, f32 and bf16, and generation tokens/s (0.5b: prompt
-128, 8 rows x 128 new tokens; small: prompt 16, 32 x 128).
+128, 8 and 64 rows x 128 new tokens; small: prompt 16, 32 x 128).
 
     python benches/scale_vs_torch.py [--sizes small,0.5b] [--steps 3] [--features blas]
                                      [--parts train,gen]
@@ -45,7 +45,9 @@ def torch_step(python, ckpt, micro, steps):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-GEN = {"small": (16, 128, 32), "0.5b": (128, 128, 8)}
+# (prompt, new tokens, rows) per size: 0.5b at 8 rows (one group) and 64 (eight groups in
+# flight, the RL load).
+GEN = {"small": [(16, 128, 32)], "0.5b": [(128, 128, 8), (128, 128, 64)]}
 
 
 def torch_gen_load(python, *args):
@@ -60,18 +62,23 @@ def gen_rows(python, size, ckpt):
     """Load (f32 and bf16 files) and generation, rlstream and PyTorch, one process each."""
     bf16 = ckpt + "-bf16"
     rust("bf16", ckpt, bf16)
-    prompt, new, rows = GEN[size]
     out = []
     for dtype, path in (("float32", ckpt), ("bfloat16", bf16)):
         ours = rust("load", path)
         theirs = torch_gen_load(python, "load", path, dtype)
         out.append(("load", dtype, ours, theirs))
         print(json.dumps({"rlstream": ours, "torch": theirs}), file=sys.stderr)
-    ours = rust("generate", ckpt, str(prompt), str(new), str(rows))
-    for dtype in ("float32", "bfloat16"):
-        theirs = torch_gen_load(python, "generate", ckpt, dtype, str(prompt), str(new), str(rows))
-        out.append(("generate", dtype, ours, theirs))
-        print(json.dumps({"rlstream": ours, "torch": theirs}), file=sys.stderr)
+    for prompt, new, rows in GEN[size]:
+        shape = (str(prompt), str(new), str(rows))
+        ours = rust("generate", ckpt, *shape)
+        native = rust("generate-ndarray", ckpt, *shape)
+        for dtype in ("float32", "bfloat16"):
+            theirs = torch_gen_load(python, "generate", ckpt, dtype, *shape)
+            work = f"generate {rows} x {new} after {prompt}"
+            out.append((work, dtype, ours, theirs))
+            out.append((work + " (trainer's kernels)", dtype, native, theirs))
+            print(json.dumps({"rlstream": ours, "native": native, "torch": theirs}),
+                  file=sys.stderr)
     return out
 
 

@@ -5,6 +5,7 @@
 //! cargo bench --bench train_scale -- step DIR MICRO STEPS    # time it; prints JSON
 //! cargo bench --bench train_scale -- load DIR                # load time and peak memory
 //! cargo bench --bench train_scale -- generate DIR PROMPT NEW ROWS   # tokens/s, peak memory
+//! cargo bench --bench train_scale -- generate-ndarray DIR PROMPT NEW ROWS   # on the trainer's kernels
 //! cargo bench --bench train_scale -- bf16 DIR OUT            # DIR's weights as bf16 in OUT
 //! cargo bench --bench train_scale -- weights DIR LRS STEPS STORE   # version sizes, publish-to-swap
 //! cargo bench --bench train_scale -- step-lora DIR MICRO STEPS RANK    # `step` training a LoRA adapter
@@ -45,7 +46,8 @@ use rlstream::config::{PolicySettings, TrainConfig};
 use rlstream::model::hf::load_hf;
 use rlstream::model::sampler::{Generator, Request};
 use rlstream::model::tensors::WeightDtype;
-use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
+use burn::backend::NdArray;
+use rlstream::model::{Architecture, InferBackend, Kernels, Policy, PolicyConfig};
 use rlstream::schema::{
     self, FinishReason, Sample, SamplingParams, SchemaVersion, ScoredGroup, VersionRun,
 };
@@ -256,8 +258,8 @@ fn load(dir: &Path) {
 
 /// ROWS sequences of PROMPT tokens each, NEW sampled tokens per row at temperature 1 (no
 /// stop token): one warm-up run of 4 tokens, then the timed run.
-fn generate(dir: &Path, prompt: usize, new: usize, rows: usize) {
-    let model: Policy<InferBackend> = load_hf(dir, &Default::default()).expect("load");
+fn generate<B: Kernels>(dir: &Path, prompt: usize, new: usize, rows: usize) {
+    let model: Policy<B> = load_hf(dir, &Default::default()).expect("load");
     let (secs, tokens) = time_generation(&model, prompt, new, rows);
     println!(
         "{{\"rows\": {rows}, \"prompt\": {prompt}, \"new\": {new}, \"tokens\": {tokens}, \
@@ -352,8 +354,8 @@ fn teacher(size: &str, dir: &Path, groups: usize) {
 }
 
 /// Seconds and tokens of generating NEW tokens for ROWS rows after a warm-up run.
-fn time_generation(
-    model: &Policy<InferBackend>,
+fn time_generation<B: Kernels>(
+    model: &Policy<B>,
     prompt: usize,
     new: usize,
     rows: usize,
@@ -569,7 +571,13 @@ fn main() {
     match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
         ["write", size, dir] => write(size, Path::new(dir)),
         ["load", dir] => load(Path::new(dir)),
-        ["generate", dir, prompt, new, rows] => generate(
+        ["generate", dir, prompt, new, rows] => generate::<InferBackend>(
+            Path::new(dir),
+            prompt.parse().expect("PROMPT: a token count"),
+            new.parse().expect("NEW: a token count"),
+            rows.parse().expect("ROWS: a count"),
+        ),
+        ["generate-ndarray", dir, prompt, new, rows] => generate::<NdArray>(
             Path::new(dir),
             prompt.parse().expect("PROMPT: a token count"),
             new.parse().expect("NEW: a token count"),
@@ -626,7 +634,7 @@ fn main() {
         }
         _ => panic!(
             "usage: write SIZE DIR | step DIR MICRO STEPS | load DIR | \
-             generate DIR PROMPT NEW ROWS | bf16 DIR OUT | weights DIR LRS STEPS STORE | \
+             generate[-ndarray] DIR PROMPT NEW ROWS | bf16 DIR OUT | weights DIR LRS STEPS STORE | \
              step-lora DIR MICRO STEPS RANK | generate-lora DIR PROMPT NEW ROWS RANK | \
              teacher SIZE DIR GROUPS"
         ),

@@ -41,12 +41,12 @@
 //! and prints the median step time and the process's peak resident memory. Writing the
 //! checkpoint in its own process keeps model construction out of that peak.
 
+use burn::backend::NdArray;
 use burn::module::AutodiffModule;
 use rlstream::config::{PolicySettings, TrainConfig};
 use rlstream::model::hf::load_hf;
 use rlstream::model::sampler::{Generator, Request};
 use rlstream::model::tensors::WeightDtype;
-use burn::backend::NdArray;
 use rlstream::model::{Architecture, InferBackend, Kernels, Policy, PolicyConfig};
 use rlstream::schema::{
     self, FinishReason, Sample, SamplingParams, SchemaVersion, ScoredGroup, VersionRun,

@@ -5,7 +5,7 @@
 //!
 //! The policies are the checkpoints of an `rlstream run` of an MoE model (`--experts`,
 //! `--checkpoint-every 1`). For each pair (sampler at step `s`, trainer at step `s + lag`)
-//! the sampler generates on Flex, as `gen` does, either with the f32 weights or with them
+//! the sampler generates as `gen` does (NdArray, weights `[out, in]`), either with the f32 weights or with them
 //! rounded to bf16 (as `--wire-dtype bf16` ships them: the precision gap an inference engine
 //! in bf16 has to an f32 trainer); the trainer scores on Autodiff over NdArray, in f32, as
 //! `train` does. Printed per setting: the share of recorded (token, MoE layer) decisions

@@ -71,13 +71,13 @@ def gen_rows(python, size, ckpt):
     for prompt, new, rows in GEN[size]:
         shape = (str(prompt), str(new), str(rows))
         ours = rust("generate", ckpt, *shape)
-        native = rust("generate-ndarray", ckpt, *shape)
+        flex = rust("generate-flex", ckpt, *shape)
         for dtype in ("float32", "bfloat16"):
             theirs = torch_gen_load(python, "generate", ckpt, dtype, *shape)
             work = f"generate {rows} x {new} after {prompt}"
             out.append((work, dtype, ours, theirs))
-            out.append((work + " (trainer's kernels)", dtype, native, theirs))
-            print(json.dumps({"rlstream": ours, "native": native, "torch": theirs}),
+            out.append((work + " (Flex, the sampler before)", dtype, flex, theirs))
+            print(json.dumps({"rlstream": ours, "flex": flex, "torch": theirs}),
                   file=sys.stderr)
     return out
 

@@ -5,7 +5,7 @@
 //! cargo bench --bench train_scale -- step DIR MICRO STEPS    # time it; prints JSON
 //! cargo bench --bench train_scale -- load DIR                # load time and peak memory
 //! cargo bench --bench train_scale -- generate DIR PROMPT NEW ROWS   # tokens/s, peak memory
-//! cargo bench --bench train_scale -- generate-ndarray DIR PROMPT NEW ROWS   # on the trainer's kernels
+//! cargo bench --bench train_scale -- generate-flex DIR PROMPT NEW ROWS   # on Flex, the sampler before
 //! cargo bench --bench train_scale -- bf16 DIR OUT            # DIR's weights as bf16 in OUT
 //! cargo bench --bench train_scale -- weights DIR LRS STEPS STORE   # version sizes, publish-to-swap
 //! cargo bench --bench train_scale -- step-lora DIR MICRO STEPS RANK    # `step` training a LoRA adapter
@@ -41,7 +41,6 @@
 //! and prints the median step time and the process's peak resident memory. Writing the
 //! checkpoint in its own process keeps model construction out of that peak.
 
-use burn::backend::NdArray;
 use burn::module::AutodiffModule;
 use rlstream::config::{PolicySettings, TrainConfig};
 use rlstream::model::hf::load_hf;
@@ -241,7 +240,7 @@ fn step(dir: &Path, micro: usize, steps: usize, rank: usize) {
     );
 }
 
-/// Loads DIR for generation (the Flex backend, as `rlstream gen` does) and reports the time
+/// Loads DIR for generation (as `rlstream gen` does) and reports the time
 /// and the process's peak memory.
 fn load(dir: &Path) {
     let base = peak_rss_mb();
@@ -577,7 +576,7 @@ fn main() {
             new.parse().expect("NEW: a token count"),
             rows.parse().expect("ROWS: a count"),
         ),
-        ["generate-ndarray", dir, prompt, new, rows] => generate::<NdArray>(
+        ["generate-flex", dir, prompt, new, rows] => generate::<burn::backend::Flex>(
             Path::new(dir),
             prompt.parse().expect("PROMPT: a token count"),
             new.parse().expect("NEW: a token count"),
@@ -634,7 +633,7 @@ fn main() {
         }
         _ => panic!(
             "usage: write SIZE DIR | step DIR MICRO STEPS | load DIR | \
-             generate[-ndarray] DIR PROMPT NEW ROWS | bf16 DIR OUT | weights DIR LRS STEPS STORE | \
+             generate[-flex] DIR PROMPT NEW ROWS | bf16 DIR OUT | weights DIR LRS STEPS STORE | \
              step-lora DIR MICRO STEPS RANK | generate-lora DIR PROMPT NEW ROWS RANK | \
              teacher SIZE DIR GROUPS"
         ),

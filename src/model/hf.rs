@@ -13,7 +13,7 @@ use super::tensors::{
     HostTensor, TensorMap, WeightDtype, read_safetensors_file, safetensors_to_tensors,
     tensors_to_safetensors, tensors_to_safetensors_as, transpose,
 };
-use super::{ModelError, host_f32};
+use super::{Kernels, ModelError, host_f32};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
 use std::borrow::Cow;
@@ -71,7 +71,7 @@ pub fn expected_tensors(cfg: &PolicyConfig) -> Vec<(String, Vec<usize>)> {
     out
 }
 
-impl<B: Backend> Policy<B> {
+impl<B: Kernels> Policy<B> {
     /// Builds the policy from named tensors, checking every name and shape. The tensors
     /// are copied; [`Policy::from_owned_tensors`] moves them instead.
     pub fn from_tensors(
@@ -157,6 +157,17 @@ impl<B: Backend> Policy<B> {
         Self::from_owned_tensors(cfg, tensors, device)
     }
 
+    /// A fresh policy from a weight blob; the running model is not touched.
+    pub fn from_bytes(
+        cfg: &PolicyConfig,
+        bytes: &[u8],
+        device: &B::Device,
+    ) -> Result<Self, ModelError> {
+        Self::from_owned_tensors(cfg, safetensors_to_tensors(bytes, None)?, device)
+    }
+}
+
+impl<B: Backend> Policy<B> {
     /// Every parameter by HF name, copied to the host. A model with an adapter gives its
     /// merged weights (what a plain Hugging Face model of it holds).
     pub fn to_tensors(&self) -> Result<TensorMap, ModelError> {
@@ -191,15 +202,6 @@ impl<B: Backend> Policy<B> {
         tensors_to_safetensors(&self.to_tensors()?)
     }
 
-    /// A fresh policy from a weight blob; the running model is not touched.
-    pub fn from_bytes(
-        cfg: &PolicyConfig,
-        bytes: &[u8],
-        device: &B::Device,
-    ) -> Result<Self, ModelError> {
-        Self::from_owned_tensors(cfg, safetensors_to_tensors(bytes, None)?, device)
-    }
-
     /// Writes `config.json` and `model.safetensors` into `dir` (created if missing), f32.
     pub fn save_hf(&self, dir: &Path) -> Result<(), ModelError> {
         self.save_hf_as(dir, WeightDtype::F32)
@@ -221,7 +223,7 @@ impl<B: Backend> Policy<B> {
 
 /// Named host tensors, checked against the shapes a config expects and made into burn
 /// tensors and modules on `device`.
-struct Loader<'a, 'd, B: Backend, F> {
+struct Loader<'a, 'd, B: Kernels, F> {
     /// Where the tensors `take` hands out live (borrowed from a map, or owned).
     source: std::marker::PhantomData<Cow<'a, HostTensor>>,
     cfg: &'d PolicyConfig,
@@ -233,7 +235,7 @@ struct Loader<'a, 'd, B: Backend, F> {
 
 impl<'a, 'd, B, F> Loader<'a, 'd, B, F>
 where
-    B: Backend,
+    B: Kernels,
     F: Fn(&str) -> Option<Cow<'a, HostTensor>>,
 {
     fn get(&self, name: &str) -> Result<Cow<'a, HostTensor>, ModelError> {
@@ -258,12 +260,20 @@ where
         ))
     }
 
-    /// A linear weight: HF stores `[out, in]`, burn's `Linear` wants `[in, out]`. Transposed
-    /// on the host so the parameter is contiguous (a transposed view would be copied on
-    /// every forward pass).
+    /// A linear weight: HF stores `[out, in]`, burn's `Linear` wants `[in, out]`. A backend
+    /// with [`Kernels::DECODE_LAYOUT`] keeps the stored order and reads it as a transposed
+    /// view, unless it records gradients; otherwise the weight is transposed on the host so
+    /// the parameter is contiguous (the backward's products read it row-major).
     fn linear_weight(&self, name: &str) -> Result<Tensor<B, 2>, ModelError> {
         let t = self.get(name)?;
         let (rows, cols) = (t.shape[0], t.shape[1]);
+        if B::DECODE_LAYOUT && !B::ad_enabled(self.device) {
+            let stored = Tensor::<B, 2>::from_data(
+                TensorData::new(t.into_owned().data, [rows, cols]),
+                self.device,
+            );
+            return Ok(stored.transpose());
+        }
         Ok(Tensor::from_data(
             TensorData::new(transpose(&t.data, rows, cols), [cols, rows]),
             self.device,
@@ -438,7 +448,7 @@ impl Collected {
 
 /// Loads `config.json` plus `model.safetensors` or a sharded
 /// `model.safetensors.index.json` from a Hugging Face model directory.
-pub fn load_hf<B: Backend>(dir: &Path, device: &B::Device) -> Result<Policy<B>, ModelError> {
+pub fn load_hf<B: Kernels>(dir: &Path, device: &B::Device) -> Result<Policy<B>, ModelError> {
     let config_path = dir.join("config.json");
     let text = std::fs::read_to_string(&config_path).map_err(|e| ModelError::MissingFile {
         path: config_path.display().to_string(),
@@ -653,5 +663,52 @@ mod tests {
             .expect_err("header length")
             .to_string();
         assert!(err.contains("header length"), "{err}");
+    }
+
+    /// Whether an NdArray matrix is stored row-major (not a transposed view).
+    fn row_major(t: Tensor<NdArray, 2>) -> bool {
+        match t.into_primitive().tensor() {
+            burn::backend::ndarray::NdArrayTensor::F32(s) => s.into_shared().is_standard_layout(),
+            _ => panic!("an f32 weight"),
+        }
+    }
+
+    /// A model built for generation on NdArray keeps its linear weights as checkpoints store
+    /// them (`[out, in]`, read as transposed views), so a decode step takes the few-row kernel;
+    /// the trainer's copy (autodiff) holds them `[in, out]` row-major. Both are the same model,
+    /// and the few-row and general products of a layer agree.
+    #[test]
+    fn generation_models_keep_linear_weights_as_checkpoints_store_them() {
+        let cfg = PolicyConfig::tiny(Architecture::Qwen2, 40);
+        let generation = Policy::<NdArray>::random(&cfg, 1, &Default::default()).expect("policy");
+        let trainer =
+            Policy::<burn::backend::Autodiff<NdArray>>::random(&cfg, 1, &Default::default())
+                .expect("policy");
+        let (g, t) = (&generation.blocks[0].attn.q, &trainer.blocks[0].attn.q);
+        assert!(!row_major(g.weight.val()));
+        assert!(row_major(t.weight.val().inner()));
+        assert_eq!(
+            generation.to_tensors().expect("tensors"),
+            trainer.to_tensors().expect("tensors")
+        );
+        let x = Tensor::<NdArray, 2>::random(
+            [5, cfg.hidden_size],
+            burn::tensor::Distribution::Normal(0.0, 1.0),
+            &Default::default(),
+        );
+        let bias = || g.bias.as_ref().map(|b| b.val());
+        let few = <NdArray as Kernels>::linear_rows(x.clone(), g.weight.val(), bias());
+        let general = <NdArray as Kernels>::linear_rows(x, t.weight.val().inner(), bias());
+        let (few, general) = (
+            few.into_data().to_vec::<f32>().unwrap_or_default(),
+            general.into_data().to_vec::<f32>().unwrap_or_default(),
+        );
+        for (a, b) in few.iter().zip(&general) {
+            assert!(
+                (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                "few-row {a} vs general {b}"
+            );
+        }
+        assert_eq!(few.len(), 5 * cfg.hidden_size);
     }
 }

@@ -15,7 +15,7 @@
 use super::layers::{BlockLora, Lora, Target};
 use super::llama::Policy;
 use super::tensors::{HostTensor, TensorMap, WeightDtype, tensors_checksum};
-use super::{ModelError, host_f32};
+use super::{Kernels, ModelError, host_f32};
 use burn::module::{Module, Param};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
@@ -463,7 +463,7 @@ pub fn read_adapter(dir: &Path) -> Result<(LoraSpec, TensorMap), ModelError> {
 }
 
 /// Loads the base model in `model_dir` with the adapter in `adapter_dir` applied.
-pub fn load_with_adapter<B: Backend>(
+pub fn load_with_adapter<B: Kernels>(
     model_dir: &Path,
     adapter_dir: &Path,
     device: &B::Device,

@@ -35,10 +35,11 @@ pub use config::{Architecture, MoeConfig, PolicyConfig};
 pub use kernels::Kernels;
 pub use llama::{KvCache, Policy};
 
-/// The CPU backend generation runs on. Chosen by measurement (`cargo bench --bench model`,
-/// BENCHMARKS.md): Flex samples 3× faster than NdArray at batch 32.
+/// The CPU backend generation runs on: NdArray with the trainer's native kernels
+/// ([`Kernels`]), its linear weights kept `[out, in]` so that a decode step streams each
+/// once ([`Kernels::DECODE_LAYOUT`]). Measured against Flex and PyTorch in BENCHMARKS.md.
 #[cfg(not(feature = "cuda"))]
-pub type InferBackend = burn::backend::Flex;
+pub type InferBackend = burn::backend::NdArray;
 /// The backend training runs on: autodiff over NdArray, whose train step measured 1.26×
 /// faster than Flex's. Weights move between the two as bytes, as they do between processes.
 #[cfg(not(feature = "cuda"))]

@@ -56,7 +56,7 @@ pub struct Follower<B: Backend> {
 /// How many announces a follower remembers (a chain is at most `keyframe_every` long).
 const SEEN_LIMIT: usize = 4096;
 
-impl<B: Backend> Follower<B>
+impl<B: crate::model::Kernels> Follower<B>
 where
     B::Device: Default,
 {

@@ -28,7 +28,7 @@ use rlstream::env::play::{Answer, EpisodeLimits, answer};
 use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
 use rlstream::model::sampler::{Completion, Generator, Request, Resumed, TurnLimits};
 use rlstream::model::tokenizer::{CharTokenizer, Tokenizer};
-use rlstream::model::{InferBackend, Policy, TrainBackend};
+use rlstream::model::{InferBackend, Kernels, Policy, TrainBackend};
 use rlstream::schema::{self, RolloutGroup, Sample, SamplingParams, ScoredGroup};
 use rlstream::tasks;
 use std::time::{Duration, Instant};
@@ -64,8 +64,8 @@ fn versions(dir: &std::path::Path) -> Vec<Policy<InferBackend>> {
 /// runs the first decode pass, version 1 the passes after it (a swap inside the first
 /// turn), and version 2 everything after the first environment answer (a swap between
 /// turns).
-fn play_with_swaps(
-    models: &[Policy<InferBackend>],
+fn play_with_swaps<B: Kernels>(
+    models: &[Policy<B>],
     game: &Guess,
     n: usize,
     top_k: u32,
@@ -159,11 +159,29 @@ fn the_trainer_scores_every_model_token_as_the_sampler_did_across_weight_swaps()
             .expect("train copy")
         })
         .collect();
+    // The sampler generation ran on before the trainer's kernels: Flex.
+    let flex: Vec<Policy<burn::backend::Flex>> = models
+        .iter()
+        .map(|m| {
+            Policy::from_bytes(
+                m.config(),
+                &m.to_bytes().expect("bytes"),
+                &Default::default(),
+            )
+            .expect("flex copy")
+        })
+        .collect();
     let game = Guess::new(17, 30);
     let (mut swapped_inside, mut swapped_between, mut env_tokens, mut checked) = (0, 0, 0, 0);
     let mut stale_cache_gap = 0f32;
     for top_k in [0, 8] {
-        let group = through_the_wire(&game, play_with_swaps(&models, &game, 6, top_k), top_k);
+        let played = play_with_swaps(&models, &game, 6, top_k);
+        crate::decode_kernels::assert_same_generation(
+            &format!("episodes, top-k {top_k}"),
+            &played,
+            &play_with_swaps(&flex, &game, 6, top_k),
+        );
+        let group = through_the_wire(&game, played, top_k);
         // An episode is 2.1; with sampling masks (packed kept sets) 3.0.
         let (major, minor) = if top_k > 0 { (3, 0) } else { (2, 1) };
         assert_eq!(

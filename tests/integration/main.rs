@@ -12,6 +12,7 @@ mod chaos;
 mod chat_pipeline;
 mod chat_template;
 mod common;
+mod decode_kernels;
 mod distill;
 mod episodes;
 mod generate_cli;

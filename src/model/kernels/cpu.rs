@@ -2,7 +2,7 @@
 //! cores by rayon, each output written once into a fresh buffer. A tensor of another dtype
 //! takes the composed path.
 
-use super::{Kernels, inv_temperature, reference};
+use super::{Kernels, inv_temperature, reference, rows};
 use burn::backend::NdArray;
 use burn::backend::ndarray::NdArrayTensor;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
@@ -61,6 +61,14 @@ impl Host {
             .unwrap_or_else(|e| unreachable!("a rank-2 tensor: {e}"))
     }
 
+    /// A matrix's values in memory order: row-major, or for a transposed view the
+    /// row-major values of the matrix it transposes.
+    fn memory(&self) -> &[f32] {
+        self.0
+            .as_slice_memory_order()
+            .unwrap_or_else(|| unreachable!("a row- or column-major matrix is contiguous"))
+    }
+
     fn slice(&self) -> &[f32] {
         self.0
             .as_slice()
@@ -90,6 +98,7 @@ fn sigmoid(x: f32) -> f32 {
 
 impl Kernels for NdArray {
     const NATIVE_LINEAR: bool = true;
+    const DECODE_LAYOUT: bool = true;
 
     /// One matrix product on the operands as stored (BLAS reads a transposed view through
     /// its transpose flag), the bias written first and added by the product's `beta`.
@@ -102,9 +111,22 @@ impl Kernels for NdArray {
         if !all_f32(&[x.dtype(), weight.dtype()]) || !bias_f32 {
             return reference::linear(x, weight, bias);
         }
-        let n = x.dims()[0];
+        let [n, d_in] = x.dims();
         let out = weight.dims()[1];
-        let (x, w) = (Host::matrix_of(x), Host::matrix_of(weight));
+        let w = Host::matrix_of(weight);
+        if w.is_transposed() && n <= rows::MAX_ROWS {
+            // A decode step on a weight stored `[out, in]`: one pass over the weight.
+            let x = Host::of(x);
+            let mut y = rows::rows_by_transposed(x.slice(), n, w.memory(), out, d_in);
+            if let Some(bias) = bias {
+                let bias = Host::of(bias);
+                for row in y.chunks_exact_mut(out.max(1)) {
+                    row.iter_mut().zip(bias.slice()).for_each(|(v, b)| *v += b);
+                }
+            }
+            return tensor(y, [n, out]);
+        }
+        let x = Host::matrix_of(x);
         let (mut y, beta) = match bias {
             Some(bias) => {
                 let bias = Host::of(bias);

@@ -22,6 +22,7 @@
 mod autodiff;
 mod cpu;
 pub mod reference;
+mod rows;
 
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
@@ -40,6 +41,11 @@ pub trait Kernels: Backend {
     /// `Linear` on the input's own rank (Flex's matrix product parallelises, and rounds,
     /// by that shape).
     const NATIVE_LINEAR: bool = false;
+
+    /// Whether a model built for generation (no gradients) keeps its linear weights in the
+    /// checkpoint's `[out, in]` order, read as transposed views: [`Kernels::linear_rows`]
+    /// then streams each weight once for a few rows (a decode step) instead of packing it.
+    const DECODE_LAYOUT: bool = false;
 
     /// `x · weight + bias` for `x` `[n, in]` and `weight` `[in, out]` (burn's layout).
     fn linear_rows(

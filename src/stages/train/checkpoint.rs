@@ -211,7 +211,7 @@ pub fn stage(
 
 /// The policy checkpoint `dir` holds, for generation: its model, or, for a LoRA checkpoint,
 /// `base` with the adapter merged in.
-pub fn load_policy<B: burn::tensor::backend::Backend>(
+pub fn load_policy<B: crate::model::Kernels>(
     dir: &Path,
     base: &Path,
 ) -> Result<crate::model::Policy<B>, CheckpointError> {

@@ -1,0 +1,222 @@
+//! Products of a few rows with a weight stored `[out, in]`: the linear layers of a decode
+//! step.
+//!
+//! A decode step multiplies a handful of rows (one per sequence in flight) by every weight
+//! of the model once, so its speed is how fast the weights stream from memory. A general
+//! matrix product (matrixmultiply, BLAS) first packs the weight into panels, reading and
+//! writing all of it once more on every call. Here each output is a dot product of an input
+//! row with one row of the weight stored `[out, in]` (the layout Hugging Face checkpoints
+//! and a tied embedding already have): the weight streams through once, each of its rows
+//! shared by three input rows while it sits in L1, four weight rows at a time, the output
+//! columns split over the cores.
+//!
+//! Every output is summed in one fixed order (eight lanes over `in`, the lanes folded
+//! pairwise, then the tail), whatever the number of rows, their grouping or the split over
+//! cores: a row's result does not depend on its batch-mates.
+
+use rayon::prelude::*;
+
+/// Up to this many rows take this kernel; more take the general matrix product, whose
+/// packing pays for itself once the weight is reused by enough rows (measured on a 2-core
+/// AVX2 machine at the 0.5B shape: see BENCHMARKS.md).
+pub(super) const MAX_ROWS: usize = 64;
+
+/// Weights handed to one task (1 MiB of f32): a small layer stays on one core.
+const TASK_WEIGHTS: usize = 1 << 18;
+
+/// `y = x · wtᵀ`: `x` `[rows, k]` and `wt` `[n, k]`, both row-major; `y` `[rows, n]` row-major.
+pub(super) fn rows_by_transposed(
+    x: &[f32],
+    rows: usize,
+    wt: &[f32],
+    n: usize,
+    k: usize,
+) -> Vec<f32> {
+    assert_eq!(x.len(), rows * k, "x is [rows, k]");
+    assert_eq!(wt.len(), n * k, "wt is [n, k]");
+    if rows == 0 || n == 0 {
+        return vec![0.0; rows * n];
+    }
+    // Written transposed, `[n, rows]`, so that each task's columns are one contiguous run.
+    let cols = (TASK_WEIGHTS / k.max(1)).max(4).next_multiple_of(4);
+    let mut yt = vec![0f32; n * rows];
+    yt.par_chunks_mut(cols * rows)
+        .zip(wt.par_chunks(cols * k))
+        .for_each(|(out, w)| block(x, rows, k, w, out));
+    crate::model::tensors::transpose(&yt, n, rows)
+}
+
+/// `out[c * rows + r] = x[r] · w[c]` for the weight rows `w` `[cols, k]`.
+fn block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32]) {
+    #[cfg(target_arch = "x86_64")]
+    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+        // SAFETY: the CPU has AVX2 and FMA (checked above); the slices' lengths are the
+        // ones `block_avx2` reads within (`x` `[rows, k]`, `w` `[cols, k]`, `out`
+        // `[cols, rows]`), asserted by the caller and by the chunking.
+        unsafe { avx2::block(x, rows, k, w, out) };
+        return;
+    }
+    portable_block(x, rows, k, w, out);
+}
+
+/// Eight lanes as the AVX2 path keeps them, folded in the same order.
+fn fold(a: [f32; 8]) -> f32 {
+    let s = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
+    (s[0] + s[2]) + (s[1] + s[3])
+}
+
+fn portable_block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32]) {
+    let k8 = k - k % 8;
+    for (wr, o) in w.chunks_exact(k).zip(out.chunks_exact_mut(rows)) {
+        for (xr, y) in x.chunks_exact(k).zip(o.iter_mut()) {
+            let mut acc = [0f32; 8];
+            for (xc, wc) in xr[..k8].chunks_exact(8).zip(wr[..k8].chunks_exact(8)) {
+                for l in 0..8 {
+                    acc[l] += xc[l] * wc[l];
+                }
+            }
+            let mut s = fold(acc);
+            for (a, b) in xr[k8..].iter().zip(&wr[k8..]) {
+                s += a * b;
+            }
+            *y = s;
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx2 {
+    use std::arch::x86_64::*;
+
+    /// Four weight rows by three input rows: twelve accumulators, three input loads and
+    /// four weight loads per eight values of `k`.
+    const COLS: usize = 4;
+    const ROWS: usize = 3;
+
+    #[target_feature(enable = "avx2,fma")]
+    fn fold(v: __m256) -> f32 {
+        // Lanes i and i + 4, then 0 + 2 and 1 + 3, then the two: `super::fold`'s order.
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+        _mm_cvtss_f32(s)
+    }
+
+    /// See [`super::block`].
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `x.len() == rows * k`, `w.len() == cols * k` and
+    /// `out.len() == cols * rows` for some `cols`, with `rows > 0` and `k > 0`.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32]) {
+        let cols = w.len() / k;
+        debug_assert_eq!(out.len(), cols * rows);
+        let k8 = k - k % 8;
+        for c in (0..cols).step_by(COLS) {
+            let nc = (cols - c).min(COLS);
+            // A short last group repeats its last row (computed, not stored).
+            let wr: [&[f32]; COLS] = std::array::from_fn(|i| {
+                let j = c + i.min(nc - 1);
+                &w[j * k..(j + 1) * k]
+            });
+            for r in (0..rows).step_by(ROWS) {
+                let nr = (rows - r).min(ROWS);
+                let xr: [&[f32]; ROWS] = std::array::from_fn(|i| {
+                    let j = r + i.min(nr - 1);
+                    &x[j * k..(j + 1) * k]
+                });
+                let mut acc = [_mm256_setzero_ps(); ROWS * COLS];
+                let mut i = 0;
+                while i < k8 {
+                    // SAFETY: `i + 8 <= k8 <= k`, the length of every row slice.
+                    let xv: [__m256; ROWS] =
+                        std::array::from_fn(|a| unsafe { _mm256_loadu_ps(xr[a].as_ptr().add(i)) });
+                    for (cc, row) in wr.iter().enumerate() {
+                        // SAFETY: as above.
+                        let wv = unsafe { _mm256_loadu_ps(row.as_ptr().add(i)) };
+                        for a in 0..ROWS {
+                            acc[a * COLS + cc] = _mm256_fmadd_ps(xv[a], wv, acc[a * COLS + cc]);
+                        }
+                    }
+                    i += 8;
+                }
+                for a in 0..nr {
+                    for cc in 0..nc {
+                        let mut s = fold(acc[a * COLS + cc]);
+                        for t in k8..k {
+                            s = xr[a][t].mul_add(wr[cc][t], s);
+                        }
+                        out[(c + cc) * rows + r + a] = s;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn values(n: usize, seed: u32) -> Vec<f32> {
+        (0..n)
+            .map(|i| ((i as u32).wrapping_mul(2_654_435_761) ^ seed) % 1000)
+            .map(|v| v as f32 / 500.0 - 1.0)
+            .collect()
+    }
+
+    /// Against a plain f64 product, at sizes with every kind of remainder (rows not a
+    /// multiple of 3, columns not of 4, `k` not of 8, several tasks).
+    #[test]
+    fn matches_the_plain_product() {
+        for &(rows, n, k) in &[(1, 1, 1), (2, 5, 7), (3, 4, 8), (8, 130, 67), (5, 4099, 96)] {
+            let (x, wt) = (values(rows * k, 1), values(n * k, 2));
+            let y = rows_by_transposed(&x, rows, &wt, n, k);
+            for r in 0..rows {
+                for j in 0..n {
+                    let want: f64 = (0..k)
+                        .map(|t| f64::from(x[r * k + t]) * f64::from(wt[j * k + t]))
+                        .sum();
+                    let got = f64::from(y[r * n + j]);
+                    assert!(
+                        (got - want).abs() <= 1e-5 * (1.0 + want.abs()),
+                        "{rows}x{n}x{k} [{r},{j}]: {got} vs {want}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// A row's outputs are the same bits alone, in a group of three, and amid 12 others.
+    #[test]
+    fn a_rows_result_does_not_depend_on_its_batch_mates() {
+        let (n, k) = (37, 203);
+        let wt = values(n * k, 3);
+        let x = values(13 * k, 4);
+        let all = rows_by_transposed(&x, 13, &wt, n, k);
+        for r in [0, 4, 12] {
+            let alone = rows_by_transposed(&x[r * k..(r + 1) * k], 1, &wt, n, k);
+            assert_eq!(alone, all[r * n..(r + 1) * n], "row {r}");
+        }
+    }
+
+    #[test]
+    fn the_portable_path_sums_in_the_same_order_up_to_fused_products() {
+        let (rows, n, k) = (4, 9, 77);
+        let (x, wt) = (values(rows * k, 5), values(n * k, 6));
+        let mut out = vec![0f32; n * rows];
+        portable_block(&x, rows, k, &wt, &mut out);
+        let y = rows_by_transposed(&x, rows, &wt, n, k);
+        for r in 0..rows {
+            for j in 0..n {
+                assert!((out[j * rows + r] - y[r * n + j]).abs() < 1e-4);
+            }
+        }
+    }
+
+    #[test]
+    fn no_rows_or_no_columns() {
+        assert!(rows_by_transposed(&[], 0, &values(12, 1), 3, 4).is_empty());
+        assert!(rows_by_transposed(&values(8, 1), 2, &[], 0, 4).is_empty());
+    }
+}

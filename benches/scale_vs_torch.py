@@ -6,7 +6,7 @@ peak memory of loading the checkpoint, f32 and bf16, and generation tokens/s (0.
 128, 8 and 64 rows x 128 new tokens; small: prompt 16, 32 x 128).
 
     python benches/scale_vs_torch.py [--sizes small,0.5b] [--steps 3] [--features blas]
-                                     [--parts train,gen]
+                                     [--parts train,gen] [--flex]
 
 PYTHON (default: this interpreter) must have torch and transformers. Sizes: `small` (0.8M
 parameters, 32 x 64 tokens; micro-batches of 512 tokens) and `0.5b` (Qwen2.5-0.5B's shape,
@@ -58,8 +58,9 @@ def torch_gen_load(python, *args):
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def gen_rows(python, size, ckpt):
-    """Load (f32 and bf16 files) and generation, rlstream and PyTorch, one process each."""
+def gen_rows(python, size, ckpt, flex):
+    """Load (f32 and bf16 files) and generation, rlstream and PyTorch, one process each; with
+    `flex`, also rlstream's generation on Flex (the sampler before the trainer's kernels)."""
     bf16 = ckpt + "-bf16"
     rust("bf16", ckpt, bf16)
     out = []
@@ -71,13 +72,14 @@ def gen_rows(python, size, ckpt):
     for prompt, new, rows in GEN[size]:
         shape = (str(prompt), str(new), str(rows))
         ours = rust("generate", ckpt, *shape)
-        flex = rust("generate-flex", ckpt, *shape)
+        before = rust("generate-flex", ckpt, *shape) if flex else None
         for dtype in ("float32", "bfloat16"):
             theirs = torch_gen_load(python, "generate", ckpt, dtype, *shape)
             work = f"generate {rows} x {new} after {prompt}"
             out.append((work, dtype, ours, theirs))
-            out.append((work + " (Flex, the sampler before)", dtype, flex, theirs))
-            print(json.dumps({"rlstream": ours, "flex": flex, "torch": theirs}),
+            if before:
+                out.append((work + " (Flex, the sampler before)", dtype, before, theirs))
+            print(json.dumps({"rlstream": ours, "flex": before, "torch": theirs}),
                   file=sys.stderr)
     return out
 
@@ -89,6 +91,8 @@ def main():
     ap.add_argument("--features", default="", help="cargo features for rlstream (e.g. blas)")
     ap.add_argument("--no-micro", action="store_true", help="one pass only")
     ap.add_argument("--parts", default="train", help="train, gen or train,gen")
+    ap.add_argument("--flex", action="store_true",
+                    help="gen: also generate on Flex, the sampler before the trainer's kernels")
     args = ap.parse_args()
     if args.features:
         FEATURES.extend(["--features", args.features])
@@ -100,7 +104,7 @@ def main():
             ckpt = str(pathlib.Path(tmp) / size)
             info = rust("write", size, ckpt)
             if "gen" in parts:
-                gens += [(size, *g) for g in gen_rows(python, size, ckpt)]
+                gens += [(size, *g) for g in gen_rows(python, size, ckpt, args.flex)]
             for micro in ((0,) if args.no_micro else (0, MICRO[size])) if "train" in parts else ():
                 ours = rust("step", ckpt, str(micro), str(args.steps))
                 theirs = torch_step(python, ckpt, micro, args.steps)

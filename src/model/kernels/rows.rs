@@ -114,26 +114,38 @@ mod avx2 {
         let k8 = k - k % 8;
         for c in (0..cols).step_by(COLS) {
             let nc = (cols - c).min(COLS);
-            // A short last group repeats its last row (computed, not stored).
-            let wr: [&[f32]; COLS] = std::array::from_fn(|i| {
-                let j = c + i.min(nc - 1);
-                &w[j * k..(j + 1) * k]
-            });
+            // A short last group repeats its last row (computed, not stored). No closures
+            // here: they would not inherit this function's target features.
+            let row_of = |m: &'_ [f32], j: usize| -> *const f32 { m[j * k..(j + 1) * k].as_ptr() };
+            let last = c + nc - 1;
+            let wr = [
+                row_of(w, c),
+                row_of(w, (c + 1).min(last)),
+                row_of(w, (c + 2).min(last)),
+                row_of(w, (c + 3).min(last)),
+            ];
             for r in (0..rows).step_by(ROWS) {
                 let nr = (rows - r).min(ROWS);
-                let xr: [&[f32]; ROWS] = std::array::from_fn(|i| {
-                    let j = r + i.min(nr - 1);
-                    &x[j * k..(j + 1) * k]
-                });
+                let last = r + nr - 1;
+                let xr = [
+                    row_of(x, r),
+                    row_of(x, (r + 1).min(last)),
+                    row_of(x, (r + 2).min(last)),
+                ];
                 let mut acc = [_mm256_setzero_ps(); ROWS * COLS];
                 let mut i = 0;
                 while i < k8 {
-                    // SAFETY: `i + 8 <= k8 <= k`, the length of every row slice.
-                    let xv: [__m256; ROWS] =
-                        std::array::from_fn(|a| unsafe { _mm256_loadu_ps(xr[a].as_ptr().add(i)) });
+                    // SAFETY: every pointer starts a row of `k` values and `i + 8 <= k8 <= k`.
+                    let xv = unsafe {
+                        [
+                            _mm256_loadu_ps(xr[0].add(i)),
+                            _mm256_loadu_ps(xr[1].add(i)),
+                            _mm256_loadu_ps(xr[2].add(i)),
+                        ]
+                    };
                     for (cc, row) in wr.iter().enumerate() {
                         // SAFETY: as above.
-                        let wv = unsafe { _mm256_loadu_ps(row.as_ptr().add(i)) };
+                        let wv = unsafe { _mm256_loadu_ps(row.add(i)) };
                         for a in 0..ROWS {
                             acc[a * COLS + cc] = _mm256_fmadd_ps(xv[a], wv, acc[a * COLS + cc]);
                         }
@@ -144,7 +156,9 @@ mod avx2 {
                     for cc in 0..nc {
                         let mut s = fold(acc[a * COLS + cc]);
                         for t in k8..k {
-                            s = xr[a][t].mul_add(wr[cc][t], s);
+                            // SAFETY: `t < k`, within the rows.
+                            let (xt, wt) = unsafe { (*xr[a].add(t), *wr[cc].add(t)) };
+                            s = xt.mul_add(wt, s);
                         }
                         out[(c + cc) * rows + r + a] = s;
                     }

@@ -17,8 +17,9 @@
 use rayon::prelude::*;
 
 /// Up to this many rows take this kernel; more take the general matrix product, whose
-/// packing pays for itself once the weight is reused by enough rows (measured on a 2-core
-/// AVX2 machine at the 0.5B shape: see BENCHMARKS.md).
+/// packing pays for itself once the weight is reused by enough rows. On a 2-core AVX2
+/// machine, at the 0.5B shape's layers (896 → 4864, 4864 → 896, 896 → 151,936), this
+/// kernel still took 20–32% less time than threaded `matrixmultiply` at 64 rows.
 pub(super) const MAX_ROWS: usize = 64;
 
 /// Weights handed to one task (1 MiB of f32): a small layer stays on one core.

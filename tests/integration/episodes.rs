@@ -144,33 +144,28 @@ fn through_the_wire(game: &Guess, done: Vec<Completion>, top_k: u32) -> RolloutG
     schema::decode(&schema::encode(&g).expect("encode")).expect("a valid episode group")
 }
 
+/// `models` on backend `C`, through the published-weights bytes.
+fn copies<C: Kernels>(models: &[Policy<InferBackend>]) -> Vec<Policy<C>> {
+    models
+        .iter()
+        .map(|m| {
+            Policy::from_bytes(
+                m.config(),
+                &m.to_bytes().expect("bytes"),
+                &Default::default(),
+            )
+            .expect("copy on another backend")
+        })
+        .collect()
+}
+
 #[test]
 fn the_trainer_scores_every_model_token_as_the_sampler_did_across_weight_swaps() {
     let dir = tempfile::tempdir().expect("tempdir");
     let models = versions(dir.path());
-    let train: Vec<Policy<TrainBackend>> = models
-        .iter()
-        .map(|m| {
-            Policy::from_bytes(
-                m.config(),
-                &m.to_bytes().expect("bytes"),
-                &Default::default(),
-            )
-            .expect("train copy")
-        })
-        .collect();
+    let train: Vec<Policy<TrainBackend>> = copies(&models);
     // The sampler generation ran on before the trainer's kernels: Flex.
-    let flex: Vec<Policy<burn::backend::Flex>> = models
-        .iter()
-        .map(|m| {
-            Policy::from_bytes(
-                m.config(),
-                &m.to_bytes().expect("bytes"),
-                &Default::default(),
-            )
-            .expect("flex copy")
-        })
-        .collect();
+    let flex: Vec<Policy<burn::backend::Flex>> = copies(&models);
     let game = Guess::new(17, 30);
     let (mut swapped_inside, mut swapped_between, mut env_tokens, mut checked) = (0, 0, 0, 0);
     let mut stale_cache_gap = 0f32;

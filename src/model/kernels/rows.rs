@@ -52,7 +52,7 @@ fn block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32]) {
     #[cfg(target_arch = "x86_64")]
     if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
         // SAFETY: the CPU has AVX2 and FMA (checked above); the slices' lengths are the
-        // ones `block_avx2` reads within (`x` `[rows, k]`, `w` `[cols, k]`, `out`
+        // ones `avx2::block` reads within (`x` `[rows, k]`, `w` `[cols, k]`, `out`
         // `[cols, rows]`), asserted by the caller and by the chunking.
         unsafe { avx2::block(x, rows, k, w, out) };
         return;
@@ -115,8 +115,8 @@ mod avx2 {
         let k8 = k - k % 8;
         for c in (0..cols).step_by(COLS) {
             let nc = (cols - c).min(COLS);
-            // A short last group repeats its last row (computed, not stored). No closures
-            // here: they would not inherit this function's target features.
+            // A short last group repeats its last row (computed, not stored). The loads stay
+            // out of closures, which would not inherit this function's target features.
             let row_of = |m: &'_ [f32], j: usize| -> *const f32 { m[j * k..(j + 1) * k].as_ptr() };
             let last = c + nc - 1;
             let wr = [

@@ -1,7 +1,9 @@
 //! One token drawn from a row of logits: the temperature, then top-k, then top-p
-//! (renormalised), and the behaviour log-prob of the token under exactly that distribution,
-//! with the ids that survived truncation (the sampling mask the trainer renormalises over).
+//! (renormalised), and the behaviour log-prob of the token under exactly that distribution
+//! ([`token_logprob`], the trainer's definition), with the ids that survived truncation
+//! (the sampling mask the trainer renormalises over).
 
+use super::kernels::{inv_temperature, token_logprob};
 use crate::schema::SamplingParams;
 use rand::Rng;
 use rand::rngs::StdRng;
@@ -26,8 +28,8 @@ pub fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut StdRng) -
             kept: None,
         };
     }
-    let t = params.temperature;
-    let scaled: Vec<f32> = logits.iter().map(|&l| l / t).collect();
+    let k = inv_temperature(params.temperature);
+    let scaled: Vec<f32> = logits.iter().map(|&l| l * k).collect();
     let k = params.top_k as usize;
     let mut kept: Option<Vec<usize>> = None;
     if k > 0 && k < v {
@@ -72,13 +74,21 @@ pub fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut StdRng) -
             break;
         }
     }
+    let kept: Option<Vec<u32>> = kept.map(|mut ids| {
+        ids.sort_unstable();
+        ids.into_iter().map(|i| i as u32).collect()
+    });
+    // The behaviour log-prob by the definition the trainer computes too.
+    let (logprob, _) = token_logprob(
+        logits,
+        token,
+        params.temperature,
+        kept.as_deref().unwrap_or(&[]),
+    );
     Draw {
         token: token as u32,
-        logprob: scaled[token] - lse,
-        kept: kept.map(|mut ids| {
-            ids.sort_unstable();
-            ids.into_iter().map(|i| i as u32).collect()
-        }),
+        logprob,
+        kept,
     }
 }
 

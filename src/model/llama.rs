@@ -154,16 +154,12 @@ impl<B: Kernels> Attention<B> {
             }
             None => (k, v),
         };
-        let t = k.dims()[2];
-        // Query heads j*g..(j+1)*g share key/value head j (HF `repeat_kv`): group them so
-        // one matmul per kv head serves all its query heads without copying K and V.
+        // Query heads j*g..(j+1)*g share key/value head j (HF `repeat_kv`): grouped, all of
+        // a kv head's query heads attend over its K and V without copying them.
         let q = q.reshape([b, kvh, g * l, hd]);
         let scale = (hd as f64).powf(-0.5);
-        let scores = q.matmul(k.swap_dims(2, 3)).reshape([b, kvh * g, l, t]);
         // bias is [b or 1, 1, l, t]: broadcast over kv heads and their query groups.
-        let probs = B::attn_softmax(scores, bias, scale).reshape([b, kvh, g * l, t]);
-        let out = probs
-            .matmul(v)
+        let out = B::attn(q, k, v, bias, scale)
             .reshape([b, h, l, hd])
             .swap_dims(1, 2)
             .reshape([b * l, h * hd]);

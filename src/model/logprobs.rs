@@ -4,8 +4,7 @@
 //! log-probs: logits are divided by the same temperature and, when the sampler recorded a
 //! mask (top-k/top-p truncation), renormalised over the same kept ids.
 
-use super::kernels::reference::{logsumexp, scaled, target_ids};
-use super::kernels::{Kernels, MASKED};
+use super::kernels::{Kept, Kernels};
 use super::llama::Policy;
 use super::moe::{LIVE, Routes};
 use crate::schema::{Routing, SamplingMask};
@@ -57,9 +56,9 @@ pub struct RoutingStats {
 /// Only the positions that predict a completion token go through the LM head and the
 /// log-softmax: the trunk runs over prompt + completion, then the hidden states of those
 /// positions are gathered (`[batch × max_completion, hidden]`) before the vocabulary-sized
-/// work. Each log-prob is `logit[token] − logsumexp(logits)` (over the kept ids when the
-/// sampler recorded a mask), without materialising the full log-softmax: one fused kernel
-/// ([`Kernels::token_logprobs`]) when no row has a mask.
+/// work. Each log-prob is [`token_logprob`](super::kernels::token_logprob) (over the kept
+/// ids when the sampler recorded a mask), without materialising the full log-softmax: one
+/// fused kernel, [`Kernels::token_logprobs`].
 pub fn completion_logprobs<B: Kernels>(
     model: &Policy<B>,
     seqs: &[ScoredSeq<'_>],
@@ -145,55 +144,16 @@ impl Layout {
     }
 }
 
-/// The kept sets of the masked sequences, one row of `kmax` ids per completion slot: the
-/// kept ids with bias 0, padded with the sampled token at bias [`MASKED`]; slots without a
-/// mask (or an episode's environment tokens, with an empty set) keep only their first
-/// entry unmasked and are not renormalised (`use_mask` 0).
-struct KeptSets {
-    kmax: usize,
-    kept: Vec<i64>,
-    bias: Vec<f32>,
-    use_mask: Vec<f32>,
-}
-
-impl KeptSets {
-    fn of(seqs: &[ScoredSeq<'_>], cmax: usize) -> Self {
-        let n = seqs.len() * cmax;
-        let kmax = seqs
-            .iter()
-            .filter_map(|s| s.mask)
-            .flat_map(|m| m.offsets.windows(2).map(|w| (w[1] - w[0]) as usize))
-            .max()
-            .unwrap_or(1)
-            .max(1);
-        let mut k = KeptSets {
-            kmax,
-            kept: vec![0i64; n * kmax],
-            bias: vec![MASKED; n * kmax],
-            use_mask: vec![0f32; n],
-        };
-        for (r, s) in seqs.iter().enumerate() {
-            for j in 0..cmax {
-                let base = (r * cmax + j) * kmax;
-                match s.mask {
-                    // An empty kept set is an episode's environment token (never sampled):
-                    // it is context, scored over the whole vocabulary like an unmasked one.
-                    Some(m) if j < s.completion.len() && !m.step(j).is_empty() => {
-                        for (slot, &id) in m.step(j).iter().enumerate() {
-                            k.kept[base + slot] = i64::from(id);
-                            k.bias[base + slot] = 0.0;
-                        }
-                        for slot in m.step(j).len()..kmax {
-                            k.kept[base + slot] = i64::from(s.completion[j]);
-                        }
-                        k.use_mask[r * cmax + j] = 1.0;
-                    }
-                    _ => k.bias[base] = 0.0,
-                }
-            }
-        }
-        k
-    }
+/// Each completion slot's kept ids (row `r · cmax + j`): the sampler's mask at that step,
+/// or the whole vocabulary (no mask, padding, or an episode's environment token, which
+/// carries an empty set: it is context, scored over the whole vocabulary).
+fn kept_sets(seqs: &[ScoredSeq<'_>], cmax: usize) -> Kept {
+    Kept::of(seqs.iter().flat_map(|s| {
+        (0..cmax).map(move |j| match s.mask {
+            Some(m) if j < s.completion.len() && j < m.steps() => m.step(j),
+            _ => &[][..],
+        })
+    }))
 }
 
 /// [`completion_logprobs`] of an MoE policy routed as `routed` says, with what the MoE
@@ -235,20 +195,7 @@ pub fn completion_logprobs_routed<B: Kernels>(
     let picked = hidden.reshape([b * lmax, d]).select(0, rows);
     let logits = model.project(picked);
     let valid = Tensor::<B, 2>::from_data(TensorData::new(valid, [b, cmax]), &device);
-    let full = B::token_logprobs(logits.clone(), &target, temperature).reshape([b, cmax]);
-    if seqs.iter().all(|s| s.mask.is_none()) {
-        return (full * valid.clone(), valid, stats);
-    }
-    // Renormalise over the kept ids: a log-sum-exp over each slot's kept logits.
-    let scaled = scaled(logits, temperature);
-    let tok = scaled.clone().gather(1, target_ids::<B>(&target, &device));
-    let n = b * cmax;
-    let k = KeptSets::of(seqs, cmax);
-    let kept = Tensor::<B, 2, Int>::from_data(TensorData::new(k.kept, [n, k.kmax]), &device);
-    let bias = Tensor::<B, 2>::from_data(TensorData::new(k.bias, [n, k.kmax]), &device);
-    let kept_lse = logsumexp(scaled.gather(1, kept) + bias);
-    let masked = (tok - kept_lse).reshape([b, cmax]);
-    let use_mask = Tensor::<B, 2>::from_data(TensorData::new(k.use_mask, [b, cmax]), &device);
-    let out = masked * use_mask.clone() + full * (use_mask.neg() + 1.0);
-    (out * valid.clone(), valid, stats)
+    let kept = kept_sets(seqs, cmax);
+    let lp = B::token_logprobs(logits, &target, temperature, &kept).reshape([b, cmax]);
+    (lp * valid.clone(), valid, stats)
 }

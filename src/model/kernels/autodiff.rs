@@ -3,7 +3,7 @@
 //! where there is one); the backward runs the inner backend's backward kernel and hands
 //! each tracked parent its gradient.
 
-use super::Kernels;
+use super::{Kept, Kernels};
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -148,6 +148,32 @@ impl<B: Kernels> Backward<B, 1> for SoftmaxBackward {
 }
 
 #[derive(Debug)]
+struct AttentionBackward;
+
+impl<B: Kernels> Backward<B, 3> for AttentionBackward {
+    /// q, k, v, the probabilities, the scale.
+    type State = (
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        FloatTensor<B>,
+        f64,
+    );
+
+    fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [pq, pk, pv] = ops.parents;
+        let dy = grads.consume::<B>(&ops.node);
+        let (q, k, v, probs, scale) = ops.state;
+        let (dq, dk, dv) = B::attn_backward(t(q), t(k), t(v), t(probs), t(dy), scale);
+        for (node, grad) in [(pq, dq), (pk, dk), (pv, dv)] {
+            if let Some(node) = node {
+                grads.register::<B>(node.id, p(grad));
+            }
+        }
+    }
+}
+
+#[derive(Debug)]
 struct SwigluBackward;
 
 impl<B: Kernels> Backward<B, 2> for SwigluBackward {
@@ -172,15 +198,16 @@ impl<B: Kernels> Backward<B, 2> for SwigluBackward {
 struct TokenLogprobsBackward;
 
 impl<B: Kernels> Backward<B, 1> for TokenLogprobsBackward {
-    /// logits, log-sum-exp per row, targets, temperature.
-    type State = (FloatTensor<B>, FloatTensor<B>, Arc<[u32]>, f32);
+    /// logits, log-sum-exp per row, targets, temperature, kept ids.
+    type State = (FloatTensor<B>, FloatTensor<B>, Arc<[u32]>, f32, Arc<Kept>);
 
     fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [pl] = ops.parents;
         let dy = grads.consume::<B>(&ops.node);
-        let (logits, lse, targets, temperature) = ops.state;
+        let (logits, lse, targets, temperature, kept) = ops.state;
         if let Some(node) = pl {
-            let dl = B::token_logprobs_backward(t(logits), t(lse), &targets, temperature, t(dy));
+            let (logits, lse, dy) = (t(logits), t(lse), t(dy));
+            let dl = B::token_logprobs_backward(logits, lse, &targets, temperature, &kept, dy);
             grads.register::<B>(node.id, p(dl));
         }
     }
@@ -243,6 +270,31 @@ impl<B: Kernels, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
         record(SoftmaxBackward, [&scores], (probs.clone(), scale), probs)
     }
 
+    fn attn(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        bias: Tensor<Self, 4>,
+        scale: f64,
+    ) -> Tensor<Self, 4> {
+        let [q, k, v] = [q, k, v].map(|x| x.into_primitive().tensor());
+        let (y, probs) = B::attn_saved(
+            t(q.primitive.clone()),
+            t(k.primitive.clone()),
+            t(v.primitive.clone()),
+            bias.inner(),
+            scale,
+        );
+        let state = (
+            q.primitive.clone(),
+            k.primitive.clone(),
+            v.primitive.clone(),
+            p(probs),
+            scale,
+        );
+        record(AttentionBackward, [&q, &k, &v], state, p(y))
+    }
+
     fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
         let (gate, up) = (gate.into_primitive().tensor(), up.into_primitive().tensor());
         let y = B::swiglu(t(gate.primitive.clone()), t(up.primitive.clone()));
@@ -254,14 +306,17 @@ impl<B: Kernels, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
         logits: Tensor<Self, 2>,
         targets: &[u32],
         temperature: f32,
+        kept: &Kept,
     ) -> Tensor<Self, 2> {
         let logits = logits.into_primitive().tensor();
-        let (lp, lse) = B::token_logprobs_saved(t(logits.primitive.clone()), targets, temperature);
+        let inner = t(logits.primitive.clone());
+        let (lp, lse) = B::token_logprobs_saved(inner, targets, temperature, kept);
         let state = (
             logits.primitive.clone(),
             p(lse),
             Arc::from(targets),
             temperature,
+            Arc::new(kept.clone()),
         );
         record(TokenLogprobsBackward, [&logits], state, p(lp))
     }

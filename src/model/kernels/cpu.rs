@@ -2,7 +2,7 @@
 //! cores by rayon, each output written once into a fresh buffer. A tensor of another dtype
 //! takes the composed path.
 
-use super::{Kernels, inv_temperature, reference, rows};
+use super::{Kept, Kernels, attend, inv_temperature, reference, rows, token_logprob};
 use burn::backend::NdArray;
 use burn::backend::ndarray::NdArrayTensor;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
@@ -92,16 +92,84 @@ fn matrix_tensor(a: Array2<f32>) -> Tensor<NdArray, 2> {
     )))
 }
 
+/// Whether every target and kept id is below `vocab`, with one target and one kept row for
+/// each of the `n` rows.
+fn fits_vocabulary(targets: &[u32], kept: &Kept, n: usize, vocab: usize) -> bool {
+    let below = |id: &u32| (*id as usize) < vocab;
+    targets.len() == n
+        && kept.rows() == n
+        && targets.iter().all(below)
+        && (0..n).all(|i| kept.row(i).iter().all(below))
+}
+
 fn sigmoid(x: f32) -> f32 {
     1.0 / (1.0 + (-x).exp())
+}
+
+type Four = Tensor<NdArray, 4>;
+
+/// The layout of an attention call the native kernel takes: f32 operands of the shapes
+/// [`Kernels::attn`] names.
+fn attention_shape(q: &Four, k: &Four, v: &Four, bias: &Four) -> Option<attend::Shape> {
+    let [b, kv_heads, rows, hd] = q.dims();
+    let [bias_b, _, l, t] = bias.dims();
+    let fits = all_f32(&[q.dtype(), k.dtype(), v.dtype(), bias.dtype()])
+        && k.dims() == [b, kv_heads, t, hd]
+        && v.dims() == k.dims()
+        && bias.dims()[1] == 1
+        && (bias_b == 1 || bias_b == b)
+        && l > 0
+        && rows.is_multiple_of(l);
+    fits.then_some(attend::Shape {
+        b,
+        kv_heads,
+        rows,
+        l,
+        t,
+        hd,
+        bias_b,
+    })
+}
+
+/// [`attend::attend`] on tensors of `shape`: the output, and the probabilities when `keep`.
+fn native_attention(
+    [q, k, v, bias]: [Four; 4],
+    shape: attend::Shape,
+    scale: f64,
+    keep: bool,
+) -> (Four, Option<Four>) {
+    let [q, k, v, bias] = [q, k, v, bias].map(Host::of);
+    let (out, probs) = attend::attend(
+        q.slice(),
+        k.slice(),
+        v.slice(),
+        bias.slice(),
+        shape,
+        scale as f32,
+        keep,
+    );
+    let attend::Shape {
+        b,
+        kv_heads,
+        rows,
+        t,
+        hd,
+        ..
+    } = shape;
+    (
+        tensor(out, [b, kv_heads, rows, hd]),
+        probs.map(|p| tensor(p, [b, kv_heads, rows, t])),
+    )
 }
 
 impl Kernels for NdArray {
     const NATIVE_LINEAR: bool = true;
     const DECODE_LAYOUT: bool = true;
 
-    /// One matrix product on the operands as stored (BLAS reads a transposed view through
-    /// its transpose flag), the bias written first and added by the product's `beta`.
+    /// Every output one dot product in a fixed order ([`rows`]), whatever the number of
+    /// rows: a weight stored `[out, in]` (a generation model's, a tied embedding read as
+    /// the output head) as stored, a row-major `[in, out]` one (the trainer's) transposed
+    /// first, as a matrix product packs its operand. The bias is added after.
     fn linear_rows(
         x: Tensor<Self, 2>,
         weight: Tensor<Self, 2>,
@@ -114,33 +182,20 @@ impl Kernels for NdArray {
         let [n, d_in] = x.dims();
         let out = weight.dims()[1];
         let w = Host::matrix_of(weight);
-        if w.is_transposed() && n <= rows::MAX_ROWS {
-            // A decode step on a weight stored `[out, in]`: one pass over the weight.
-            let x = Host::of(x);
-            let mut y = rows::rows_by_transposed(x.slice(), n, w.memory(), out, d_in);
-            if let Some(bias) = bias {
-                let bias = Host::of(bias);
-                for row in y.chunks_exact_mut(out.max(1)) {
-                    row.iter_mut().zip(bias.slice()).for_each(|(v, b)| *v += b);
-                }
-            }
-            return tensor(y, [n, out]);
-        }
-        let x = Host::matrix_of(x);
-        let (mut y, beta) = match bias {
-            Some(bias) => {
-                let bias = Host::of(bias);
-                let row = bias.slice();
-                let mut v = Vec::with_capacity(n * out);
-                (0..n).for_each(|_| v.extend_from_slice(row));
-                let y = Array2::from_shape_vec((n, out), v)
-                    .unwrap_or_else(|e| unreachable!("bias rows sized to the output: {e}"));
-                (y, 1.0)
-            }
-            None => (Array2::zeros((n, out)), 0.0),
+        let x = Host::of(x);
+        let mut y = if w.is_transposed() {
+            rows::rows_by_transposed(x.slice(), n, w.memory(), out, d_in)
+        } else {
+            let wt = crate::model::tensors::transpose(w.memory(), d_in, out);
+            rows::rows_by_transposed(x.slice(), n, &wt, out, d_in)
         };
-        general_mat_mul(1.0, &x.matrix(), &w.matrix(), beta, &mut y);
-        matrix_tensor(y)
+        if let Some(bias) = bias {
+            let bias = Host::of(bias);
+            for row in y.chunks_exact_mut(out.max(1)) {
+                row.iter_mut().zip(bias.slice()).for_each(|(v, b)| *v += b);
+            }
+        }
+        tensor(y, [n, out])
     }
 
     fn linear_rows_backward(
@@ -358,6 +413,35 @@ impl Kernels for NdArray {
         tensor(y, [b, m, l, t])
     }
 
+    fn attn(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        bias: Tensor<Self, 4>,
+        scale: f64,
+    ) -> Tensor<Self, 4> {
+        match attention_shape(&q, &k, &v, &bias) {
+            Some(shape) => native_attention([q, k, v, bias], shape, scale, false).0,
+            None => reference::attn_saved(q, k, v, bias, scale).0,
+        }
+    }
+
+    fn attn_saved(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        bias: Tensor<Self, 4>,
+        scale: f64,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 4>) {
+        match attention_shape(&q, &k, &v, &bias) {
+            Some(shape) => match native_attention([q, k, v, bias], shape, scale, true) {
+                (out, Some(probs)) => (out, probs),
+                (_, None) => unreachable!("the probabilities were asked for"),
+            },
+            None => reference::attn_saved(q, k, v, bias, scale),
+        }
+    }
+
     fn attn_softmax_backward(
         probs: Tensor<Self, 4>,
         dprobs: Tensor<Self, 4>,
@@ -437,23 +521,22 @@ impl Kernels for NdArray {
         logits: Tensor<Self, 2>,
         targets: &[u32],
         temperature: f32,
+        kept: &Kept,
     ) -> Tensor<Self, 2> {
-        Self::token_logprobs_saved(logits, targets, temperature).0
+        Self::token_logprobs_saved(logits, targets, temperature, kept).0
     }
 
+    /// [`token_logprob`] row by row: the sampler's own arithmetic.
     fn token_logprobs_saved(
         logits: Tensor<Self, 2>,
         targets: &[u32],
         temperature: f32,
+        kept: &Kept,
     ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
         let [n, v] = logits.dims();
-        if logits.dtype() != DType::F32
-            || targets.len() != n
-            || targets.iter().any(|&t| t as usize >= v)
-        {
-            return reference::token_logprobs_saved(logits, targets, temperature);
+        if logits.dtype() != DType::F32 || !fits_vocabulary(targets, kept, n, v) {
+            return reference::token_logprobs_saved(logits, targets, temperature, kept);
         }
-        let k = inv_temperature(temperature);
         let logits = Host::of(logits);
         let zs = logits.slice();
         let mut lp = vec![0f32; n];
@@ -463,11 +546,8 @@ impl Kernels for NdArray {
             .enumerate()
             .with_min_len(min_rows(v))
             .for_each(|(i, (lp, lse))| {
-                let zr = &zs[i * v..][..v];
-                let max = zr.iter().fold(f32::NEG_INFINITY, |m, &z| m.max(z * k));
-                let sum: f32 = zr.iter().map(|&z| (z * k - max).exp()).sum();
-                *lse = max + sum.ln();
-                *lp = zr[targets[i] as usize] * k - *lse;
+                let row = &zs[i * v..][..v];
+                (*lp, *lse) = token_logprob(row, targets[i] as usize, temperature, kept.row(i));
             });
         (tensor(lp, [n, 1]), tensor(lse, [n, 1]))
     }
@@ -477,14 +557,14 @@ impl Kernels for NdArray {
         lse: Tensor<Self, 2>,
         targets: &[u32],
         temperature: f32,
+        kept: &Kept,
         dy: Tensor<Self, 2>,
     ) -> Tensor<Self, 2> {
         let [n, v] = logits.dims();
         if !all_f32(&[logits.dtype(), lse.dtype(), dy.dtype()])
-            || targets.len() != n
-            || targets.iter().any(|&t| t as usize >= v)
+            || !fits_vocabulary(targets, kept, n, v)
         {
-            return reference::token_logprobs_backward(logits, lse, targets, temperature, dy);
+            return reference::token_logprobs_backward(logits, lse, targets, temperature, kept, dy);
         }
         let k = inv_temperature(temperature);
         let (logits, lse, dy) = (Host::of(logits), Host::of(lse), Host::of(dy));
@@ -495,8 +575,17 @@ impl Kernels for NdArray {
             .with_min_len(min_rows(v))
             .for_each(|(i, out)| {
                 let (zr, l, dk) = (&zs[i * v..][..v], ls[i], dys[i] * k);
-                for (o, &z) in out.iter_mut().zip(zr) {
-                    *o = -dk * (z * k - l).exp();
+                match kept.row(i) {
+                    [] => {
+                        for (o, &z) in out.iter_mut().zip(zr) {
+                            *o = -dk * (z * k - l).exp();
+                        }
+                    }
+                    ids => {
+                        for &id in ids {
+                            out[id as usize] = -dk * (zr[id as usize] * k - l).exp();
+                        }
+                    }
                 }
                 out[targets[i] as usize] += dk;
             });

@@ -19,6 +19,7 @@
 //! kernels; the unit tests below check each native kernel, forward and backward, against
 //! the composition on random inputs.
 
+mod attend;
 mod autodiff;
 mod cpu;
 pub mod reference;
@@ -126,6 +127,49 @@ pub trait Kernels: Backend {
         reference::attn_softmax_backward(probs, dprobs, scale)
     }
 
+    /// Attention of queries `q` `[b, kv_heads, g·l, hd]` (each kv head's `g` query heads
+    /// grouped, as HF's `repeat_kv` pairs them) over keys and values `k`, `v` `[b,
+    /// kv_heads, t, hd]`: `softmax(q · kᵀ · scale + bias) · v`, `[b, kv_heads, g·l, hd]`,
+    /// with `bias` as [`Kernels::attn_softmax`] takes it.
+    fn attn(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        bias: Tensor<Self, 4>,
+        scale: f64,
+    ) -> Tensor<Self, 4> {
+        Self::attn_saved(q, k, v, bias, scale).0
+    }
+
+    /// [`Kernels::attn`] and its probabilities `[b, kv_heads, g·l, t]`, for the
+    /// backward.
+    fn attn_saved(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        bias: Tensor<Self, 4>,
+        scale: f64,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 4>) {
+        reference::attn_saved(q, k, v, bias, scale)
+    }
+
+    /// Gradients of `q`, `k` and `v` from the output's gradient `dy`.
+    fn attn_backward(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        probs: Tensor<Self, 4>,
+        dy: Tensor<Self, 4>,
+        scale: f64,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 4>, Tensor<Self, 4>) {
+        let dprobs = dy.clone().matmul(v.swap_dims(2, 3));
+        let dv = probs.clone().swap_dims(2, 3).matmul(dy);
+        let ds = Self::attn_softmax_backward(probs, dprobs, scale);
+        let dq = ds.clone().matmul(k);
+        let dk = ds.swap_dims(2, 3).matmul(q);
+        (dq, dk, dv)
+    }
+
     /// SwiGLU's gate: `silu(gate) · up` on `[n, f]`.
     fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
         reference::swiglu(gate, up)
@@ -140,25 +184,28 @@ pub trait Kernels: Backend {
         reference::swiglu_backward(gate, up, dy)
     }
 
-    /// The log-prob `[n, 1]` of `targets[i]` under `softmax(logits[i] / temperature)` for
-    /// logits `[n, vocab]` (temperature 1 when it is not positive). Every target is below
-    /// the vocabulary size (the trainer refuses other messages first).
+    /// The log-prob `[n, 1]` of `targets[i]` for logits `[n, vocab]`, as
+    /// [`token_logprob`] defines it: tempered, renormalised over row `i` of `kept`. Every
+    /// target and kept id is below the vocabulary size (the trainer refuses other messages
+    /// first).
     fn token_logprobs(
         logits: Tensor<Self, 2>,
         targets: &[u32],
         temperature: f32,
+        kept: &Kept,
     ) -> Tensor<Self, 2> {
-        reference::token_logprobs(logits, targets, temperature)
+        reference::token_logprobs(logits, targets, temperature, kept)
     }
 
     /// [`Kernels::token_logprobs`] and each row's log-sum-exp `[n, 1]` of the scaled
-    /// logits, for the backward.
+    /// logits (over its kept ids), for the backward.
     fn token_logprobs_saved(
         logits: Tensor<Self, 2>,
         targets: &[u32],
         temperature: f32,
+        kept: &Kept,
     ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
-        reference::token_logprobs_saved(logits, targets, temperature)
+        reference::token_logprobs_saved(logits, targets, temperature, kept)
     }
 
     /// The gradient of the logits from the log-probs' gradient `dy` `[n, 1]`.
@@ -167,9 +214,10 @@ pub trait Kernels: Backend {
         lse: Tensor<Self, 2>,
         targets: &[u32],
         temperature: f32,
+        kept: &Kept,
         dy: Tensor<Self, 2>,
     ) -> Tensor<Self, 2> {
-        reference::token_logprobs_backward(logits, lse, targets, temperature, dy)
+        reference::token_logprobs_backward(logits, lse, targets, temperature, kept, dy)
     }
 }
 
@@ -191,6 +239,80 @@ pub(crate) fn inv_temperature(temperature: f32) -> f32 {
     } else {
         1.0
     }
+}
+
+/// The ids each row's log-prob is renormalised over: a sampling mask's kept set (top-k,
+/// top-p), or for a row without one (an untruncated draw, an episode's environment token)
+/// the whole vocabulary.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Kept {
+    /// Row `i`'s ids are `ids[offsets[i]..offsets[i + 1]]`, ascending; none: the vocabulary.
+    offsets: Vec<usize>,
+    ids: Vec<u32>,
+}
+
+impl Kept {
+    /// `rows` rows over the whole vocabulary.
+    pub fn whole(rows: usize) -> Self {
+        Kept {
+            offsets: vec![0; rows + 1],
+            ids: Vec::new(),
+        }
+    }
+
+    /// One row per set (an empty one: the whole vocabulary); each set's ids sorted.
+    pub fn of<'a>(sets: impl IntoIterator<Item = &'a [u32]>) -> Self {
+        let mut kept = Kept {
+            offsets: vec![0],
+            ids: Vec::new(),
+        };
+        for set in sets {
+            let at = kept.ids.len();
+            kept.ids.extend_from_slice(set);
+            kept.ids[at..].sort_unstable();
+            kept.offsets.push(kept.ids.len());
+        }
+        kept
+    }
+
+    pub fn rows(&self) -> usize {
+        self.offsets.len().saturating_sub(1)
+    }
+
+    /// Row `i`'s kept ids, ascending; empty for the whole vocabulary.
+    pub fn row(&self, i: usize) -> &[u32] {
+        &self.ids[self.offsets[i]..self.offsets[i + 1]]
+    }
+
+    /// Whether any row is renormalised over fewer ids than the vocabulary.
+    pub fn any(&self) -> bool {
+        !self.ids.is_empty()
+    }
+}
+
+/// The log-prob of `target` under `softmax(row · k)` renormalised over `kept` (ascending
+/// ids; empty: the whole vocabulary), with `k` = [`inv_temperature`], and that log-sum-exp.
+///
+/// The one definition of a token's log-prob: the sampler records it as the behaviour
+/// log-prob, and the trainer's kernel ([`Kernels::token_logprobs`] on the CPU) computes
+/// it row by row, so with the same logits the two agree bit for bit. The maximum and the
+/// sum of exponentials run in f32 over the ids in ascending order.
+pub fn token_logprob(row: &[f32], target: usize, temperature: f32, kept: &[u32]) -> (f32, f32) {
+    let k = inv_temperature(temperature);
+    let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
+    if kept.is_empty() {
+        row.iter().for_each(|&z| max = max.max(z * k));
+        row.iter().for_each(|&z| sum += (z * k - max).exp());
+    } else {
+        let at = |i: &u32| row.get(*i as usize).copied().unwrap_or(f32::NEG_INFINITY);
+        kept.iter().for_each(|i| max = max.max(at(i) * k));
+        kept.iter().for_each(|i| sum += (at(i) * k - max).exp());
+    }
+    let lse = max + sum.ln();
+    (
+        row.get(target).copied().unwrap_or(f32::NEG_INFINITY) * k - lse,
+        lse,
+    )
 }
 
 impl Kernels for burn::backend::Flex {}

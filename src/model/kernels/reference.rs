@@ -3,6 +3,7 @@
 //! against. Forward functions are the arithmetic the model used before fused kernels;
 //! backward functions are their derivatives written out.
 
+use super::Kept;
 use burn::tensor::activation::{sigmoid, silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
@@ -103,6 +104,23 @@ pub fn attn_softmax<B: Backend>(
     softmax(scores.mul_scalar(scale) + bias, 3)
 }
 
+/// Attention as products and the backend's [`attn_softmax`](super::Kernels::attn_softmax):
+/// the output and the probabilities (see [`super::Kernels::attn_saved`]).
+pub fn attn_saved<B: super::Kernels>(
+    q: Tensor<B, 4>,
+    k: Tensor<B, 4>,
+    v: Tensor<B, 4>,
+    bias: Tensor<B, 4>,
+    scale: f64,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let [b, kvh, gl, _] = q.dims();
+    let (l, t) = (bias.dims()[2], k.dims()[2]);
+    let g = gl / l.max(1);
+    let scores = q.matmul(k.swap_dims(2, 3)).reshape([b, kvh * g, l, t]);
+    let probs = B::attn_softmax(scores, bias, scale).reshape([b, kvh, gl, t]);
+    (probs.clone().matmul(v), probs)
+}
+
 /// `dscores = scale · p · (dp − Σ dp · p)`.
 pub fn attn_softmax_backward<B: Backend>(
     probs: Tensor<B, 4>,
@@ -131,10 +149,10 @@ pub fn swiglu_backward<B: Backend>(
     (dgate, dup)
 }
 
-/// The logits divided by the temperature where [`tempered`](super::tempered).
+/// The logits times [`inv_temperature`](super::inv_temperature) (the sampler's scaling).
 pub(crate) fn scaled<B: Backend>(logits: Tensor<B, 2>, temperature: f32) -> Tensor<B, 2> {
     if super::tempered(temperature) {
-        logits.div_scalar(temperature)
+        logits.mul_scalar(super::inv_temperature(temperature))
     } else {
         logits
     }
@@ -153,36 +171,81 @@ pub fn logsumexp<B: Backend>(x: Tensor<B, 2>) -> Tensor<B, 2> {
     (x - m.clone()).exp().sum_dim(1).log() + m
 }
 
+/// `[n, vocab]`: 0 at each row's kept ids (every id for a row without a set), masked
+/// elsewhere; `None` when no row has a set.
+fn kept_bias<B: Backend>(
+    kept: &Kept,
+    n: usize,
+    vocab: usize,
+    device: &B::Device,
+) -> Option<Tensor<B, 2>> {
+    if !kept.any() {
+        return None;
+    }
+    let mut bias = vec![0f32; n * vocab];
+    for (i, row) in bias
+        .chunks_exact_mut(vocab.max(1))
+        .enumerate()
+        .take(kept.rows())
+    {
+        let ids = kept.row(i);
+        if !ids.is_empty() {
+            row.fill(super::MASKED);
+            ids.iter()
+                .filter(|&&id| (id as usize) < vocab)
+                .for_each(|&id| row[id as usize] = 0.0);
+        }
+    }
+    Some(Tensor::from_data(TensorData::new(bias, [n, vocab]), device))
+}
+
+/// The scaled logits, masked outside each row's kept ids.
+fn supported<B: Backend>(logits: Tensor<B, 2>, temperature: f32, kept: &Kept) -> Tensor<B, 2> {
+    let [n, vocab] = logits.dims();
+    let bias = kept_bias::<B>(kept, n, vocab, &logits.device());
+    let z = scaled(logits, temperature);
+    match bias {
+        Some(bias) => z + bias,
+        None => z,
+    }
+}
+
 pub fn token_logprobs<B: Backend>(
     logits: Tensor<B, 2>,
     targets: &[u32],
     temperature: f32,
+    kept: &Kept,
 ) -> Tensor<B, 2> {
-    token_logprobs_saved(logits, targets, temperature).0
+    token_logprobs_saved(logits, targets, temperature, kept).0
 }
 
 pub fn token_logprobs_saved<B: Backend>(
     logits: Tensor<B, 2>,
     targets: &[u32],
     temperature: f32,
+    kept: &Kept,
 ) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let ids = target_ids::<B>(targets, &logits.device());
-    let z = scaled(logits, temperature);
-    let lse = logsumexp(z.clone());
-    (z.gather(1, ids) - lse.clone(), lse)
+    let lse = logsumexp(supported(logits.clone(), temperature, kept));
+    (
+        scaled(logits, temperature).gather(1, ids) - lse.clone(),
+        lse,
+    )
 }
 
-/// `dlogits = dy · k · (onehot(target) − softmax(k · logits))` with `k = 1 / temperature`.
+/// `dlogits = dy · k · (onehot(target) − softmax(k · logits))` with `k = 1 / temperature`,
+/// the softmax over each row's kept ids.
 pub fn token_logprobs_backward<B: Backend>(
     logits: Tensor<B, 2>,
     lse: Tensor<B, 2>,
     targets: &[u32],
     temperature: f32,
+    kept: &Kept,
     dy: Tensor<B, 2>,
 ) -> Tensor<B, 2> {
     let k = f64::from(super::inv_temperature(temperature));
     let ids = target_ids::<B>(targets, &logits.device());
-    let probs = (scaled(logits, temperature) - lse).exp();
+    let probs = (supported(logits, temperature, kept) - lse).exp();
     let dyk = dy.mul_scalar(k);
     (probs * dyk.clone())
         .neg()

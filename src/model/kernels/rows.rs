@@ -1,29 +1,39 @@
-//! Products of a few rows with a weight stored `[out, in]`: the linear layers of a decode
-//! step.
+//! The forward product of every linear layer on the CPU, `y = x · wᵀ` with the weight
+//! stored `[out, in]`, and the dot product attention scores are made of.
 //!
-//! A decode step multiplies a handful of rows (one per sequence in flight) by every weight
-//! of the model once, so its speed is how fast the weights stream from memory. A general
-//! matrix product (matrixmultiply, BLAS) first packs the weight into panels, reading and
-//! writing all of it once more on every call. Here each output is a dot product of an input
-//! row with one row of the weight stored `[out, in]` (the layout Hugging Face checkpoints
-//! and a tied embedding already have): the weight streams through once, each of its rows
+//! Each output is a dot product of an input row with one row of the weight, summed in one
+//! fixed order (eight lanes over `in` with fused multiply-adds, the lanes folded pairwise,
+//! then the tail, fused too), whatever the number of rows, their grouping, the split over
+//! cores or the CPU's vector width: a row's result does not depend on its batch-mates, and
+//! the sampler's decode step, its prefill and the trainer's whole-sequence pass give the
+//! same bits for the same row (the basis of bitwise on-policy log-probs, see
+//! [`super::token_logprob`]). The AVX2 path and the portable one are the same arithmetic.
+//!
+//! A few rows (a decode step) multiply every weight once, so their speed is how fast the
+//! weights stream from memory: here the weight streams through once, each of its rows
 //! shared by three input rows while it sits in L1, four weight rows at a time, the output
-//! columns split over the cores.
-//!
-//! Every output is summed in one fixed order (eight lanes over `in`, the lanes folded
-//! pairwise, then the tail), whatever the number of rows, their grouping or the split over
-//! cores: a row's result does not depend on its batch-mates.
+//! columns split over the cores. Many rows (prefill, training) go in blocks of rows that
+//! stay in L2 while the whole weight streams past them, the blocks split over the cores.
 
 use rayon::prelude::*;
 
-/// Up to this many rows take this kernel; more take the general matrix product, whose
-/// packing pays for itself once the weight is reused by enough rows. On a 2-core AVX2
-/// machine, at the 0.5B shape's layers (896 → 4864, 4864 → 896, 896 → 151,936), this
-/// kernel still took 20–32% less time than threaded `matrixmultiply` at 64 rows.
-pub(super) const MAX_ROWS: usize = 64;
+/// Up to this many rows go by columns (each task a run of weight rows, all the input
+/// rows); more go by blocks of input rows. Both sum every output in the same order.
+const FEW_ROWS: usize = 64;
 
-/// Weights handed to one task (1 MiB of f32): a small layer stays on one core.
+/// Weights handed to one task of the few-rows path (1 MiB of f32): a small layer stays on
+/// one core.
 const TASK_WEIGHTS: usize = 1 << 18;
+
+/// Input values per block of rows in the many-rows path (256 KiB of f32, half an L2).
+const BLOCK_VALUES: usize = 1 << 16;
+
+/// Where [`block`] writes output `(weight row c, input row r)`: `out[c * col + r * row]`.
+#[derive(Clone, Copy)]
+struct Strides {
+    col: usize,
+    row: usize,
+}
 
 /// `y = x · wtᵀ`: `x` `[rows, k]` and `wt` `[n, k]`, both row-major; `y` `[rows, n]` row-major.
 pub(super) fn rows_by_transposed(
@@ -35,29 +45,68 @@ pub(super) fn rows_by_transposed(
 ) -> Vec<f32> {
     assert_eq!(x.len(), rows * k, "x is [rows, k]");
     assert_eq!(wt.len(), n * k, "wt is [n, k]");
-    if rows == 0 || n == 0 {
+    if rows == 0 || n == 0 || k == 0 {
         return vec![0.0; rows * n];
     }
+    if rows > FEW_ROWS {
+        // Blocks of input rows, a multiple of three (the tile's height), each writing its
+        // own rows of `y`.
+        let per_block = (BLOCK_VALUES / k).clamp(3, 96) / 3 * 3;
+        let mut y = vec![0f32; rows * n];
+        y.par_chunks_mut(per_block * n)
+            .zip(x.par_chunks(per_block * k))
+            .for_each(|(out, xb)| {
+                let strides = Strides { col: 1, row: n };
+                block(xb, xb.len() / k, k, wt, out, strides);
+            });
+        return y;
+    }
     // Written transposed, `[n, rows]`, so that each task's columns are one contiguous run.
-    let cols = (TASK_WEIGHTS / k.max(1)).max(4).next_multiple_of(4);
+    let cols = (TASK_WEIGHTS / k).max(4).next_multiple_of(4);
     let mut yt = vec![0f32; n * rows];
     yt.par_chunks_mut(cols * rows)
         .zip(wt.par_chunks(cols * k))
-        .for_each(|(out, w)| block(x, rows, k, w, out));
+        .for_each(|(out, w)| block(x, rows, k, w, out, Strides { col: rows, row: 1 }));
     crate::model::tensors::transpose(&yt, n, rows)
 }
 
-/// `out[c * rows + r] = x[r] · w[c]` for the weight rows `w` `[cols, k]`.
-fn block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32]) {
+/// Whether the AVX2/FMA paths can run (detected once; the check is a load after that).
+#[cfg(target_arch = "x86_64")]
+pub(super) fn fma_available() -> bool {
+    std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+}
+
+/// `x · y` in the order every output of [`rows_by_transposed`] is summed in (inlined into
+/// the AVX2 paths that call it, it compiles to the same fused operations).
+#[inline(always)]
+pub(super) fn portable_dot(x: &[f32], y: &[f32]) -> f32 {
+    let k = x.len().min(y.len());
+    let k8 = k - k % 8;
+    let mut acc = [0f32; 8];
+    for (xc, yc) in x[..k8].chunks_exact(8).zip(y[..k8].chunks_exact(8)) {
+        for l in 0..8 {
+            acc[l] = xc[l].mul_add(yc[l], acc[l]);
+        }
+    }
+    let mut s = fold(acc);
+    for (a, b) in x[k8..k].iter().zip(&y[k8..k]) {
+        s = a.mul_add(*b, s);
+    }
+    s
+}
+
+/// `out[c * strides.col + r * strides.row] = x[r] · w[c]` for the weight rows `w`
+/// `[cols, k]` and the input rows `x` `[rows, k]`.
+fn block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32], strides: Strides) {
     #[cfg(target_arch = "x86_64")]
-    if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+    if fma_available() {
         // SAFETY: the CPU has AVX2 and FMA (checked above); the slices' lengths are the
-        // ones `avx2::block` reads within (`x` `[rows, k]`, `w` `[cols, k]`, `out`
-        // `[cols, rows]`), asserted by the caller and by the chunking.
-        unsafe { avx2::block(x, rows, k, w, out) };
+        // ones `avx2::block` reads within (`x` `[rows, k]`, `w` `[cols, k]`, `out` holding
+        // every `(c, r)` at `strides`), asserted by the caller and by the chunking.
+        unsafe { avx2::block(x, rows, k, w, out, strides) };
         return;
     }
-    portable_block(x, rows, k, w, out);
+    portable_block(x, rows, k, w, out, strides);
 }
 
 /// Eight lanes as the AVX2 path keeps them, folded in the same order.
@@ -66,27 +115,17 @@ fn fold(a: [f32; 8]) -> f32 {
     (s[0] + s[2]) + (s[1] + s[3])
 }
 
-fn portable_block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32]) {
-    let k8 = k - k % 8;
-    for (wr, o) in w.chunks_exact(k).zip(out.chunks_exact_mut(rows)) {
-        for (xr, y) in x.chunks_exact(k).zip(o.iter_mut()) {
-            let mut acc = [0f32; 8];
-            for (xc, wc) in xr[..k8].chunks_exact(8).zip(wr[..k8].chunks_exact(8)) {
-                for l in 0..8 {
-                    acc[l] += xc[l] * wc[l];
-                }
-            }
-            let mut s = fold(acc);
-            for (a, b) in xr[k8..].iter().zip(&wr[k8..]) {
-                s += a * b;
-            }
-            *y = s;
+fn portable_block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32], s: Strides) {
+    for (c, wr) in w.chunks_exact(k).enumerate() {
+        for (r, xr) in x.chunks_exact(k).take(rows).enumerate() {
+            out[c * s.col + r * s.row] = portable_dot(xr, wr);
         }
     }
 }
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
+    use super::Strides;
     use std::arch::x86_64::*;
 
     /// Four weight rows by three input rows: twelve accumulators, three input loads and
@@ -106,12 +145,19 @@ mod avx2 {
     /// See [`super::block`].
     ///
     /// # Safety
-    /// The CPU has AVX2 and FMA; `x.len() == rows * k`, `w.len() == cols * k` and
-    /// `out.len() == cols * rows` for some `cols`, with `rows > 0` and `k > 0`.
+    /// The CPU has AVX2 and FMA; `x.len() >= rows * k`, `w.len() == cols * k` for some
+    /// `cols`, and `out` holds `(cols - 1) * strides.col + (rows - 1) * strides.row`, with
+    /// `rows > 0` and `k > 0`.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32]) {
+    pub(super) unsafe fn block(
+        x: &[f32],
+        rows: usize,
+        k: usize,
+        w: &[f32],
+        out: &mut [f32],
+        strides: Strides,
+    ) {
         let cols = w.len() / k;
-        debug_assert_eq!(out.len(), cols * rows);
         let k8 = k - k % 8;
         for c in (0..cols).step_by(COLS) {
             let nc = (cols - c).min(COLS);
@@ -161,7 +207,7 @@ mod avx2 {
                             let (xt, wt) = unsafe { (*xr[a].add(t), *wr[cc].add(t)) };
                             s = xt.mul_add(wt, s);
                         }
-                        out[(c + cc) * rows + r + a] = s;
+                        out[(c + cc) * strides.col + (r + a) * strides.row] = s;
                     }
                 }
             }
@@ -184,7 +230,15 @@ mod tests {
     /// multiple of 3, columns not of 4, `k` not of 8, several tasks).
     #[test]
     fn matches_the_plain_product() {
-        for &(rows, n, k) in &[(1, 1, 1), (2, 5, 7), (3, 4, 8), (8, 130, 67), (5, 4099, 96)] {
+        let sizes = [
+            (1, 1, 1),
+            (2, 5, 7),
+            (3, 4, 8),
+            (8, 130, 67),
+            (5, 4099, 96),
+            (131, 9, 40),
+        ];
+        for &(rows, n, k) in &sizes {
             let (x, wt) = (values(rows * k, 1), values(n * k, 2));
             let y = rows_by_transposed(&x, rows, &wt, n, k);
             for r in 0..rows {
@@ -215,17 +269,40 @@ mod tests {
         }
     }
 
+    /// Both paths, and [`portable_dot`], give the same bits: a row's outputs do not depend on the
+    /// CPU's vector width either.
     #[test]
-    fn the_portable_path_sums_in_the_same_order_up_to_fused_products() {
+    fn the_portable_path_and_dot_give_the_same_bits() {
         let (rows, n, k) = (4, 9, 77);
         let (x, wt) = (values(rows * k, 5), values(n * k, 6));
         let mut out = vec![0f32; n * rows];
-        portable_block(&x, rows, k, &wt, &mut out);
+        portable_block(&x, rows, k, &wt, &mut out, Strides { col: rows, row: 1 });
         let y = rows_by_transposed(&x, rows, &wt, n, k);
         for r in 0..rows {
             for j in 0..n {
-                assert!((out[j * rows + r] - y[r * n + j]).abs() < 1e-4);
+                let (xr, wr) = (&x[r * k..(r + 1) * k], &wt[j * k..(j + 1) * k]);
+                assert_eq!(out[j * rows + r].to_bits(), y[r * n + j].to_bits());
+                assert_eq!(portable_dot(xr, wr).to_bits(), y[r * n + j].to_bits());
             }
+        }
+    }
+
+    /// Many rows (blocks of rows) and a few of them (runs of columns) sum alike.
+    #[test]
+    fn many_rows_and_few_rows_give_the_same_bits() {
+        let (n, k) = (19, 45);
+        let wt = values(n * k, 7);
+        let x = values(200 * k, 8);
+        let all = rows_by_transposed(&x, 200, &wt, n, k);
+        for r in [0, 65, 199] {
+            let few = rows_by_transposed(
+                &x[r * k..(r + 2).min(200) * k],
+                (r + 2).min(200) - r,
+                &wt,
+                n,
+                k,
+            );
+            assert_eq!(few[..n], all[r * n..(r + 1) * n], "row {r}");
         }
     }
 

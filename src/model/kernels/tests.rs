@@ -6,7 +6,7 @@
 //! both are compared with burn differentiating the composition itself, operation by
 //! operation. A wrong native kernel or a wrong derivative fails here.
 
-use super::{Kernels, MASKED, reference};
+use super::{Kept, Kernels, MASKED, reference};
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, Tensor, TensorData};
@@ -196,27 +196,78 @@ fn swiglu<B: AutodiffBackend + Kernels>() {
 fn token_logprobs<B: AutodiffBackend + Kernels>() {
     let logits = random::<B, 2>([7, 50], 9).mul_scalar(4.0);
     let targets = [0u32, 49, 3, 17, 17, 25, 8];
-    for temperature in [1.0f32, 0.7, 0.0] {
+    // Rows 1 and 4 renormalised over a few ids (their target among them), the rest over
+    // the vocabulary.
+    let sets: [&[u32]; 7] = [&[], &[2, 49, 7], &[], &[], &[40, 17], &[], &[]];
+    for kept in [Kept::whole(7), Kept::of(sets)] {
+        let mut bias = vec![0f32; 7 * 50];
+        for (i, row) in bias.chunks_exact_mut(50).enumerate() {
+            if !kept.row(i).is_empty() {
+                row.fill(MASKED);
+                kept.row(i).iter().for_each(|&id| row[id as usize] = 0.0);
+            }
+        }
+        let bias = Tensor::<B, 2>::from_data(TensorData::new(bias, [7, 50]), &Default::default());
+        for temperature in [1.0f32, 0.7, 0.0] {
+            check(
+                vec![logits.clone()],
+                |v| B::token_logprobs(v[0].clone(), &targets, temperature, &kept),
+                |v| {
+                    let z = if temperature > 0.0 && temperature != 1.0 {
+                        v[0].clone().mul_scalar(1.0 / temperature)
+                    } else {
+                        v[0].clone()
+                    };
+                    let ids = Tensor::from_data(
+                        TensorData::new(
+                            targets.iter().map(|&t| i64::from(t)).collect::<Vec<_>>(),
+                            [7, 1],
+                        ),
+                        &Default::default(),
+                    );
+                    z.clone().gather(1, ids) - reference::logsumexp(z + bias.clone())
+                },
+                1e-5,
+                "token_logprobs",
+            );
+        }
+    }
+}
+
+fn attention<B: AutodiffBackend + Kernels>() {
+    // Two kv heads of two query heads each; one new token after 5 cached ones per row with
+    // padding before each row's start, and a causal pass.
+    let (b, kvh, g, hd) = (2, 2, 2, 8);
+    let dev = Default::default();
+    for (l, t, per_row) in [(6, 6, false), (1, 6, true), (3, 6, true)] {
+        let bias: Vec<f32> = (0..if per_row { b } else { 1 })
+            .flat_map(|r| {
+                (0..l).flat_map(move |i| {
+                    (0..t).map(move |j| {
+                        let visible = j <= t - l + i && (!per_row || j >= r);
+                        if visible { 0.0 } else { MASKED }
+                    })
+                })
+            })
+            .collect();
+        let rows = if per_row { b } else { 1 };
+        let bias = Tensor::<B, 4>::from_data(TensorData::new(bias, [rows, 1, l, t]), &dev);
+        let q = random::<B, 4>([b, kvh, g * l, hd], 13);
+        let k = random::<B, 4>([b, kvh, t, hd], 14);
+        let v = random::<B, 4>([b, kvh, t, hd], 15);
         check(
-            vec![logits.clone()],
-            |v| B::token_logprobs(v[0].clone(), &targets, temperature),
-            |v| {
-                let z = if temperature > 0.0 && temperature != 1.0 {
-                    v[0].clone().div_scalar(temperature)
-                } else {
-                    v[0].clone()
-                };
-                let ids = Tensor::from_data(
-                    TensorData::new(
-                        targets.iter().map(|&t| i64::from(t)).collect::<Vec<_>>(),
-                        [7, 1],
-                    ),
-                    &Default::default(),
-                );
-                z.clone().gather(1, ids) - reference::logsumexp(z)
+            vec![q, k, v],
+            |x| B::attn(x[0].clone(), x[1].clone(), x[2].clone(), bias.clone(), 0.35),
+            |x| {
+                let scores =
+                    x[0].clone()
+                        .matmul(x[1].clone().swap_dims(2, 3))
+                        .reshape([b, kvh * g, l, t]);
+                let probs = reference::attn_softmax(scores, bias.clone(), 0.35);
+                probs.reshape([b, kvh, g * l, t]).matmul(x[2].clone())
             },
             1e-5,
-            "token_logprobs",
+            "attention",
         );
     }
 }
@@ -246,6 +297,12 @@ fn rope_native_and_written_out_backward_match_the_composition() {
 fn attention_softmax_native_and_written_out_backward_match_the_composition() {
     attn_softmax::<Native>();
     attn_softmax::<Composed>();
+}
+
+#[test]
+fn attention_native_and_written_out_backward_match_the_composition() {
+    attention::<Native>();
+    attention::<Composed>();
 }
 
 #[test]

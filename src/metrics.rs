@@ -60,6 +60,7 @@ pub const ENTROPY: &str = "rlstream_entropy";
 pub const TEACHER_KL: &str = "rlstream_teacher_kl";
 pub const ROUTING_MISMATCH: &str = "rlstream_routing_mismatch_fraction";
 pub const LOGPROB_GAP: &str = "rlstream_logprob_gap";
+pub const SWAP_TOKENS: &str = "rlstream_swap_tokens";
 pub const GRAD_NORM: &str = "rlstream_grad_norm";
 pub const BUILD_INFO: &str = "rlstream_build_info";
 
@@ -313,6 +314,10 @@ fn describe() {
         "Mean |trainer log-prob - behaviour log-prob| over the last step's sampled tokens."
     );
     describe_gauge!(
+        SWAP_TOKENS,
+        "Sampled tokens of the last step drawn after a weight swap inside their completion (their log-probs match no one version exactly)."
+    );
+    describe_gauge!(
         ROUTING_MISMATCH,
         "Mixture-of-experts policies: fraction of the last step's recorded (token, MoE layer) routing decisions for which the trainer's live router picks other experts."
     );
@@ -498,6 +503,7 @@ pub fn trained(s: &StepRecord, samples: u64) {
         gauge!(TEACHER_KL).set(kl);
     }
     gauge!(LOGPROB_GAP).set(s.logprob_gap);
+    gauge!(SWAP_TOKENS).set(s.swap_tokens as f64);
     if let Some(m) = s.routing_mismatch {
         gauge!(ROUTING_MISMATCH).set(m);
     }

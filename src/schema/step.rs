@@ -26,8 +26,15 @@ pub struct StepRecord {
     /// KL(μ‖π) estimated on the sampled tokens (k3).
     pub mismatch_kl: f64,
     /// Mean |log π − log μ| over the sampled tokens: how far the trainer's log-probs are
-    /// from the behaviour log-probs.
+    /// from the behaviour log-probs. Exactly 0 when every token is on-policy (weights in
+    /// f32, no swap inside a completion): the sampler and the trainer compute a log-prob
+    /// bit for bit alike, so any gap is staleness, a swap, or bf16 on the wire.
     pub logprob_gap: f64,
+    /// Sampled tokens drawn after a weight swap inside their completion: their KV cache
+    /// holds keys and values an older version computed, so no one version's teacher-forced
+    /// log-prob equals theirs exactly (counted from each sample's version runs; for an
+    /// episode, whose cache a new turn rebuilds, an upper bound).
+    pub swap_tokens: u64,
     /// Mixture-of-experts policies: the fraction of the recorded (token, MoE layer)
     /// routing decisions for which the trainer's live router picks other experts. None
     /// when no group carried routing.

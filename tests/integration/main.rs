@@ -7,6 +7,7 @@
 #![allow(clippy::too_many_lines)]
 
 mod bad_input;
+mod bitwise;
 mod bus_conformance;
 mod chaos;
 mod chat_pipeline;

@@ -155,6 +155,11 @@ async fn run_learns_and_sync_speaks_the_same_schema() {
         vec![0]
     );
     assert_eq!(b.summary.staleness[&0], 12 * 8);
+    // ...and the trainer's log-probs are the sampler's, bit for bit.
+    for row in &b.rows {
+        let r = &row.record;
+        assert_eq!((r.logprob_gap, r.ratio_max), (0.0, 1.0), "step {}", r.step);
+    }
     check_report(&b, 12);
 
     for (stream, what) in [("rl:rollouts", "rollouts"), ("rl:scored", "scored")] {

@@ -231,8 +231,29 @@ pub fn stats(parts: &[Part], groups: &[&ScoredGroup], cfg: &TrainerSettings) -> 
         ref_kl: parts.iter().map(|p| p.ref_kl).sum(),
         teacher_kl: teacher_kl(groups),
         routing_mismatch: (compared > 0).then(|| differ as f64 / compared as f64),
+        swap_tokens: swap_tokens(groups),
         ..token_stats(&r, &v, &l, groups, cfg)
     }
+}
+
+/// Model tokens sampled after their completion's first version run: after a weight swap
+/// inside it (see [`StepRecord::swap_tokens`]).
+fn swap_tokens(groups: &[&ScoredGroup]) -> u64 {
+    let mut n = 0u64;
+    for g in groups {
+        for s in &g.rollout.samples {
+            let Some(second) = s.versions.get(1) else {
+                continue;
+            };
+            let own = s.model_tokens();
+            n += own
+                .iter()
+                .skip(second.start as usize)
+                .filter(|&&o| o)
+                .count() as u64;
+        }
+    }
+    n
 }
 
 /// KL(student ‖ teacher) on the sampled tokens of the groups a teacher scored: the mean of
@@ -345,13 +366,34 @@ mod tests {
     use super::*;
     use crate::model::TrainBackend;
     use crate::model::config::{Architecture, PolicyConfig};
-    use crate::schema::{SchemaVersion, examples};
+    use crate::schema::{RolloutGroup, SchemaVersion, examples};
     use burn::tensor::backend::AutodiffBackend;
 
     type Inner = <TrainBackend as AutodiffBackend>::InnerBackend;
 
     fn host2(t: Tensor<Inner, 2>) -> Vec<f32> {
         crate::model::host_f32(t.into_data()).unwrap()
+    }
+
+    /// Samples 1 and 3 of the example group switch versions halfway (token 5 of 10): their
+    /// last five tokens each were drawn over an older version's cache; an environment span
+    /// among them is not counted.
+    #[test]
+    fn swap_tokens_counts_model_tokens_after_a_swap_inside_a_completion() {
+        let mut rollout = examples::rollout_group(4, 10, 16, 0);
+        let group = |rollout: RolloutGroup| ScoredGroup {
+            schema: SchemaVersion::CURRENT,
+            rewards: vec![0.0; rollout.samples.len()],
+            advantages: vec![0.0; rollout.samples.len()],
+            rollout,
+            token_rewards: None,
+            ref_logprobs: None,
+            scorer_id: "swap".into(),
+            scored_us: 0,
+        };
+        assert_eq!(swap_tokens(&[&group(rollout.clone())]), 10);
+        rollout.samples[1].env = vec![crate::schema::Span { start: 7, len: 2 }];
+        assert_eq!(swap_tokens(&[&group(rollout)]), 8);
     }
 
     /// One sample of two completion tokens whose token rewards, with γ = 0, give the

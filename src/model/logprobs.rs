@@ -1,8 +1,11 @@
 //! The trainer's view: teacher-forced log-probs of given completion tokens, with gradients.
 //!
 //! With the same weights and sampling settings these equal the sampler's behaviour
-//! log-probs: logits are divided by the same temperature and, when the sampler recorded a
-//! mask (top-k/top-p truncation), renormalised over the same kept ids.
+//! log-probs bit for bit on the CPU backend: the forward gives each position the logits the
+//! sampler's decode step gave it (the kernels' fixed orders, see [`super::kernels`]), and
+//! both sides take the log-prob by one function,
+//! [`token_logprob`](super::kernels::token_logprob): the same temperature and, when the
+//! sampler recorded a mask (top-k/top-p truncation), the same kept ids.
 
 use super::kernels::{Kept, Kernels};
 use super::llama::Policy;

@@ -15,6 +15,11 @@
 //!   one node whose backward calls the inner backend's backward kernel ([`autodiff`]), so
 //!   the graph holds one saved tensor per block instead of a dozen.
 //!
+//! The CPU kernels are also what makes the sampler's and the trainer's log-probs agree bit
+//! for bit: a linear layer's forward ([`rows`]) and attention ([`attend`]) sum every output
+//! in one fixed order whatever the batch, padding or cache, and [`token_logprob`] is the one
+//! definition of a token's log-prob.
+//!
 //! `tests/integration/grad_parity.rs` checks the loss and every gradient against PyTorch through these
 //! kernels; the unit tests below check each native kernel, forward and backward, against
 //! the composition on random inputs.

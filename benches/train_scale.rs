@@ -11,7 +11,15 @@
 //! cargo bench --bench train_scale -- step-lora DIR MICRO STEPS RANK    # `step` training a LoRA adapter
 //! cargo bench --bench train_scale -- generate-lora DIR PROMPT NEW ROWS RANK  # merged vs unmerged adapter
 //! cargo bench --bench train_scale -- teacher SIZE DIR GROUPS # a teacher scorer's prefill per group
+//! cargo bench --bench train_scale -- invariance ROWS         # per-row bits of a product by batch size
 //! ```
+//!
+//! `invariance` multiplies ROWS random rows by each of the 0.5B shape's linear weights
+//! (896 → 896, 896 → 4864, 4864 → 896) two ways, the general matrix product
+//! (`matrixmultiply`, or the system BLAS in a `--features blas` build) and the linear
+//! kernel every forward pass uses, and for M = 1, 8 and ROWS counts the outputs of the first
+//! M rows whose bits differ from the same rows' outputs at M = ROWS; then times each way at
+//! M = ROWS (best of 3).
 //!
 //! `teacher` scores SIZE's batch (each group: its prompt and completions) with DIR as the
 //! teacher, through the scorer's own code (`score --teacher`: one batched prefill per group,
@@ -561,6 +569,59 @@ fn weights(dir: &Path, lrs: &[f64], steps: usize, store: &str) {
     }
 }
 
+/// See the module docs: per-row bits of a product at M = 1, 8 and `rows`, and its time.
+fn invariance(rows: usize) {
+    use burn::tensor::{Distribution, Tensor};
+    use ndarray::Array2;
+    let device = Default::default();
+    for (k, n) in [(896usize, 896usize), (896, 4864), (4864, 896)] {
+        let x =
+            Tensor::<InferBackend, 2>::random([rows, k], Distribution::Normal(0.0, 1.0), &device);
+        let w = Tensor::<InferBackend, 2>::random([k, n], Distribution::Normal(0.0, 0.05), &device);
+        let xs: Vec<f32> = x.to_data().to_vec().expect("f32");
+        let ws: Vec<f32> = w.to_data().to_vec().expect("f32");
+        let wa = Array2::from_shape_vec((k, n), ws).expect("shape");
+        let gemm = |m: usize| -> Vec<f32> {
+            let xa = Array2::from_shape_vec((m, k), xs[..m * k].to_vec()).expect("shape");
+            let mut y = Array2::<f32>::zeros((m, n));
+            ndarray::linalg::general_mat_mul(1.0, &xa, &wa, 0.0, &mut y);
+            y.into_raw_vec_and_offset().0
+        };
+        let kernel = |m: usize| -> Vec<f32> {
+            let y = InferBackend::linear_rows(x.clone().slice([0..m, 0..k]), w.clone(), None);
+            y.to_data().to_vec().expect("f32")
+        };
+        for (name, f) in [
+            ("general product", &gemm as &dyn Fn(usize) -> Vec<f32>),
+            ("linear kernel", &kernel),
+        ] {
+            let full = f(rows);
+            let mut differ = Vec::new();
+            for m in [1, 8, rows] {
+                let y = f(m);
+                let d = y
+                    .iter()
+                    .zip(&full)
+                    .filter(|(a, b)| a.to_bits() != b.to_bits())
+                    .count();
+                differ.push(format!("\"m{m}\": {d}"));
+            }
+            let secs = (0..3)
+                .map(|_| {
+                    let t = Instant::now();
+                    std::hint::black_box(f(rows));
+                    t.elapsed().as_secs_f64()
+                })
+                .fold(f64::INFINITY, f64::min);
+            let gflops = 2.0 * (rows * k * n) as f64 / secs / 1e9;
+            println!(
+                "{{\"product\": \"{name}\", \"k\": {k}, \"n\": {n}, \"rows\": {rows}, \"outputs_differing_from_full\": {{{}}}, \"seconds\": {secs:.4}, \"gflops\": {gflops:.1}}}",
+                differ.join(", ")
+            );
+        }
+    }
+}
+
 fn main() {
     rlstream::cpu::select_blas_kernels();
     let args: Vec<String> = std::env::args()
@@ -624,6 +685,7 @@ fn main() {
             Path::new(dir),
             groups.parse().expect("GROUPS: a count"),
         ),
+        ["invariance", rows] => invariance(rows.parse().expect("ROWS: a count")),
         // `cargo bench` with no arguments (as CI's build check runs it): a quick small run.
         [] => {
             let dir = tempfile::tempdir().expect("tmp");
@@ -635,7 +697,7 @@ fn main() {
             "usage: write SIZE DIR | step DIR MICRO STEPS | load DIR | \
              generate[-flex] DIR PROMPT NEW ROWS | bf16 DIR OUT | weights DIR LRS STEPS STORE | \
              step-lora DIR MICRO STEPS RANK | generate-lora DIR PROMPT NEW ROWS RANK | \
-             teacher SIZE DIR GROUPS"
+             teacher SIZE DIR GROUPS | invariance ROWS"
         ),
     }
 }

@@ -17,7 +17,8 @@
 //! `invariance` multiplies ROWS random rows by each of the 0.5B shape's linear weights
 //! (896 → 896, 896 → 4864, 4864 → 896) two ways, the general matrix product
 //! (`matrixmultiply`, or the system BLAS in a `--features blas` build) and the linear
-//! kernel every forward pass uses, and for M = 1, 8 and ROWS counts the outputs of the first
+//! kernel every forward pass uses (on the weight stored `[out, in]`, as a generation model
+//! keeps it; the trainer's is transposed first), and for M = 1, 8 and ROWS counts the outputs of the first
 //! M rows whose bits differ from the same rows' outputs at M = ROWS; then times each way at
 //! M = ROWS (best of 3).
 //!
@@ -587,8 +588,11 @@ fn invariance(rows: usize) {
             ndarray::linalg::general_mat_mul(1.0, &xa, &wa, 0.0, &mut y);
             y.into_raw_vec_and_offset().0
         };
+        // As a generation model stores it: `[out, in]`, read through a transposed view.
+        let w_stored = w.clone().transpose().into_data();
+        let w_view = Tensor::<InferBackend, 2>::from_data(w_stored, &device).transpose();
         let kernel = |m: usize| -> Vec<f32> {
-            let y = InferBackend::linear_rows(x.clone().slice([0..m, 0..k]), w.clone(), None);
+            let y = InferBackend::linear_rows(x.clone().slice([0..m, 0..k]), w_view.clone(), None);
             y.to_data().to_vec().expect("f32")
         };
         for (name, f) in [

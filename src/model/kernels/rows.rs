@@ -12,8 +12,10 @@
 //! A few rows (a decode step) multiply every weight once, so their speed is how fast the
 //! weights stream from memory: here the weight streams through once, each of its rows
 //! shared by three input rows while it sits in L1, four weight rows at a time, the output
-//! columns split over the cores. Many rows (prefill, training) go in blocks of rows that
-//! stay in L2 while the whole weight streams past them, the blocks split over the cores.
+//! columns split over the cores. Many rows (prefill, training) go in blocks of rows split
+//! over the cores, both operands packed so that each register tile reads one contiguous
+//! run of each; with AVX-512 each 512-bit register carries two outputs, eight lanes each,
+//! so the sums are the AVX2 path's.
 
 use rayon::prelude::*;
 
@@ -53,6 +55,36 @@ pub(super) fn rows_by_transposed(
         // own rows of `y`.
         let per_block = (BLOCK_VALUES / k).clamp(3, 96) / 3 * 3;
         let mut y = vec![0f32; rows * n];
+        #[cfg(target_arch = "x86_64")]
+        if avx512_available() && k >= 8 {
+            // Two outputs per 512-bit register, each in its own eight lanes: the same sums.
+            let wp = pack(wt, n, k, avx512::COLS);
+            y.par_chunks_mut(per_block * n)
+                .zip(x.par_chunks(per_block * k))
+                .for_each(|(out, xb)| {
+                    let nr = xb.len() / k;
+                    let xp = pack(xb, nr, k, avx512::ROWS);
+                    // SAFETY: the CPU has AVX-512 F and DQ (checked above); `xp` and `wp`
+                    // are `pack`'s layouts of `xb` `[nr, k]` and `wt` `[n, k]`, `out` `[nr, n]`.
+                    unsafe { avx512::packed(&xp, xb, nr, &wp, wt, n, k, out) };
+                });
+            return y;
+        }
+        #[cfg(target_arch = "x86_64")]
+        if fma_available() && k >= 8 {
+            // Both operands packed so that each tile reads one contiguous run of each.
+            let wp = pack(wt, n, k, COLS_PACKED);
+            y.par_chunks_mut(per_block * n)
+                .zip(x.par_chunks(per_block * k))
+                .for_each(|(out, xb)| {
+                    let nr = xb.len() / k;
+                    let xp = pack(xb, nr, k, ROWS_PACKED);
+                    // SAFETY: the CPU has AVX2 and FMA (checked above); `xp` and `wp` are
+                    // `pack`'s layouts of `xb` `[nr, k]` and `wt` `[n, k]`, `out` `[nr, n]`.
+                    unsafe { avx2::packed(&xp, xb, nr, &wp, wt, n, k, out) };
+                });
+            return y;
+        }
         y.par_chunks_mut(per_block * n)
             .zip(x.par_chunks(per_block * k))
             .for_each(|(out, xb)| {
@@ -68,6 +100,14 @@ pub(super) fn rows_by_transposed(
         .zip(wt.par_chunks(cols * k))
         .for_each(|(out, w)| block(x, rows, k, w, out, Strides { col: rows, row: 1 }));
     crate::model::tensors::transpose(&yt, n, rows)
+}
+
+/// Whether the AVX-512 path of many rows can run.
+#[cfg(target_arch = "x86_64")]
+fn avx512_available() -> bool {
+    std::arch::is_x86_feature_detected!("avx512f")
+        && std::arch::is_x86_feature_detected!("avx512dq")
+        && fma_available()
 }
 
 /// Whether the AVX2/FMA paths can run (detected once; the check is a load after that).
@@ -109,6 +149,28 @@ fn block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32], strides: 
     portable_block(x, rows, k, w, out, strides);
 }
 
+/// Rows a packed input tile and weight rows a packed weight group hold.
+const ROWS_PACKED: usize = 3;
+const COLS_PACKED: usize = 4;
+
+/// `m` `[rows, k]` in groups of `group` rows, each group's first `k - k % 8` values
+/// interleaved by eights (row 0's first eight, row 1's, …, then each row's next eight), a
+/// short last group padded with its last row: one contiguous run per tile.
+fn pack(m: &[f32], rows: usize, k: usize, group: usize) -> Vec<f32> {
+    let k8 = k - k % 8;
+    let groups = rows.div_ceil(group);
+    let mut out = Vec::with_capacity(groups * group * k8);
+    for g in 0..groups {
+        for i in (0..k8).step_by(8) {
+            for j in 0..group {
+                let r = (g * group + j).min(rows - 1);
+                out.extend_from_slice(&m[r * k + i..r * k + i + 8]);
+            }
+        }
+    }
+    out
+}
+
 /// Eight lanes as the AVX2 path keeps them, folded in the same order.
 fn fold(a: [f32; 8]) -> f32 {
     let s = [a[0] + a[4], a[1] + a[5], a[2] + a[6], a[3] + a[7]];
@@ -126,6 +188,8 @@ fn portable_block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32], 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::Strides;
+    #[allow(unused_imports)]
+    use super::{COLS_PACKED, ROWS_PACKED};
     use std::arch::x86_64::*;
 
     /// Four weight rows by three input rows: twelve accumulators, three input loads and
@@ -134,12 +198,78 @@ mod avx2 {
     const ROWS: usize = 3;
 
     #[target_feature(enable = "avx2,fma")]
-    fn fold(v: __m256) -> f32 {
+    pub(super) fn fold(v: __m256) -> f32 {
         // Lanes i and i + 4, then 0 + 2 and 1 + 3, then the two: `super::fold`'s order.
         let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
         let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
         let s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
         _mm_cvtss_f32(s)
+    }
+
+    /// The many-rows product on packed operands (see [`super::pack`]): `out[r * n + c] =
+    /// x[r] · w[c]` for the `rows` input rows of `x` and the `n` weight rows of `w`, summed
+    /// as [`block`] sums them (the tails from the unpacked rows).
+    ///
+    /// # Safety
+    /// The CPU has AVX2 and FMA; `xp`, `wp` are `pack(x, rows, k, 3)`, `pack(w, n, k, 4)`
+    /// with `x` `[rows, k]`, `w` `[n, k]`, `out` `[rows, n]`, `rows, n > 0`, `k >= 8`.
+    #[target_feature(enable = "avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn packed(
+        xp: &[f32],
+        x: &[f32],
+        rows: usize,
+        wp: &[f32],
+        w: &[f32],
+        n: usize,
+        k: usize,
+        out: &mut [f32],
+    ) {
+        let k8 = k - k % 8;
+        let (xs, ws) = (ROWS * k8, COLS * k8);
+        for c in (0..n).step_by(COLS) {
+            let nc = (n - c).min(COLS);
+            let wg = wp[c / COLS * ws..][..ws].as_ptr();
+            for r in (0..rows).step_by(ROWS) {
+                let nr = (rows - r).min(ROWS);
+                let xt = xp[r / ROWS * xs..][..xs].as_ptr();
+                let mut acc = [_mm256_setzero_ps(); ROWS * COLS];
+                for step in 0..k8 / 8 {
+                    // SAFETY: tile and group hold `k8 / 8` runs of 24 and 32 values.
+                    let (xv, wv) = unsafe {
+                        let (xq, wq) = (xt.add(step * 8 * ROWS), wg.add(step * 8 * COLS));
+                        (
+                            [
+                                _mm256_loadu_ps(xq),
+                                _mm256_loadu_ps(xq.add(8)),
+                                _mm256_loadu_ps(xq.add(16)),
+                            ],
+                            [
+                                _mm256_loadu_ps(wq),
+                                _mm256_loadu_ps(wq.add(8)),
+                                _mm256_loadu_ps(wq.add(16)),
+                                _mm256_loadu_ps(wq.add(24)),
+                            ],
+                        )
+                    };
+                    for cc in 0..COLS {
+                        for a in 0..ROWS {
+                            acc[a * COLS + cc] = _mm256_fmadd_ps(xv[a], wv[cc], acc[a * COLS + cc]);
+                        }
+                    }
+                }
+                for a in 0..nr {
+                    for cc in 0..nc {
+                        let mut s = fold(acc[a * COLS + cc]);
+                        let (xr, wr) = (&x[(r + a) * k..][..k], &w[(c + cc) * k..][..k]);
+                        for t in k8..k {
+                            s = xr[t].mul_add(wr[t], s);
+                        }
+                        out[(r + a) * n + c + cc] = s;
+                    }
+                }
+            }
+        }
     }
 
     /// See [`super::block`].
@@ -208,6 +338,83 @@ mod avx2 {
                             s = xt.mul_add(wt, s);
                         }
                         out[(c + cc) * strides.col + (r + a) * strides.row] = s;
+                    }
+                }
+            }
+        }
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+mod avx512 {
+    use std::arch::x86_64::*;
+
+    /// Four input rows by eight weight rows: each 512-bit register holds two outputs, eight
+    /// lanes each (the AVX2 path's lanes), so sixteen accumulators, four input loads (each
+    /// row's eight values in both halves) and four weight loads per eight values of `k`.
+    pub(super) const ROWS: usize = 4;
+    pub(super) const COLS: usize = 8;
+
+    /// See [`super::avx2::packed`]; `xp`, `wp` are `pack(x, rows, k, 4)` and
+    /// `pack(w, n, k, 8)`.
+    ///
+    /// # Safety
+    /// The CPU has AVX-512 F and DQ, AVX2 and FMA; the operands as in `avx2::packed`.
+    #[target_feature(enable = "avx512f,avx512dq,avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub(super) unsafe fn packed(
+        xp: &[f32],
+        x: &[f32],
+        rows: usize,
+        wp: &[f32],
+        w: &[f32],
+        n: usize,
+        k: usize,
+        out: &mut [f32],
+    ) {
+        const PAIRS: usize = COLS / 2;
+        let k8 = k - k % 8;
+        let (xs, ws) = (ROWS * k8, COLS * k8);
+        for c in (0..n).step_by(COLS) {
+            let nc = (n - c).min(COLS);
+            let wg = wp[c / COLS * ws..][..ws].as_ptr();
+            for r in (0..rows).step_by(ROWS) {
+                let nr = (rows - r).min(ROWS);
+                let xt = xp[r / ROWS * xs..][..xs].as_ptr();
+                let mut acc = [_mm512_setzero_ps(); ROWS * PAIRS];
+                for step in 0..k8 / 8 {
+                    // SAFETY: tile and group hold `k8 / 8` runs of 32 and 64 values.
+                    let (xq, wq) = unsafe { (xt.add(step * 8 * ROWS), wg.add(step * 8 * COLS)) };
+                    let xv = unsafe {
+                        [
+                            _mm512_broadcast_f32x8(_mm256_loadu_ps(xq)),
+                            _mm512_broadcast_f32x8(_mm256_loadu_ps(xq.add(8))),
+                            _mm512_broadcast_f32x8(_mm256_loadu_ps(xq.add(16))),
+                            _mm512_broadcast_f32x8(_mm256_loadu_ps(xq.add(24))),
+                        ]
+                    };
+                    for p in 0..PAIRS {
+                        // SAFETY: as above.
+                        let wv = unsafe { _mm512_loadu_ps(wq.add(p * 16)) };
+                        for a in 0..ROWS {
+                            acc[a * PAIRS + p] = _mm512_fmadd_ps(xv[a], wv, acc[a * PAIRS + p]);
+                        }
+                    }
+                }
+                for a in 0..nr {
+                    for cc in 0..nc {
+                        let v = acc[a * PAIRS + cc / 2];
+                        let half = if cc % 2 == 0 {
+                            _mm512_castps512_ps256(v)
+                        } else {
+                            _mm512_extractf32x8_ps::<1>(v)
+                        };
+                        let mut s = super::avx2::fold(half);
+                        let (xr, wr) = (&x[(r + a) * k..][..k], &w[(c + cc) * k..][..k]);
+                        for t in k8..k {
+                            s = xr[t].mul_add(wr[t], s);
+                        }
+                        out[(r + a) * n + c + cc] = s;
                     }
                 }
             }
@@ -285,6 +492,19 @@ mod tests {
                 assert_eq!(portable_dot(xr, wr).to_bits(), y[r * n + j].to_bits());
             }
         }
+    }
+
+    /// The many-rows paths (AVX-512 or AVX2 where the CPU has them) give the portable
+    /// path's bits.
+    #[test]
+    fn many_rows_give_the_portable_bits() {
+        let (rows, n, k) = (70, 21, 83);
+        let (x, wt) = (values(rows * k, 9), values(n * k, 10));
+        let mut out = vec![0f32; n * rows];
+        portable_block(&x, rows, k, &wt, &mut out, Strides { col: 1, row: n });
+        let y = rows_by_transposed(&x, rows, &wt, n, k);
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&out), bits(&y));
     }
 
     /// Many rows (blocks of rows) and a few of them (runs of columns) sum alike.

@@ -73,12 +73,12 @@ pub(super) fn rows_by_transposed(
         #[cfg(target_arch = "x86_64")]
         if fma_available() && k >= 8 {
             // Both operands packed so that each tile reads one contiguous run of each.
-            let wp = pack(wt, n, k, COLS_PACKED);
+            let wp = pack(wt, n, k, avx2::COLS);
             y.par_chunks_mut(per_block * n)
                 .zip(x.par_chunks(per_block * k))
                 .for_each(|(out, xb)| {
                     let nr = xb.len() / k;
-                    let xp = pack(xb, nr, k, ROWS_PACKED);
+                    let xp = pack(xb, nr, k, avx2::ROWS);
                     // SAFETY: the CPU has AVX2 and FMA (checked above); `xp` and `wp` are
                     // `pack`'s layouts of `xb` `[nr, k]` and `wt` `[n, k]`, `out` `[nr, n]`.
                     unsafe { avx2::packed(&xp, xb, nr, &wp, wt, n, k, out) };
@@ -149,13 +149,10 @@ fn block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32], strides: 
     portable_block(x, rows, k, w, out, strides);
 }
 
-/// Rows a packed input tile and weight rows a packed weight group hold.
-const ROWS_PACKED: usize = 3;
-const COLS_PACKED: usize = 4;
-
 /// `m` `[rows, k]` in groups of `group` rows, each group's first `k - k % 8` values
 /// interleaved by eights (row 0's first eight, row 1's, …, then each row's next eight), a
 /// short last group padded with its last row: one contiguous run per tile.
+#[cfg(target_arch = "x86_64")]
 fn pack(m: &[f32], rows: usize, k: usize, group: usize) -> Vec<f32> {
     let k8 = k - k % 8;
     let groups = rows.div_ceil(group);
@@ -188,14 +185,12 @@ fn portable_block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32], 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
     use super::Strides;
-    #[allow(unused_imports)]
-    use super::{COLS_PACKED, ROWS_PACKED};
     use std::arch::x86_64::*;
 
     /// Four weight rows by three input rows: twelve accumulators, three input loads and
     /// four weight loads per eight values of `k`.
-    const COLS: usize = 4;
-    const ROWS: usize = 3;
+    pub(super) const COLS: usize = 4;
+    pub(super) const ROWS: usize = 3;
 
     #[target_feature(enable = "avx2,fma")]
     pub(super) fn fold(v: __m256) -> f32 {

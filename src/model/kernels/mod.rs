@@ -5,7 +5,8 @@
 //! twice as many backward, each allocating a whole tensor; rotary positions, the masked
 //! attention softmax, SwiGLU and the token log-prob are similar. On a CPU at small sizes
 //! that per-operation cost, not the matrix products, is most of a training step. [`Kernels`]
-//! names these six blocks as backend operations:
+//! names these blocks, and attention as a whole (scores, masked softmax, values), as
+//! backend operations:
 //!
 //! - every backend gets the composition in [`reference`] (burn's own operations, the exact
 //!   arithmetic the model had before these kernels existed), forward and backward;

@@ -55,35 +55,32 @@ pub(super) fn rows_by_transposed(
         // own rows of `y`.
         let per_block = (BLOCK_VALUES / k).clamp(3, 96) / 3 * 3;
         let mut y = vec![0f32; rows * n];
+        // Both operands packed so that each tile reads one contiguous run of each; with
+        // AVX-512, two outputs per 512-bit register, each in its own eight lanes: the same
+        // sums.
         #[cfg(target_arch = "x86_64")]
-        if avx512_available() && k >= 8 {
-            // Two outputs per 512-bit register, each in its own eight lanes: the same sums.
-            let wp = pack(wt, n, k, avx512::COLS);
-            y.par_chunks_mut(per_block * n)
-                .zip(x.par_chunks(per_block * k))
-                .for_each(|(out, xb)| {
-                    let nr = xb.len() / k;
-                    let xp = pack(xb, nr, k, avx512::ROWS);
-                    // SAFETY: the CPU has AVX-512 F and DQ (checked above); `xp` and `wp`
-                    // are `pack`'s layouts of `xb` `[nr, k]` and `wt` `[n, k]`, `out` `[nr, n]`.
-                    unsafe { avx512::packed(&xp, xb, nr, &wp, wt, n, k, out) };
-                });
-            return y;
-        }
-        #[cfg(target_arch = "x86_64")]
-        if fma_available() && k >= 8 {
-            // Both operands packed so that each tile reads one contiguous run of each.
-            let wp = pack(wt, n, k, avx2::COLS);
-            y.par_chunks_mut(per_block * n)
-                .zip(x.par_chunks(per_block * k))
-                .for_each(|(out, xb)| {
-                    let nr = xb.len() / k;
-                    let xp = pack(xb, nr, k, avx2::ROWS);
-                    // SAFETY: the CPU has AVX2 and FMA (checked above); `xp` and `wp` are
-                    // `pack`'s layouts of `xb` `[nr, k]` and `wt` `[n, k]`, `out` `[nr, n]`.
-                    unsafe { avx2::packed(&xp, xb, nr, &wp, wt, n, k, out) };
-                });
-            return y;
+        if k >= 8 {
+            let tiles: Option<(usize, usize, PackedTiles)> = if avx512_available() {
+                Some((avx512::ROWS, avx512::COLS, avx512::packed))
+            } else if fma_available() {
+                Some((avx2::ROWS, avx2::COLS, avx2::packed))
+            } else {
+                None
+            };
+            if let Some((tile_rows, tile_cols, tiles)) = tiles {
+                let wp = pack(wt, n, k, tile_cols);
+                y.par_chunks_mut(per_block * n)
+                    .zip(x.par_chunks(per_block * k))
+                    .for_each(|(out, xb)| {
+                        let nr = xb.len() / k;
+                        let xp = pack(xb, nr, k, tile_rows);
+                        // SAFETY: the CPU has the tiles' instructions (checked above); `xp`
+                        // and `wp` are `pack`'s layouts of `xb` `[nr, k]` and `wt` `[n, k]`
+                        // in the tiles' shape, `out` `[nr, n]`.
+                        unsafe { tiles(&xp, xb, nr, &wp, wt, n, k, out) };
+                    });
+                return y;
+            }
         }
         y.par_chunks_mut(per_block * n)
             .zip(x.par_chunks(per_block * k))
@@ -148,6 +145,10 @@ fn block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32], strides: 
     }
     portable_block(x, rows, k, w, out, strides);
 }
+
+/// A packed many-rows product (`avx2::packed`, `avx512::packed`).
+#[cfg(target_arch = "x86_64")]
+type PackedTiles = unsafe fn(&[f32], &[f32], usize, &[f32], &[f32], usize, usize, &mut [f32]);
 
 /// `m` `[rows, k]` in groups of `group` rows, each group's first `k - k % 8` values
 /// interleaved by eights (row 0's first eight, row 1's, …, then each row's next eight), a

@@ -2,11 +2,17 @@
 """rlstream against PyTorch at two sizes, side by side in one run: the step time and the
 peak resident memory of one PPO step (forward, backward, AdamW), with and without
 micro-batching, on the same checkpoint and the same batch; and (`--parts gen`) the time and
-peak memory of loading the checkpoint, f32 and bf16, and generation tokens/s (0.5b: prompt
-128, 8 and 64 rows x 128 new tokens; small: prompt 16, 32 x 128).
+peak memory of loading the checkpoint, f32 and bf16, and generation tokens/s from each file
+(0.5b: prompt 128, 8 and 64 rows x 128 new tokens; small: prompt 16, 32 x 128): rlstream
+holds a bf16 file's linear weights in 16 bits, PyTorch computes in bf16.
 
     python benches/scale_vs_torch.py [--sizes small,0.5b] [--steps 3] [--features blas]
-                                     [--parts train,gen] [--flex]
+                                     [--parts train,gen] [--flex] [--against blas]
+
+`--against FEATURES` also runs the training steps and each size's first generation shape
+with those cargo features and prints the ratio of the build given by `--features` (default:
+the default build) to that one.
+Each process is stopped after `--limit` seconds (default 1800); its row says so.
 
 PYTHON (default: this interpreter) must have torch and transformers. Sizes: `small` (0.8M
 parameters, 32 x 64 tokens; micro-batches of 512 tokens) and `0.5b` (Qwen2.5-0.5B's shape,
@@ -27,22 +33,39 @@ MICRO = {"small": 512, "0.5b": 192}
 
 
 FEATURES = []
+# The build the first is compared with (`--against`), or None.
+AGAINST = None
+LIMIT_S = 1800
 
 
-def rust(*args):
-    out = subprocess.run(
-        ["cargo", "bench", "--quiet", *FEATURES, "--bench", "train_scale", "--", *args],
-        cwd=ROOT, check=True, stdout=subprocess.PIPE, text=True,
-    )
+def last_json(cmd, **kw):
+    """The last line of `cmd`'s output as JSON, or {"stopped_s": LIMIT_S} when it ran past
+    the limit."""
+    try:
+        out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True,
+                             timeout=LIMIT_S, **kw)
+    except subprocess.TimeoutExpired:
+        return {"stopped_s": LIMIT_S}
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def rust(*args, features=None):
+    features = FEATURES if features is None else features
+    return last_json(
+        ["cargo", "bench", "--quiet", *features, "--bench", "train_scale", "--", *args],
+        cwd=ROOT,
+    )
+
+
+def against(*args):
+    """The same rlstream row in the `--against` build, or None."""
+    return rust(*args, features=["--features", AGAINST]) if AGAINST else None
 
 
 def torch_step(python, ckpt, micro, steps):
-    out = subprocess.run(
-        [python, str(ROOT / "benches" / "torch_train_step.py"), ckpt, str(micro), str(steps)],
-        check=True, stdout=subprocess.PIPE, text=True,
+    return last_json(
+        [python, str(ROOT / "benches" / "torch_train_step.py"), ckpt, str(micro), str(steps)]
     )
-    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 # (prompt, new tokens, rows) per size: 0.5b at 8 rows (one group) and 64 (eight groups in
@@ -51,11 +74,7 @@ GEN = {"small": [(16, 128, 32)], "0.5b": [(128, 128, 8), (128, 128, 64)]}
 
 
 def torch_gen_load(python, *args):
-    out = subprocess.run(
-        [python, str(ROOT / "benches" / "torch_gen_load.py"), *args],
-        check=True, stdout=subprocess.PIPE, text=True,
-    )
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    return last_json([python, str(ROOT / "benches" / "torch_gen_load.py"), *args])
 
 
 def gen_rows(python, size, ckpt, flex):
@@ -71,17 +90,33 @@ def gen_rows(python, size, ckpt, flex):
         print(json.dumps({"rlstream": ours, "torch": theirs}), file=sys.stderr)
     for prompt, new, rows in GEN[size]:
         shape = (str(prompt), str(new), str(rows))
-        ours = rust("generate", ckpt, *shape)
-        before = rust("generate-flex", ckpt, *shape) if flex else None
-        for dtype in ("float32", "bfloat16"):
-            theirs = torch_gen_load(python, "generate", ckpt, dtype, *shape)
-            work = f"generate {rows} x {new} after {prompt}"
-            out.append((work, dtype, ours, theirs))
+        work = f"generate {rows} x {new} after {prompt}"
+        for dtype, path in (("float32", ckpt), ("bfloat16", bf16)):
+            ours = rust("generate", path, *shape)
+            # Generation runs no BLAS in either build: the first shape of a size is enough.
+            other = against("generate", path, *shape) if rows == GEN[size][0][2] else None
+            before = rust("generate-flex", path, *shape) if flex and dtype == "float32" else None
+            theirs = torch_gen_load(python, "generate", path, dtype, *shape)
+            out.append((work, dtype, ours, theirs, other))
             if before:
-                out.append((work + " (Flex, the sampler before)", dtype, before, theirs))
-            print(json.dumps({"rlstream": ours, "flex": before, "torch": theirs}),
-                  file=sys.stderr)
+                out.append((work + " (Flex, the sampler before)", dtype, before, theirs, None))
+            print(json.dumps({"rlstream": ours, "against": other, "flex": before,
+                              "torch": theirs}), file=sys.stderr)
     return out
+
+
+def speed(o, t, key, fmt, higher):
+    """`| ours | theirs | ratio ` of one measure (`higher`: tokens/s, else seconds)."""
+    cell = lambda m: f"stopped after {m['stopped_s'] // 60} min" if "stopped_s" in m else fmt(m[key])
+    if "stopped_s" in o or "stopped_s" in t:
+        ratio = ""
+    else:
+        ratio = f"{(o[key] / t[key]) if higher else (t[key] / o[key]):.2f}x"
+    return f"| {cell(o)} | {cell(t)} | {ratio} "
+
+
+def gb(m):
+    return f"{m['peak_rss_mb'] / 1024:.2f} GB" if "peak_rss_mb" in m else ""
 
 
 def main():
@@ -93,7 +128,12 @@ def main():
     ap.add_argument("--parts", default="train", help="train, gen or train,gen")
     ap.add_argument("--flex", action="store_true",
                     help="gen: also generate on Flex, the sampler before the trainer's kernels")
+    ap.add_argument("--against", default=None,
+                    help="also run rlstream with these cargo features, and print the ratio")
+    ap.add_argument("--limit", type=int, default=LIMIT_S, help="seconds per process")
     args = ap.parse_args()
+    global AGAINST, LIMIT_S
+    AGAINST, LIMIT_S = args.against, args.limit
     if args.features:
         FEATURES.extend(["--features", args.features])
     python = os.environ.get("PYTHON", sys.executable)
@@ -107,32 +147,44 @@ def main():
                 gens += [(size, *g) for g in gen_rows(python, size, ckpt, args.flex)]
             for micro in ((0,) if args.no_micro else (0, MICRO[size])) if "train" in parts else ():
                 ours = rust("step", ckpt, str(micro), str(args.steps))
+                other = against("step", ckpt, str(micro), str(args.steps))
                 theirs = torch_step(python, ckpt, micro, args.steps)
-                rows.append((size, info["params"], micro, ours, theirs))
-                print(json.dumps({"rlstream": ours, "torch": theirs}), file=sys.stderr)
+                rows.append((size, info["params"], micro, ours, theirs, other))
+                print(json.dumps({"rlstream": ours, "against": other, "torch": theirs}),
+                      file=sys.stderr)
     print(f"rlstream features: {args.features or 'default'}")
     if gens:
         print("| size | work | weights | rlstream | PyTorch | ratio | rlstream peak RSS "
               "| PyTorch peak RSS (before loading) |")
         print("|---|---|---|---|---|---|---|---|")
-        for size, work, dtype, o, t in gens:
+        for size, work, dtype, o, t, *_ in gens:
             if work == "load":
-                speed = f"| {o['load_s']:.2f} s | {t['load_s']:.2f} s | {t['load_s'] / o['load_s']:.2f}x "
+                cells = speed(o, t, "load_s", lambda v: f"{v:.2f} s", False)
                 weights = f"{dtype} file"
             else:
-                speed = (f"| {o['tokens_per_s']:.1f} tok/s | {t['tokens_per_s']:.1f} tok/s "
-                         f"| {o['tokens_per_s'] / t['tokens_per_s']:.2f}x ")
-                weights = f"rlstream float32, PyTorch {dtype}"
+                cells = speed(o, t, "tokens_per_s", lambda v: f"{v:.1f} tok/s", True)
+                weights = f"{dtype} file, computed in {dtype} by PyTorch"
             base = f" ({t['base_rss_mb'] / 1024:.2f} GB)" if "base_rss_mb" in t else ""
-            print(f"| {size} | {work} | {weights} {speed}| {o['peak_rss_mb'] / 1024:.2f} GB "
-                  f"| {t['peak_rss_mb'] / 1024:.2f} GB{base} |")
+            print(f"| {size} | {work} | {weights} {cells}| {gb(o)} | {gb(t)}{base} |")
+    if AGAINST:
+        print(f"\n{args.features or 'default'} build against `--features {AGAINST}`, "
+              "same rows (ratio above 1: the first is faster):")
+        print("| size | work | weights | first | against | ratio |")
+        print("|---|---|---|---|---|---|")
+        for size, work, dtype, o, _, other, *_ in [g for g in gens if g[1] != "load"]:
+            if other:
+                cells = speed(o, other, "tokens_per_s", lambda v: f"{v:.1f} tok/s", True)
+                print(f"| {size} | {work} | {dtype} {cells}|")
+        for size, _, micro, o, _, other in rows:
+            cells = speed(o, other, "step_s", lambda v: f"{v:.3f} s", False)
+            print(f"| {size} | train step, {micro or 'one pass'} | float32 {cells}|")
     if not rows:
         return
     print(f"PyTorch {rows[0][4]['torch']} on {rows[0][4]['threads']} threads")
     print("| size | params | micro-batch tokens | rlstream step | PyTorch step | speed ratio "
           "| rlstream peak RSS | PyTorch peak RSS | memory ratio |")
     print("|---|---|---|---|---|---|---|---|---|")
-    for size, params, micro, o, t in rows:
+    for size, params, micro, o, t, _ in rows:
         print(f"| {size} | {params / 1e6:.1f}M | {micro or 'one pass'} | {o['step_s']:.3f} s "
               f"| {t['step_s']:.3f} s | {t['step_s'] / o['step_s']:.2f}x "
               f"| {o['peak_rss_mb'] / 1024:.2f} GB | {t['peak_rss_mb'] / 1024:.2f} GB "

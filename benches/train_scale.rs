@@ -12,6 +12,7 @@
 //! cargo bench --bench train_scale -- generate-lora DIR PROMPT NEW ROWS RANK  # merged vs unmerged adapter
 //! cargo bench --bench train_scale -- teacher SIZE DIR GROUPS # a teacher scorer's prefill per group
 //! cargo bench --bench train_scale -- invariance ROWS         # per-row bits of a product by batch size
+//! cargo bench --bench train_scale -- decode-products ROWS    # a decode step's products, f32 and bf16 weights
 //! ```
 //!
 //! `invariance` multiplies ROWS random rows by each of the 0.5B shape's linear weights
@@ -626,6 +627,51 @@ fn invariance(rows: usize) {
     }
 }
 
+/// A decode step's products at the 0.5B shape (the attention and MLP layers and the tied
+/// head, `[out, in]` as a generation model holds them) on `rows` rows, with the weights in
+/// f32 and in bf16 ([`Kernels::decode_weight`] keeps bf16 values in 16 bits): best of 5
+/// seconds, GFLOP/s and the weight bytes streamed per second.
+fn decode_products(rows: usize) {
+    use burn::tensor::{Distribution, Tensor};
+    let device = Default::default();
+    for (k, n) in [
+        (896usize, 896usize),
+        (896, 4864),
+        (4864, 896),
+        (896, 151_936),
+    ] {
+        let x =
+            Tensor::<InferBackend, 2>::random([rows, k], Distribution::Normal(0.0, 1.0), &device);
+        let values: Vec<f32> = (0..n * k)
+            .map(|i| ((i as u32).wrapping_mul(2_654_435_761) % 1000) as f32 / 1e4 - 0.05)
+            .collect();
+        let half: Vec<f32> = values
+            .iter()
+            .map(|v| half::bf16::from_f32(*v).to_f32())
+            .collect();
+        let nudged: Vec<f32> = values
+            .iter()
+            .map(|v| f32::from_bits(v.to_bits() | 1))
+            .collect();
+        for (dtype, w, bytes) in [("f32", nudged, 4), ("bf16", half, 2)] {
+            let w = InferBackend::decode_weight(w, [n, k], &device);
+            let secs = (0..5)
+                .map(|_| {
+                    let t = Instant::now();
+                    let y = InferBackend::linear_rows(x.clone(), w.clone(), None);
+                    drop(y);
+                    t.elapsed().as_secs_f64()
+                })
+                .fold(f64::INFINITY, f64::min);
+            let gflops = 2.0 * (rows * k * n) as f64 / secs / 1e9;
+            let gbs = (bytes * k * n) as f64 / secs / 1e9;
+            println!(
+                "{{\"k\": {k}, \"n\": {n}, \"rows\": {rows}, \"weights\": \"{dtype}\", \"seconds\": {secs:.5}, \"gflops\": {gflops:.1}, \"weight_gb_per_s\": {gbs:.1}}}"
+            );
+        }
+    }
+}
+
 fn main() {
     rlstream::cpu::select_blas_kernels();
     let args: Vec<String> = std::env::args()
@@ -690,6 +736,7 @@ fn main() {
             groups.parse().expect("GROUPS: a count"),
         ),
         ["invariance", rows] => invariance(rows.parse().expect("ROWS: a count")),
+        ["decode-products", rows] => decode_products(rows.parse().expect("ROWS: a count")),
         // `cargo bench` with no arguments (as CI's build check runs it): a quick small run.
         [] => {
             let dir = tempfile::tempdir().expect("tmp");
@@ -701,7 +748,7 @@ fn main() {
             "usage: write SIZE DIR | step DIR MICRO STEPS | load DIR | \
              generate[-flex] DIR PROMPT NEW ROWS | bf16 DIR OUT | weights DIR LRS STEPS STORE | \
              step-lora DIR MICRO STEPS RANK | generate-lora DIR PROMPT NEW ROWS RANK | \
-             teacher SIZE DIR GROUPS | invariance ROWS"
+             teacher SIZE DIR GROUPS | invariance ROWS | decode-products ROWS"
         ),
     }
 }

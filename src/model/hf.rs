@@ -6,6 +6,7 @@
 //! serialised as one safetensors buffer, are the weight blob the trainer publishes.
 
 use super::config::{MoeConfig, PolicyConfig};
+use super::kernels::widened;
 use super::layers::Mlp;
 use super::llama::{Assembler, Attention, Block, Policy};
 use super::moe::Moe;
@@ -260,19 +261,20 @@ where
         ))
     }
 
-    /// A linear weight: HF stores `[out, in]`, burn's `Linear` wants `[in, out]`. A backend
-    /// with [`Kernels::DECODE_LAYOUT`] keeps the stored order and reads it as a transposed
-    /// view, unless it records gradients; otherwise the weight is transposed on the host so
-    /// the parameter is contiguous (the backward's products read it row-major).
+    /// A linear weight: HF stores `[out, in]`, burn's `Linear` wants `[in, out]`. A model
+    /// built for generation takes the backend's [`Kernels::decode_weight`] (the stored order
+    /// read as a transposed view, bf16 values in 16 bits on the CPU); otherwise the weight is
+    /// transposed on the host so the parameter is contiguous (the backward's products read
+    /// it row-major).
     fn linear_weight(&self, name: &str) -> Result<Tensor<B, 2>, ModelError> {
         let t = self.get(name)?;
         let (rows, cols) = (t.shape[0], t.shape[1]);
-        if B::DECODE_LAYOUT && !B::ad_enabled(self.device) {
-            let stored = Tensor::<B, 2>::from_data(
-                TensorData::new(t.into_owned().data, [rows, cols]),
+        if !B::ad_enabled(self.device) {
+            return Ok(B::decode_weight(
+                t.into_owned().data,
+                [rows, cols],
                 self.device,
-            );
-            return Ok(stored.transpose());
+            ));
         }
         Ok(Tensor::from_data(
             TensorData::new(transpose(&t.data, rows, cols), [cols, rows]),
@@ -389,7 +391,7 @@ impl Collected {
 
     /// A linear layer's weight in HF's `[out, in]`.
     fn linear<B: Backend>(&mut self, name: &str, lin: &burn::nn::Linear<B>) {
-        self.matrix(name, lin.weight.val(), true);
+        self.matrix(name, widened(lin.weight.val()), true);
     }
 
     fn vector<B: Backend>(&mut self, name: &str, t: Tensor<B, 1>) {

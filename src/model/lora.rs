@@ -379,7 +379,11 @@ impl<B: Backend> Policy<B> {
                     }
                 };
                 let delta = l.a.val().matmul(l.b.val()).mul_scalar(l.scale);
-                let w = linear.weight.val() + delta;
+                // Summed `[out, in]` and read back as the `[in, out]` view, so that a
+                // generation model's merged weight keeps the layout its decode steps
+                // stream (see `Kernels::decode_weight`).
+                let w = super::kernels::widened(linear.weight.val()).transpose();
+                let w = (w + delta.transpose()).transpose();
                 linear.weight = Param::initialized(linear.weight.id, w);
             }
         }

@@ -37,7 +37,7 @@ pub use llama::{KvCache, Policy};
 
 /// The CPU backend generation runs on: NdArray with the trainer's native kernels
 /// ([`Kernels`]), its linear weights kept `[out, in]` so that a decode step streams each
-/// once ([`Kernels::DECODE_LAYOUT`]). Measured against Flex and PyTorch in BENCHMARKS.md.
+/// once, in 16 bits when its values are bf16 ([`Kernels::decode_weight`]). Measured against Flex and PyTorch in BENCHMARKS.md.
 #[cfg(not(feature = "cuda"))]
 pub type InferBackend = burn::backend::NdArray;
 /// The backend training runs on: autodiff over NdArray, whose train step measured 1.26×

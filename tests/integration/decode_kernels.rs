@@ -154,3 +154,65 @@ fn an_adapter_generates_as_on_flex() {
         );
     }
 }
+
+/// A bf16 checkpoint (every parity fixture's values rounded to bf16) is held for
+/// generation in 16 bits, and samples exactly what the same values give in f32: the
+/// trainer's model (autodiff, `[in, out]` f32 weights, the same kernels) draws the same
+/// tokens with the same log-prob bits, and Flex within [`LOGPROB_TOLERANCE`]. Copying the
+/// weights back out gives the bf16 values, and an adapter merges onto them.
+#[test]
+fn a_bf16_checkpoint_generates_from_16_bit_weights_as_in_f32() {
+    use burn::backend::Autodiff;
+    use burn::tensor::DType;
+    use rlstream::model::tensors::WeightDtype;
+    for name in ["qwen2", "qwen3_moe", "llama"] {
+        let tmp = tempfile::tempdir().expect("tmp");
+        let f32_model: Policy<InferBackend> =
+            load_hf(&fixtures().join("models").join(name), &Default::default()).expect("load");
+        f32_model
+            .save_hf_as(tmp.path(), WeightDtype::Bf16)
+            .expect("save bf16");
+        let half: Policy<InferBackend> = load_hf(tmp.path(), &Default::default()).expect("load");
+        let q = half.blocks[0].attn.q.weight.val();
+        assert_eq!(q.dtype(), DType::U16, "{name}: q_proj held in 16 bits");
+        let trainer: Policy<Autodiff<InferBackend>> =
+            load_hf(tmp.path(), &Default::default()).expect("load");
+        assert_eq!(
+            half.to_tensors().expect("tensors"),
+            trainer.to_tensors().expect("tensors"),
+            "{name}: the weights copied out"
+        );
+        let (a, b) = (sample(&half), sample(&trainer));
+        assert_eq!(assert_same_generation(name, &a, &b), 0.0, "{name}");
+        for (x, y) in a.iter().zip(&b) {
+            let bits = |c: &Completion| c.logprobs.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(x), bits(y), "{name}: log-prob bits");
+        }
+        let flex: Policy<Flex> = load_hf(tmp.path(), &Default::default()).expect("load");
+        assert_same_generation(name, &a, &sample(&flex));
+    }
+    // An adapter merged onto 16-bit base weights (as a generator applies adapter versions).
+    let tmp = tempfile::tempdir().expect("tmp");
+    let base: Policy<InferBackend> =
+        load_hf(&fixtures().join("models/qwen3"), &Default::default()).expect("load");
+    base.save_hf_as(tmp.path(), WeightDtype::Bf16)
+        .expect("save bf16");
+    let adapter = fixtures().join("lora/qwen3");
+    let new: Policy<InferBackend> =
+        lora::load_with_adapter(tmp.path(), &adapter, &Default::default()).expect("adapter");
+    let old: Policy<Flex> =
+        lora::load_with_adapter(tmp.path(), &adapter, &Default::default()).expect("adapter");
+    let merged = new.merged();
+    // The merged weight keeps the layout a decode step streams: `[out, in]` in memory.
+    let q = merged.blocks[0].attn.q.weight.val();
+    match q.into_primitive().tensor() {
+        burn::backend::ndarray::NdArrayTensor::F32(s) => {
+            assert!(
+                s.into_shared().t().is_standard_layout(),
+                "merged q_proj layout"
+            )
+        }
+        _ => panic!("the merged q_proj is f32"),
+    }
+    assert_same_generation("merged adapter", &sample(&merged), &sample(&old));
+}

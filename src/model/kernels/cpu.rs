@@ -86,6 +86,13 @@ fn tensor<const D: usize>(values: Vec<f32>, shape: [usize; D]) -> Tensor<NdArray
     Tensor::from_primitive(TensorPrimitive::Float(NdArrayTensor::from(array)))
 }
 
+/// Row-major `[rows, cols]` values as the `[cols, rows]` view of them.
+fn stored<E: Clone>(values: Vec<E>, [rows, cols]: [usize; 2]) -> ArcArray<E, IxDyn> {
+    ArcArray::from_shape_vec(IxDyn(&[rows, cols]), values)
+        .unwrap_or_else(|e| unreachable!("a weight's values sized to its shape: {e}"))
+        .reversed_axes()
+}
+
 fn matrix_tensor(a: Array2<f32>) -> Tensor<NdArray, 2> {
     Tensor::from_primitive(TensorPrimitive::Float(NdArrayTensor::from(
         a.into_dyn().into_shared(),
@@ -162,32 +169,72 @@ fn native_attention(
     )
 }
 
+/// A generation model's bf16 weight ([`Kernels::decode_weight`]): its `[out, in]` bits in
+/// memory order, when it is the transposed view that builds.
+fn bf16_stored(weight: &Tensor<NdArray, 2>) -> Option<ArcArray<u16, IxDyn>> {
+    match weight.clone().into_primitive().tensor() {
+        NdArrayTensor::U16(storage) => {
+            let a = storage.into_shared();
+            (a.ndim() == 2 && a.t().is_standard_layout()).then_some(a)
+        }
+        _ => None,
+    }
+}
+
 impl Kernels for NdArray {
     const NATIVE_LINEAR: bool = true;
-    const DECODE_LAYOUT: bool = true;
+
+    /// `[out, in]` as stored, read as a transposed view; in 16 bits when every value is a
+    /// bf16 (its low 16 bits zero, so narrowing loses nothing).
+    fn decode_weight(
+        values: Vec<f32>,
+        [rows, cols]: [usize; 2],
+        _device: &Self::Device,
+    ) -> Tensor<Self, 2> {
+        let primitive = if values.iter().all(|v| v.to_bits() & 0xffff == 0) {
+            let bits: Vec<u16> = values.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
+            NdArrayTensor::from(stored(bits, [rows, cols]))
+        } else {
+            NdArrayTensor::from(stored(values, [rows, cols]))
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(primitive))
+    }
 
     /// Every output one dot product in a fixed order ([`rows`]), whatever the number of
-    /// rows: a weight stored `[out, in]` (a generation model's, a tied embedding read as
-    /// the output head) as stored, a row-major `[in, out]` one (the trainer's) transposed
-    /// first, as a matrix product packs its operand. The bias is added after.
+    /// rows: a weight stored `[out, in]` (a generation model's, in f32 or bf16; a tied
+    /// embedding read as the output head) as stored, a row-major `[in, out]` one (the
+    /// trainer's) transposed first, as a matrix product packs its operand. The bias is added
+    /// after.
     fn linear_rows(
         x: Tensor<Self, 2>,
         weight: Tensor<Self, 2>,
         bias: Option<Tensor<Self, 1>>,
     ) -> Tensor<Self, 2> {
         let bias_f32 = bias.as_ref().is_none_or(|b| b.dtype() == DType::F32);
-        if !all_f32(&[x.dtype(), weight.dtype()]) || !bias_f32 {
-            return reference::linear(x, weight, bias);
+        let half = bf16_stored(&weight);
+        let weight_f32 = half.is_some() || weight.dtype() == DType::F32;
+        if x.dtype() != DType::F32 || !bias_f32 || !weight_f32 {
+            return reference::linear(x, super::widened(weight), bias);
         }
         let [n, d_in] = x.dims();
         let out = weight.dims()[1];
-        let w = Host::matrix_of(weight);
         let x = Host::of(x);
-        let mut y = if w.is_transposed() {
-            rows::rows_by_transposed(x.slice(), n, w.memory(), out, d_in)
-        } else {
-            let wt = crate::model::tensors::transpose(w.memory(), d_in, out);
-            rows::rows_by_transposed(x.slice(), n, &wt, out, d_in)
+        let mut y = match half {
+            Some(bits) => {
+                let bits = bits
+                    .as_slice_memory_order()
+                    .unwrap_or_else(|| unreachable!("a transposed view of a row-major matrix"));
+                rows::rows_by_transposed(x.slice(), n, bits, out, d_in)
+            }
+            None => {
+                let w = Host::matrix_of(weight);
+                if w.is_transposed() {
+                    rows::rows_by_transposed(x.slice(), n, w.memory(), out, d_in)
+                } else {
+                    let wt = crate::model::tensors::transpose(w.memory(), d_in, out);
+                    rows::rows_by_transposed(x.slice(), n, &wt, out, d_in)
+                }
+            }
         };
         if let Some(bias) = bias {
             let bias = Host::of(bias);

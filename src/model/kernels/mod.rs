@@ -34,6 +34,30 @@ mod rows;
 use burn::tensor::Tensor;
 use burn::tensor::backend::Backend;
 
+/// `w` `[in, out]` in f32: a weight [`Kernels::decode_weight`] keeps in 16 bits (a float
+/// tensor whose primitive holds bf16 bits as `u16`, which only [`Kernels::linear_rows`]
+/// reads) widened, in the same layout (the `[in, out]` view of `[out, in]` values, which a
+/// decode step streams), anything else as it is. Everything that reads a generation
+/// model's linear weights other than through `linear_rows` (merging an adapter, copying them
+/// to the host) goes through this.
+pub fn widened<B: Backend>(w: Tensor<B, 2>) -> Tensor<B, 2> {
+    if w.dtype() != burn::tensor::DType::U16 {
+        return w;
+    }
+    let (device, [d_in, out]) = (w.device(), w.dims());
+    let data = w.into_data();
+    let bits = data
+        .as_slice::<u16>()
+        .unwrap_or_else(|e| unreachable!("a u16 tensor's data: {e:?}"));
+    let values: Vec<f32> = bits
+        .iter()
+        .map(|h| f32::from_bits(u32::from(*h) << 16))
+        .collect();
+    let stored = crate::model::tensors::transpose(&values, d_in, out);
+    Tensor::<B, 2>::from_data(burn::tensor::TensorData::new(stored, [out, d_in]), &device)
+        .transpose()
+}
+
 /// The gradients of a linear layer on rows: input, weight (when wanted), bias (when it
 /// has one).
 pub type LinearGrads<B> = (Tensor<B, 2>, Option<Tensor<B, 2>>, Option<Tensor<B, 1>>);
@@ -49,10 +73,22 @@ pub trait Kernels: Backend {
     /// by that shape).
     const NATIVE_LINEAR: bool = false;
 
-    /// Whether a model built for generation (no gradients) keeps its linear weights in the
-    /// checkpoint's `[out, in]` order, read as transposed views: [`Kernels::linear_rows`]
-    /// then streams each weight once for a few rows (a decode step) instead of packing it.
-    const DECODE_LAYOUT: bool = false;
+    /// A linear weight of a model built for generation (no gradients), `[in, out]`, from
+    /// the checkpoint's row-major `[out, in]` values. By default a contiguous `[in, out]`
+    /// copy, as every model gets; the native CPU kernels keep the stored order instead, read
+    /// as a transposed view, so that [`Kernels::linear_rows`] streams each weight once for a
+    /// few rows (a decode step) instead of packing it, and keep a weight whose every value
+    /// is a bf16 (a bf16 checkpoint, a bf16 weight version) in 16 bits ([`widened`] gives
+    /// its f32 tensor back): half the memory and half the bytes a decode step streams, with
+    /// the same bits, since widening is exact.
+    fn decode_weight(
+        values: Vec<f32>,
+        [rows, cols]: [usize; 2],
+        device: &Self::Device,
+    ) -> Tensor<Self, 2> {
+        let t = crate::model::tensors::transpose(&values, rows, cols);
+        Tensor::from_data(burn::tensor::TensorData::new(t, [cols, rows]), device)
+    }
 
     /// `x · weight + bias` for `x` `[n, in]` and `weight` `[in, out]` (burn's layout).
     fn linear_rows(

@@ -16,8 +16,13 @@
 //! over the cores, both operands packed so that each register tile reads one contiguous
 //! run of each; with AVX-512 each 512-bit register carries two outputs, eight lanes each,
 //! so the sums are the AVX2 path's.
+//!
+//! A weight may be held in bf16 ([`Elem`]): each value is widened to its f32 (exact, a
+//! shift) as it is loaded, so the products are the f32 path's bits for the same values, and
+//! a decode step streams half the bytes.
 
 use rayon::prelude::*;
+use std::borrow::Cow;
 
 /// Up to this many rows go by columns (each task a run of weight rows, all the input
 /// rows); more go by blocks of input rows. Both sum every output in the same order.
@@ -30,6 +35,40 @@ const TASK_WEIGHTS: usize = 1 << 18;
 /// Input values per block of rows in the many-rows path (256 KiB of f32, half an L2).
 const BLOCK_VALUES: usize = 1 << 16;
 
+/// A weight's element as held in memory: f32, or bf16 kept as its 16 bits (`u16`), the
+/// top half of an f32. Widening is exact, so a bf16 weight gives the f32 path's bits for the
+/// same values.
+pub(crate) trait Elem: Copy + Send + Sync + 'static {
+    /// Whether the element is bf16 bits.
+    const BF16: bool;
+    /// The element's f32 value.
+    fn widen(self) -> f32;
+    /// A run of elements as f32 values (borrowed when they are f32).
+    fn widened(w: &[Self]) -> Cow<'_, [f32]>;
+}
+
+impl Elem for f32 {
+    const BF16: bool = false;
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        self
+    }
+    fn widened(w: &[f32]) -> Cow<'_, [f32]> {
+        Cow::Borrowed(w)
+    }
+}
+
+impl Elem for u16 {
+    const BF16: bool = true;
+    #[inline(always)]
+    fn widen(self) -> f32 {
+        f32::from_bits(u32::from(self) << 16)
+    }
+    fn widened(w: &[u16]) -> Cow<'_, [f32]> {
+        Cow::Owned(w.par_iter().map(|v| v.widen()).collect())
+    }
+}
+
 /// Where [`block`] writes output `(weight row c, input row r)`: `out[c * col + r * row]`.
 #[derive(Clone, Copy)]
 struct Strides {
@@ -38,10 +77,10 @@ struct Strides {
 }
 
 /// `y = x · wtᵀ`: `x` `[rows, k]` and `wt` `[n, k]`, both row-major; `y` `[rows, n]` row-major.
-pub(super) fn rows_by_transposed(
+pub(super) fn rows_by_transposed<E: Elem>(
     x: &[f32],
     rows: usize,
-    wt: &[f32],
+    wt: &[E],
     n: usize,
     k: usize,
 ) -> Vec<f32> {
@@ -51,44 +90,8 @@ pub(super) fn rows_by_transposed(
         return vec![0.0; rows * n];
     }
     if rows > FEW_ROWS {
-        // Blocks of input rows, a multiple of three (the tile's height), each writing its
-        // own rows of `y`.
-        let per_block = (BLOCK_VALUES / k).clamp(3, 96) / 3 * 3;
-        let mut y = vec![0f32; rows * n];
-        // Both operands packed so that each tile reads one contiguous run of each; with
-        // AVX-512, two outputs per 512-bit register, each in its own eight lanes: the same
-        // sums.
-        #[cfg(target_arch = "x86_64")]
-        if k >= 8 {
-            let tiles: Option<(usize, usize, PackedTiles)> = if avx512_available() {
-                Some((avx512::ROWS, avx512::COLS, avx512::packed))
-            } else if fma_available() {
-                Some((avx2::ROWS, avx2::COLS, avx2::packed))
-            } else {
-                None
-            };
-            if let Some((tile_rows, tile_cols, tiles)) = tiles {
-                let wp = pack(wt, n, k, tile_cols);
-                y.par_chunks_mut(per_block * n)
-                    .zip(x.par_chunks(per_block * k))
-                    .for_each(|(out, xb)| {
-                        let nr = xb.len() / k;
-                        let xp = pack(xb, nr, k, tile_rows);
-                        // SAFETY: the CPU has the tiles' instructions (checked above); `xp`
-                        // and `wp` are `pack`'s layouts of `xb` `[nr, k]` and `wt` `[n, k]`
-                        // in the tiles' shape, `out` `[nr, n]`.
-                        unsafe { tiles(&xp, xb, nr, &wp, wt, n, k, out) };
-                    });
-                return y;
-            }
-        }
-        y.par_chunks_mut(per_block * n)
-            .zip(x.par_chunks(per_block * k))
-            .for_each(|(out, xb)| {
-                let strides = Strides { col: 1, row: n };
-                block(xb, xb.len() / k, k, wt, out, strides);
-            });
-        return y;
+        // Many rows reuse each weight value many times: a bf16 weight is widened once.
+        return many_rows(x, rows, &E::widened(wt), n, k);
     }
     // Written transposed, `[n, rows]`, so that each task's columns are one contiguous run.
     let cols = (TASK_WEIGHTS / k).max(4).next_multiple_of(4);
@@ -97,6 +100,47 @@ pub(super) fn rows_by_transposed(
         .zip(wt.par_chunks(cols * k))
         .for_each(|(out, w)| block(x, rows, k, w, out, Strides { col: rows, row: 1 }));
     crate::model::tensors::transpose(&yt, n, rows)
+}
+
+/// [`rows_by_transposed`] for more than [`FEW_ROWS`] rows.
+fn many_rows(x: &[f32], rows: usize, wt: &[f32], n: usize, k: usize) -> Vec<f32> {
+    // Blocks of input rows, a multiple of three (the tile's height), each writing its own
+    // rows of `y`.
+    let per_block = (BLOCK_VALUES / k).clamp(3, 96) / 3 * 3;
+    let mut y = vec![0f32; rows * n];
+    // Both operands packed so that each tile reads one contiguous run of each; with
+    // AVX-512, two outputs per 512-bit register, each in its own eight lanes: the same sums.
+    #[cfg(target_arch = "x86_64")]
+    if k >= 8 {
+        let tiles: Option<(usize, usize, PackedTiles)> = if avx512_available() {
+            Some((avx512::ROWS, avx512::COLS, avx512::packed))
+        } else if fma_available() {
+            Some((avx2::ROWS, avx2::COLS, avx2::packed))
+        } else {
+            None
+        };
+        if let Some((tile_rows, tile_cols, tiles)) = tiles {
+            let wp = pack(wt, n, k, tile_cols);
+            y.par_chunks_mut(per_block * n)
+                .zip(x.par_chunks(per_block * k))
+                .for_each(|(out, xb)| {
+                    let nr = xb.len() / k;
+                    let xp = pack(xb, nr, k, tile_rows);
+                    // SAFETY: the CPU has the tiles' instructions (checked above); `xp` and
+                    // `wp` are `pack`'s layouts of `xb` `[nr, k]` and `wt` `[n, k]` in the
+                    // tiles' shape, `out` `[nr, n]`.
+                    unsafe { tiles(&xp, xb, nr, &wp, wt, n, k, out) };
+                });
+            return y;
+        }
+    }
+    y.par_chunks_mut(per_block * n)
+        .zip(x.par_chunks(per_block * k))
+        .for_each(|(out, xb)| {
+            let strides = Strides { col: 1, row: n };
+            block(xb, xb.len() / k, k, wt, out, strides);
+        });
+    y
 }
 
 /// Whether the AVX-512 path of many rows can run.
@@ -116,25 +160,25 @@ pub(super) fn fma_available() -> bool {
 /// `x · y` in the order every output of [`rows_by_transposed`] is summed in (inlined into
 /// the AVX2 paths that call it, it compiles to the same fused operations).
 #[inline(always)]
-pub(super) fn portable_dot(x: &[f32], y: &[f32]) -> f32 {
+pub(super) fn portable_dot<E: Elem>(x: &[f32], y: &[E]) -> f32 {
     let k = x.len().min(y.len());
     let k8 = k - k % 8;
     let mut acc = [0f32; 8];
     for (xc, yc) in x[..k8].chunks_exact(8).zip(y[..k8].chunks_exact(8)) {
         for l in 0..8 {
-            acc[l] = xc[l].mul_add(yc[l], acc[l]);
+            acc[l] = xc[l].mul_add(yc[l].widen(), acc[l]);
         }
     }
     let mut s = fold(acc);
     for (a, b) in x[k8..k].iter().zip(&y[k8..k]) {
-        s = a.mul_add(*b, s);
+        s = a.mul_add(b.widen(), s);
     }
     s
 }
 
 /// `out[c * strides.col + r * strides.row] = x[r] · w[c]` for the weight rows `w`
 /// `[cols, k]` and the input rows `x` `[rows, k]`.
-fn block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32], strides: Strides) {
+fn block<E: Elem>(x: &[f32], rows: usize, k: usize, w: &[E], out: &mut [f32], strides: Strides) {
     #[cfg(target_arch = "x86_64")]
     if fma_available() {
         // SAFETY: the CPU has AVX2 and FMA (checked above); the slices' lengths are the
@@ -175,7 +219,7 @@ fn fold(a: [f32; 8]) -> f32 {
     (s[0] + s[2]) + (s[1] + s[3])
 }
 
-fn portable_block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32], s: Strides) {
+fn portable_block<E: Elem>(x: &[f32], rows: usize, k: usize, w: &[E], out: &mut [f32], s: Strides) {
     for (c, wr) in w.chunks_exact(k).enumerate() {
         for (r, xr) in x.chunks_exact(k).take(rows).enumerate() {
             out[c * s.col + r * s.row] = portable_dot(xr, wr);
@@ -185,8 +229,25 @@ fn portable_block(x: &[f32], rows: usize, k: usize, w: &[f32], out: &mut [f32], 
 
 #[cfg(target_arch = "x86_64")]
 mod avx2 {
-    use super::Strides;
+    use super::{Elem, Strides};
     use std::arch::x86_64::*;
+
+    /// Eight weight values from `p` as f32 (bf16 widened by a shift).
+    ///
+    /// # Safety
+    /// The CPU has AVX2; `p` starts eight readable elements.
+    #[target_feature(enable = "avx2,fma")]
+    #[inline]
+    unsafe fn load8<E: Elem>(p: *const E) -> __m256 {
+        if E::BF16 {
+            // SAFETY: eight u16 are 128 bits from `p`.
+            let h = unsafe { _mm_loadu_si128(p.cast()) };
+            _mm256_castsi256_ps(_mm256_slli_epi32::<16>(_mm256_cvtepu16_epi32(h)))
+        } else {
+            // SAFETY: eight f32 from `p`.
+            unsafe { _mm256_loadu_ps(p.cast()) }
+        }
+    }
 
     /// Four weight rows by three input rows: twelve accumulators, three input loads and
     /// four weight loads per eight values of `k`.
@@ -275,11 +336,11 @@ mod avx2 {
     /// `cols`, and `out` holds `(cols - 1) * strides.col + (rows - 1) * strides.row`, with
     /// `rows > 0` and `k > 0`.
     #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn block(
+    pub(super) unsafe fn block<E: Elem>(
         x: &[f32],
         rows: usize,
         k: usize,
-        w: &[f32],
+        w: &[E],
         out: &mut [f32],
         strides: Strides,
     ) {
@@ -291,11 +352,12 @@ mod avx2 {
             // out of closures, which would not inherit this function's target features.
             let row_of = |m: &'_ [f32], j: usize| -> *const f32 { m[j * k..(j + 1) * k].as_ptr() };
             let last = c + nc - 1;
+            let w_row = |j: usize| -> *const E { w[j * k..(j + 1) * k].as_ptr() };
             let wr = [
-                row_of(w, c),
-                row_of(w, (c + 1).min(last)),
-                row_of(w, (c + 2).min(last)),
-                row_of(w, (c + 3).min(last)),
+                w_row(c),
+                w_row((c + 1).min(last)),
+                w_row((c + 2).min(last)),
+                w_row((c + 3).min(last)),
             ];
             for r in (0..rows).step_by(ROWS) {
                 let nr = (rows - r).min(ROWS);
@@ -318,7 +380,7 @@ mod avx2 {
                     };
                     for (cc, row) in wr.iter().enumerate() {
                         // SAFETY: as above.
-                        let wv = unsafe { _mm256_loadu_ps(row.add(i)) };
+                        let wv = unsafe { load8(row.add(i)) };
                         for a in 0..ROWS {
                             acc[a * COLS + cc] = _mm256_fmadd_ps(xv[a], wv, acc[a * COLS + cc]);
                         }
@@ -330,7 +392,7 @@ mod avx2 {
                         let mut s = fold(acc[a * COLS + cc]);
                         for t in k8..k {
                             // SAFETY: `t < k`, within the rows.
-                            let (xt, wt) = unsafe { (*xr[a].add(t), *wr[cc].add(t)) };
+                            let (xt, wt) = unsafe { (*xr[a].add(t), (*wr[cc].add(t)).widen()) };
                             s = xt.mul_add(wt, s);
                         }
                         out[(c + cc) * strides.col + (r + a) * strides.row] = s;
@@ -522,9 +584,33 @@ mod tests {
         }
     }
 
+    /// A weight held in bf16 gives the bits of the f32 weight with the same values, at a
+    /// few rows (its own loads) and at many (widened first), on every path.
+    #[test]
+    fn bf16_weights_give_the_f32_bits_of_their_values() {
+        let (n, k) = (23, 91);
+        let half: Vec<u16> = values(n * k, 11)
+            .iter()
+            .map(|v| half::bf16::from_f32(*v).to_bits())
+            .collect();
+        let wide: Vec<f32> = half.iter().map(|h| h.widen()).collect();
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        for rows in [1, 5, 64, 70] {
+            let x = values(rows * k, 12);
+            let want = rows_by_transposed(&x, rows, &wide, n, k);
+            assert_eq!(
+                bits(&rows_by_transposed(&x, rows, &half, n, k)),
+                bits(&want)
+            );
+            let mut out = vec![0f32; n * rows];
+            portable_block(&x, rows, k, &half, &mut out, Strides { col: 1, row: n });
+            assert_eq!(bits(&out), bits(&want), "portable, {rows} rows");
+        }
+    }
+
     #[test]
     fn no_rows_or_no_columns() {
         assert!(rows_by_transposed(&[], 0, &values(12, 1), 3, 4).is_empty());
-        assert!(rows_by_transposed(&values(8, 1), 2, &[], 0, 4).is_empty());
+        assert!(rows_by_transposed(&values(8, 1), 2, &[] as &[f32], 0, 4).is_empty());
     }
 }

@@ -120,6 +120,7 @@ def gb(m):
 
 
 def main():
+    global AGAINST, LIMIT_S
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="small,0.5b")
     ap.add_argument("--steps", type=int, default=3)
@@ -132,7 +133,6 @@ def main():
                     help="also run rlstream with these cargo features, and print the ratio")
     ap.add_argument("--limit", type=int, default=LIMIT_S, help="seconds per process")
     args = ap.parse_args()
-    global AGAINST, LIMIT_S
     AGAINST, LIMIT_S = args.against, args.limit
     if args.features:
         FEATURES.extend(["--features", args.features])

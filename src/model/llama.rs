@@ -147,8 +147,8 @@ impl<B: Kernels> Attention<B> {
             .swap_dims(1, 2);
         let (k, v) = match layer_cache {
             Some(cache) => {
-                let k = Tensor::cat(vec![cache.0.clone(), k], 2);
-                let v = Tensor::cat(vec![cache.1.clone(), v], 2);
+                let k = B::cat_columns(cache.0.clone(), k);
+                let v = B::cat_columns(cache.1.clone(), v);
                 *cache = (k.clone(), v.clone());
                 (k, v)
             }

@@ -364,6 +364,28 @@ impl Kernels for NdArray {
         (tensor(dx, [n, d]), tensor(dgamma, [d]))
     }
 
+    /// One copy of each `(row, head)` run of both (burn's concatenation walks them value by
+    /// value, and a decode step joins the whole cache with its new column on every layer).
+    fn cat_columns(a: Tensor<Self, 4>, b: Tensor<Self, 4>) -> Tensor<Self, 4> {
+        let ([r, h, ta, d], [rb, hb, tb, db]) = (a.dims(), b.dims());
+        if !all_f32(&[a.dtype(), b.dtype()]) || (r, h, d) != (rb, hb, db) {
+            return Tensor::cat(vec![a, b], 2);
+        }
+        let (a, b) = (Host::of(a), Host::of(b));
+        let (sa, sb) = (ta * d, tb * d);
+        let out = if sa == 0 || sb == 0 {
+            [a.slice(), b.slice()].concat()
+        } else {
+            let mut out = Vec::with_capacity(r * h * (sa + sb));
+            for (ra, rb) in a.slice().chunks_exact(sa).zip(b.slice().chunks_exact(sb)) {
+                out.extend_from_slice(ra);
+                out.extend_from_slice(rb);
+            }
+            out
+        };
+        tensor(out, [r, h, ta + tb, d])
+    }
+
     fn rope(x: Tensor<Self, 4>, cos: Tensor<Self, 3>, sin: Tensor<Self, 3>) -> Tensor<Self, 4> {
         if !all_f32(&[x.dtype(), cos.dtype(), sin.dtype()]) {
             return reference::rope(x, cos, sin);

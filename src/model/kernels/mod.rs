@@ -136,6 +136,12 @@ pub trait Kernels: Backend {
         reference::rms_norm_backward(x, gamma, inv_rms, dy)
     }
 
+    /// `a` `[r, h, ta, d]` and `b` `[r, h, tb, d]` joined along the third dimension: a layer's
+    /// cached keys or values and a forward pass's new columns.
+    fn cat_columns(a: Tensor<Self, 4>, b: Tensor<Self, 4>) -> Tensor<Self, 4> {
+        Tensor::cat(vec![a, b], 2)
+    }
+
     /// Rotary positions in the Hugging Face half-rotation layout, `x · cos + rotate_half(x)
     /// · sin`, on `x` `[b, l, heads, hd]` with each row's tables `cos`, `sin` `[b, l, hd]`;
     /// the result is laid out `[b, heads, l, hd]`, as attention reads it.

@@ -333,3 +333,26 @@ fn a_kernel_that_is_wrong_fails_the_comparison() {
     }));
     assert!(wrong.is_err());
 }
+
+/// The cache's column join gives burn's concatenation, empty sides and a strided (swapped)
+/// operand included.
+#[test]
+fn cat_columns_is_the_concatenation() {
+    let device = Default::default();
+    let t = |shape: [usize; 4]| {
+        Tensor::<NdArray, 4>::random(shape, Distribution::Normal(0.0, 1.0), &device)
+    };
+    let swapped = t([3, 1, 2, 4]).swap_dims(1, 2);
+    for (a, b) in [
+        (t([3, 2, 5, 4]), t([3, 2, 1, 4])),
+        (t([3, 2, 0, 4]), t([3, 2, 6, 4])),
+        (t([3, 2, 5, 4]), t([3, 2, 0, 4])),
+        (t([3, 2, 5, 4]), swapped),
+        (t([0, 2, 5, 4]), t([0, 2, 1, 4])),
+    ] {
+        let want = Tensor::cat(vec![a.clone(), b.clone()], 2);
+        let got = <NdArray as Kernels>::cat_columns(a, b);
+        assert_eq!(got.dims(), want.dims());
+        assert_eq!(got.into_data(), want.into_data());
+    }
+}

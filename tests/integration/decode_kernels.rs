@@ -155,53 +155,103 @@ fn an_adapter_generates_as_on_flex() {
     }
 }
 
-/// A bf16 checkpoint (every parity fixture's values rounded to bf16) is held for
-/// generation in 16 bits, and samples exactly what the same values give in f32: the
-/// trainer's model (autodiff, `[in, out]` f32 weights, the same kernels) draws the same
-/// tokens with the same log-prob bits, and Flex within [`LOGPROB_TOLERANCE`]. Copying the
-/// weights back out gives the bf16 values, and an adapter merges onto them.
+/// `model` written as a bf16 checkpoint and loaded for generation samples exactly what the
+/// same values give in f32: the trainer's model (autodiff, `[in, out]` f32 weights, the same
+/// kernels) draws the same tokens with the same log-prob bits, and Flex within
+/// [`LOGPROB_TOLERANCE`]; copying the weights back out gives the bf16 values. Returns the
+/// generation model.
+fn bf16_copy_samples_as_in_f32(what: &str, model: &Policy<InferBackend>) -> Policy<InferBackend> {
+    use burn::backend::Autodiff;
+    use rlstream::model::tensors::WeightDtype;
+    let tmp = tempfile::tempdir().expect("tmp");
+    model
+        .save_hf_as(tmp.path(), WeightDtype::Bf16)
+        .expect("save bf16");
+    let half: Policy<InferBackend> = load_hf(tmp.path(), &Default::default()).expect("load");
+    let trainer: Policy<Autodiff<InferBackend>> =
+        load_hf(tmp.path(), &Default::default()).expect("load");
+    assert_eq!(
+        half.to_tensors().expect("tensors"),
+        trainer.to_tensors().expect("tensors"),
+        "{what}: the weights copied out"
+    );
+    let (a, b) = (sample(&half), sample(&trainer));
+    assert_eq!(assert_same_generation(what, &a, &b), 0.0, "{what}");
+    let bits = |c: &Completion| c.logprobs.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
+    for (x, y) in a.iter().zip(&b) {
+        assert_eq!(bits(x), bits(y), "{what}: log-prob bits");
+    }
+    let flex: Policy<Flex> = load_hf(tmp.path(), &Default::default()).expect("load");
+    assert_same_generation(what, &a, &sample(&flex));
+    half
+}
+
+/// A bf16 checkpoint's large linear weights are held for generation in 16 bits and sample
+/// exactly as in f32; small ones (every parity fixture's) stay f32, as exactly. An adapter
+/// merges onto 16-bit weights and keeps the layout decode streams.
 #[test]
 fn a_bf16_checkpoint_generates_from_16_bit_weights_as_in_f32() {
-    use burn::backend::Autodiff;
     use burn::tensor::DType;
     use rlstream::model::tensors::WeightDtype;
+    use rlstream::model::{Architecture, PolicyConfig};
     for name in ["qwen2", "qwen3_moe", "llama"] {
-        let tmp = tempfile::tempdir().expect("tmp");
-        let f32_model: Policy<InferBackend> =
+        let model: Policy<InferBackend> =
             load_hf(&fixtures().join("models").join(name), &Default::default()).expect("load");
-        f32_model
-            .save_hf_as(tmp.path(), WeightDtype::Bf16)
-            .expect("save bf16");
-        let half: Policy<InferBackend> = load_hf(tmp.path(), &Default::default()).expect("load");
+        let half = bf16_copy_samples_as_in_f32(name, &model);
         let q = half.blocks[0].attn.q.weight.val();
-        assert_eq!(q.dtype(), DType::U16, "{name}: q_proj held in 16 bits");
-        let trainer: Policy<Autodiff<InferBackend>> =
-            load_hf(tmp.path(), &Default::default()).expect("load");
-        assert_eq!(
-            half.to_tensors().expect("tensors"),
-            trainer.to_tensors().expect("tensors"),
-            "{name}: the weights copied out"
-        );
-        let (a, b) = (sample(&half), sample(&trainer));
-        assert_eq!(assert_same_generation(name, &a, &b), 0.0, "{name}");
-        for (x, y) in a.iter().zip(&b) {
-            let bits = |c: &Completion| c.logprobs.iter().map(|v| v.to_bits()).collect::<Vec<_>>();
-            assert_eq!(bits(x), bits(y), "{name}: log-prob bits");
-        }
-        let flex: Policy<Flex> = load_hf(tmp.path(), &Default::default()).expect("load");
-        assert_same_generation(name, &a, &sample(&flex));
+        assert_eq!(q.dtype(), DType::F32, "{name}: a small q_proj stays f32");
     }
+    // 512 × 512 attention and 512 × 1024 MLP weights: at the 16-bit threshold and over it.
+    let cfg = PolicyConfig::new(Architecture::Qwen2, 96, 512, 1024, 2, 8, 2, 64)
+        .with_qkv_bias(true)
+        .with_max_position(256);
+    let model = Policy::<InferBackend>::random(&cfg, 5, &Default::default()).expect("policy");
+    let half = bf16_copy_samples_as_in_f32("512 wide", &model);
+    let block = &half.blocks[0];
+    assert_eq!(
+        block.attn.q.weight.val().dtype(),
+        DType::U16,
+        "q_proj in 16 bits"
+    );
+    let mlp = block.mlp.as_ref().expect("dense");
+    assert_eq!(
+        mlp.up.weight.val().dtype(),
+        DType::U16,
+        "up_proj in 16 bits"
+    );
+    assert_eq!(
+        block.attn.k.weight.val().dtype(),
+        DType::F32,
+        "k_proj (64k values) f32"
+    );
     // An adapter merged onto 16-bit base weights (as a generator applies adapter versions).
+    let spec = lora::LoraSpec {
+        rank: 4,
+        alpha: 8.0,
+        dropout: 0.0,
+        targets: rlstream::model::layers::Target::ALL.to_vec(),
+    };
+    let adapter: rlstream::model::tensors::TensorMap = spec
+        .expected_tensors(&cfg)
+        .into_iter()
+        .enumerate()
+        .map(|(i, (name, shape))| {
+            let n: usize = shape.iter().product();
+            let data = (0..n)
+                .map(|j| ((j * 7 + i * 13) % 17) as f32 / 170.0 - 0.05)
+                .collect();
+            (name, rlstream::model::tensors::HostTensor { shape, data })
+        })
+        .collect();
     let tmp = tempfile::tempdir().expect("tmp");
-    let base: Policy<InferBackend> =
-        load_hf(&fixtures().join("models/qwen3"), &Default::default()).expect("load");
-    base.save_hf_as(tmp.path(), WeightDtype::Bf16)
+    model
+        .save_hf_as(tmp.path(), WeightDtype::Bf16)
         .expect("save bf16");
-    let adapter = fixtures().join("lora/qwen3");
-    let new: Policy<InferBackend> =
-        lora::load_with_adapter(tmp.path(), &adapter, &Default::default()).expect("adapter");
-    let old: Policy<Flex> =
-        lora::load_with_adapter(tmp.path(), &adapter, &Default::default()).expect("adapter");
+    let new = half.with_adapter(&spec, &adapter).expect("adapter");
+    let old = load_hf::<Flex>(tmp.path(), &Default::default())
+        .expect("load")
+        .with_adapter(&spec, &adapter)
+        .expect("adapter");
     let merged = new.merged();
     // The merged weight keeps the layout a decode step streams: `[out, in]` in memory.
     let q = merged.blocks[0].attn.q.weight.val();

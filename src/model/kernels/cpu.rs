@@ -169,6 +169,13 @@ fn native_attention(
     )
 }
 
+/// The fewest values a linear weight of bf16 values needs to be held in 16 bits: 1 MiB in
+/// f32, a core's L2 cache on the CPUs measured. A smaller weight is read from cache on every
+/// pass, where halving its bytes saves nothing and widening each load costs: generation at
+/// the small bench size (weights of 49k values) ran at 6,095 tok/s with them in 16 bits
+/// against 8,123 in f32 (BENCHMARKS.md, "bf16 weights in memory").
+const BF16_MIN_VALUES: usize = 1 << 18;
+
 /// A generation model's bf16 weight ([`Kernels::decode_weight`]): its `[out, in]` bits in
 /// memory order, when it is the transposed view that builds.
 fn bf16_stored(weight: &Tensor<NdArray, 2>) -> Option<ArcArray<u16, IxDyn>> {
@@ -185,13 +192,15 @@ impl Kernels for NdArray {
     const NATIVE_LINEAR: bool = true;
 
     /// `[out, in]` as stored, read as a transposed view; in 16 bits when every value is a
-    /// bf16 (its low 16 bits zero, so narrowing loses nothing).
+    /// bf16 (its low 16 bits zero, so narrowing loses nothing) and the weight is too large
+    /// to stay in a core's cache between passes ([`BF16_MIN_VALUES`]).
     fn decode_weight(
         values: Vec<f32>,
         [rows, cols]: [usize; 2],
         _device: &Self::Device,
     ) -> Tensor<Self, 2> {
-        let primitive = if values.iter().all(|v| v.to_bits() & 0xffff == 0) {
+        let large = values.len() >= BF16_MIN_VALUES;
+        let primitive = if large && values.iter().all(|v| v.to_bits() & 0xffff == 0) {
             let bits: Vec<u16> = values.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
             NdArrayTensor::from(stored(bits, [rows, cols]))
         } else {

@@ -77,8 +77,8 @@ pub trait Kernels: Backend {
     /// the checkpoint's row-major `[out, in]` values. By default a contiguous `[in, out]`
     /// copy, as every model gets; the native CPU kernels keep the stored order instead, read
     /// as a transposed view, so that [`Kernels::linear_rows`] streams each weight once for a
-    /// few rows (a decode step) instead of packing it, and keep a weight whose every value
-    /// is a bf16 (a bf16 checkpoint, a bf16 weight version) in 16 bits ([`widened`] gives
+    /// few rows (a decode step) instead of packing it, and keep a large weight whose every
+    /// value is a bf16 (a bf16 checkpoint, a bf16 weight version) in 16 bits ([`widened`] gives
     /// its f32 tensor back): half the memory and half the bytes a decode step streams, with
     /// the same bits, since widening is exact.
     fn decode_weight(

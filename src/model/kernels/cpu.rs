@@ -171,9 +171,9 @@ fn native_attention(
 
 /// The fewest values a linear weight of bf16 values needs to be held in 16 bits: 1 MiB in
 /// f32, a core's L2 cache on the CPUs measured. A smaller weight is read from cache on every
-/// pass, where halving its bytes saves nothing and widening each load costs: generation at
-/// the small bench size (weights of 49k values) ran at 6,095 tok/s with them in 16 bits
-/// against 8,123 in f32 (BENCHMARKS.md, "bf16 weights in memory").
+/// pass, where halving its bytes saves nothing and widening each load adds work (at the
+/// small bench size, weights of 49k values, one run gave 6,095 tok/s in 16 bits against
+/// 8,123 in f32, though that size moves by 15% from run to run: BENCHMARKS.md).
 const BF16_MIN_VALUES: usize = 1 << 18;
 
 /// A generation model's bf16 weight ([`Kernels::decode_weight`]): its `[out, in]` bits in

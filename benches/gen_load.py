@@ -28,25 +28,13 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
+
+from pipeline_05b import build, peak_kb, scrape
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ROWS, GROUP = 64, 8
 # (max new tokens, sft steps, groups timed) per size.
 SIZES = {"small": (64, 400, 5000), "0.5b": (32, 0, 24)}
-
-
-def build():
-    subprocess.run(["cargo", "build", "--release"], cwd=ROOT, check=True)
-    subprocess.run(["cargo", "bench", "--bench", "train_scale", "--no-run"], cwd=ROOT, check=True)
-    deps = os.path.join(ROOT, "target", "release", "deps")
-    benches = [
-        os.path.join(deps, f)
-        for f in os.listdir(deps)
-        if f.startswith("train_scale-") and os.access(os.path.join(deps, f), os.X_OK)
-        and "." not in f
-    ]
-    return os.path.join(ROOT, "target", "release", "rlstream"), max(benches, key=os.path.getmtime)
 
 
 def model_dir(size, rlstream, scale, out):
@@ -64,8 +52,7 @@ def model_dir(size, rlstream, scale, out):
 
 def generated(addr):
     try:
-        with urllib.request.urlopen(f"http://{addr}/metrics", timeout=5) as r:
-            text = r.read().decode()
+        text = scrape(addr)
     except OSError:
         return None
     total = 0.0
@@ -93,7 +80,7 @@ def run_gen(rlstream, model, size, groups, redis_url):
     try:
         while proc.poll() is None:
             time.sleep(0.1)
-            peak = max(peak, vm_hwm(proc.pid))
+            peak = max(peak, peak_kb(proc.pid) or 0)
             tokens = generated(addr)
             if not tokens:
                 continue
@@ -111,17 +98,6 @@ def run_gen(rlstream, model, size, groups, redis_url):
     secs, tokens = last[0] - first[0], last[1] - first[1]
     return {"tokens": tokens, "seconds": round(secs, 2), "tokens_per_s": round(tokens / secs, 2),
             "peak_rss_mb": round(peak / 1024)}, ns
-
-
-def vm_hwm(pid):
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1])
-    except OSError:
-        pass
-    return 0
 
 
 def published(redis_url, ns):
@@ -208,7 +184,7 @@ def main():
     ap.add_argument("--redis", default="redis://127.0.0.1:6379")
     args = ap.parse_args()
     python = os.environ.get("PYTHON", sys.executable)
-    rlstream, scale = build()
+    rlstream, scale = build(features=())
     results = []
     with tempfile.TemporaryDirectory() as out:
         for size in args.sizes.split(","):

@@ -28,12 +28,12 @@ import urllib.request
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def build():
+def build(features=("--features", "blas")):
+    """Builds the release binary and the train_scale bench with `features`; returns their
+    paths."""
+    subprocess.run(["cargo", "build", "--release", *features], cwd=ROOT, check=True)
     subprocess.run(
-        ["cargo", "build", "--release", "--features", "blas"], cwd=ROOT, check=True
-    )
-    subprocess.run(
-        ["cargo", "bench", "--features", "blas", "--bench", "train_scale", "--no-run"],
+        ["cargo", "bench", *features, "--bench", "train_scale", "--no-run"],
         cwd=ROOT,
         check=True,
     )

@@ -14,6 +14,8 @@
 //! - [`child`]: a child process speaking JSON lines (external scorers, environment
 //!   processes).
 //! - [`stages`]: `feed`, `gen`, `score`, `train`, each `run(config, bus, topology, shutdown)`.
+//! - [`collective`]: all-reduce, broadcast and all-gather among data-parallel trainer
+//!   ranks (MPI behind the `mpi` feature).
 //! - [`weights`]: weight publication and the generator's follower.
 //! - [`config`]: the config file / environment / flag precedence.
 //! - [`metrics`]: every metric name and the Prometheus exporter.
@@ -31,6 +33,7 @@ pub mod archive;
 pub mod bus;
 pub mod child;
 pub mod cli;
+pub mod collective;
 pub mod commands;
 pub mod config;
 pub mod cpu;

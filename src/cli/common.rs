@@ -143,3 +143,26 @@ pub async fn plain_connect(
     let (topo, bus) = connect(&cfg, stage).await?;
     Ok((cfg, topo, bus))
 }
+
+/// Joins the trainer ranks a launcher (`mpirun -n N`) started. Rank 0 gets `false` and
+/// runs its command, the ranks installed for its trainer stage; any other rank follows
+/// rank 0's trainer (comparing its settings, `own`, with rank 0's when it has them) and
+/// gets `true` once rank 0 stops. A process no launcher started gets `false`.
+pub fn join_ranks(own: Option<&crate::stages::train::TrainerSettings>) -> anyhow::Result<bool> {
+    let Some(c) = crate::collective::from_launcher()? else {
+        return Ok(false);
+    };
+    if c.rank() == 0 {
+        crate::collective::install(c);
+        return Ok(false);
+    }
+    // rank 0 alone answers signals: it checkpoints and then tells the others to stop.
+    tokio::spawn(async {
+        loop {
+            shutdown_signal().await;
+            tracing::info!("signal ignored: trainer rank 0 stops every rank after its checkpoint");
+        }
+    });
+    tokio::task::block_in_place(|| crate::stages::train::follow(c, own))?;
+    Ok(true)
+}

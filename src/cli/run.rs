@@ -98,6 +98,10 @@ impl RunCommand {
     pub async fn exec(self) -> Result<()> {
         let cfg = self.config(std::env::vars())?;
         cfg.validate()?;
+        // Under `mpirun -n N`, rank 0 runs the pipeline and the others are its trainer ranks.
+        if super::common::join_ranks(None)? {
+            return Ok(());
+        }
         serve_metrics(&cfg)?;
         let mut topo = topology(&cfg)?;
         let bus: SharedBus = match &cfg.redis {

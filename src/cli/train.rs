@@ -1,6 +1,6 @@
 //! `rlstream train`.
 
-use super::common::{StageArgs, connect, shutdown_signal};
+use super::common::{StageArgs, connect, join_ranks, shutdown_signal};
 use crate::config::{Config, PolicyArgs, TrainArgs, WeightsArgs};
 use crate::roles::Stage;
 use crate::stages::train::{self, TrainerSettings};
@@ -35,11 +35,14 @@ impl TrainCommand {
     pub async fn exec(self) -> Result<()> {
         let cfg = self.config(std::env::vars())?;
         cfg.validate()?;
-        let (topo, bus) = connect(&cfg, Stage::Train).await?;
         let settings = TrainerSettings {
-            policy: cfg.policy,
-            train: cfg.train,
+            policy: cfg.policy.clone(),
+            train: cfg.train.clone(),
         };
+        if join_ranks(Some(&settings))? {
+            return Ok(());
+        }
+        let (topo, bus) = connect(&cfg, Stage::Train).await?;
         let s = train::run(
             &settings,
             bus,

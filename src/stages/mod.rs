@@ -44,6 +44,9 @@ pub enum StageError {
     Panic(String),
     #[error("{0}")]
     Other(String),
+    /// Trainer ranks stopped together: every rank has seen this error.
+    #[error("{0}")]
+    Ranks(String),
 }
 
 /// Entries of `stream` that the group its stage reads it through has not finished, from

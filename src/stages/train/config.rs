@@ -77,6 +77,12 @@ crate::settings! {
         pub lora_from: Option<PathBuf> = None,
         /// Mixture-of-experts policies: replay the experts the generator recorded for each token (the router's gate weights stay live and keep their gradient), or route live. Groups without routing route live either way; dense models ignore it.
         pub routing: RoutingMode = RoutingMode::Replay,
+        /// Trainer ranks (`mpirun -n N rlstream train`): how long one rank waits for the others in a collective call before it names those that do not answer and ends every rank; start-up waits ten times as long (loading, a warm start in `run`).
+        pub collective_timeout_s: f64 = 300.0,
+        /// Trainer ranks: the type gradients are summed in across ranks, f32 (exact, as one trainer) or bf16 (half the bytes; each partial sum rounded).
+        pub allreduce_dtype: crate::collective::WireDtype = crate::collective::WireDtype::F32,
+        /// Trainer ranks: gradients are summed in buckets of this many MiB, one collective call each.
+        pub allreduce_bucket_mb: usize = 64,
         /// Consumer name, unique per trainer process.
         pub name: String = "train-0".into(),
     }
@@ -105,6 +111,12 @@ impl TrainConfig {
         }
         if !(self.max_grad_norm.is_finite() && self.max_grad_norm > 0.0) {
             return Err(invalid("train.max_grad_norm", "must be > 0"));
+        }
+        if !(self.collective_timeout_s.is_finite() && self.collective_timeout_s > 0.0) {
+            return Err(invalid("train.collective_timeout_s", "must be > 0"));
+        }
+        if self.allreduce_bucket_mb == 0 {
+            return Err(invalid("train.allreduce_bucket_mb", "must be at least 1"));
         }
         if self.publish_every == 0 || self.checkpoint_every == 0 || self.keep_versions == 0 {
             return Err(invalid(

@@ -8,6 +8,7 @@ use crate::model::{Kernels, ModelError, Policy};
 use crate::schema::{ScoredGroup, StepRecord};
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
+use serde::{Deserialize, Serialize};
 use std::ops::Range;
 
 fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, ModelError> {
@@ -218,21 +219,113 @@ where
     Ok((total, part))
 }
 
-/// The step's statistics from its parts.
-pub fn stats(parts: &[Part], groups: &[&ScoredGroup], cfg: &TrainerSettings) -> StepRecord {
-    let cat = |f: fn(&Part) -> &Vec<f32>| -> Vec<f32> {
-        parts.iter().flat_map(|p| f(p).iter().copied()).collect()
-    };
-    let (r, v, l) = (cat(|p| &p.r), cat(|p| &p.v), cat(|p| &p.l));
-    let compared: usize = parts.iter().map(|p| p.routing.compared).sum();
-    let differ: usize = parts.iter().map(|p| p.routing.differ).sum();
-    StepRecord {
-        loss: parts.iter().map(|p| p.loss).sum(),
-        ref_kl: parts.iter().map(|p| p.ref_kl).sum(),
-        teacher_kl: teacher_kl(groups),
-        routing_mismatch: (compared > 0).then(|| differ as f64 / compared as f64),
-        swap_tokens: swap_tokens(groups),
-        ..token_stats(&r, &v, &l, groups, cfg)
+/// What a step's statistics are made of, as sums over its tokens (and the largest ratio):
+/// the parts of one trainer, or the ranks of several, add up with [`TokenSums::add`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct TokenSums {
+    loss: f64,
+    ref_kl: f64,
+    compared: u64,
+    differ: u64,
+    sum_r: f64,
+    sum_r2: f64,
+    n: f64,
+    clipped: f64,
+    r_max: f64,
+    mkl: f64,
+    gap: f64,
+    nll: f64,
+}
+
+impl TokenSums {
+    /// The sums over `parts`, token by token in order.
+    pub fn of(parts: &[Part], cfg: &TrainerSettings) -> Self {
+        let mut s = TokenSums::default();
+        for p in parts {
+            s.loss += p.loss;
+            s.ref_kl += p.ref_kl;
+            s.compared += p.routing.compared as u64;
+            s.differ += p.routing.differ as u64;
+            s.tokens(&p.r, &p.v, &p.l, cfg);
+        }
+        s
+    }
+
+    /// Another trainer rank's sums added to these.
+    pub fn add(&mut self, o: &TokenSums) {
+        self.loss += o.loss;
+        self.ref_kl += o.ref_kl;
+        self.compared += o.compared;
+        self.differ += o.differ;
+        self.sum_r += o.sum_r;
+        self.sum_r2 += o.sum_r2;
+        self.n += o.n;
+        self.clipped += o.clipped;
+        self.r_max = self.r_max.max(o.r_max);
+        self.mkl += o.mkl;
+        self.gap += o.gap;
+        self.nll += o.nll;
+    }
+
+    /// Adds the real tokens (`v` = 1) of one part from the host copies of its ratios `r`
+    /// and log-probs `l`.
+    fn tokens(&mut self, r: &[f32], v: &[f32], l: &[f32], cfg: &TrainerSettings) {
+        for i in 0..r.len() {
+            if v[i] == 0.0 {
+                continue;
+            }
+            let ri = f64::from(r[i]);
+            self.sum_r += ri;
+            self.sum_r2 += ri * ri;
+            self.n += 1.0;
+            self.r_max = self.r_max.max(ri);
+            let out = match cfg.train.loss {
+                LossKind::Ppo => {
+                    ri < f64::from(1.0 - cfg.train.clip_eps)
+                        || ri > f64::from(1.0 + cfg.train.clip_eps_high)
+                }
+                LossKind::Tis | LossKind::Reinforce => ri > f64::from(cfg.train.is_cap),
+            };
+            self.clipped += f64::from(u8::from(out));
+            self.mkl += ri - 1.0 - ri.ln();
+            self.gap += ri.ln().abs();
+            self.nll -= f64::from(l[i]);
+        }
+    }
+
+    /// The step's statistics: these sums over its tokens, and what its groups carry.
+    pub fn record(&self, groups: &[&ScoredGroup]) -> StepRecord {
+        let n = self.n.max(1.0);
+        let rewards: Vec<f32> = groups
+            .iter()
+            .flat_map(|g| g.rewards.iter().copied())
+            .collect();
+        StepRecord {
+            loss: self.loss,
+            ref_kl: self.ref_kl,
+            teacher_kl: teacher_kl(groups),
+            routing_mismatch: (self.compared > 0)
+                .then(|| self.differ as f64 / self.compared as f64),
+            swap_tokens: swap_tokens(groups),
+            reward_mean: rewards.iter().map(|&x| f64::from(x)).sum::<f64>()
+                / rewards.len().max(1) as f64,
+            accuracy: rewards.iter().filter(|&&x| x >= 1.0).count() as f64
+                / rewards.len().max(1) as f64,
+            ess: if self.sum_r2 > 0.0 {
+                self.sum_r * self.sum_r / (n * self.sum_r2)
+            } else {
+                0.0
+            },
+            clip_fraction: self.clipped / n,
+            ratio_mean: self.sum_r / n,
+            ratio_max: self.r_max,
+            mismatch_kl: self.mkl / n,
+            logprob_gap: self.gap / n,
+            entropy: self.nll / n,
+            groups: groups.len() as u64,
+            tokens: n as u64,
+            ..StepRecord::default()
+        }
     }
 }
 
@@ -298,66 +391,6 @@ fn surrogate<B: AutodiffBackend>(
         }
         LossKind::Tis => (ratio.detach().clamp_max(t.is_cap) * a_tok * lp).neg(),
         LossKind::Reinforce => (ratio.clamp_max(t.is_cap) * a_tok).neg(),
-    }
-}
-
-/// The step's statistics over real tokens (`v` = 1) from the host copies of the ratios
-/// `r` and log-probs `l`, and the groups' rewards.
-fn token_stats(
-    r: &[f32],
-    v: &[f32],
-    l: &[f32],
-    groups: &[&ScoredGroup],
-    cfg: &TrainerSettings,
-) -> StepRecord {
-    let (mut sum_r, mut sum_r2, mut n, mut clipped, mut r_max, mut mkl, mut nll) =
-        (0f64, 0f64, 0f64, 0f64, 0f64, 0f64, 0f64);
-    let mut gap = 0f64;
-    for i in 0..r.len() {
-        if v[i] == 0.0 {
-            continue;
-        }
-        let ri = f64::from(r[i]);
-        sum_r += ri;
-        sum_r2 += ri * ri;
-        n += 1.0;
-        r_max = r_max.max(ri);
-        let out = match cfg.train.loss {
-            LossKind::Ppo => {
-                ri < f64::from(1.0 - cfg.train.clip_eps)
-                    || ri > f64::from(1.0 + cfg.train.clip_eps_high)
-            }
-            LossKind::Tis | LossKind::Reinforce => ri > f64::from(cfg.train.is_cap),
-        };
-        clipped += f64::from(u8::from(out));
-        mkl += ri - 1.0 - ri.ln();
-        gap += ri.ln().abs();
-        nll -= f64::from(l[i]);
-    }
-    let n = n.max(1.0);
-    let rewards: Vec<f32> = groups
-        .iter()
-        .flat_map(|g| g.rewards.iter().copied())
-        .collect();
-    StepRecord {
-        reward_mean: rewards.iter().map(|&x| f64::from(x)).sum::<f64>()
-            / rewards.len().max(1) as f64,
-        accuracy: rewards.iter().filter(|&&x| x >= 1.0).count() as f64
-            / rewards.len().max(1) as f64,
-        ess: if sum_r2 > 0.0 {
-            sum_r * sum_r / (n * sum_r2)
-        } else {
-            0.0
-        },
-        clip_fraction: clipped / n,
-        ratio_mean: sum_r / n,
-        ratio_max: r_max,
-        mismatch_kl: mkl / n,
-        logprob_gap: gap / n,
-        entropy: nll / n,
-        groups: groups.len() as u64,
-        tokens: n as u64,
-        ..StepRecord::default()
     }
 }
 

@@ -22,18 +22,21 @@ mod config;
 pub mod credit;
 pub mod intake;
 mod loss;
+mod ranks;
 mod state;
 mod trainer;
 
 pub use checkpoint::CheckpointError;
 pub use config::*;
+pub use ranks::follow;
 pub use state::TrainerState;
 pub use trainer::Trainer;
 
 use super::StageError;
 use super::policy::PolicySettings;
 use crate::bus::{Consumer, ConsumerOptions, Delivery, EntryId, SharedBus, Topology};
-use crate::model::{ModelError, fault};
+use crate::collective::{self, Collective};
+use crate::model::fault;
 use crate::roles::{Stage, Stream};
 use crate::schema::{self, Event, SchemaVersion, ScoredGroup, StepRecord};
 use crate::weights::{Publisher, Transport, WeightsError};
@@ -82,6 +85,10 @@ struct Loop<'a> {
     last_checkpoint: u64,
     /// Since the last step, for the step's wait time.
     waiting: Instant,
+    /// The trainer ranks this one leads (one rank alone without `mpirun`).
+    ranks: &'a mut dyn Collective,
+    /// When the other ranks last heard from this one.
+    last_command: Instant,
     summary: TrainSummary,
 }
 
@@ -94,9 +101,48 @@ pub async fn run(
     topo: &Topology,
     transport: Transport,
     shutdown: impl Future<Output = ()>,
+    on_step: impl FnMut(&StepRecord),
+) -> Result<TrainSummary, StageError> {
+    let mut ranks = collective::take_installed();
+    let trainer = tokio::task::block_in_place(|| ranks::lead(cfg, ranks.as_mut()))?;
+    let result = run_loop(
+        cfg,
+        bus,
+        topo,
+        transport,
+        trainer,
+        ranks.as_mut(),
+        shutdown,
+        on_step,
+    )
+    .await;
+    match &result {
+        // Every rank has seen it and stopped.
+        Err(StageError::Ranks(_)) => {}
+        _ if ranks.world() > 1 => {
+            let error = result.as_ref().err().map(ToString::to_string);
+            tokio::task::block_in_place(|| {
+                ranks::send(ranks.as_mut(), &ranks::Command::Stop { error })
+            })?;
+        }
+        _ => {}
+    }
+    result
+}
+
+/// [`run`] once the trainer (and its ranks) started.
+#[allow(clippy::too_many_arguments)]
+async fn run_loop(
+    cfg: &TrainerSettings,
+    bus: SharedBus,
+    topo: &Topology,
+    transport: Transport,
+    trainer: Trainer,
+    ranks: &mut dyn Collective,
+    shutdown: impl Future<Output = ()>,
     mut on_step: impl FnMut(&StepRecord),
 ) -> Result<TrainSummary, StageError> {
-    let mut lp = Loop::start(cfg, bus.clone(), topo, transport).await?;
+    let mut lp = Loop::start(cfg, bus.clone(), topo, transport, trainer, ranks).await?;
     let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, Stage::Train, &cfg.train.name);
     crate::metrics::started(Stage::Train);
     let standing = [Stream::Scored, Stream::Weights, Stream::Events].map(Stream::as_str);
@@ -121,6 +167,7 @@ pub async fn run(
             b = lp.consumer.poll() => b?,
         };
         lp.admit(batch).await?;
+        lp.keep_alive()?;
         while !lp.done() {
             let Some(taken) = lp.next_batch() else { break };
             if let Some(record) = lp.train(taken).await? {
@@ -144,8 +191,9 @@ impl<'a> Loop<'a> {
         bus: SharedBus,
         topo: &'a Topology,
         transport: Transport,
+        trainer: Trainer,
+        ranks: &'a mut dyn Collective,
     ) -> Result<Loop<'a>, StageError> {
-        let trainer = tokio::task::block_in_place(|| Trainer::start(cfg))?;
         let mut publisher = Publisher::new(bus.clone(), topo.clone(), cfg.train.keep_versions)
             .with_transport(transport.clone());
         if let Transport::Store(w) = &transport {
@@ -185,6 +233,8 @@ impl<'a> Loop<'a> {
             unacked: Vec::new(),
             waiting: Instant::now(),
             summary: TrainSummary::default(),
+            ranks,
+            last_command: Instant::now(),
         };
         lp.resume_versions().await?;
         Ok(lp)
@@ -302,58 +352,61 @@ impl<'a> Loop<'a> {
         Ok(Some(record))
     }
 
-    /// One step on `taken`, and the groups it stepped on. A step that panics changes no
-    /// weight: each group is then run alone (forward and backward, no update), those that
-    /// panic alone are dead-lettered with reason `panic`, and the step is taken on the rest
-    /// (see [`fault`]). `None` when no group is left.
+    /// One step on `taken` over every rank, and the groups it stepped on. A step that
+    /// panics changes no weight: each group is then run alone (forward and backward, no
+    /// update), those that panic alone are dead-lettered with reason `panic`, and the step
+    /// is taken on the rest (see [`fault`] and [`ranks::step`]). `None` when no group is
+    /// left.
     async fn contained_step(
         &mut self,
         taken: Vec<Delivery<ScoredGroup>>,
     ) -> Result<Option<(Vec<Delivery<ScoredGroup>>, StepRecord)>, StageError> {
-        let panic = match self.guarded_step(&taken) {
-            Ok(r) => return Ok(Some((taken, r?))),
-            Err(panic) => panic,
-        };
-        let mut kept = Vec::with_capacity(taken.len());
-        for d in taken {
-            let trainer = &self.trainer;
-            let alone = guarded(&[&d.message], |g| trainer.probe(g));
-            match alone {
-                Ok(r) => {
-                    r?;
-                    kept.push(d);
-                }
-                Err(p) => {
-                    let detail = format!("its training pass panicked alone: {p}");
-                    self.reject_panicked(&d, &detail).await?;
-                }
-            }
+        if self.ranks.world() > 1 {
+            let groups = taken
+                .iter()
+                .map(|d| schema::encode(&d.message).map(serde_bytes::ByteBuf::from))
+                .collect::<Result<_, _>>()?;
+            let state = &self.trainer.state;
+            let cmd = ranks::Command::Step {
+                step: state.step,
+                version: state.version,
+                groups,
+            };
+            self.command(&cmd)?;
         }
-        if kept.is_empty() {
+        let groups: Vec<&ScoredGroup> = taken.iter().map(|d| &d.message).collect();
+        let (trainer, c) = (&mut self.trainer, &mut *self.ranks);
+        let outcome = tokio::task::block_in_place(|| ranks::step(trainer, c, &groups))?;
+        for (i, detail) in &outcome.rejected {
+            self.reject_panicked(&taken[*i], detail).await?;
+        }
+        let Some(record) = outcome.record else {
             return Ok(None);
-        }
-        match self.guarded_step(&kept) {
-            Ok(r) => Ok(Some((kept, r?))),
-            Err(p) => {
-                let detail = format!(
-                    "a step over its batch panicked ({panic}, then {p}) and no group panicked alone"
-                );
-                for d in &kept {
-                    self.reject_panicked(d, &detail).await?;
-                }
-                Ok(None)
-            }
-        }
+        };
+        let mut taken: Vec<Option<Delivery<ScoredGroup>>> = taken.into_iter().map(Some).collect();
+        let kept = outcome
+            .kept
+            .iter()
+            .filter_map(|&i| taken[i].take())
+            .collect();
+        Ok(Some((kept, record)))
     }
 
-    /// [`Trainer::step`] on `taken`, a panic caught as its message.
-    fn guarded_step(
-        &mut self,
-        taken: &[Delivery<ScoredGroup>],
-    ) -> Result<Result<StepRecord, ModelError>, String> {
-        let groups: Vec<&ScoredGroup> = taken.iter().map(|d| &d.message).collect();
-        let trainer = &mut self.trainer;
-        guarded(&groups, |g| trainer.step(g))
+    /// Broadcasts `cmd` to the other ranks.
+    fn command(&mut self, cmd: &ranks::Command) -> Result<(), StageError> {
+        let c = &mut *self.ranks;
+        tokio::task::block_in_place(|| ranks::send(c, cmd))?;
+        self.last_command = Instant::now();
+        Ok(())
+    }
+
+    /// Tells the other ranks this one is alive while it waits for groups: their wait for
+    /// the next command has a deadline.
+    fn keep_alive(&mut self) -> Result<(), StageError> {
+        if self.ranks.world() > 1 && self.last_command.elapsed() > self.ranks.timeout() / 4 {
+            self.command(&ranks::Command::Idle)?;
+        }
+        Ok(())
     }
 
     async fn reject_panicked(
@@ -370,6 +423,12 @@ impl<'a> Loop<'a> {
     /// Makes what was trained durable, then acks it.
     async fn checkpoint_and_ack(&mut self) -> Result<(), StageError> {
         tokio::task::block_in_place(|| self.trainer.checkpoint())?;
+        if self.ranks.world() > 1 {
+            let step = self.trainer.state.step;
+            self.command(&ranks::Command::Verify { step })?;
+            let (trainer, c) = (&self.trainer, &mut *self.ranks);
+            tokio::task::block_in_place(|| ranks::verify(trainer, c))?;
+        }
         self.consumer.ack(&self.unacked).await?;
         self.unacked.clear();
         self.last_checkpoint = self.trainer.state.step;
@@ -452,24 +511,6 @@ impl<'a> Loop<'a> {
             .await?;
         Ok(())
     }
-}
-
-/// `pass` over `groups` off the async workers, a panic caught as its message (the fault
-/// hook fires here for the groups' group and prompt ids).
-fn guarded<T>(
-    groups: &[&ScoredGroup],
-    pass: impl FnOnce(&[&ScoredGroup]) -> T,
-) -> Result<T, String> {
-    tokio::task::block_in_place(|| {
-        fault::contain(|| {
-            fault::inject(
-                groups
-                    .iter()
-                    .flat_map(|g| [g.rollout.group_id.as_str(), g.rollout.prompt_id.as_str()]),
-            );
-            pass(groups)
-        })
-    })
 }
 
 fn log_step(r: &StepRecord) {

@@ -4,8 +4,9 @@
 use super::TrainerSettings;
 use super::adamw::{self, FusedAdamW, GradScaleHandle};
 use super::checkpoint::{self, CheckpointError, MODEL_RECORD, OPTIM_RECORD};
-use super::loss::{self, Samples};
+use super::loss::{self, Samples, TokenSums};
 use super::state::{REMEMBERED_GROUPS, TrainerState};
+use crate::collective::{self, Collective, WireDtype};
 use crate::model::hf::load_hf;
 use crate::model::layers;
 use crate::model::lora::{self, LoraSpec};
@@ -41,6 +42,70 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for GradNorm<'_> {
         if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
             let (sum_sq, g) = adamw::sum_squares(g);
             self.sum_sq += sum_sq;
+            self.grads.register::<B::InnerBackend, D>(param.id, g);
+        }
+    }
+}
+
+/// Which parameters have a gradient (1) or none (0), in visiting order.
+struct Presence<'a> {
+    grads: &'a GradientsParams,
+    has: Vec<f32>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for Presence<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let has = self.grads.get::<B::InnerBackend, D>(param.id).is_some();
+        self.has.push(f32::from(u8::from(has)));
+    }
+}
+
+/// The gradients of the parameters some rank has one for, taken out of `grads` as host
+/// vectors in visiting order (zeros where this rank has none).
+struct TakeGrads<'a> {
+    grads: &'a mut GradientsParams,
+    has: &'a [f32],
+    at: usize,
+    pieces: Vec<Vec<f32>>,
+    error: Option<ModelError>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let anywhere = self.has.get(self.at).is_some_and(|&h| h > 0.0);
+        self.at += 1;
+        if !anywhere {
+            return;
+        }
+        let piece = match self.grads.remove::<B::InnerBackend, D>(param.id) {
+            Some(g) => crate::model::host_f32(g.into_data()).unwrap_or_else(|e| {
+                self.error = Some(e);
+                Vec::new()
+            }),
+            None => vec![0.0; param.shape().num_elements()],
+        };
+        self.pieces.push(piece);
+    }
+}
+
+/// The summed pieces handed back to `grads` as tensors of their parameters' shapes.
+struct PutGrads<'a> {
+    grads: &'a mut GradientsParams,
+    has: &'a [f32],
+    at: usize,
+    pieces: std::vec::IntoIter<Vec<f32>>,
+}
+
+impl<B: AutodiffBackend> ModuleVisitor<B> for PutGrads<'_> {
+    fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
+        let anywhere = self.has.get(self.at).is_some_and(|&h| h > 0.0);
+        self.at += 1;
+        if !anywhere {
+            return;
+        }
+        if let Some(piece) = self.pieces.next() {
+            let data = burn::tensor::TensorData::new(piece, param.shape().dims::<D>());
+            let g = Tensor::<B::InnerBackend, D>::from_data(data, &param.device());
             self.grads.register::<B::InnerBackend, D>(param.id, g);
         }
     }
@@ -267,7 +332,25 @@ impl Trainer {
     /// leaves the weights untouched.
     pub fn step(&mut self, groups: &[&ScoredGroup]) -> Result<StepRecord, ModelError> {
         let started = Instant::now();
-        let (mut grads, mut stats) = self.gradients(groups)?;
+        let (grads, sums) = self.gradients_over(groups, self.tokens_of(groups))?;
+        Ok(self.apply(grads, sums.record(groups), groups, started))
+    }
+
+    /// The tokens the loss of a step on `groups` is averaged over.
+    pub fn tokens_of(&self, groups: &[&ScoredGroup]) -> usize {
+        Samples::of(groups, self.cfg.train.token_discount).tokens()
+    }
+
+    /// The update from the step's gradient `grads` (clipped by its global norm) and the
+    /// step counted on `groups`, or, for a non-finite loss or gradient, no update. `stats`
+    /// are the step's statistics so far; the record of the step is returned.
+    pub fn apply(
+        &mut self,
+        mut grads: GradientsParams,
+        mut stats: StepRecord,
+        groups: &[&ScoredGroup],
+        started: Instant,
+    ) -> StepRecord {
         let mut norm = GradNorm {
             grads: &mut grads,
             sum_sq: 0.0,
@@ -298,7 +381,7 @@ impl Trainer {
         stats.step = self.state.step;
         stats.version = self.state.version;
         stats.step_s = started.elapsed().as_secs_f64();
-        Ok(stats)
+        stats
     }
 
     /// The step's forward and backward passes on `groups` without the update: how the
@@ -313,8 +396,23 @@ impl Trainer {
         &self,
         groups: &[&ScoredGroup],
     ) -> Result<(GradientsParams, StepRecord), ModelError> {
+        let (grads, sums) = self.gradients_over(groups, self.tokens_of(groups))?;
+        Ok((grads, sums.record(groups)))
+    }
+
+    /// [`Trainer::gradients`] of `groups` as one share of a step over `n_tokens` tokens in
+    /// all: each token's loss is divided by the step's count, so the shares' gradients add
+    /// up to the step's gradient. No share, no gradient.
+    pub fn gradients_over(
+        &self,
+        groups: &[&ScoredGroup],
+        n_tokens: usize,
+    ) -> Result<(GradientsParams, TokenSums), ModelError> {
+        if groups.is_empty() {
+            return Ok((GradientsParams::new(), TokenSums::default()));
+        }
         let samples = Samples::of(groups, self.cfg.train.token_discount);
-        let n_tokens = samples.tokens().max(1) as f32;
+        let n_tokens = n_tokens.max(1) as f32;
         let mut sum = GradientsAccumulator::<Policy<TrainBackend>>::new();
         let mut parts = Vec::new();
         for range in samples.micro_batches(self.cfg.train.micro_batch_tokens) {
@@ -333,7 +431,56 @@ impl Trainer {
             );
             parts.push(part);
         }
-        Ok((sum.grads(), loss::stats(&parts, groups, &self.cfg)))
+        Ok((sum.grads(), TokenSums::of(&parts, &self.cfg)))
+    }
+
+    /// Sums `grads` over the trainer ranks of `c`, in buckets of `bucket_values` values:
+    /// every parameter that has a gradient on any rank has the sum of them on every rank
+    /// afterwards (a rank without one adds zeros), as one trainer would have from all the
+    /// step's groups. `what` names the step in errors.
+    pub fn all_reduce(
+        &self,
+        grads: &mut GradientsParams,
+        c: &mut dyn Collective,
+        what: &str,
+        dtype: WireDtype,
+        bucket_values: usize,
+    ) -> Result<(), ModelError> {
+        if c.world() == 1 {
+            return Ok(());
+        }
+        let mut present = Presence {
+            grads,
+            has: Vec::new(),
+        };
+        self.model().visit(&mut present);
+        let mut has = present.has;
+        c.all_reduce_sum(
+            &format!("{what}: which gradients exist"),
+            &mut has,
+            WireDtype::F32,
+        );
+        let mut take = TakeGrads {
+            grads,
+            has: &has,
+            at: 0,
+            pieces: Vec::new(),
+            error: None,
+        };
+        self.model().visit(&mut take);
+        if let Some(e) = take.error {
+            return Err(e);
+        }
+        let mut pieces = take.pieces;
+        collective::all_reduce_pieces(c, what, &mut pieces, dtype, bucket_values);
+        let mut put = PutGrads {
+            grads,
+            has: &has,
+            at: 0,
+            pieces: pieces.into_iter(),
+        };
+        self.model().visit(&mut put);
+        Ok(())
     }
 
     /// [`Trainer::gradients`] by Hugging Face parameter name, in the checkpoint layout
@@ -422,6 +569,18 @@ impl Trainer {
         checkpoint::write_state(&dir, &self.state, &self.cfg)?;
         checkpoint::mark_latest(root, &dir)?;
         Ok(dir)
+    }
+
+    /// The settings this trainer runs with.
+    pub fn settings(&self) -> &TrainerSettings {
+        &self.cfg
+    }
+
+    /// A checksum of the weights being trained (every tensor, adapters included).
+    pub fn weights_checksum(&self) -> Result<String, ModelError> {
+        Ok(crate::model::tensors::tensors_checksum(
+            &self.model().valid().to_tensors()?,
+        ))
     }
 
     /// Whether group `id` was trained (within the remembered window).

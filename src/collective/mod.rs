@@ -1,0 +1,274 @@
+//! Collective communication among data-parallel trainer ranks, on an existing collective
+//! library: [`Collective`] is what the trainer needs (a bucketed all-reduce of its gradient
+//! set in f32 or bf16, broadcast, all-gather, barrier), every call bounded by a deadline.
+//!
+//! - [`Solo`]: one rank, every call a no-op; the trainer without `mpirun`.
+//! - `Mpi` (feature `mpi`): Open MPI or MPICH through the `mpi` crate, ranks taken from the
+//!   MPI world that `mpirun -n N rlstream train …` (or `srun`) starts.
+//!
+//! A collective that misses its deadline cannot be cancelled (MPI has no way to take back
+//! a collective that another rank may be inside): the rank that sees it asks every other
+//! rank to answer, names the ranks that do not (killed, stopped, or outside MPI for longer
+//! than the deadline), and ends the whole job. Nothing is lost by that: entries are acked
+//! only after a checkpoint, and a restart of every rank resumes from the last one.
+
+#[cfg(feature = "mpi")]
+mod mpi;
+
+#[cfg(feature = "mpi")]
+pub use self::mpi::Mpi;
+
+use serde::{Deserialize, Serialize};
+use std::time::Duration;
+
+/// The element type gradients travel in: f32 (exact sums in rank order) or bf16 (half
+/// the bytes; each partial sum rounded to bf16).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum WireDtype {
+    F32,
+    Bf16,
+}
+crate::enum_setting!(WireDtype);
+
+#[derive(Debug, thiserror::Error)]
+pub enum CollectiveError {
+    /// The launcher started ranks, but this build cannot join them.
+    #[error(
+        "{launcher} started this process as one of {world} ranks, but this rlstream was built \
+         without MPI: build it with `cargo build --release --features mpi` (Debian: apt-get \
+         install libopenmpi-dev openmpi-bin libclang-dev)"
+    )]
+    NoMpi { launcher: String, world: usize },
+    #[error("cannot start MPI: {0}")]
+    Init(String),
+    /// A message between ranks that does not decode: ranks of different builds.
+    #[error(
+        "rank {rank} sent a {what} this rank cannot read ({detail}); run one rlstream build on every rank"
+    )]
+    Garbled {
+        rank: usize,
+        what: &'static str,
+        detail: String,
+    },
+}
+
+/// What trainer ranks do together. Every call returns once every rank has made the same
+/// call, or, past [`Collective::timeout`], ends the job naming the ranks that did not.
+/// Ranks make the same calls in the same order.
+pub trait Collective: Send + Sync {
+    /// This rank, from 0.
+    fn rank(&self) -> usize;
+    /// How many ranks.
+    fn world(&self) -> usize;
+    /// How long one call waits for the other ranks.
+    fn timeout(&self) -> Duration;
+    fn set_timeout(&mut self, timeout: Duration);
+    /// Replaces `buf` by its sum over the ranks, carried as `dtype`. `what` names the call
+    /// in errors ("the all-reduce of step 7's gradients").
+    fn all_reduce_sum(&mut self, what: &str, buf: &mut [f32], dtype: WireDtype);
+    /// Replaces `bytes` on every rank by rank `root`'s.
+    fn broadcast(&mut self, what: &str, root: usize, bytes: &mut Vec<u8>);
+    /// Every rank's `bytes`, in rank order.
+    fn all_gather(&mut self, what: &str, bytes: &[u8]) -> Vec<Vec<u8>>;
+    fn barrier(&mut self, what: &str);
+}
+
+/// One rank alone: every call returns at once.
+#[derive(Debug, Default)]
+pub struct Solo {
+    timeout: Duration,
+}
+
+impl Collective for Solo {
+    fn rank(&self) -> usize {
+        0
+    }
+    fn world(&self) -> usize {
+        1
+    }
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+    fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+    fn all_reduce_sum(&mut self, _: &str, buf: &mut [f32], dtype: WireDtype) {
+        if dtype == WireDtype::Bf16 {
+            for x in buf {
+                *x = half::bf16::from_f32(*x).to_f32();
+            }
+        }
+    }
+    fn broadcast(&mut self, _: &str, _: usize, _: &mut Vec<u8>) {}
+    fn all_gather(&mut self, _: &str, bytes: &[u8]) -> Vec<Vec<u8>> {
+        vec![bytes.to_vec()]
+    }
+    fn barrier(&mut self, _: &str) {}
+}
+
+/// The ranks the command line joined, for the trainer stage to take: MPI's world is one
+/// per process, as this slot is.
+static INSTALLED: std::sync::Mutex<Option<Box<dyn Collective>>> = std::sync::Mutex::new(None);
+
+/// Hands `c` to the next trainer stage this process runs (rank 0 of `mpirun … rlstream
+/// train` or `run`).
+pub fn install(c: Box<dyn Collective>) {
+    *INSTALLED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(c);
+}
+
+/// The ranks [`install`]ed, or one rank alone.
+pub fn take_installed() -> Box<dyn Collective> {
+    INSTALLED
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .take()
+        .unwrap_or_else(|| Box::new(Solo::default()))
+}
+
+/// The ranks this process belongs to, from the launcher's environment: `None` when no
+/// launcher started it (one trainer), an error when one did and this build has no MPI.
+pub fn from_launcher() -> Result<Option<Box<dyn Collective>>, CollectiveError> {
+    let Some((launcher, world)) = launched() else {
+        return Ok(None);
+    };
+    #[cfg(feature = "mpi")]
+    {
+        let _ = (launcher, world);
+        let mpi = Mpi::init()?;
+        if mpi.world() == 1 {
+            return Ok(None);
+        }
+        Ok(Some(Box::new(mpi)))
+    }
+    #[cfg(not(feature = "mpi"))]
+    {
+        if world <= 1 {
+            return Ok(None);
+        }
+        Err(CollectiveError::NoMpi { launcher, world })
+    }
+}
+
+/// Which launcher started this process and how many ranks it said, from the variables
+/// Open MPI, MPICH/Hydra and Slurm set.
+fn launched() -> Option<(String, usize)> {
+    [
+        ("mpirun (Open MPI)", "OMPI_COMM_WORLD_SIZE"),
+        ("mpirun (MPICH)", "PMI_SIZE"),
+        ("a PMIx launcher", "PMIX_SIZE"),
+    ]
+    .into_iter()
+    .find_map(|(who, var)| {
+        let n = std::env::var(var).ok()?.parse().ok()?;
+        Some((who.to_string(), n))
+    })
+}
+
+/// Sums `pieces` over the ranks in buckets of at most `bucket_values` values: each bucket
+/// is one all-reduce, so a gradient set of any size moves through a bounded buffer, and
+/// many small tensors share one call.
+pub fn all_reduce_pieces(
+    c: &mut dyn Collective,
+    what: &str,
+    pieces: &mut [Vec<f32>],
+    dtype: WireDtype,
+    bucket_values: usize,
+) {
+    let cap = bucket_values.max(1);
+    let total: usize = pieces.iter().map(Vec::len).sum();
+    let mut bucket: Vec<f32> = Vec::with_capacity(cap.min(total));
+    // (piece, offset in it, length) of each run in the bucket.
+    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
+    let mut n = 0;
+    for i in 0..pieces.len() {
+        let mut off = 0;
+        while off < pieces[i].len() {
+            let len = (cap - bucket.len()).min(pieces[i].len() - off);
+            bucket.extend_from_slice(&pieces[i][off..off + len]);
+            runs.push((i, off, len));
+            off += len;
+            if bucket.len() == cap {
+                n += 1;
+                flush(
+                    c,
+                    &format!("{what} (bucket {n})"),
+                    &mut bucket,
+                    &mut runs,
+                    pieces,
+                    dtype,
+                );
+            }
+        }
+    }
+    if !bucket.is_empty() {
+        n += 1;
+        flush(
+            c,
+            &format!("{what} (bucket {n})"),
+            &mut bucket,
+            &mut runs,
+            pieces,
+            dtype,
+        );
+    }
+}
+
+fn flush(
+    c: &mut dyn Collective,
+    what: &str,
+    bucket: &mut Vec<f32>,
+    runs: &mut Vec<(usize, usize, usize)>,
+    pieces: &mut [Vec<f32>],
+    dtype: WireDtype,
+) {
+    c.all_reduce_sum(what, bucket, dtype);
+    let mut at = 0;
+    for (i, off, len) in runs.drain(..) {
+        pieces[i][off..off + len].copy_from_slice(&bucket[at..at + len]);
+        at += len;
+    }
+    bucket.clear();
+}
+
+/// Which ranks train which of a step's groups: each group in turn (the step's groups are
+/// in group-id order) to the rank with the fewest tokens so far, the lowest rank on a tie.
+/// Deterministic: every rank computes the same assignment from the same groups.
+pub fn shares(tokens: &[usize], world: usize) -> Vec<Vec<usize>> {
+    let world = world.max(1);
+    let mut out = vec![Vec::new(); world];
+    let mut load = vec![0usize; world];
+    for (i, &t) in tokens.iter().enumerate() {
+        let r = (0..world).min_by_key(|&r| (load[r], r)).unwrap_or(0);
+        out[r].push(i);
+        load[r] += t;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn shares_balance_tokens_and_are_deterministic() {
+        let s = shares(&[10, 1, 1, 1, 9, 2], 2);
+        assert_eq!(s, vec![vec![0, 5], vec![1, 2, 3, 4]]);
+        assert_eq!(shares(&[5], 3), vec![vec![0], vec![], vec![]]);
+        assert_eq!(shares(&[], 2), vec![Vec::<usize>::new(), vec![]]);
+    }
+
+    #[test]
+    fn pieces_cross_bucket_boundaries_intact() {
+        let mut c = Solo::default();
+        let mut pieces = vec![vec![1.0, 2.0, 3.0], vec![], vec![4.0; 7], vec![5.0]];
+        let before = pieces.clone();
+        all_reduce_pieces(&mut c, "test", &mut pieces, WireDtype::F32, 4);
+        assert_eq!(pieces, before);
+        let mut pieces = vec![vec![1.0 + 1e-3]];
+        all_reduce_pieces(&mut c, "test", &mut pieces, WireDtype::Bf16, 4);
+        assert_eq!(pieces, vec![vec![1.0]], "bf16 on the wire rounds");
+    }
+}

@@ -1,0 +1,309 @@
+//! [`Collective`] on MPI (the `mpi` crate over the system's Open MPI or MPICH).
+//!
+//! Every call is MPI's non-blocking collective (`MPI_Iallreduce`, `MPI_Ibcast`,
+//! `MPI_Iallgatherv`, `MPI_Ibarrier`), tested until it completes or its deadline passes.
+//! Waiting yields the core at once and sleeps a millisecond at a time after the first
+//! second, so ranks that share cores (two ranks on a 2-core machine) leave them to the
+//! ranks still computing instead of spinning on them.
+//!
+//! Past the deadline the rank takes a roll call: it sends every other rank a point-to-point
+//! message, and every rank waiting in a call answers it from its wait loop. The ranks that
+//! do not answer within a few seconds are named, and the job is ended with `MPI_Abort`
+//! (a collective another rank may be inside cannot be cancelled).
+
+use super::{Collective, CollectiveError, WireDtype};
+use mpi::collective::{SystemOperation, UnsafeUserOperation};
+use mpi::datatype::PartitionMut;
+use mpi::ffi::MPI_Datatype;
+use mpi::request::{Request, Scope};
+use mpi::topology::SimpleCommunicator;
+use mpi::traits::*;
+use std::ffi::{c_int, c_void};
+use std::time::{Duration, Instant};
+
+/// Point-to-point tags of the roll call (collectives do not use tags).
+const ROLL_CALL: i32 = 7001;
+const ROLL_ANSWER: i32 = 7002;
+/// How long a roll call waits for answers.
+const ROLL_GRACE: Duration = Duration::from_secs(3);
+/// Waiting yields the core this long before it sleeps between tests.
+const SPIN: Duration = Duration::from_secs(1);
+/// The exit code of a job ended because a rank was lost.
+const LOST_RANK: c_int = 75;
+
+/// The MPI world as trainer ranks.
+pub struct Mpi {
+    // Dropped in this order: the operation and the communicator before MPI_Finalize.
+    bf16_sum: UnsafeUserOperation,
+    world: SimpleCommunicator,
+    _universe: mpi::environment::Universe,
+    rank: usize,
+    size: usize,
+    timeout: Duration,
+}
+
+// SAFETY: MPI is initialised with `MPI_THREAD_SERIALIZED` (checked in `init`): any thread
+// may make MPI calls as long as no two make them at once, which `&mut self` on every call
+// guarantees. The handles are plain values MPI hands out for the process.
+unsafe impl Send for Mpi {}
+// SAFETY: the methods that take `&self` read plain fields; every MPI call is made under
+// `&mut self` (the private helpers that make them are called only from those).
+unsafe impl Sync for Mpi {}
+
+/// Adds bf16 vectors: each pair widened to f32, added, rounded back to nearest even.
+unsafe extern "C" fn bf16_sum(
+    invec: *mut c_void,
+    inoutvec: *mut c_void,
+    len: *mut c_int,
+    _: *mut MPI_Datatype,
+) {
+    // SAFETY: MPI passes two buffers of `*len` elements of the u16 datatype the reduction
+    // was called with.
+    let (a, b) = unsafe {
+        let n = usize::try_from(*len).unwrap_or(0);
+        (
+            std::slice::from_raw_parts(invec.cast::<u16>(), n),
+            std::slice::from_raw_parts_mut(inoutvec.cast::<u16>(), n),
+        )
+    };
+    for (x, y) in a.iter().zip(b) {
+        let s = half::bf16::from_bits(*x).to_f32() + half::bf16::from_bits(*y).to_f32();
+        *y = half::bf16::from_f32(s).to_bits();
+    }
+}
+
+impl Mpi {
+    /// Joins the MPI world the launcher started.
+    pub fn init() -> Result<Self, CollectiveError> {
+        let (universe, threading) = mpi::initialize_with_threading(mpi::Threading::Serialized)
+            .ok_or_else(|| {
+                CollectiveError::Init("MPI was initialised already in this process".into())
+            })?;
+        if threading < mpi::Threading::Serialized {
+            return Err(CollectiveError::Init(format!(
+                "the MPI library offers thread level {threading:?}; the trainer needs \
+                 Serialized (calls from any one thread at a time)"
+            )));
+        }
+        let world = universe.world();
+        let rank = usize::try_from(world.rank()).unwrap_or(0);
+        let size = usize::try_from(world.size()).unwrap_or(1);
+        // SAFETY: `bf16_sum` reads and writes exactly the buffers and length MPI passes.
+        let bf16_sum = unsafe { UnsafeUserOperation::commutative(bf16_sum) };
+        Ok(Mpi {
+            bf16_sum,
+            world,
+            _universe: universe,
+            rank,
+            size,
+            timeout: Duration::from_secs(300),
+        })
+    }
+
+    /// Tests `req` until it completes; past the deadline, ends the job (see the module).
+    fn wait<'a, D: ?Sized, S: Scope<'a>>(&self, what: &str, mut req: Request<'a, D, S>) {
+        let start = Instant::now();
+        loop {
+            match req.test() {
+                Ok(_) => return,
+                Err(r) => req = r,
+            }
+            self.answer_roll_calls();
+            let waited = start.elapsed();
+            if waited >= self.timeout {
+                self.lost(what, waited);
+            }
+            if waited < SPIN {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        }
+    }
+
+    /// Answers every roll call waiting: this rank is alive and inside a call.
+    fn answer_roll_calls(&self) {
+        while let Some((msg, status)) = self
+            .world
+            .any_process()
+            .immediate_matched_probe_with_tag(ROLL_CALL)
+        {
+            let (_, _): (u32, _) = msg.matched_receive();
+            self.world
+                .process_at_rank(status.source_rank())
+                .send_with_tag(&[self.rank as u32][..], ROLL_ANSWER);
+        }
+    }
+
+    /// A call missed its deadline: names the ranks that do not answer a roll call and ends
+    /// every rank.
+    fn lost(&self, what: &str, waited: Duration) -> ! {
+        let me = [self.rank as u32];
+        let mut answered = vec![false; self.size];
+        answered[self.rank] = true;
+        mpi::request::scope(|scope| {
+            let mut sends = Vec::new();
+            for r in (0..self.size).filter(|&r| r != self.rank) {
+                let to = self.world.process_at_rank(r as i32);
+                sends.push(to.immediate_send_with_tag(scope, &me[..], ROLL_CALL));
+            }
+            let until = Instant::now() + ROLL_GRACE;
+            while Instant::now() < until && answered.iter().any(|a| !a) {
+                while let Some((msg, status)) = self
+                    .world
+                    .any_process()
+                    .immediate_matched_probe_with_tag(ROLL_ANSWER)
+                {
+                    let (_, _): (u32, _) = msg.matched_receive();
+                    if let Some(a) = answered.get_mut(status.source_rank() as usize) {
+                        *a = true;
+                    }
+                }
+                // A rank past its own deadline asks too: it is alive.
+                while let Some((msg, status)) = self
+                    .world
+                    .any_process()
+                    .immediate_matched_probe_with_tag(ROLL_CALL)
+                {
+                    let (_, _): (u32, _) = msg.matched_receive();
+                    if let Some(a) = answered.get_mut(status.source_rank() as usize) {
+                        *a = true;
+                    }
+                }
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            let missing: Vec<String> = (0..self.size)
+                .filter(|&r| !answered[r])
+                .map(|r| r.to_string())
+                .collect();
+            let who = if missing.is_empty() {
+                "every rank answers a roll call, so one is inside a different call: ranks \
+                 disagree on the sequence of calls (a bug; report it with every rank's log)"
+                    .to_string()
+            } else {
+                format!(
+                    "lost rank {} (no answer to a roll call: killed, stopped, or busy outside \
+                     MPI for longer than train.collective_timeout_s)",
+                    missing.join(", ")
+                )
+            };
+            let message = format!(
+                "rank {}: {what} did not complete within {:.1} s: {who}. Ending every rank; \
+                 restart them all and they resume from the last checkpoint, losing nothing",
+                self.rank,
+                waited.as_secs_f64()
+            );
+            tracing::error!("{message}");
+            eprintln!("rlstream: {message}");
+            self.world.abort(LOST_RANK)
+        })
+    }
+}
+
+impl Collective for Mpi {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+
+    fn world(&self) -> usize {
+        self.size
+    }
+
+    fn timeout(&self) -> Duration {
+        self.timeout
+    }
+
+    fn set_timeout(&mut self, timeout: Duration) {
+        self.timeout = timeout;
+    }
+
+    fn all_reduce_sum(&mut self, what: &str, buf: &mut [f32], dtype: WireDtype) {
+        match dtype {
+            WireDtype::F32 => {
+                let send = buf.to_vec();
+                mpi::request::scope(|scope| {
+                    let req = self.world.immediate_all_reduce_into(
+                        scope,
+                        &send[..],
+                        buf,
+                        SystemOperation::sum(),
+                    );
+                    self.wait(what, req);
+                });
+            }
+            WireDtype::Bf16 => {
+                let send: Vec<u16> = buf
+                    .iter()
+                    .map(|&x| half::bf16::from_f32(x).to_bits())
+                    .collect();
+                let mut recv = vec![0u16; send.len()];
+                mpi::request::scope(|scope| {
+                    let req = self.world.immediate_all_reduce_into(
+                        scope,
+                        &send[..],
+                        &mut recv[..],
+                        &self.bf16_sum,
+                    );
+                    self.wait(what, req);
+                });
+                for (x, b) in buf.iter_mut().zip(recv) {
+                    *x = half::bf16::from_bits(b).to_f32();
+                }
+            }
+        }
+    }
+
+    fn broadcast(&mut self, what: &str, root: usize, bytes: &mut Vec<u8>) {
+        let root = self.world.process_at_rank(root as i32);
+        let mut len = [bytes.len() as u64];
+        mpi::request::scope(|scope| {
+            let req = root.immediate_broadcast_into(scope, &mut len[..]);
+            self.wait(what, req);
+        });
+        bytes.resize(usize::try_from(len[0]).unwrap_or(0), 0);
+        mpi::request::scope(|scope| {
+            let req = root.immediate_broadcast_into(scope, &mut bytes[..]);
+            self.wait(what, req);
+        });
+    }
+
+    fn all_gather(&mut self, what: &str, bytes: &[u8]) -> Vec<Vec<u8>> {
+        let mine = [bytes.len() as i32];
+        let mut lens = vec![0i32; self.size];
+        mpi::request::scope(|scope| {
+            let req = self
+                .world
+                .immediate_all_gather_into(scope, &mine[..], &mut lens[..]);
+            self.wait(what, req);
+        });
+        let displs: Vec<i32> = lens
+            .iter()
+            .scan(0i32, |at, &n| {
+                let d = *at;
+                *at += n;
+                Some(d)
+            })
+            .collect();
+        let total: usize = lens.iter().map(|&n| usize::try_from(n).unwrap_or(0)).sum();
+        let mut all = vec![0u8; total];
+        let mut part = PartitionMut::new(&mut all[..], &lens[..], &displs[..]);
+        mpi::request::scope(|scope| {
+            let req = self
+                .world
+                .immediate_all_gather_varcount_into(scope, bytes, &mut part);
+            self.wait(what, req);
+        });
+        lens.iter()
+            .zip(&displs)
+            .map(|(&n, &d)| {
+                let (d, n) = (d as usize, n as usize);
+                all[d..d + n].to_vec()
+            })
+            .collect()
+    }
+
+    fn barrier(&mut self, what: &str) {
+        let req = self.world.immediate_barrier();
+        self.wait(what, req);
+    }
+}

@@ -1,0 +1,526 @@
+//! Data-parallel trainer ranks (`mpirun -n N rlstream train`), with one trainer's
+//! guarantees.
+//!
+//! Rank 0 is the trainer stage as it runs alone: it alone reads the scored stream (so
+//! intake, staleness, duplicate detection and dead letters are one trainer's), publishes
+//! weights, writes checkpoints and acks, after each checkpoint, what that checkpoint holds.
+//! The other ranks touch no stream: they hold a replica of the model and the optimizer and
+//! do what rank 0 broadcasts ([`Command`]):
+//!
+//! - **Step**: the step's groups (in group-id order, as one trainer takes them) go to
+//!   every rank; each rank trains its share ([`crate::collective::shares`]: by tokens,
+//!   deterministic), with each token's loss divided by the step's global token count;
+//!   every rank reports its outcome and token sums (all-gather), the gradients are summed
+//!   (bucketed all-reduce) and every rank applies the same clipped update. N ranks make
+//!   one trainer's update from the same groups.
+//! - **Idle**: sent while rank 0 waits for groups, so that the others' wait has a deadline.
+//! - **Verify**: after a checkpoint, every rank's weights checksum is compared.
+//! - **Stop**: the stage stopped (with its error, if any); every rank exits with it.
+//!
+//! A group whose pass panics on its rank is found as one trainer finds it (each group of
+//! that rank's share alone), dead-lettered by rank 0, and the step taken again on the rest.
+//! At start every rank compares the settings rank 0 broadcasts, its build, its checkpoint
+//! and its model with rank 0's and refuses to start on a difference, naming it.
+
+use super::loss::TokenSums;
+use super::{Trainer, TrainerSettings};
+use crate::collective::{self, Collective};
+use crate::model::fault;
+use crate::schema::{self, ScoredGroup, StepRecord};
+use crate::stages::StageError;
+use serde::{Deserialize, Serialize};
+use std::time::{Duration, Instant};
+
+/// What rank 0 tells the other ranks to do next.
+#[derive(Debug, Serialize, Deserialize)]
+pub(super) enum Command {
+    Step {
+        step: u64,
+        version: u64,
+        /// The step's groups as their stream messages, in the order they are trained.
+        groups: Vec<serde_bytes::ByteBuf>,
+    },
+    Idle,
+    Verify {
+        step: u64,
+    },
+    Stop {
+        error: Option<String>,
+    },
+}
+
+/// A rank's outcome of its share of a step.
+#[derive(Debug, Serialize, Deserialize)]
+enum Status {
+    Done(TokenSums),
+    /// The share's pass panicked (`panic`); `alone` are the step's groups (indices into
+    /// the step's groups) that panic alone.
+    Panicked {
+        alone: Vec<usize>,
+        panic: String,
+    },
+    Failed(String),
+}
+
+/// What each rank says of itself at start.
+#[derive(Debug, Serialize, Deserialize)]
+struct Hello {
+    build: String,
+    /// Settings that differ from rank 0's.
+    differences: Vec<String>,
+    /// Why this rank could not start its trainer.
+    error: Option<String>,
+    step: u64,
+    version: u64,
+    /// Checksum of the model's weights.
+    model: String,
+}
+
+/// The result of a step over all ranks.
+pub(super) struct Outcome {
+    /// `None` when no group was left to step on.
+    pub record: Option<StepRecord>,
+    /// The groups the step was taken on (indices into the step's groups).
+    pub kept: Vec<usize>,
+    /// Groups whose pass panicked alone, or that were in a step that panicked again, with
+    /// the reason: dead-lettered by rank 0.
+    pub rejected: Vec<(usize, String)>,
+}
+
+/// How long start-up calls wait: ten times a step's calls (loading a model, a warm start).
+fn start_timeout(cfg: &TrainerSettings) -> Duration {
+    Duration::from_secs_f64(cfg.train.collective_timeout_s * 10.0)
+}
+
+fn step_timeout(cfg: &TrainerSettings) -> Duration {
+    Duration::from_secs_f64(cfg.train.collective_timeout_s)
+}
+
+fn build() -> String {
+    format!("rlstream {}", env!("CARGO_PKG_VERSION"))
+}
+
+fn garbled(rank: usize, what: &'static str, e: impl std::fmt::Display) -> StageError {
+    StageError::Other(
+        collective::CollectiveError::Garbled {
+            rank,
+            what,
+            detail: e.to_string(),
+        }
+        .to_string(),
+    )
+}
+
+/// Rank 0's trainer: the settings broadcast, the trainer started, every rank agreeing.
+pub(super) fn lead(cfg: &TrainerSettings, c: &mut dyn Collective) -> Result<Trainer, StageError> {
+    if c.world() == 1 {
+        return Ok(Trainer::start(cfg)?);
+    }
+    c.set_timeout(start_timeout(cfg));
+    let mut settings = toml::to_string(cfg)
+        .map_err(|e| StageError::Other(format!("cannot write the settings: {e}")))?
+        .into_bytes();
+    c.broadcast("the trainer settings from rank 0", 0, &mut settings);
+    let trainer = Trainer::start(cfg);
+    let hello = hello(trainer.as_ref().map_err(ToString::to_string), Vec::new());
+    let agreed = agree(c, &hello);
+    let trainer = trainer?;
+    agreed?;
+    c.set_timeout(step_timeout(cfg));
+    tracing::info!(
+        ranks = c.world(),
+        "trainer ranks agree; rank 0 reads, publishes and checkpoints"
+    );
+    Ok(trainer)
+}
+
+fn hello(trainer: Result<&Trainer, String>, differences: Vec<String>) -> Hello {
+    let mut h = Hello {
+        build: build(),
+        differences,
+        error: None,
+        step: 0,
+        version: 0,
+        model: String::new(),
+    };
+    match trainer {
+        Ok(t) => {
+            h.step = t.state.step;
+            h.version = t.state.version;
+            match t.weights_checksum() {
+                Ok(sum) => h.model = sum,
+                Err(e) => h.error = Some(e.to_string()),
+            }
+        }
+        Err(e) => h.error = Some(e),
+    }
+    h
+}
+
+/// Every rank's [`Hello`] against rank 0's: `Ok` on every rank, or on every rank the
+/// same error naming each difference.
+fn agree(c: &mut dyn Collective, mine: &Hello) -> Result<(), StageError> {
+    let bytes = rmp_serde::to_vec(mine).map_err(|e| StageError::Other(e.to_string()))?;
+    let all = c.all_gather("the ranks' start-up check", &bytes);
+    let mut hellos = Vec::with_capacity(all.len());
+    for (r, b) in all.iter().enumerate() {
+        hellos
+            .push(rmp_serde::from_slice::<Hello>(b).map_err(|e| garbled(r, "start-up check", e))?);
+    }
+    let lead = &hellos[0];
+    let mut problems = Vec::new();
+    for (r, h) in hellos.iter().enumerate() {
+        if let Some(e) = &h.error {
+            problems.push(format!("rank {r} cannot start its trainer: {e}"));
+            continue;
+        }
+        for d in &h.differences {
+            problems.push(format!("rank {r}'s settings differ: {d}"));
+        }
+        if r == 0 || lead.error.is_some() || !h.differences.is_empty() {
+            continue;
+        }
+        if h.build != lead.build {
+            problems.push(format!(
+                "rank {r} runs {} and rank 0 {}",
+                h.build, lead.build
+            ));
+        }
+        if (h.step, h.version) != (lead.step, lead.version) {
+            problems.push(format!(
+                "rank {r} resumes at step {} (version {}) and rank 0 at step {} (version {}): \
+                 every rank must see the same checkpoint directory",
+                h.step, h.version, lead.step, lead.version
+            ));
+        } else if h.model != lead.model {
+            problems.push(format!(
+                "rank {r}'s model weights differ from rank 0's (checksum {} against {}): \
+                 every rank must load the same model",
+                h.model, lead.model
+            ));
+        }
+    }
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(StageError::Ranks(format!(
+        "the {} trainer ranks refuse to start: {}",
+        c.world(),
+        problems.join("; ")
+    )))
+}
+
+/// The settings that differ between `mine` and rank 0's, as `key: value here, value on
+/// rank 0`.
+fn differences(mine: &TrainerSettings, lead: &TrainerSettings) -> Vec<String> {
+    fn flat(prefix: &str, v: &toml::Value, out: &mut Vec<(String, String)>) {
+        match v {
+            toml::Value::Table(t) => {
+                for (k, v) in t {
+                    let key = if prefix.is_empty() {
+                        k.clone()
+                    } else {
+                        format!("{prefix}.{k}")
+                    };
+                    flat(&key, v, out);
+                }
+            }
+            v => out.push((prefix.to_string(), v.to_string())),
+        }
+    }
+    let table = |s: &TrainerSettings| {
+        let mut out = Vec::new();
+        if let Ok(v) = toml::Value::try_from(s) {
+            flat("", &v, &mut out);
+        }
+        out.into_iter()
+            .collect::<std::collections::BTreeMap<_, _>>()
+    };
+    let (a, b) = (table(mine), table(lead));
+    let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    keys.into_iter()
+        .filter(|k| a.get(*k) != b.get(*k))
+        .map(|k| {
+            let show = |v: Option<&String>| v.cloned().unwrap_or_else(|| "unset".into());
+            format!(
+                "{k} is {} here and {} on rank 0",
+                show(a.get(k)),
+                show(b.get(k))
+            )
+        })
+        .collect()
+}
+
+/// Broadcasts rank 0's next command.
+pub(super) fn send(c: &mut dyn Collective, cmd: &Command) -> Result<(), StageError> {
+    let mut bytes = rmp_serde::to_vec(cmd).map_err(|e| StageError::Other(e.to_string()))?;
+    c.broadcast("rank 0's next command", 0, &mut bytes);
+    Ok(())
+}
+
+fn receive(c: &mut dyn Collective) -> Result<Command, StageError> {
+    let mut bytes = Vec::new();
+    c.broadcast("rank 0's next command", 0, &mut bytes);
+    rmp_serde::from_slice(&bytes).map_err(|e| garbled(0, "command", e))
+}
+
+/// `pass` on `groups` with a panic caught as its message; the fault hook fires for the
+/// groups' group and prompt ids.
+fn contained<T>(
+    groups: &[&ScoredGroup],
+    pass: impl FnOnce(&[&ScoredGroup]) -> T,
+) -> Result<T, String> {
+    fault::contain(|| {
+        fault::inject(
+            groups
+                .iter()
+                .flat_map(|g| [g.rollout.group_id.as_str(), g.rollout.prompt_id.as_str()]),
+        );
+        pass(groups)
+    })
+}
+
+/// One step on `groups` over every rank of `c` (see the module), from rank 0's loop or a
+/// following rank alike. A step whose pass panics changes no weight: each group of the
+/// panicking share is run alone, those that panic alone are rejected, and the step is
+/// taken on the rest; if that panics too, the rest are rejected.
+pub(super) fn step(
+    trainer: &mut Trainer,
+    c: &mut dyn Collective,
+    groups: &[&ScoredGroup],
+) -> Result<Outcome, StageError> {
+    let started = Instant::now();
+    let number = trainer.state.step + 1;
+    let mut kept: Vec<usize> = (0..groups.len()).collect();
+    let mut rejected = Vec::new();
+    let mut first_panic: Option<String> = None;
+    loop {
+        let subset: Vec<&ScoredGroup> = kept.iter().map(|&i| groups[i]).collect();
+        let tokens: Vec<usize> = subset.iter().map(|g| trainer.tokens_of(&[*g])).collect();
+        let n_tokens = trainer.tokens_of(&subset);
+        let mut shares = collective::shares(&tokens, c.world());
+        let mine = std::mem::take(&mut shares[c.rank()]);
+        let share: Vec<&ScoredGroup> = mine.iter().map(|&i| subset[i]).collect();
+        let (status, grads) = match contained(&share, |g| trainer.gradients_over(g, n_tokens)) {
+            Ok(Ok((g, sums))) => (Status::Done(sums), Some(g)),
+            Ok(Err(e)) => (Status::Failed(e.to_string()), None),
+            Err(panic) if first_panic.is_none() => {
+                (alone(trainer, &subset, &mine, &kept, panic), None)
+            }
+            Err(panic) => (
+                Status::Panicked {
+                    alone: Vec::new(),
+                    panic,
+                },
+                None,
+            ),
+        };
+        let (total, mut bad, panics) = gather(c, number, &status)?;
+        if panics.is_empty() {
+            let mut grads = grads.unwrap_or_default();
+            let bucket = trainer.settings().train.allreduce_bucket_mb * (1 << 20) / 4;
+            let dtype = trainer.settings().train.allreduce_dtype;
+            trainer.all_reduce(
+                &mut grads,
+                c,
+                &format!("step {number}'s gradients"),
+                dtype,
+                bucket,
+            )?;
+            let record = trainer.apply(grads, total.record(&subset), &subset, started);
+            return Ok(Outcome {
+                record: Some(record),
+                kept,
+                rejected,
+            });
+        }
+        let panic = panics.join("; ");
+        if let Some(first) = &first_panic {
+            let detail = format!(
+                "a step over its batch panicked ({first}, then {panic}) and no group panicked alone"
+            );
+            rejected.extend(kept.iter().map(|&i| (i, detail.clone())));
+            kept.clear();
+        } else {
+            bad.sort_unstable();
+            let detail = format!("its training pass panicked alone: {panic}");
+            rejected.extend(bad.iter().map(|&i| (i, detail.clone())));
+            kept.retain(|i| bad.binary_search(i).is_err());
+            first_panic = Some(panic);
+        }
+        if kept.is_empty() {
+            return Ok(Outcome {
+                record: None,
+                kept,
+                rejected,
+            });
+        }
+    }
+}
+
+/// Every rank's outcome of step `number`: the token sums of the ranks that finished,
+/// the groups that panicked alone and the panics; an error when any rank failed.
+fn gather(
+    c: &mut dyn Collective,
+    number: u64,
+    status: &Status,
+) -> Result<(TokenSums, Vec<usize>, Vec<String>), StageError> {
+    let bytes = rmp_serde::to_vec(status).map_err(|e| StageError::Other(e.to_string()))?;
+    let all = c.all_gather(&format!("step {number}'s outcomes"), &bytes);
+    let name = |r: usize, m: String| {
+        if all.len() == 1 {
+            m
+        } else {
+            format!("rank {r}: {m}")
+        }
+    };
+    let mut total = TokenSums::default();
+    let (mut bad, mut panics, mut failures) = (Vec::new(), Vec::new(), Vec::new());
+    for (r, b) in all.iter().enumerate() {
+        match rmp_serde::from_slice::<Status>(b).map_err(|e| garbled(r, "step outcome", e))? {
+            Status::Done(sums) => total.add(&sums),
+            Status::Panicked { alone, panic } => {
+                bad.extend(alone);
+                panics.push(name(r, panic));
+            }
+            Status::Failed(e) => failures.push(name(r, e)),
+        }
+    }
+    if !failures.is_empty() {
+        return Err(StageError::Ranks(failures.join("; ")));
+    }
+    Ok((total, bad, panics))
+}
+
+/// After this rank's share panicked: which of its groups (`mine`, indices into `subset`,
+/// whose groups are the step's `kept`) panic alone.
+fn alone(
+    trainer: &Trainer,
+    subset: &[&ScoredGroup],
+    mine: &[usize],
+    kept: &[usize],
+    panic: String,
+) -> Status {
+    let mut alone = Vec::new();
+    for &i in mine {
+        match contained(&[subset[i]], |g| trainer.probe(g)) {
+            Ok(Ok(())) => {}
+            Ok(Err(e)) => return Status::Failed(e.to_string()),
+            Err(_) => alone.push(kept[i]),
+        }
+    }
+    Status::Panicked { alone, panic }
+}
+
+/// After a checkpoint: every rank's weights against rank 0's.
+pub(super) fn verify(trainer: &Trainer, c: &mut dyn Collective) -> Result<(), StageError> {
+    let sum = trainer
+        .weights_checksum()
+        .unwrap_or_else(|e| format!("unreadable: {e}"));
+    let all = c.all_gather("the weights check after a checkpoint", sum.as_bytes());
+    let differ: Vec<String> = all
+        .iter()
+        .enumerate()
+        .filter(|(_, s)| *s != &all[0])
+        .map(|(r, s)| format!("rank {r} ({})", String::from_utf8_lossy(s)))
+        .collect();
+    if differ.is_empty() {
+        return Ok(());
+    }
+    Err(StageError::Ranks(format!(
+        "after step {} the weights of {} differ from rank 0's ({}): the ranks' updates \
+         diverged; restart every rank (they resume from rank 0's checkpoint) and report it",
+        trainer.state.step,
+        differ.join(", "),
+        String::from_utf8_lossy(&all[0])
+    )))
+}
+
+/// A rank other than 0: takes rank 0's settings (comparing them with `own`, its own, when
+/// it has any), starts its trainer and does what rank 0 says until it says stop.
+pub fn follow(mut c: Box<dyn Collective>, own: Option<&TrainerSettings>) -> Result<(), StageError> {
+    let rank = c.rank();
+    let first = own.map_or(Duration::from_secs(3000), start_timeout);
+    c.set_timeout(first);
+    let mut bytes = Vec::new();
+    c.broadcast("the trainer settings from rank 0", 0, &mut bytes);
+    let text = String::from_utf8(bytes).map_err(|e| garbled(0, "settings", e))?;
+    let cfg: TrainerSettings = toml::from_str(&text).map_err(|e| garbled(0, "settings", e))?;
+    c.set_timeout(start_timeout(&cfg));
+    let differences = own.map(|o| differences(o, &cfg)).unwrap_or_default();
+    let (trainer, mine) = if differences.is_empty() {
+        let t = Trainer::start(&cfg).map_err(|e| e.to_string());
+        let h = hello(t.as_ref().map_err(Clone::clone), Vec::new());
+        (t, h)
+    } else {
+        let h = Hello {
+            error: None,
+            ..hello(Err(String::new()), differences)
+        };
+        (Err("its settings differ from rank 0's".to_string()), h)
+    };
+    agree(c.as_mut(), &mine)?;
+    let mut trainer = trainer.map_err(StageError::Other)?;
+    c.set_timeout(step_timeout(&cfg));
+    tracing::info!(rank, ranks = c.world(), "following rank 0");
+    loop {
+        match receive(c.as_mut())? {
+            Command::Step {
+                step: number,
+                version,
+                groups,
+            } => {
+                let groups: Vec<ScoredGroup> = groups
+                    .iter()
+                    .map(|b| schema::decode(b))
+                    .collect::<Result<_, _>>()
+                    .map_err(|e| garbled(0, "scored group", e))?;
+                let refs: Vec<&ScoredGroup> = groups.iter().collect();
+                trainer.state.step = number;
+                trainer.state.version = version;
+                let o = step(&mut trainer, c.as_mut(), &refs)?;
+                tracing::debug!(rank, step = trainer.state.step, kept = o.kept.len(), "step");
+            }
+            Command::Idle => {}
+            Command::Verify { step } => {
+                trainer.state.step = step;
+                verify(&trainer, c.as_mut())?;
+            }
+            Command::Stop { error: None } => {
+                tracing::info!(rank, step = trainer.state.step, "rank 0 stopped; stopping");
+                return Ok(());
+            }
+            Command::Stop { error: Some(e) } => {
+                return Err(StageError::Other(format!(
+                    "rank 0 stopped with an error: {e}"
+                )));
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn differences_name_each_key_with_both_values() {
+        let lead = TrainerSettings::default();
+        let mut mine = lead.clone();
+        mine.train.lr = 2e-3;
+        mine.policy.groups_per_step = 3;
+        let d = differences(&mine, &lead);
+        assert_eq!(d.len(), 2, "{d:?}");
+        assert!(
+            d.iter()
+                .any(|s| s.starts_with("train.lr is 0.002 here and 0.0001 on rank 0")),
+            "{d:?}"
+        );
+        assert!(
+            d.iter()
+                .any(|s| s.starts_with("policy.groups_per_step is 3 here")),
+            "{d:?}"
+        );
+        assert!(differences(&lead, &lead).is_empty());
+    }
+}

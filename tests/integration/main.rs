@@ -41,5 +41,7 @@ mod stage_boundaries;
 mod stream_budget;
 mod train_resume;
 mod train_step;
+#[cfg(feature = "mpi")]
+mod trainer_ranks;
 mod weights_store;
 mod weights_transfer;

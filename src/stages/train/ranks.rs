@@ -167,7 +167,22 @@ fn agree(c: &mut dyn Collective, mine: &Hello) -> Result<(), StageError> {
         hellos
             .push(rmp_serde::from_slice::<Hello>(b).map_err(|e| garbled(r, "start-up check", e))?);
     }
-    let lead = &hellos[0];
+    let problems = problems(&hellos);
+    if problems.is_empty() {
+        return Ok(());
+    }
+    Err(StageError::Ranks(format!(
+        "the {} trainer ranks refuse to start: {}",
+        c.world(),
+        problems.join("; ")
+    )))
+}
+
+/// What keeps ranks that said `hellos` (in rank order) from training together.
+fn problems(hellos: &[Hello]) -> Vec<String> {
+    let Some(lead) = hellos.first() else {
+        return Vec::new();
+    };
     let mut problems = Vec::new();
     for (r, h) in hellos.iter().enumerate() {
         if let Some(e) = &h.error {
@@ -200,14 +215,7 @@ fn agree(c: &mut dyn Collective, mine: &Hello) -> Result<(), StageError> {
             ));
         }
     }
-    if problems.is_empty() {
-        return Ok(());
-    }
-    Err(StageError::Ranks(format!(
-        "the {} trainer ranks refuse to start: {}",
-        c.world(),
-        problems.join("; ")
-    )))
+    problems
 }
 
 /// The settings that differ between `mine` and rank 0's, as `key: value here, value on
@@ -522,5 +530,53 @@ mod tests {
             "{d:?}"
         );
         assert!(differences(&lead, &lead).is_empty());
+    }
+
+    fn said(step: u64, model: &str) -> Hello {
+        Hello {
+            build: build(),
+            differences: Vec::new(),
+            error: None,
+            step,
+            version: step,
+            model: model.into(),
+        }
+    }
+
+    #[test]
+    fn ranks_that_disagree_are_named_with_the_difference() {
+        assert!(problems(&[said(4, "a"), said(4, "a"), said(4, "a")]).is_empty());
+        let p = problems(&[said(4, "a"), said(2, "a"), said(4, "b")]);
+        assert_eq!(p.len(), 2, "{p:?}");
+        assert!(
+            p[0].starts_with("rank 1 resumes at step 2 (version 2) and rank 0 at step 4"),
+            "{p:?}"
+        );
+        assert!(
+            p[1].starts_with("rank 2's model weights differ from rank 0's (checksum b against a)"),
+            "{p:?}"
+        );
+        let other = Hello {
+            build: "rlstream 0.0.9".into(),
+            ..said(4, "a")
+        };
+        let failed = Hello {
+            error: Some("no such model".into()),
+            ..said(0, "")
+        };
+        let differs = Hello {
+            differences: vec!["train.lr is 0.002 here and 0.001 on rank 0".into()],
+            ..said(0, "")
+        };
+        let p = problems(&[said(4, "a"), other, failed, differs]);
+        assert_eq!(
+            p[0],
+            format!("rank 1 runs rlstream 0.0.9 and rank 0 {}", build())
+        );
+        assert_eq!(p[1], "rank 2 cannot start its trainer: no such model");
+        assert_eq!(
+            p[2],
+            "rank 3's settings differ: train.lr is 0.002 here and 0.001 on rank 0"
+        );
     }
 }

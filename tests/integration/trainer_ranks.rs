@@ -1,0 +1,431 @@
+//! Data-parallel trainer ranks under `mpirun` (the real binary, a real Open MPI and Redis):
+//! 2 and 3 ranks train to one trainer's weights from the same groups, `--sync` runs with
+//! 2 ranks stay bitwise on-policy and repeat themselves bit for bit, a killed rank stops
+//! every rank and a restart loses nothing and trains nothing twice, and ranks whose
+//! settings differ refuse to start.
+
+use crate::common::{bin, redis_bus, redis_url, sampled_group, tiny_llama, unique_ns};
+use bytes::Bytes;
+use rlstream::bus::SharedBus;
+use rlstream::model::tensors::{TensorMap, read_safetensors_file};
+use rlstream::model::{InferBackend, Policy};
+use rlstream::schema;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+/// `mpirun` with one program per entry of `apps` (`-n 1 rlstream ARGS`, `:`-separated), or
+/// `n` copies of one.
+fn mpirun(apps: &[(usize, Vec<String>)]) -> Command {
+    let mut c = Command::new("mpirun");
+    // Ranks share the cores of a small machine; CI runs as root.
+    c.args([
+        "--oversubscribe",
+        "--allow-run-as-root",
+        "--bind-to",
+        "none",
+    ]);
+    for (i, (n, args)) in apps.iter().enumerate() {
+        if i > 0 {
+            c.arg(":");
+        }
+        c.args(["-n", &n.to_string()]);
+        c.arg(bin().get_program());
+        c.args(args);
+    }
+    c
+}
+
+fn run_mpi(n: usize, args: &[String]) -> Output {
+    mpirun(&[(n, args.to_vec())])
+        .stdin(Stdio::null())
+        .output()
+        .expect("mpirun (Debian: openmpi-bin)")
+}
+
+fn ok(out: &Output, what: &str) -> String {
+    assert!(
+        out.status.success(),
+        "{what} failed ({}):\n{}\n{}",
+        out.status,
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+fn strings(v: &[&str]) -> Vec<String> {
+    v.iter().map(|s| (*s).to_string()).collect()
+}
+
+/// `n` scored groups sampled from `model`, published to `ns`'s scored stream.
+async fn publish_groups(bus: &SharedBus, ns: &str, model: &Policy<InferBackend>, n: u64) {
+    let payloads: Vec<Bytes> = (0..n)
+        .map(|i| {
+            let rewards: Vec<f32> = (0..4).map(|k| ((i * 7 + k) % 3) as f32).collect();
+            let g = sampled_group(
+                model,
+                &format!("g{i:03}"),
+                vec![(i % 20) as u32 + 1, 3],
+                5,
+                i,
+                rewards,
+            );
+            Bytes::from(schema::encode(&g).unwrap())
+        })
+        .collect();
+    bus.publish(&format!("{ns}:scored"), &payloads, None)
+        .await
+        .unwrap();
+}
+
+/// `rlstream train` on `ns` from the model in `dir/model`, checkpoints in `ckpt`; a flag
+/// in `extra` replaces the one here.
+fn train_args(dir: &Path, ns: &str, ckpt: &Path, steps: u64, extra: &[&str]) -> Vec<String> {
+    let url = redis_url();
+    let (model, steps, ckpt) = (
+        dir.join("model").to_str().unwrap().to_string(),
+        steps.to_string(),
+        ckpt.to_str().unwrap().to_string(),
+    );
+    let base = [
+        ("--model", model.as_str()),
+        ("--groups-per-step", "2"),
+        ("--steps", &steps),
+        ("--checkpoint-every", "2"),
+        ("--checkpoint-dir", &ckpt),
+        ("--lr", "1e-4"),
+        ("--max-lag", "1000"),
+        ("--collective-timeout-s", "20"),
+        ("--redis", &url),
+        ("--namespace", ns),
+    ];
+    let mut a = vec!["train".to_string()];
+    for (flag, value) in base {
+        if !extra.contains(&flag) {
+            a.extend(strings(&[flag, value]));
+        }
+    }
+    a.extend(strings(extra));
+    a
+}
+
+fn weights(ckpt: &Path) -> TensorMap {
+    let latest = rlstream::stages::train::checkpoint::latest(ckpt).expect("a checkpoint");
+    read_safetensors_file(&latest.join("model.safetensors")).unwrap()
+}
+
+/// Per tensor, max |a − b| over max |a|.
+fn worst_relative(a: &TensorMap, b: &TensorMap) -> (String, f64) {
+    assert_eq!(a.keys().collect::<Vec<_>>(), b.keys().collect::<Vec<_>>());
+    let mut worst = (String::new(), 0f64);
+    for (name, x) in a {
+        let y = &b[name];
+        let scale = x
+            .data
+            .iter()
+            .fold(0f32, |m, v| m.max(v.abs()))
+            .max(f32::MIN_POSITIVE);
+        let d = x
+            .data
+            .iter()
+            .zip(&y.data)
+            .fold(0f32, |m, (p, q)| m.max((p - q).abs()));
+        let rel = f64::from(d / scale);
+        if rel > worst.1 {
+            worst = (name.clone(), rel);
+        }
+    }
+    worst
+}
+
+/// One trainer, 2 ranks and 3 ranks train on the same 16 groups: 8 steps of 2 groups (the
+/// third rank has no group in any step) and 5 steps of 3. They end at the same weights
+/// within 1e-6 of each tensor's largest; with bf16 on the wire, close but not exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_and_three_ranks_train_to_one_trainers_weights() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_llama(dir.path(), 5);
+    let bus = redis_bus().await;
+    let mut ckpts: Vec<PathBuf> = Vec::new();
+    let runs: [(usize, u64, &[&str]); 6] = [
+        (1, 2, &[]),
+        (2, 2, &[]),
+        (3, 2, &[]),
+        (2, 2, &["--allreduce-dtype", "bf16"]),
+        (1, 3, &[]),
+        (3, 3, &[]),
+    ];
+    for (ranks, per_step, extra) in runs {
+        let ns = unique_ns(&format!("ranks{ranks}"));
+        publish_groups(&bus, &ns, &model, 16).await;
+        let ckpt = dir.path().join(format!("ckpt-{}", ckpts.len()));
+        let (steps, groups) = (16 / per_step, 16 / per_step * per_step);
+        let per_step = per_step.to_string();
+        let mut extra = extra.to_vec();
+        extra.extend(["--groups-per-step", &per_step]);
+        let out = run_mpi(ranks, &train_args(dir.path(), &ns, &ckpt, steps, &extra));
+        let stdout = ok(&out, &format!("{ranks} trainer ranks"));
+        let done = format!("trained {steps} steps to version {steps} on {groups} groups");
+        assert!(stdout.contains(&done), "{stdout}");
+        ckpts.push(ckpt);
+    }
+    let start = read_safetensors_file(&dir.path().join("model/model.safetensors")).unwrap();
+    for (one, other, what) in [
+        (0, 1, "2 ranks"),
+        (0, 2, "3 ranks, one idle"),
+        (4, 5, "3 ranks"),
+    ] {
+        let one = weights(&ckpts[one]);
+        assert!(
+            worst_relative(&one, &start).1 > 1e-3,
+            "training moved the weights"
+        );
+        let (name, rel) = worst_relative(&one, &weights(&ckpts[other]));
+        eprintln!("{what} against one trainer: worst {name}, {rel:e} of its largest weight");
+        assert!(
+            rel <= 1e-6,
+            "{what}: {name} differs by {rel:e} of its largest weight"
+        );
+    }
+    let (name, rel) = worst_relative(&weights(&ckpts[0]), &weights(&ckpts[3]));
+    eprintln!("2 ranks, bf16 all-reduce: worst {name}, {rel:e}");
+    assert!(rel < 5e-3, "bf16 all-reduce: {name} differs by {rel:e}");
+}
+
+/// `mpirun -n 2 rlstream run --sync` on a mixture-of-experts policy with micro-batches and
+/// top-k: every ratio exactly 1 and every routing decision replayed, and a second run with
+/// the seed writes the same checkpoint bytes.
+#[test]
+fn two_rank_sync_runs_are_bitwise_on_policy_and_repeat_bit_for_bit() {
+    let dir = tempfile::tempdir().unwrap();
+    let run = |out: &Path| {
+        let args = strings(&[
+            "run",
+            "--task",
+            "guess",
+            "--experts",
+            "4",
+            "--sft-steps",
+            "30",
+            "--sync",
+            "--seed",
+            "3",
+            "--steps",
+            "3",
+            "--checkpoint-every",
+            "3",
+            "--micro-batch-tokens",
+            "200",
+            "--top-k",
+            "6",
+            "--eval-prompts",
+            "0",
+            "--plain",
+            "--collective-timeout-s",
+            "60",
+            "--out",
+            out.to_str().unwrap(),
+        ]);
+        ok(&run_mpi(2, &args), "mpirun -n 2 rlstream run --sync");
+        let text = std::fs::read_to_string(out.join("report/metrics.jsonl")).unwrap();
+        text.lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let (a, b) = (dir.path().join("a"), dir.path().join("b"));
+    let rows = run(&a);
+    assert_eq!(rows.len(), 3);
+    for r in &rows {
+        assert!(r["tokens"].as_u64().unwrap() > 200, "one micro-batch: {r}");
+        assert_eq!(r["logprob_gap"], 0.0, "{r}");
+        assert_eq!(
+            (&r["ratio_mean"], &r["ratio_max"]),
+            (&1.0.into(), &1.0.into()),
+            "{r}"
+        );
+        assert_eq!(r["routing_mismatch"], 0.0, "{r}");
+    }
+    run(&b);
+    for f in [
+        "model.safetensors",
+        "trainer_model.mpk",
+        "trainer_optim.mpk",
+    ] {
+        let step = "checkpoints/step-00000003";
+        let (x, y) = (
+            std::fs::read(a.join(step).join(f)).unwrap(),
+            std::fs::read(b.join(step).join(f)).unwrap(),
+        );
+        assert!(x == y, "{f} differs between two 2-rank runs with one seed");
+    }
+}
+
+/// The PID of rank `rank` among the children of `mpirun` (Open MPI sets
+/// `OMPI_COMM_WORLD_RANK` in each rank's environment).
+fn rank_pid(mpirun: u32, rank: usize) -> Option<u32> {
+    let want = format!("OMPI_COMM_WORLD_RANK={rank}");
+    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+        let ppid: u32 = stat
+            .rsplit(')')
+            .next()?
+            .split_whitespace()
+            .nth(1)?
+            .parse()
+            .ok()?;
+        let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+        let has = env.split(|&b| b == 0).any(|v| v == want.as_bytes());
+        (ppid == mpirun && has).then_some(pid)
+    })
+}
+
+/// Steps the trainer announced on the events stream.
+async fn steps_announced(bus: &SharedBus, ns: &str) -> usize {
+    crate::common::messages::<schema::Event>(bus, &format!("{ns}:events"))
+        .await
+        .iter()
+        .filter(|e| e.kind == "step")
+        .count()
+}
+
+/// Rank 1 is killed with SIGKILL while the ranks train: every rank stops promptly, the
+/// lost rank named; all ranks restarted train the rest from the last checkpoint, and at the
+/// end every group was trained exactly once in the surviving line and every entry is acked.
+/// Rank 1 stopped with SIGSTOP instead: rank 0 names it when the collective's deadline
+/// passes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_killed_rank_stops_every_rank_and_a_restart_loses_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_llama(dir.path(), 6);
+    let bus = redis_bus().await;
+    let ns = unique_ns("rank-kill");
+    publish_groups(&bus, &ns, &model, 40).await;
+    let ckpt = dir.path().join("ckpt");
+    // Until stopped: the kill lands wherever the ranks are.
+    let args = train_args(dir.path(), &ns, &ckpt, 0, &["--collective-timeout-s", "5"]);
+    let log = dir.path().join("first.log");
+    let mut first = mpirun(&[(2, args.clone())])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while steps_announced(&bus, &ns).await < 5 {
+        assert!(
+            Instant::now() < deadline,
+            "{}",
+            std::fs::read_to_string(&log).unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let victim = rank_pid(first.id(), 1).expect("rank 1's process");
+    let killed = Instant::now();
+    Command::new("kill")
+        .args(["-KILL", &victim.to_string()])
+        .status()
+        .unwrap();
+    let status = loop {
+        if let Some(s) = first.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            killed.elapsed() < Duration::from_secs(20),
+            "ranks still running after a rank was killed"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(!status.success());
+    assert!(text.contains("rank 1"), "the lost rank is named:\n{text}");
+
+    // Restart every rank: 40 groups at 2 a step is 20 steps in the surviving line.
+    let again = train_args(dir.path(), &ns, &ckpt, 20, &[]);
+    let stdout = ok(&run_mpi(2, &again), "the restarted ranks");
+    assert!(stdout.contains("trained 20 steps to version"), "{stdout}");
+    let latest = rlstream::stages::train::checkpoint::latest(&ckpt).unwrap();
+    let state = rlstream::stages::train::checkpoint::read_state(&latest).unwrap();
+    let trained: std::collections::BTreeSet<&String> = state.recent_groups.iter().collect();
+    assert_eq!(state.trained_groups, 40, "{state:?}");
+    assert_eq!(
+        (state.recent_groups.len(), trained.len()),
+        (40, 40),
+        "each group once"
+    );
+    let stats = bus.stats(&format!("{ns}:scored")).await.unwrap();
+    let group = stats.groups.iter().find(|g| g.name == "train").unwrap();
+    assert_eq!(
+        (group.pending, group.lag),
+        (0, Some(0)),
+        "every entry acked"
+    );
+
+    // A stopped rank (alive, never answering): the deadline passes and rank 0 names it.
+    let ns = unique_ns("rank-stop");
+    publish_groups(&bus, &ns, &model, 40).await;
+    let ckpt = dir.path().join("ckpt-stop");
+    let args = train_args(dir.path(), &ns, &ckpt, 0, &["--collective-timeout-s", "3"]);
+    let log = dir.path().join("stop.log");
+    let mut run = mpirun(&[(2, args)])
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    while steps_announced(&bus, &ns).await < 2 {
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let victim = rank_pid(run.id(), 1).expect("rank 1's process");
+    Command::new("kill")
+        .args(["-STOP", &victim.to_string()])
+        .status()
+        .unwrap();
+    let stopped = Instant::now();
+    let status = loop {
+        if let Some(s) = run.try_wait().unwrap() {
+            break s;
+        }
+        assert!(
+            stopped.elapsed() < Duration::from_secs(30),
+            "ranks still running after a rank stopped"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let text = std::fs::read_to_string(&log).unwrap();
+    assert!(!status.success());
+    assert!(
+        text.contains("lost rank 1 (no answer to a roll call"),
+        "{text}"
+    );
+}
+
+/// Ranks started with different settings refuse to start, naming the setting and both
+/// values, before either reads a stream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranks_with_different_settings_refuse_to_start() {
+    let dir = tempfile::tempdir().unwrap();
+    tiny_llama(dir.path(), 7);
+    let ns = unique_ns("rank-refuse");
+    let ckpt = dir.path().join("ckpt");
+    let a = train_args(dir.path(), &ns, &ckpt, 2, &[]);
+    let b = train_args(dir.path(), &ns, &ckpt, 2, &["--lr", "2e-3"]);
+    let out = mpirun(&[(1, a), (1, b)])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success());
+    assert!(
+        text.contains("rank 1's settings differ: train.lr is 0.002 here and 0.001 on rank 0"),
+        "{text}"
+    );
+    let bus = redis_bus().await;
+    assert!(
+        bus.stats(&format!("{ns}:scored"))
+            .await
+            .map(|s| s.groups.is_empty())
+            .unwrap_or(true)
+    );
+}

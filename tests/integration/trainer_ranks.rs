@@ -418,7 +418,7 @@ async fn ranks_with_different_settings_refuse_to_start() {
     let text = String::from_utf8_lossy(&out.stderr);
     assert!(!out.status.success());
     assert!(
-        text.contains("rank 1's settings differ: train.lr is 0.002 here and 0.001 on rank 0"),
+        text.contains("rank 1's settings differ: train.lr is 0.002 here and 0.0001 on rank 0"),
         "{text}"
     );
     let bus = redis_bus().await;

@@ -7,7 +7,7 @@
 //!
 //! The kill schedule comes from a seed (printed; `RLSTREAM_CHAOS_SEED` sets it).
 
-use crate::common::{Proc, interrupt, run_ok, spawn};
+use crate::common::{Proc, interrupt_via, run_ok, spawn};
 use rlstream::bus::{RangeBound, SharedBus};
 use rlstream::schema::{self, DeadLetter, Event, Prompt, WeightsAnnounce};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -41,6 +41,8 @@ impl Rng {
 
 struct Pipeline {
     dir: PathBuf,
+    /// The trainer's ranks: 1 is one `rlstream train`; more run under `mpirun -n`.
+    ranks: u64,
     args: HashMap<&'static str, Vec<String>>,
     procs: HashMap<&'static str, Proc>,
     starts: HashMap<&'static str, usize>,
@@ -55,8 +57,73 @@ impl Pipeline {
         let n = self.starts.entry(name).or_default();
         *n += 1;
         let log = self.dir.join(format!("{name}.{n}.log"));
-        let p = spawn(&self.args[name], &log);
+        let p = if name == "train" && self.ranks > 1 {
+            self.spawn_ranks(&log)
+        } else {
+            spawn(&self.args[name], &log)
+        };
         self.procs.insert(name, p);
+    }
+
+    #[cfg(feature = "mpi")]
+    fn spawn_ranks(&self, log: &std::path::Path) -> Proc {
+        let ranks = usize::try_from(self.ranks).expect("ranks");
+        crate::common::spawn_command(
+            crate::common::mpirun(&[(ranks, self.args["train"].clone())]),
+            log,
+        )
+    }
+
+    #[cfg(not(feature = "mpi"))]
+    fn spawn_ranks(&self, _: &std::path::Path) -> Proc {
+        panic!("trainer ranks need the mpi feature")
+    }
+
+    /// SIGKILL `stage`; for trainer ranks, one rank (the others stop with it).
+    fn kill(&mut self, stage: &str, rng: &mut Rng) {
+        let Some(proc) = self.procs.get_mut(stage) else {
+            return;
+        };
+        if stage != "train" || self.ranks == 1 {
+            proc.kill();
+            return;
+        }
+        #[cfg(feature = "mpi")]
+        {
+            let rank = rng.below(self.ranks);
+            let mpirun = proc.id().expect("running");
+            let pid = crate::common::rank_pid(mpirun, rank).expect("a rank's process");
+            std::process::Command::new("kill")
+                .args(["-KILL", &pid.to_string()])
+                .status()
+                .expect("kill");
+            let killed = Instant::now();
+            while proc.try_wait().is_none() {
+                assert!(
+                    killed.elapsed() < Duration::from_secs(30),
+                    "trainer ranks still running 30 s after rank {rank} was killed"
+                );
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            proc.kill();
+        }
+        #[cfg(not(feature = "mpi"))]
+        let _ = rng;
+    }
+
+    /// SIGINT, then a clean exit; trainer ranks are stopped through rank 0, which
+    /// checkpoints and then stops the others.
+    fn interrupt(&mut self, stage: &'static str) {
+        let proc = self.procs.remove(stage).expect("running");
+        let log = self.log(stage, self.starts[stage]);
+        let pid = proc.id().expect("running");
+        #[cfg(feature = "mpi")]
+        let pid = if stage == "train" && self.ranks > 1 {
+            crate::common::rank_pid(pid, 0).expect("rank 0's process")
+        } else {
+            pid
+        };
+        interrupt_via(proc, pid, stage, &log);
     }
 
     /// The next start of `stage` joins under a new consumer name: a replacement process.
@@ -160,6 +227,18 @@ async fn settled(bus: &SharedBus, ns: &str) -> bool {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_any_stage_lose_nothing() {
+    chaos(1).await;
+}
+
+/// The trainer as two ranks under `mpirun`: killing one rank stops both, and the pair is
+/// restarted.
+#[cfg(feature = "mpi")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kill_any_stage_or_trainer_rank_lose_nothing() {
+    chaos(2).await;
+}
+
+async fn chaos(ranks: u64) {
     let seed: u64 = std::env::var("RLSTREAM_CHAOS_SEED")
         .ok()
         .and_then(|s| s.parse().ok())
@@ -256,6 +335,7 @@ async fn kill_any_stage_lose_nothing() {
     );
     let mut p = Pipeline {
         dir: d.clone(),
+        ranks,
         args,
         procs: HashMap::new(),
         starts: HashMap::new(),
@@ -295,9 +375,7 @@ async fn kill_any_stage_lose_nothing() {
             }
             orphaned += held;
         }
-        if let Some(proc) = p.procs.get_mut(victim) {
-            proc.kill();
-        }
+        p.kill(victim, &mut rng);
         *kills.entry(victim).or_default() += 1;
         let dead_ms = if long { 2500 } else { rng.below(1000) };
         tokio::time::sleep(Duration::from_millis(dead_ms)).await;
@@ -331,9 +409,7 @@ async fn kill_any_stage_lose_nothing() {
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
     for s in STAGES {
-        let proc = p.procs.remove(s).expect("running");
-        let n = p.starts[s];
-        interrupt(proc, s, &p.log(s, n));
+        p.interrupt(s);
     }
 
     // Weights versions never went backwards; step versions always rose.
@@ -418,7 +494,7 @@ async fn kill_any_stage_lose_nothing() {
     );
     let (first, last) = (mean(&steps[..10]), mean(&steps[steps.len() - 10..]));
     eprintln!(
-        "chaos: {ROUNDS} rounds, kills {kills:?}, replacements {replaced:?}, entries orphaned \
+        "chaos ({ranks} trainer ranks): {ROUNDS} rounds, kills {kills:?}, replacements {replaced:?}, entries orphaned \
          {orphaned}, claims {claimed}, \
          duplicates {duplicates}, lost {}, prompts {counts:?}, {} steps to version {}, \
          reward {first:.3} -> {last:.3}",

@@ -170,6 +170,11 @@ impl Proc {
         }
     }
 
+    /// The process id, while it runs.
+    pub fn id(&self) -> Option<u32> {
+        self.0.as_ref().map(Child::id)
+    }
+
     /// The exit status, if the process has exited.
     pub fn try_wait(&mut self) -> Option<std::process::ExitStatus> {
         self.0.as_mut().and_then(|c| c.try_wait().ok().flatten())
@@ -217,11 +222,18 @@ pub fn read_logs(names: &[&str], path: impl Fn(&str) -> PathBuf) -> String {
 }
 
 /// SIGINT (Ctrl-C), then wait for a clean exit.
-pub fn interrupt(mut proc: Proc, name: &str, log: &Path) -> Output {
+pub fn interrupt(proc: Proc, name: &str, log: &Path) -> Output {
+    let pid = proc.id().expect("a running process");
+    interrupt_via(proc, pid, name, log)
+}
+
+/// SIGINT to process `pid` (`proc` itself, or one of its children), then wait for `proc`'s
+/// clean exit.
+pub fn interrupt_via(mut proc: Proc, pid: u32, name: &str, log: &Path) -> Output {
     let child = proc.0.take().expect("a running process");
     let _ = Command::new("kill")
         .arg("-INT")
-        .arg(child.id().to_string())
+        .arg(pid.to_string())
         .status();
     let deadline = Instant::now() + Duration::from_secs(60);
     let mut child = child;
@@ -246,6 +258,74 @@ pub fn interrupt(mut proc: Proc, name: &str, log: &Path) -> Output {
         std::fs::read_to_string(log).unwrap_or_default()
     );
     out
+}
+
+/// `mpirun` with one program per entry of `apps` (`-n N rlstream ARGS`, `:`-separated).
+#[cfg(feature = "mpi")]
+pub fn mpirun(apps: &[(usize, Vec<String>)]) -> Command {
+    let mut c = Command::new("mpirun");
+    // Ranks share the cores of a small machine; CI runs as root.
+    c.args([
+        "--oversubscribe",
+        "--allow-run-as-root",
+        "--bind-to",
+        "none",
+    ]);
+    for (i, (n, args)) in apps.iter().enumerate() {
+        if i > 0 {
+            c.arg(":");
+        }
+        c.args(["-n", &n.to_string()]);
+        c.arg(bin().get_program());
+        c.args(args);
+    }
+    c
+}
+
+/// `cmd` started with its stderr in `log`: a [`Proc`] (killed if the test ends first).
+#[cfg(feature = "mpi")]
+pub fn spawn_command(mut cmd: Command, log: &Path) -> Proc {
+    let err = std::fs::File::create(log).expect("log file");
+    Proc(Some(
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(err)
+            .spawn()
+            .expect("spawn"),
+    ))
+}
+
+/// The PID of MPI rank `rank` among the children of process `parent` (`mpirun`; Open MPI
+/// sets `OMPI_COMM_WORLD_RANK` in each rank's environment), waiting up to 10 s for it.
+#[cfg(feature = "mpi")]
+pub fn rank_pid(parent: u32, rank: u64) -> Option<u32> {
+    let want = format!("OMPI_COMM_WORLD_RANK={rank}");
+    let find = || {
+        std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
+            let pid: u32 = e.file_name().to_str()?.parse().ok()?;
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+            let ppid: u32 = stat
+                .rsplit(')')
+                .next()?
+                .split_whitespace()
+                .nth(1)?
+                .parse()
+                .ok()?;
+            let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+            let has = env.split(|&b| b == 0).any(|v| v == want.as_bytes());
+            (ppid == parent && has).then_some(pid)
+        })
+    };
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(pid) = find() {
+            return Some(pid);
+        }
+        if Instant::now() > deadline {
+            return None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// A loopback address with a port nothing listens on.

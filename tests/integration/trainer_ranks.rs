@@ -4,7 +4,7 @@
 //! every rank and a restart loses nothing and trains nothing twice, and ranks whose
 //! settings differ refuse to start.
 
-use crate::common::{bin, redis_bus, redis_url, sampled_group, tiny_llama, unique_ns};
+use crate::common::{mpirun, rank_pid, redis_bus, redis_url, sampled_group, tiny_llama, unique_ns};
 use bytes::Bytes;
 use rlstream::bus::SharedBus;
 use rlstream::model::tensors::{TensorMap, read_safetensors_file};
@@ -13,28 +13,6 @@ use rlstream::schema;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
-
-/// `mpirun` with one program per entry of `apps` (`-n 1 rlstream ARGS`, `:`-separated), or
-/// `n` copies of one.
-fn mpirun(apps: &[(usize, Vec<String>)]) -> Command {
-    let mut c = Command::new("mpirun");
-    // Ranks share the cores of a small machine; CI runs as root.
-    c.args([
-        "--oversubscribe",
-        "--allow-run-as-root",
-        "--bind-to",
-        "none",
-    ]);
-    for (i, (n, args)) in apps.iter().enumerate() {
-        if i > 0 {
-            c.arg(":");
-        }
-        c.args(["-n", &n.to_string()]);
-        c.arg(bin().get_program());
-        c.args(args);
-    }
-    c
-}
 
 fn run_mpi(n: usize, args: &[String]) -> Output {
     mpirun(&[(n, args.to_vec())])
@@ -259,26 +237,6 @@ fn two_rank_sync_runs_are_bitwise_on_policy_and_repeat_bit_for_bit() {
         );
         assert!(x == y, "{f} differs between two 2-rank runs with one seed");
     }
-}
-
-/// The PID of rank `rank` among the children of `mpirun` (Open MPI sets
-/// `OMPI_COMM_WORLD_RANK` in each rank's environment).
-fn rank_pid(mpirun: u32, rank: usize) -> Option<u32> {
-    let want = format!("OMPI_COMM_WORLD_RANK={rank}");
-    std::fs::read_dir("/proc").ok()?.flatten().find_map(|e| {
-        let pid: u32 = e.file_name().to_str()?.parse().ok()?;
-        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-        let ppid: u32 = stat
-            .rsplit(')')
-            .next()?
-            .split_whitespace()
-            .nth(1)?
-            .parse()
-            .ok()?;
-        let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
-        let has = env.split(|&b| b == 0).any(|v| v == want.as_bytes());
-        (ppid == mpirun && has).then_some(pid)
-    })
 }
 
 /// Steps the trainer announced on the events stream.

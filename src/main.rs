@@ -11,6 +11,8 @@ use rlstream::cli::Cli;
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> anyhow::Result<()> {
+    // SAFETY: the first thing the process does; no other thread runs yet.
+    unsafe { rlstream::collective::divide_cores() };
     rlstream::cpu::select_blas_kernels();
     let cli = Cli::try_parse_args(std::env::args_os()).unwrap_or_else(|e| e.exit());
     tracing_subscriber::fmt()

@@ -152,6 +152,32 @@ pub fn from_launcher() -> Result<Option<Box<dyn Collective>>, CollectiveError> {
     }
 }
 
+/// Ranks on one machine share its cores: unless `RAYON_NUM_THREADS` or
+/// `MATMUL_NUM_THREADS` is set, each of the ranks a launcher started on this machine gets
+/// its share of the cores (at least one) for the CPU kernels' thread pools, instead of
+/// every rank starting a thread per core. Returns the threads each rank gets, when set.
+///
+/// # Safety
+/// Sets environment variables: call it before any other thread starts.
+pub unsafe fn divide_cores() -> Option<usize> {
+    let local: usize = [
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+        "MPI_LOCALNRANKS",
+        "SLURM_NTASKS_PER_NODE",
+    ]
+    .into_iter()
+    .find_map(|v| std::env::var(v).ok()?.parse().ok())?;
+    let cores = std::thread::available_parallelism().map_or(1, usize::from);
+    let each = (cores / local.max(1)).max(1);
+    for var in ["RAYON_NUM_THREADS", "MATMUL_NUM_THREADS"] {
+        if std::env::var_os(var).is_none() {
+            // SAFETY: the caller guarantees no other thread runs yet.
+            unsafe { std::env::set_var(var, each.to_string()) };
+        }
+    }
+    Some(each)
+}
+
 /// Which launcher started this process and how many ranks it said, from the variables
 /// Open MPI, MPICH/Hydra and Slurm set.
 fn launched() -> Option<(String, usize)> {

@@ -44,6 +44,13 @@
 //! unchanged, the encode time, the time from the start of publication to the follower's
 //! swap, and the bytes the store holds.
 //!
+//! With `--features mpi`, under `mpirun -n N`: `step-ranks` is `step` over N trainer
+//! ranks (each group of the fixed batch split into PARTS groups, so that every rank has
+//! some; run it with `-n 1` for the one-rank time on the same batch), printing rank 0's
+//! median step time and the ranks' peak memory; `allreduce` times the bucketed all-reduce
+//! (BUCKET_MB MiB buckets) of VALUES f32 values in f32 and in bf16, against a memcpy of the
+//! same bytes.
+//!
 //! SIZE is `small` (the 0.8M-parameter config of `benches/model.rs`, batch 32 × (16 prompt +
 //! 48 completion) tokens) or `0.5b` (Qwen2.5-0.5B's shape: 494M parameters, batch 8 × (32 +
 //! 64)). `step` loads DIR the way `rlstream train` does, takes one warm-up step and STEPS
@@ -672,13 +679,25 @@ fn decode_products(rows: usize) {
     }
 }
 
+const USAGE: &str = "write SIZE DIR | step DIR MICRO STEPS | load DIR | \
+             generate[-flex] DIR PROMPT NEW ROWS | bf16 DIR OUT | weights DIR LRS STEPS STORE | \
+             step-lora DIR MICRO STEPS RANK | generate-lora DIR PROMPT NEW ROWS RANK | \
+             teacher SIZE DIR GROUPS | invariance ROWS | decode-products ROWS | \
+             (feature mpi, under mpirun) step-ranks DIR MICRO STEPS PARTS | \
+             allreduce VALUES BUCKET_MB";
+
 fn main() {
     rlstream::cpu::select_blas_kernels();
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| a != "--bench")
         .collect();
-    match args.iter().map(String::as_str).collect::<Vec<_>>()[..] {
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    #[cfg(feature = "mpi")]
+    if ranks::dispatch(&args) {
+        return;
+    }
+    match args[..] {
         ["write", size, dir] => write(size, Path::new(dir)),
         ["load", dir] => load(Path::new(dir)),
         ["generate", dir, prompt, new, rows] => generate::<InferBackend>(
@@ -744,11 +763,153 @@ fn main() {
             step(dir.path(), 0, 2, 0);
             step(dir.path(), 0, 2, 16);
         }
-        _ => panic!(
-            "usage: write SIZE DIR | step DIR MICRO STEPS | load DIR | \
-             generate[-flex] DIR PROMPT NEW ROWS | bf16 DIR OUT | weights DIR LRS STEPS STORE | \
-             step-lora DIR MICRO STEPS RANK | generate-lora DIR PROMPT NEW ROWS RANK | \
-             teacher SIZE DIR GROUPS | invariance ROWS | decode-products ROWS"
-        ),
+        _ => panic!("usage: {USAGE}"),
+    }
+}
+
+/// Trainer ranks under `mpirun` (feature `mpi`).
+#[cfg(feature = "mpi")]
+mod ranks {
+    use super::{ScoredGroup, Trainer, batch, lora_settings, peak_rss_mb, size_of};
+    use rlstream::collective::{self, Collective, Mpi, Solo, WireDtype};
+    use std::path::Path;
+    use std::time::Instant;
+
+    fn world() -> Box<dyn Collective> {
+        let mpi = Mpi::init().expect("MPI");
+        if mpi.world() == 1 {
+            return Box::new(Solo::default());
+        }
+        Box::new(mpi)
+    }
+
+    /// The modes that run under `mpirun`: `true` when `args` is one of them (and it ran).
+    pub fn dispatch(args: &[&str]) -> bool {
+        match args {
+            ["step-ranks", dir, micro, steps, parts] => step(
+                Path::new(dir),
+                micro.parse().expect("MICRO: a token count"),
+                steps.parse().expect("STEPS: a count"),
+                parts.parse().expect("PARTS: a count"),
+            ),
+            ["allreduce", values, bucket_mb] => allreduce(
+                values.parse().expect("VALUES: a count"),
+                bucket_mb.parse().expect("BUCKET_MB: MiB"),
+            ),
+            _ => return false,
+        }
+        true
+    }
+
+    /// Each group's samples dealt into `parts` groups.
+    fn split(groups: Vec<ScoredGroup>, parts: usize) -> Vec<ScoredGroup> {
+        let mut out = Vec::new();
+        for g in groups {
+            let n = g.rollout.samples.len();
+            let each = n.div_ceil(parts.max(1));
+            for (p, start) in (0..n).step_by(each.max(1)).enumerate() {
+                let end = (start + each).min(n);
+                let mut part = g.clone();
+                part.rollout.group_id = format!("{}-{p}", g.rollout.group_id);
+                part.rollout.samples = g.rollout.samples[start..end].to_vec();
+                part.rewards = g.rewards[start..end].to_vec();
+                part.advantages = g.advantages[start..end].to_vec();
+                out.push(part);
+            }
+        }
+        out
+    }
+
+    pub fn step(dir: &Path, micro: usize, steps: usize, parts: usize) {
+        let mut c = world();
+        let (size, vocab) = size_of(dir);
+        let ckpt = tempfile::tempdir().expect("tmp");
+        let settings = lora_settings(dir, ckpt.path(), 1e-5, micro, 0);
+        let mut trainer = Trainer::start(&settings).expect("trainer");
+        let groups = split(batch(size, vocab), parts);
+        let refs: Vec<&ScoredGroup> = groups.iter().collect();
+        let mut times = Vec::new();
+        for i in 0..=steps {
+            c.barrier("before a step");
+            let t = Instant::now();
+            let o = rlstream::stages::train::step_over_ranks(&mut trainer, c.as_mut(), &refs)
+                .expect("step");
+            let record = o.record.expect("a step");
+            assert!(!record.skipped, "a skipped step times nothing");
+            if i > 0 {
+                times.push(t.elapsed().as_secs_f64());
+            }
+        }
+        times.sort_by(f64::total_cmp);
+        let peaks = c.all_gather("peaks", format!("{:.0}", peak_rss_mb()).as_bytes());
+        if c.rank() == 0 {
+            let peaks: Vec<String> = peaks
+                .iter()
+                .map(|p| String::from_utf8_lossy(p).into())
+                .collect();
+            println!(
+                "{{\"size\": \"{size}\", \"ranks\": {}, \"threads\": \"{}\", \"groups\": {}, \
+                 \"steps\": {steps}, \"step_s\": {:.4}, \"peak_rss_mb\": [{}]}}",
+                c.world(),
+                std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all".into()),
+                groups.len(),
+                times[times.len() / 2],
+                peaks.join(", ")
+            );
+        }
+    }
+
+    pub fn allreduce(values: usize, bucket_mb: usize) {
+        let mut c = world();
+        let bucket = bucket_mb * (1 << 20) / 4;
+        let mine = c.rank() as f32 + 0.5;
+        let expect: f32 = (0..c.world()).map(|r| r as f32 + 0.5).sum();
+        let mut out = format!(
+            "{{\"ranks\": {}, \"values\": {values}, \"bytes_f32\": {}",
+            c.world(),
+            values * 4
+        );
+        for dtype in [WireDtype::F32, WireDtype::Bf16] {
+            let mut best = f64::MAX;
+            for _ in 0..3 {
+                let mut pieces = vec![vec![mine; values]];
+                c.barrier("before an all-reduce");
+                let t = Instant::now();
+                collective::all_reduce_pieces(
+                    c.as_mut(),
+                    "the all-reduce",
+                    &mut pieces,
+                    dtype,
+                    bucket,
+                );
+                best = best.min(t.elapsed().as_secs_f64());
+                assert!(
+                    pieces[0].iter().all(|&x| x == expect),
+                    "the sum is {expect} everywhere"
+                );
+            }
+            let name = format!("{dtype:?}").to_lowercase();
+            out += &format!(
+                ", \"{name}_s\": {best:.3}, \"{name}_gb_per_s\": {:.2}",
+                (values * 4) as f64 / best / 1e9
+            );
+        }
+        let src = vec![mine; values];
+        let mut dst = vec![0f32; values];
+        dst.copy_from_slice(&src);
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let t = Instant::now();
+            dst.copy_from_slice(std::hint::black_box(&src));
+            best = best.min(t.elapsed().as_secs_f64());
+        }
+        std::hint::black_box(&dst);
+        out += &format!(
+            ", \"memcpy_s\": {best:.3}, \"memcpy_gb_per_s\": {:.2}}}",
+            (values * 4) as f64 / best / 1e9
+        );
+        if c.rank() == 0 {
+            println!("{out}");
+        }
     }
 }

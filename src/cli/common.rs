@@ -144,14 +144,52 @@ pub async fn plain_connect(
     Ok((cfg, topo, bus))
 }
 
-/// Joins the trainer ranks a launcher (`mpirun -n N`) started. Rank 0 gets `false` and
-/// runs its command, the ranks installed for its trainer stage; any other rank follows
-/// rank 0's trainer (comparing its settings, `own`, with rank 0's when it has them) and
-/// gets `true` once rank 0 stops. A process no launcher started gets `false`.
-pub fn join_ranks(own: Option<&crate::stages::train::TrainerSettings>) -> anyhow::Result<bool> {
-    let Some(c) = crate::collective::from_launcher()? else {
-        return Ok(false);
+/// Joins the trainer ranks this process is one of (`mpirun -n N`, or NCCL ranks from
+/// `--world`/`--rank` or a launcher's environment; see [`crate::collective::plan`]). Rank 0
+/// gets `false` and runs its command, the ranks installed for its trainer stage; any other
+/// rank follows rank 0's trainer (comparing its settings, `own`, with rank 0's when it has
+/// them) and gets `true` once rank 0 stops. A process alone gets `false`.
+pub async fn join_ranks(
+    cfg: &Config,
+    own: Option<&crate::stages::train::TrainerSettings>,
+) -> anyhow::Result<bool> {
+    // `run` takes its settings from rank 0 (`own` is `None`) and may pick a fresh namespace:
+    // its ranks meet only through mpirun.
+    let nccl_allowed = own.is_some();
+    use crate::collective::{self, Plan};
+    let t = &cfg.train;
+    let plan = collective::plan(t.collective, t.world, t.rank, &t.rendezvous, |v| {
+        std::env::var(v).ok()
+    })?;
+    let c = match plan {
+        Plan::Alone => return Ok(false),
+        Plan::Mpi => match collective::join_mpi()? {
+            Some(c) => c,
+            None => return Ok(false),
+        },
+        Plan::Nccl(_) if !nccl_allowed => anyhow::bail!(
+            "`rlstream run` runs trainer ranks under mpirun only (a build with --features mpi); \
+             NCCL ranks run `rlstream train` on Redis"
+        ),
+        Plan::Nccl(p) => {
+            if cfg.redis.is_none() {
+                anyhow::bail!(
+                    "NCCL trainer ranks meet through Redis: give --redis (on the embedded bus, \
+                     run the ranks under mpirun)"
+                );
+            }
+            let (topo, bus) = connect(cfg, Stage::Train).await?;
+            let timeout = std::time::Duration::from_secs_f64(t.collective_timeout_s * 10.0);
+            collective::join_nccl(&p, bus.as_ref(), &topo.namespace, timeout).await?
+        }
     };
+    if t.world > 0 && t.world != c.world() {
+        anyhow::bail!(
+            "--world {} but the launcher started {} ranks: give one world size",
+            t.world,
+            c.world()
+        );
+    }
     if c.rank() == 0 {
         crate::collective::install(c);
         return Ok(false);

@@ -99,7 +99,7 @@ impl RunCommand {
         let cfg = self.config(std::env::vars())?;
         cfg.validate()?;
         // Under `mpirun -n N`, rank 0 runs the pipeline and the others are its trainer ranks.
-        if super::common::join_ranks(None)? {
+        if super::common::join_ranks(&cfg, None).await? {
             return Ok(());
         }
         serve_metrics(&cfg)?;

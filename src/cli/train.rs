@@ -39,7 +39,7 @@ impl TrainCommand {
             policy: cfg.policy.clone(),
             train: cfg.train.clone(),
         };
-        if join_ranks(Some(&settings))? {
+        if join_ranks(&cfg, Some(&settings)).await? {
             return Ok(());
         }
         let (topo, bus) = connect(&cfg, Stage::Train).await?;

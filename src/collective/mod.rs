@@ -14,9 +14,14 @@
 
 #[cfg(feature = "mpi")]
 mod mpi;
+#[cfg(feature = "cuda")]
+mod nccl;
+pub mod rendezvous;
 
 #[cfg(feature = "mpi")]
 pub use self::mpi::Mpi;
+#[cfg(feature = "cuda")]
+pub use self::nccl::Nccl;
 
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
@@ -31,11 +36,135 @@ pub enum WireDtype {
 }
 crate::enum_setting!(WireDtype);
 
+/// Which collective library trainer ranks use.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum CollectiveKind {
+    /// MPI under `mpirun` (its environment says so); NCCL when `--world` or a launcher's
+    /// `WORLD_SIZE` / `SLURM_NTASKS` gives more than one rank; else one trainer.
+    Auto,
+    /// MPI (for launchers that start MPI ranks without `mpirun`'s variables: `srun --mpi=pmix`).
+    Mpi,
+    /// NCCL on GPUs, the ranks meeting through Redis (feature `cuda`).
+    Nccl,
+}
+crate::enum_setting!(CollectiveKind);
+
+/// How this process joins trainer ranks, from its settings and its launcher's environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Plan {
+    Alone,
+    Mpi,
+    Nccl(NcclPlan),
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NcclPlan {
+    pub rank: usize,
+    pub world: usize,
+    /// The GPU this rank uses.
+    pub device: usize,
+    /// The rendezvous name the ranks meet under (see [`rendezvous`]).
+    pub rendezvous: String,
+}
+
+/// What the launcher and the settings say: `kind`, and `world`, `rank` and `rendezvous` as
+/// given (`world` 0 and an empty `rendezvous`: from the environment `env` reads).
+pub fn plan(
+    kind: CollectiveKind,
+    world: usize,
+    rank: usize,
+    rendezvous: &str,
+    env: impl Fn(&str) -> Option<String>,
+) -> Result<Plan, CollectiveError> {
+    let number = |vars: &[&str]| {
+        vars.iter()
+            .find_map(|v| env(v)?.trim().parse::<usize>().ok())
+    };
+    let mpi_launched = number(&["OMPI_COMM_WORLD_SIZE", "PMI_SIZE"]).is_some();
+    if kind == CollectiveKind::Mpi || (kind == CollectiveKind::Auto && mpi_launched) {
+        return Ok(Plan::Mpi);
+    }
+    let (world, rank) = if world > 0 {
+        (world, rank)
+    } else {
+        (
+            number(&["WORLD_SIZE", "SLURM_NTASKS"]).unwrap_or(1),
+            number(&["RANK", "SLURM_PROCID"]).unwrap_or(0),
+        )
+    };
+    if kind == CollectiveKind::Auto && world <= 1 {
+        return Ok(Plan::Alone);
+    }
+    if rank >= world {
+        return Err(CollectiveError::Init(format!(
+            "rank {rank} is not below the world size {world} (--rank, --world, or the \
+             launcher's RANK / WORLD_SIZE)"
+        )));
+    }
+    let device = number(&["LOCAL_RANK", "SLURM_LOCALID"]).unwrap_or(rank);
+    let rendezvous = if rendezvous.is_empty() {
+        ["SLURM_JOB_ID", "TORCHELASTIC_RUN_ID"]
+            .iter()
+            .find_map(|v| env(v))
+            .unwrap_or_else(|| "default".into())
+    } else {
+        rendezvous.to_string()
+    };
+    Ok(Plan::Nccl(NcclPlan {
+        rank,
+        world,
+        device,
+        rendezvous,
+    }))
+}
+
+/// Joins the NCCL ranks of `p`: rank 0 hands out the id through the rendezvous on `bus`
+/// under `namespace`, and every rank joins within `timeout`.
+#[cfg(feature = "cuda")]
+pub async fn join_nccl(
+    p: &NcclPlan,
+    bus: &dyn crate::bus::Bus,
+    namespace: &str,
+    timeout: Duration,
+) -> Result<Box<dyn Collective>, CollectiveError> {
+    let key = rendezvous::key(namespace, &p.rendezvous);
+    let id = if p.rank == 0 {
+        let id = Nccl::new_id()?;
+        rendezvous::offer(bus, &key, p.world, &id).await?;
+        id
+    } else {
+        rendezvous::take(bus, &key, p.world, timeout).await?
+    };
+    let joined =
+        tokio::task::block_in_place(|| Nccl::join(p.rank, p.world, &id, p.device, timeout));
+    if p.rank == 0 {
+        rendezvous::withdraw(bus, &key).await;
+    }
+    Ok(Box::new(joined?))
+}
+
+/// Without the `cuda` feature there is no NCCL: a clear error.
+#[cfg(not(feature = "cuda"))]
+pub async fn join_nccl(
+    p: &NcclPlan,
+    _: &dyn crate::bus::Bus,
+    _: &str,
+    _: Duration,
+) -> Result<Box<dyn Collective>, CollectiveError> {
+    Err(CollectiveError::NoNccl { world: p.world })
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum CollectiveError {
+    #[error(
+        "{world} trainer ranks over NCCL need a build with `--features cuda`; on machines \
+         without GPUs run the ranks under mpirun with a build with `--features mpi`"
+    )]
+    NoNccl { world: usize },
     /// The launcher started ranks, but this build cannot join them.
     #[error(
-        "{launcher} started this process as one of {world} ranks, but this rlstream was built \
+        "{launcher} started this process as one of {world} MPI ranks, but this rlstream was built \
          without MPI: build it with `cargo build --release --features mpi` (Debian: apt-get \
          install libopenmpi-dev openmpi-bin libclang-dev)"
     )]
@@ -128,15 +257,10 @@ pub fn take_installed() -> Box<dyn Collective> {
         .unwrap_or_else(|| Box::new(Solo::default()))
 }
 
-/// The ranks this process belongs to, from the launcher's environment: `None` when no
-/// launcher started it (one trainer), an error when one did and this build has no MPI.
-pub fn from_launcher() -> Result<Option<Box<dyn Collective>>, CollectiveError> {
-    let Some((launcher, world)) = launched() else {
-        return Ok(None);
-    };
+/// Joins the MPI world the launcher started: `None` when it holds one rank.
+pub fn join_mpi() -> Result<Option<Box<dyn Collective>>, CollectiveError> {
     #[cfg(feature = "mpi")]
     {
-        let _ = (launcher, world);
         let mpi = Mpi::init()?;
         if mpi.world() == 1 {
             return Ok(None);
@@ -145,7 +269,8 @@ pub fn from_launcher() -> Result<Option<Box<dyn Collective>>, CollectiveError> {
     }
     #[cfg(not(feature = "mpi"))]
     {
-        if world <= 1 {
+        let (launcher, world) = launched().unwrap_or_else(|| ("the launcher".into(), 0));
+        if world == 1 {
             return Ok(None);
         }
         Err(CollectiveError::NoMpi { launcher, world })
@@ -178,13 +303,13 @@ pub unsafe fn divide_cores() -> Option<usize> {
     Some(each)
 }
 
+#[cfg(not(feature = "mpi"))]
 /// Which launcher started this process and how many ranks it said, from the variables
 /// Open MPI, MPICH/Hydra and Slurm set.
 fn launched() -> Option<(String, usize)> {
     [
         ("mpirun (Open MPI)", "OMPI_COMM_WORLD_SIZE"),
         ("mpirun (MPICH)", "PMI_SIZE"),
-        ("a PMIx launcher", "PMIX_SIZE"),
     ]
     .into_iter()
     .find_map(|(who, var)| {
@@ -277,6 +402,63 @@ pub fn shares(tokens: &[usize], world: usize) -> Vec<Vec<usize>> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn env<'a>(vars: &'a [(&'a str, &'a str)]) -> impl Fn(&str) -> Option<String> + 'a {
+        move |k| {
+            vars.iter()
+                .find(|(n, _)| *n == k)
+                .map(|(_, v)| (*v).to_string())
+        }
+    }
+
+    #[test]
+    fn the_plan_follows_the_launcher_and_the_flags() {
+        use CollectiveKind::*;
+        assert_eq!(plan(Auto, 0, 0, "", env(&[])).unwrap(), Plan::Alone);
+        assert_eq!(
+            plan(Auto, 0, 0, "", env(&[("OMPI_COMM_WORLD_SIZE", "2")])).unwrap(),
+            Plan::Mpi
+        );
+        assert_eq!(plan(Mpi, 0, 0, "", env(&[])).unwrap(), Plan::Mpi);
+        let torchrun = [
+            ("WORLD_SIZE", "4"),
+            ("RANK", "3"),
+            ("LOCAL_RANK", "1"),
+            ("TORCHELASTIC_RUN_ID", "j7"),
+        ];
+        let p = NcclPlan {
+            rank: 3,
+            world: 4,
+            device: 1,
+            rendezvous: "j7".into(),
+        };
+        assert_eq!(plan(Auto, 0, 0, "", env(&torchrun)).unwrap(), Plan::Nccl(p));
+        let slurm = [
+            ("SLURM_NTASKS", "2"),
+            ("SLURM_PROCID", "1"),
+            ("SLURM_JOB_ID", "99"),
+        ];
+        let p = NcclPlan {
+            rank: 1,
+            world: 2,
+            device: 1,
+            rendezvous: "99".into(),
+        };
+        assert_eq!(plan(Auto, 0, 0, "", env(&slurm)).unwrap(), Plan::Nccl(p));
+        // Flags win over the environment; one NCCL rank on request.
+        let p = NcclPlan {
+            rank: 0,
+            world: 1,
+            device: 0,
+            rendezvous: "mine".into(),
+        };
+        assert_eq!(
+            plan(Nccl, 1, 0, "mine", env(&slurm)).unwrap(),
+            Plan::Nccl(p)
+        );
+        let e = plan(Auto, 2, 2, "", env(&[])).unwrap_err().to_string();
+        assert!(e.contains("rank 2 is not below the world size 2"), "{e}");
+    }
 
     #[test]
     fn shares_balance_tokens_and_are_deterministic() {

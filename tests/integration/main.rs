@@ -22,6 +22,7 @@ mod layering;
 mod lora;
 mod model_parity;
 mod model_sampling;
+mod nccl_ranks;
 mod observability;
 mod pipeline_processes;
 mod poison;

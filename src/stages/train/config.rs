@@ -77,6 +77,14 @@ crate::settings! {
         pub lora_from: Option<PathBuf> = None,
         /// Mixture-of-experts policies: replay the experts the generator recorded for each token (the router's gate weights stay live and keep their gradient), or route live. Groups without routing route live either way; dense models ignore it.
         pub routing: RoutingMode = RoutingMode::Replay,
+        /// Trainer ranks: the collective library, auto (MPI under mpirun; NCCL when --world or a launcher's WORLD_SIZE / SLURM_NTASKS gives more than one rank), mpi, or nccl (GPUs; feature cuda).
+        pub collective: crate::collective::CollectiveKind = crate::collective::CollectiveKind::Auto,
+        /// Trainer ranks over NCCL: how many (0: the launcher's WORLD_SIZE or SLURM_NTASKS; under mpirun, MPI's).
+        pub world: usize = 0,
+        /// Trainer ranks over NCCL: this process's rank, from 0 (with --world; else the launcher's RANK or SLURM_PROCID).
+        pub rank: usize = 0,
+        /// Trainer ranks over NCCL: the name the ranks meet under on Redis (empty: the launcher's SLURM_JOB_ID or TORCHELASTIC_RUN_ID, else "default"); give each concurrent job under one namespace its own.
+        pub rendezvous: String = String::new(),
         /// Trainer ranks (`mpirun -n N rlstream train`): how long one rank waits for the others in a collective call before it names those that do not answer and ends every rank; start-up waits ten times as long (loading, a warm start in `run`).
         pub collective_timeout_s: f64 = 300.0,
         /// Trainer ranks: the type gradients are summed in across ranks, f32 (exact, as one trainer) or bf16 (half the bytes; each partial sum rounded).

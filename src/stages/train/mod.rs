@@ -28,7 +28,7 @@ mod trainer;
 
 pub use checkpoint::CheckpointError;
 pub use config::*;
-pub use ranks::follow;
+pub use ranks::{Outcome, follow, step as step_over_ranks};
 pub use state::TrainerState;
 pub use trainer::Trainer;
 

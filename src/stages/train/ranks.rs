@@ -77,7 +77,7 @@ struct Hello {
 }
 
 /// The result of a step over all ranks.
-pub(super) struct Outcome {
+pub struct Outcome {
     /// `None` when no group was left to step on.
     pub record: Option<StepRecord>,
     /// The groups the step was taken on (indices into the step's groups).
@@ -247,6 +247,8 @@ fn differences(mine: &TrainerSettings, lead: &TrainerSettings) -> Vec<String> {
     let (a, b) = (table(mine), table(lead));
     let keys: std::collections::BTreeSet<&String> = a.keys().chain(b.keys()).collect();
     keys.into_iter()
+        // Each rank has its own.
+        .filter(|k| k.as_str() != "train.rank")
         .filter(|k| a.get(*k) != b.get(*k))
         .map(|k| {
             let show = |v: Option<&String>| v.cloned().unwrap_or_else(|| "unset".into());
@@ -292,7 +294,7 @@ fn contained<T>(
 /// following rank alike. A step whose pass panics changes no weight: each group of the
 /// panicking share is run alone, those that panic alone are rejected, and the step is
 /// taken on the rest; if that panics too, the rest are rejected.
-pub(super) fn step(
+pub fn step(
     trainer: &mut Trainer,
     c: &mut dyn Collective,
     groups: &[&ScoredGroup],

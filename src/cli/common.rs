@@ -158,7 +158,8 @@ pub async fn join_ranks(
     let nccl_allowed = own.is_some();
     use crate::collective::{self, Plan};
     let t = &cfg.train;
-    let plan = collective::plan(t.collective, t.world, t.rank, &t.rendezvous, |v| {
+    let rendezvous = t.rendezvous.as_deref().unwrap_or_default();
+    let plan = collective::plan(t.collective, t.world, t.rank, rendezvous, |v| {
         std::env::var(v).ok()
     })?;
     let c = match plan {

@@ -83,8 +83,9 @@ crate::settings! {
         pub world: usize = 0,
         /// Trainer ranks over NCCL: this process's rank, from 0 (with --world; else the launcher's RANK or SLURM_PROCID).
         pub rank: usize = 0,
-        /// Trainer ranks over NCCL: the name the ranks meet under on Redis (empty: the launcher's SLURM_JOB_ID or TORCHELASTIC_RUN_ID, else "default"); give each concurrent job under one namespace its own.
-        pub rendezvous: String = String::new(),
+        /// Trainer ranks over NCCL: the name the ranks meet under on Redis (unset: the launcher's SLURM_JOB_ID or TORCHELASTIC_RUN_ID, else "default"); give each concurrent job under one namespace its own.
+        #[arg(value_name = "NAME")]
+        pub rendezvous: Option<String> = None,
         /// Trainer ranks (`mpirun -n N rlstream train`): how long one rank waits for the others in a collective call before it names those that do not answer and ends every rank; start-up waits ten times as long (loading, a warm start in `run`).
         pub collective_timeout_s: f64 = 300.0,
         /// Trainer ranks: the type gradients are summed in across ranks, f32 (exact, as one trainer) or bf16 (half the bytes; each partial sum rounded).

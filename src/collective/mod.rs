@@ -330,58 +330,59 @@ pub fn all_reduce_pieces(
 ) {
     let cap = bucket_values.max(1);
     let total: usize = pieces.iter().map(Vec::len).sum();
-    let mut bucket: Vec<f32> = Vec::with_capacity(cap.min(total));
-    // (piece, offset in it, length) of each run in the bucket.
-    let mut runs: Vec<(usize, usize, usize)> = Vec::new();
-    let mut n = 0;
+    let mut b = Bucket {
+        values: Vec::with_capacity(cap.min(total)),
+        runs: Vec::new(),
+        sent: 0,
+    };
     for i in 0..pieces.len() {
         let mut off = 0;
         while off < pieces[i].len() {
-            let len = (cap - bucket.len()).min(pieces[i].len() - off);
-            bucket.extend_from_slice(&pieces[i][off..off + len]);
-            runs.push((i, off, len));
+            let len = (cap - b.values.len()).min(pieces[i].len() - off);
+            b.values.extend_from_slice(&pieces[i][off..off + len]);
+            b.runs.push((i, off, len));
             off += len;
-            if bucket.len() == cap {
-                n += 1;
-                flush(
-                    c,
-                    &format!("{what} (bucket {n})"),
-                    &mut bucket,
-                    &mut runs,
-                    pieces,
-                    dtype,
-                );
+            if b.values.len() == cap {
+                b.flush(c, what, pieces, dtype);
             }
         }
     }
-    if !bucket.is_empty() {
-        n += 1;
-        flush(
-            c,
-            &format!("{what} (bucket {n})"),
-            &mut bucket,
-            &mut runs,
-            pieces,
-            dtype,
-        );
+    if !b.values.is_empty() {
+        b.flush(c, what, pieces, dtype);
     }
 }
 
-fn flush(
-    c: &mut dyn Collective,
-    what: &str,
-    bucket: &mut Vec<f32>,
-    runs: &mut Vec<(usize, usize, usize)>,
-    pieces: &mut [Vec<f32>],
-    dtype: WireDtype,
-) {
-    c.all_reduce_sum(what, bucket, dtype);
-    let mut at = 0;
-    for (i, off, len) in runs.drain(..) {
-        pieces[i][off..off + len].copy_from_slice(&bucket[at..at + len]);
-        at += len;
+/// One bucket of [`all_reduce_pieces`] being filled.
+struct Bucket {
+    values: Vec<f32>,
+    /// (piece, offset in it, length) of each run in `values`.
+    runs: Vec<(usize, usize, usize)>,
+    /// Buckets summed so far.
+    sent: usize,
+}
+
+impl Bucket {
+    /// Sums the bucket over the ranks and hands each run back to its piece.
+    fn flush(
+        &mut self,
+        c: &mut dyn Collective,
+        what: &str,
+        pieces: &mut [Vec<f32>],
+        dtype: WireDtype,
+    ) {
+        self.sent += 1;
+        c.all_reduce_sum(
+            &format!("{what} (bucket {})", self.sent),
+            &mut self.values,
+            dtype,
+        );
+        let mut at = 0;
+        for (i, off, len) in self.runs.drain(..) {
+            pieces[i][off..off + len].copy_from_slice(&self.values[at..at + len]);
+            at += len;
+        }
+        self.values.clear();
     }
-    bucket.clear();
 }
 
 /// Which ranks train which of a step's groups: each group in turn (the step's groups are

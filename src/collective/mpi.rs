@@ -121,16 +121,25 @@ impl Mpi {
         }
     }
 
-    /// Answers every roll call waiting: this rank is alive and inside a call.
-    fn answer_roll_calls(&self) {
+    /// Receives every message with `tag` waiting; the ranks that sent them.
+    fn received(&self, tag: i32) -> Vec<usize> {
+        let mut from = Vec::new();
         while let Some((msg, status)) = self
             .world
             .any_process()
-            .immediate_matched_probe_with_tag(ROLL_CALL)
+            .immediate_matched_probe_with_tag(tag)
         {
             let (_, _): (u32, _) = msg.matched_receive();
+            from.push(usize::try_from(status.source_rank()).unwrap_or(usize::MAX));
+        }
+        from
+    }
+
+    /// Answers every roll call waiting: this rank is alive and inside a call.
+    fn answer_roll_calls(&self) {
+        for r in self.received(ROLL_CALL) {
             self.world
-                .process_at_rank(status.source_rank())
+                .process_at_rank(r as i32)
                 .send_with_tag(&[self.rank as u32][..], ROLL_ANSWER);
         }
     }
@@ -149,24 +158,10 @@ impl Mpi {
             }
             let until = Instant::now() + ROLL_GRACE;
             while Instant::now() < until && answered.iter().any(|a| !a) {
-                while let Some((msg, status)) = self
-                    .world
-                    .any_process()
-                    .immediate_matched_probe_with_tag(ROLL_ANSWER)
-                {
-                    let (_, _): (u32, _) = msg.matched_receive();
-                    if let Some(a) = answered.get_mut(status.source_rank() as usize) {
-                        *a = true;
-                    }
-                }
                 // A rank past its own deadline asks too: it is alive.
-                while let Some((msg, status)) = self
-                    .world
-                    .any_process()
-                    .immediate_matched_probe_with_tag(ROLL_CALL)
-                {
-                    let (_, _): (u32, _) = msg.matched_receive();
-                    if let Some(a) = answered.get_mut(status.source_rank() as usize) {
+                let alive = [self.received(ROLL_ANSWER), self.received(ROLL_CALL)];
+                for r in alive.iter().flatten() {
+                    if let Some(a) = answered.get_mut(*r) {
                         *a = true;
                     }
                 }

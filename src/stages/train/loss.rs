@@ -91,22 +91,6 @@ impl<'a> Samples<'a> {
         out
     }
 
-    /// The model's completion tokens (an episode's environment tokens are context): what
-    /// the loss is averaged over.
-    pub fn tokens(&self) -> usize {
-        self.seqs
-            .iter()
-            .zip(&self.own)
-            .map(|(s, own)| {
-                if own.is_empty() {
-                    s.completion.len()
-                } else {
-                    own.iter().filter(|&&o| o).count()
-                }
-            })
-            .sum()
-    }
-
     /// Consecutive runs of samples of at most `max_tokens` prompt + completion tokens each
     /// (a longer sample runs alone); `0` puts every sample in one run.
     pub fn micro_batches(&self, max_tokens: usize) -> Vec<Range<usize>> {
@@ -126,6 +110,22 @@ impl<'a> Samples<'a> {
         out.push(start..self.seqs.len());
         out
     }
+}
+
+/// The model's completion tokens of `groups` (an episode's environment tokens are
+/// context): what a step's loss is averaged over.
+pub fn tokens(groups: &[&ScoredGroup]) -> usize {
+    groups
+        .iter()
+        .flat_map(|g| &g.rollout.samples)
+        .map(|s| {
+            if s.env.is_empty() {
+                s.tokens.len()
+            } else {
+                s.model_tokens().iter().filter(|&&o| o).count()
+            }
+        })
+        .sum()
 }
 
 /// What one micro-batch's part of the loss leaves for the step's statistics: host copies
@@ -475,7 +475,7 @@ mod tests {
         cfg.train.token_discount = 0.0;
         let loss_grads = |g: &ScoredGroup| {
             let samples = Samples::of(&[g], cfg.train.token_discount);
-            assert_eq!(samples.tokens(), 2);
+            assert_eq!(tokens(&[g]), 2);
             let (total, _) = part(&model, None, &samples, 0..1, 2.0, &cfg).unwrap();
             let grads = total.backward();
             (
@@ -549,7 +549,7 @@ mod tests {
         cfg.train.kl_coef = 0.0;
         let run = |g: &ScoredGroup, discount: f32| {
             let samples = Samples::of(&[g], discount);
-            let n = samples.tokens();
+            let n = tokens(&[g]);
             let (total, part) = part(&model, None, &samples, 0..2, n as f32, &cfg).unwrap();
             let grads = total.backward();
             let e = host2(model.embed.weight.val().grad(&grads).unwrap());

@@ -22,7 +22,7 @@
 //! At start every rank compares the settings rank 0 broadcasts, its build, its checkpoint
 //! and its model with rank 0's and refuses to start on a difference, naming it.
 
-use super::loss::TokenSums;
+use super::loss::{self, TokenSums};
 use super::{Trainer, TrainerSettings};
 use crate::collective::{self, Collective};
 use crate::model::fault;
@@ -122,7 +122,10 @@ pub(super) fn lead(cfg: &TrainerSettings, c: &mut dyn Collective) -> Result<Trai
         .into_bytes();
     c.broadcast("the trainer settings from rank 0", 0, &mut settings);
     let trainer = Trainer::start(cfg);
-    let hello = hello(trainer.as_ref().map_err(ToString::to_string), Vec::new());
+    let hello = hello(
+        Some(trainer.as_ref().map_err(ToString::to_string)),
+        Vec::new(),
+    );
     let agreed = agree(c, &hello);
     let trainer = trainer?;
     agreed?;
@@ -134,7 +137,9 @@ pub(super) fn lead(cfg: &TrainerSettings, c: &mut dyn Collective) -> Result<Trai
     Ok(trainer)
 }
 
-fn hello(trainer: Result<&Trainer, String>, differences: Vec<String>) -> Hello {
+/// What this rank says of itself: its trainer, or why it could not start it; `None` when
+/// it did not try (its settings differ).
+fn hello(trainer: Option<Result<&Trainer, String>>, differences: Vec<String>) -> Hello {
     let mut h = Hello {
         build: build(),
         differences,
@@ -144,7 +149,8 @@ fn hello(trainer: Result<&Trainer, String>, differences: Vec<String>) -> Hello {
         model: String::new(),
     };
     match trainer {
-        Ok(t) => {
+        None => {}
+        Some(Ok(t)) => {
             h.step = t.state.step;
             h.version = t.state.version;
             match t.weights_checksum() {
@@ -152,7 +158,7 @@ fn hello(trainer: Result<&Trainer, String>, differences: Vec<String>) -> Hello {
                 Err(e) => h.error = Some(e.to_string()),
             }
         }
-        Err(e) => h.error = Some(e),
+        Some(Err(e)) => h.error = Some(e),
     }
     h
 }
@@ -306,8 +312,8 @@ pub fn step(
     let mut first_panic: Option<String> = None;
     loop {
         let subset: Vec<&ScoredGroup> = kept.iter().map(|&i| groups[i]).collect();
-        let tokens: Vec<usize> = subset.iter().map(|g| trainer.tokens_of(&[*g])).collect();
-        let n_tokens = trainer.tokens_of(&subset);
+        let tokens: Vec<usize> = subset.iter().map(|g| loss::tokens(&[*g])).collect();
+        let n_tokens = loss::tokens(&subset);
         let mut shares = collective::shares(&tokens, c.world());
         let mine = std::mem::take(&mut shares[c.rank()]);
         let share: Vec<&ScoredGroup> = mine.iter().map(|&i| subset[i]).collect();
@@ -458,19 +464,18 @@ pub fn follow(mut c: Box<dyn Collective>, own: Option<&TrainerSettings>) -> Resu
     let cfg: TrainerSettings = toml::from_str(&text).map_err(|e| garbled(0, "settings", e))?;
     c.set_timeout(start_timeout(&cfg));
     let differences = own.map(|o| differences(o, &cfg)).unwrap_or_default();
-    let (trainer, mine) = if differences.is_empty() {
-        let t = Trainer::start(&cfg).map_err(|e| e.to_string());
-        let h = hello(t.as_ref().map_err(Clone::clone), Vec::new());
-        (t, h)
-    } else {
-        let h = Hello {
-            error: None,
-            ..hello(Err(String::new()), differences)
-        };
-        (Err("its settings differ from rank 0's".to_string()), h)
-    };
+    let trainer = differences
+        .is_empty()
+        .then(|| Trainer::start(&cfg).map_err(|e| e.to_string()));
+    let mine = hello(
+        trainer.as_ref().map(|t| t.as_ref().map_err(Clone::clone)),
+        differences,
+    );
     agree(c.as_mut(), &mine)?;
-    let mut trainer = trainer.map_err(StageError::Other)?;
+    // `agree` refused a rank whose settings differ or whose trainer did not start.
+    let mut trainer = trainer
+        .ok_or_else(|| StageError::Other("its settings differ from rank 0's".into()))?
+        .map_err(StageError::Other)?;
     c.set_timeout(step_timeout(&cfg));
     tracing::info!(rank, ranks = c.world(), "following rank 0");
     loop {

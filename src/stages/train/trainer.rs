@@ -64,17 +64,15 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for Presence<'_> {
 /// vectors in visiting order (zeros where this rank has none).
 struct TakeGrads<'a> {
     grads: &'a mut GradientsParams,
-    has: &'a [f32],
-    at: usize,
+    /// Whether any rank has each parameter's gradient, in visiting order.
+    has: std::slice::Iter<'a, f32>,
     pieces: Vec<Vec<f32>>,
     error: Option<ModelError>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let anywhere = self.has.get(self.at).is_some_and(|&h| h > 0.0);
-        self.at += 1;
-        if !anywhere {
+        if !self.has.next().is_some_and(|&h| h > 0.0) {
             return;
         }
         let piece = match self.grads.remove::<B::InnerBackend, D>(param.id) {
@@ -91,16 +89,13 @@ impl<B: AutodiffBackend> ModuleVisitor<B> for TakeGrads<'_> {
 /// The summed pieces handed back to `grads` as tensors of their parameters' shapes.
 struct PutGrads<'a> {
     grads: &'a mut GradientsParams,
-    has: &'a [f32],
-    at: usize,
+    has: std::slice::Iter<'a, f32>,
     pieces: std::vec::IntoIter<Vec<f32>>,
 }
 
 impl<B: AutodiffBackend> ModuleVisitor<B> for PutGrads<'_> {
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
-        let anywhere = self.has.get(self.at).is_some_and(|&h| h > 0.0);
-        self.at += 1;
-        if !anywhere {
+        if !self.has.next().is_some_and(|&h| h > 0.0) {
             return;
         }
         if let Some(piece) = self.pieces.next() {
@@ -332,13 +327,8 @@ impl Trainer {
     /// leaves the weights untouched.
     pub fn step(&mut self, groups: &[&ScoredGroup]) -> Result<StepRecord, ModelError> {
         let started = Instant::now();
-        let (grads, sums) = self.gradients_over(groups, self.tokens_of(groups))?;
+        let (grads, sums) = self.gradients_over(groups, loss::tokens(groups))?;
         Ok(self.apply(grads, sums.record(groups), groups, started))
-    }
-
-    /// The tokens the loss of a step on `groups` is averaged over.
-    pub fn tokens_of(&self, groups: &[&ScoredGroup]) -> usize {
-        Samples::of(groups, self.cfg.train.token_discount).tokens()
     }
 
     /// The update from the step's gradient `grads` (clipped by its global norm) and the
@@ -396,7 +386,7 @@ impl Trainer {
         &self,
         groups: &[&ScoredGroup],
     ) -> Result<(GradientsParams, StepRecord), ModelError> {
-        let (grads, sums) = self.gradients_over(groups, self.tokens_of(groups))?;
+        let (grads, sums) = self.gradients_over(groups, loss::tokens(groups))?;
         Ok((grads, sums.record(groups)))
     }
 
@@ -462,8 +452,7 @@ impl Trainer {
         );
         let mut take = TakeGrads {
             grads,
-            has: &has,
-            at: 0,
+            has: has.iter(),
             pieces: Vec::new(),
             error: None,
         };
@@ -475,8 +464,7 @@ impl Trainer {
         collective::all_reduce_pieces(c, what, &mut pieces, dtype, bucket_values);
         let mut put = PutGrads {
             grads,
-            has: &has,
-            at: 0,
+            has: has.iter(),
             pieces: pieces.into_iter(),
         };
         self.model().visit(&mut put);

@@ -4,7 +4,9 @@
 //! every rank and a restart loses nothing and trains nothing twice, and ranks whose
 //! settings differ refuse to start.
 
-use crate::common::{mpirun, rank_pid, redis_bus, redis_url, sampled_group, tiny_llama, unique_ns};
+use crate::common::{
+    mpirun, rank_pid, redis_bus, redis_url, sampled_group, spawn_command, tiny_llama, unique_ns,
+};
 use bytes::Bytes;
 use rlstream::bus::SharedBus;
 use rlstream::model::tensors::{TensorMap, read_safetensors_file};
@@ -248,6 +250,47 @@ async fn steps_announced(bus: &SharedBus, ns: &str) -> usize {
         .count()
 }
 
+/// Starts 2 trainer ranks with `args` (their log in `log`), sends rank 1 `signal` once
+/// `steps` steps were announced on `ns`, and waits up to `within` seconds for every rank to
+/// stop: the exit status and the log.
+async fn signal_rank_1(
+    bus: &SharedBus,
+    ns: &str,
+    args: Vec<String>,
+    log: &Path,
+    steps: usize,
+    signal: &str,
+    within: u64,
+) -> (std::process::ExitStatus, String) {
+    let mut ranks = spawn_command(mpirun(&[(2, args)]), log);
+    let deadline = Instant::now() + Duration::from_secs(120);
+    while steps_announced(bus, ns).await < steps {
+        assert!(
+            Instant::now() < deadline,
+            "{}",
+            std::fs::read_to_string(log).unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let victim = rank_pid(ranks.id().expect("running"), 1).expect("rank 1's process");
+    Command::new("kill")
+        .args([signal, &victim.to_string()])
+        .status()
+        .unwrap();
+    let sent = Instant::now();
+    let status = loop {
+        if let Some(s) = ranks.try_wait() {
+            break s;
+        }
+        assert!(
+            sent.elapsed() < Duration::from_secs(within),
+            "ranks still running {within} s after rank 1 got {signal}"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    (status, std::fs::read_to_string(log).unwrap())
+}
+
 /// Rank 1 is killed with SIGKILL while the ranks train: every rank stops promptly, the
 /// lost rank named; all ranks restarted train the rest from the last checkpoint, and at the
 /// end every group was trained exactly once in the surviving line and every entry is acked.
@@ -263,39 +306,16 @@ async fn a_killed_rank_stops_every_rank_and_a_restart_loses_nothing() {
     let ckpt = dir.path().join("ckpt");
     // Until stopped: the kill lands wherever the ranks are.
     let args = train_args(dir.path(), &ns, &ckpt, 0, &["--collective-timeout-s", "5"]);
-    let log = dir.path().join("first.log");
-    let mut first = mpirun(&[(2, args.clone())])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    while steps_announced(&bus, &ns).await < 5 {
-        assert!(
-            Instant::now() < deadline,
-            "{}",
-            std::fs::read_to_string(&log).unwrap()
-        );
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let victim = rank_pid(first.id(), 1).expect("rank 1's process");
-    let killed = Instant::now();
-    Command::new("kill")
-        .args(["-KILL", &victim.to_string()])
-        .status()
-        .unwrap();
-    let status = loop {
-        if let Some(s) = first.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            killed.elapsed() < Duration::from_secs(20),
-            "ranks still running after a rank was killed"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let text = std::fs::read_to_string(&log).unwrap();
+    let (status, text) = signal_rank_1(
+        &bus,
+        &ns,
+        args,
+        &dir.path().join("first.log"),
+        5,
+        "-KILL",
+        20,
+    )
+    .await;
     assert!(!status.success());
     assert!(text.contains("rank 1"), "the lost rank is named:\n{text}");
 
@@ -325,33 +345,16 @@ async fn a_killed_rank_stops_every_rank_and_a_restart_loses_nothing() {
     publish_groups(&bus, &ns, &model, 40).await;
     let ckpt = dir.path().join("ckpt-stop");
     let args = train_args(dir.path(), &ns, &ckpt, 0, &["--collective-timeout-s", "3"]);
-    let log = dir.path().join("stop.log");
-    let mut run = mpirun(&[(2, args)])
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .unwrap();
-    while steps_announced(&bus, &ns).await < 2 {
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    let victim = rank_pid(run.id(), 1).expect("rank 1's process");
-    Command::new("kill")
-        .args(["-STOP", &victim.to_string()])
-        .status()
-        .unwrap();
-    let stopped = Instant::now();
-    let status = loop {
-        if let Some(s) = run.try_wait().unwrap() {
-            break s;
-        }
-        assert!(
-            stopped.elapsed() < Duration::from_secs(30),
-            "ranks still running after a rank stopped"
-        );
-        std::thread::sleep(Duration::from_millis(50));
-    };
-    let text = std::fs::read_to_string(&log).unwrap();
+    let (status, text) = signal_rank_1(
+        &bus,
+        &ns,
+        args,
+        &dir.path().join("stop.log"),
+        2,
+        "-STOP",
+        30,
+    )
+    .await;
     assert!(!status.success());
     assert!(
         text.contains("lost rank 1 (no answer to a roll call"),

@@ -1,13 +1,21 @@
-//! The generator's side of the hand-over: [`Follower`] reads announces, assembles the newest
-//! version by the shortest path (deltas on the bytes it holds, or a keyframe and the deltas
-//! after it, or host tensors in process), verifies it, builds the model off the decode
-//! thread and swaps it into the [`ModelSlot`]. A version that fails is rejected and counted;
-//! the generator keeps its weights.
+//! The generator's side of the hand-over: [`Follower`] reads announces and brings the newest
+//! version into the [`ModelSlot`] off the decode thread. A version is rejected (counted, the
+//! generator keeping its weights) unless its checksum matches before the swap.
+//!
+//! The follower holds two models, and never allocates one per version: the slot's and the
+//! one the slot retired at the last swap (the spare). A delta on the slot's version is
+//! XORed into the spare's own buffers, after the deltas the spare missed, and the spare is
+//! checked against the version's checksum and swapped in; the model it replaces becomes the
+//! next spare once the decode loop's last pass on it ends. A keyframe (a generator joining,
+//! or after a rejected version) is assembled as bytes and written over the spare's values.
+//! Peak memory is two models and one tensor, plus a keyframe's bytes while one is loaded.
 
 use super::fetch::{fetch_object, verify};
 use super::format::{
     IN_PROCESS_FORMAT, LORA_IN_PROCESS_FORMAT, is_whole_format, keyframe_request_key,
 };
+use super::layout::Layout;
+use super::resident;
 use super::slot::{ModelSlot, Versioned};
 use super::transport::{Transport, announced_spec};
 use super::{BlobStore, DirStore, RedisStore, WeightsConfig, WeightsError, delta};
@@ -33,12 +41,14 @@ pub struct Follower<B: Backend> {
     transport: Transport,
     redis: Arc<dyn BlobStore>,
     dir: Option<Arc<dyn BlobStore>>,
-    /// Keep the bytes of the version assembled last, so the next delta applies to them.
-    keep_bytes: bool,
     /// Announces read, by version (the chains deltas are assembled along).
     seen: BTreeMap<u64, WeightsAnnounce>,
-    /// The bytes of the newest version assembled and verified.
-    held: Option<(u64, Vec<u8>)>,
+    /// Where each tensor lies in the version the slot's model was checked against (`None`
+    /// until a published version is swapped in): what a delta on it is applied through.
+    layout: Option<Arc<Layout>>,
+    /// The model the slot retired at the last swap, to be brought to the next version in
+    /// place.
+    spare: Option<Spare<B>>,
     /// Seconds per phase of the last version taken, in order.
     phases: Vec<(&'static str, f64)>,
     /// Versions rejected (bad checksum, bad shape), for reporting.
@@ -55,6 +65,25 @@ pub struct Follower<B: Backend> {
 
 /// How many announces a follower remembers (a chain is at most `keyframe_every` long).
 const SEEN_LIMIT: usize = 4096;
+
+/// How long the follower waits for the decode loop to finish its pass on the retired model
+/// before it copies the slot's model instead.
+const RECLAIM_WAIT: Duration = Duration::from_secs(10);
+
+/// A model the slot retired.
+struct Spare<B: Backend> {
+    model: Arc<Versioned<B>>,
+    /// The deltas that take it to the slot's version (`None` when the last swap was not a
+    /// delta on it).
+    trail: Option<Vec<Arc<Vec<u8>>>>,
+}
+
+/// How a version is reached: deltas on the slot's version, or a keyframe and the deltas
+/// after it.
+enum Route {
+    OnLive(Vec<WeightsAnnounce>),
+    FromKeyframe,
+}
 
 impl<B: crate::model::Kernels> Follower<B>
 where
@@ -77,9 +106,9 @@ where
             transport: Transport::Bus,
             redis,
             dir: None,
-            keep_bytes: true,
             seen: BTreeMap::new(),
-            held: None,
+            layout: None,
+            spare: None,
             phases: Vec::new(),
             rejected: 0,
             announced: Arc::new(AtomicU64::new(version)),
@@ -212,13 +241,12 @@ where
         };
         self.build(version, current, move |_, _| {
             let adapted = base.as_ref().clone().with_adapter(&spec, &tensors)?;
-            Ok((adapted.merged(), None))
+            Ok(adapted.merged())
         })
         .await
     }
 
-    /// Reads versions from the stores `cfg` names; with `delta` off, keeps no copy of the
-    /// current version's bytes (every delta is then assembled from its keyframe).
+    /// Reads versions from the stores `cfg` names.
     pub fn with_config(mut self, cfg: &WeightsConfig) -> Self {
         if let Some(root) = &cfg.store_dir {
             self.dir = Some(Arc::new(DirStore::new(
@@ -227,7 +255,6 @@ where
                 cfg.chunk_bytes,
             )));
         }
-        self.keep_bytes = cfg.delta;
         self
     }
 
@@ -324,7 +351,7 @@ where
             };
             let swapped = self
                 .build(a.version, current, move |cfg, dev| {
-                    Policy::<B>::from_tensors(cfg, &tensors, dev).map(|p| (p, None))
+                    Policy::<B>::from_tensors(cfg, &tensors, dev)
                 })
                 .await?;
             if swapped.is_some() {
@@ -332,8 +359,16 @@ where
             }
             return Ok(swapped);
         }
-        let blob = match self.assemble(&a).await {
-            Ok(b) => b,
+        let result = match self.route(&a) {
+            Ok(Route::OnLive(chain)) => self.patch(&a, chain).await,
+            Ok(Route::FromKeyframe) => match self.assemble(&a).await {
+                Ok(bytes) => self.load_whole(&a, bytes).await,
+                Err(e) => Err(e),
+            },
+            Err(e) => Err(e),
+        };
+        match result {
+            Ok(()) => Ok(Some(a.version)),
             Err(e @ (WeightsError::MissingChunk { .. } | WeightsError::MissingBase { .. })) => {
                 // The object is gone (deleted as newer versions arrived) or the chain
                 // cannot be followed: not a corrupt version. Ask for a keyframe; the next
@@ -341,28 +376,188 @@ where
                 self.request_keyframe(a.version).await;
                 crate::metrics::error(Stage::Gen, "weights_unavailable");
                 tracing::warn!(version = a.version, error = %e, "cannot assemble new weights; asked the trainer for a keyframe, keeping version {current}");
-                return Ok(None);
+                Ok(None)
             }
             Err(e) if e.is_version_fault() => {
                 self.reject();
                 self.request_keyframe(a.version).await;
                 tracing::error!(version = a.version, error = %e, "rejected new weights; keeping version {current}");
-                return Ok(None);
+                Ok(None)
             }
-            Err(e) => return Err(e),
-        };
-        let keep = self.keep_bytes;
-        let version = a.version;
-        let swapped = self
-            .build(version, current, move |cfg, dev| {
-                let p = Policy::<B>::from_bytes(cfg, &blob, dev)?;
-                Ok((p, keep.then_some((version, blob))))
-            })
-            .await?;
-        if swapped.is_some() {
-            self.base = None;
+            Err(e) => Err(e),
         }
-        Ok(swapped)
+    }
+
+    /// Whether `a` is reached by deltas on the slot's version (they are returned, oldest
+    /// first) or from a keyframe.
+    fn route(&self, a: &WeightsAnnounce) -> Result<Route, WeightsError> {
+        let live = self.slot.load().version;
+        let mut chain = Vec::new();
+        let mut at = a.clone();
+        while at.is_delta() && self.layout.is_some() {
+            let base = at.base.unwrap_or_default();
+            chain.push(at.clone());
+            if base == live {
+                chain.reverse();
+                return Ok(Route::OnLive(chain));
+            }
+            at = match self.seen.get(&base) {
+                Some(b) => b.clone(),
+                None => {
+                    return Err(WeightsError::MissingBase {
+                        version: a.version,
+                        base,
+                    });
+                }
+            };
+        }
+        Ok(Route::FromKeyframe)
+    }
+
+    /// The retired model once the decode loop no longer holds it, with the deltas that
+    /// take it to the slot's version; `None` when there is none or it is not released in
+    /// time.
+    async fn reclaim(&mut self) -> Option<(Versioned<B>, Option<Vec<Arc<Vec<u8>>>>)> {
+        let Spare { mut model, trail } = self.spare.take()?;
+        let t = Instant::now();
+        loop {
+            match Arc::try_unwrap(model) {
+                Ok(v) => {
+                    self.phase("release", t.elapsed().as_secs_f64());
+                    return Some((v, trail));
+                }
+                Err(m) if t.elapsed() < RECLAIM_WAIT => {
+                    model = m;
+                    tokio::time::sleep(Duration::from_millis(2)).await;
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        "the decode loop held the retired model for {RECLAIM_WAIT:?}: copying the current one instead"
+                    );
+                    return None;
+                }
+            }
+        }
+    }
+
+    /// Applies the deltas of `chain` (on the slot's version, ending at `a`) in place to the
+    /// spare, checks it against `a`'s checksum and swaps it in.
+    async fn patch(
+        &mut self,
+        a: &WeightsAnnounce,
+        chain: Vec<WeightsAnnounce>,
+    ) -> Result<(), WeightsError> {
+        let mut deltas = Vec::with_capacity(chain.len());
+        for d in &chain {
+            let t = Instant::now();
+            let store = self.store_for(d)?;
+            deltas.push(Arc::new(fetch_object(store.as_ref(), d).await?));
+            self.phase("fetch", t.elapsed().as_secs_f64());
+        }
+        let layout = self
+            .layout
+            .clone()
+            .ok_or_else(|| ModelError::Unsupported("no layout to apply a delta through".into()))?;
+        let spare = self.reclaim().await;
+        let live = self.slot.load();
+        let (version, expected) = (a.version, a.checksum.clone());
+        let applied = deltas.clone();
+        let (policy, phases) = tokio::task::spawn_blocking(move || {
+            let mut phases = Vec::new();
+            let t = Instant::now();
+            let delta_err =
+                |source: resident::ResidentError| WeightsError::Resident { version, source };
+            let (hollow, mut params) = match spare {
+                Some((model, Some(trail))) => {
+                    drop(live);
+                    let (hollow, mut params) = model.policy.take_values()?;
+                    for d in &trail {
+                        resident::xor_delta(&mut params, &layout, d).map_err(delta_err)?;
+                    }
+                    (hollow, params)
+                }
+                other => {
+                    // No spare that deltas bring to the slot's version: copy the slot's.
+                    drop(other);
+                    let copied = live.policy.clone().take_values()?;
+                    drop(live);
+                    phases.push(("copy", t.elapsed().as_secs_f64()));
+                    copied
+                }
+            };
+            let t = Instant::now();
+            for d in &applied {
+                resident::xor_delta(&mut params, &layout, d).map_err(delta_err)?;
+            }
+            phases.push(("decode", t.elapsed().as_secs_f64()));
+            let t = Instant::now();
+            let found = resident::checksum(&mut params, &layout).map_err(delta_err)?;
+            phases.push(("verify", t.elapsed().as_secs_f64()));
+            if found.as_ref() != Some(&expected) {
+                return Err(WeightsError::Checksum {
+                    version,
+                    expected,
+                    found: found.unwrap_or_else(|| "(values outside the version's dtype)".into()),
+                });
+            }
+            let t = Instant::now();
+            let policy = hollow.fill(params)?;
+            phases.push(("build", t.elapsed().as_secs_f64()));
+            Ok::<_, WeightsError>((policy, phases))
+        })
+        .await
+        .map_err(|e| ModelError::Unsupported(format!("weight update task failed: {e}")))??;
+        for (name, s) in phases {
+            self.phase(name, s);
+        }
+        let retired = self.slot.swap(Versioned { version, policy });
+        self.spare = Some(Spare {
+            model: retired,
+            trail: Some(deltas),
+        });
+        self.base = None;
+        Ok(())
+    }
+
+    /// Loads a whole version's verified bytes: written over the spare's values when it has
+    /// the same tensors, built as a new model otherwise; then swaps it in.
+    async fn load_whole(
+        &mut self,
+        a: &WeightsAnnounce,
+        bytes: Vec<u8>,
+    ) -> Result<(), WeightsError> {
+        let spare = self.reclaim().await;
+        let config = self.config.clone();
+        let t = Instant::now();
+        let (policy, layout) = tokio::task::spawn_blocking(move || {
+            let layout = Layout::parse(&bytes);
+            if let (Some(layout), Some((model, _))) = (&layout, spare)
+                && let Ok((hollow, mut params)) = model.policy.take_values()
+                && resident::write_version(&mut params, layout, &bytes).is_ok()
+            {
+                return hollow.fill(params).map(|p| (p, Some(layout.clone())));
+            }
+            let p = Policy::<B>::from_bytes(&config, &bytes, &B::Device::default())?;
+            Ok::<_, ModelError>((p, layout))
+        })
+        .await
+        .map_err(|e| ModelError::Unsupported(format!("weight build task failed: {e}")))?
+        .map_err(|e| {
+            // A version that does not fit the model (names, shapes) is a fault of the version.
+            WeightsError::Model(e)
+        })?;
+        self.phase("build", t.elapsed().as_secs_f64());
+        let retired = self.slot.swap(Versioned {
+            version: a.version,
+            policy,
+        });
+        self.spare = Some(Spare {
+            model: retired,
+            trail: None,
+        });
+        self.layout = layout.map(Arc::new);
+        self.base = None;
+        Ok(())
     }
 
     fn store_for(&self, a: &WeightsAnnounce) -> Result<Arc<dyn BlobStore>, WeightsError> {
@@ -382,29 +577,15 @@ where
         }
     }
 
-    /// The whole bytes of version `a`, verified against its checksum: by the shortest
-    /// chain from the bytes this follower holds, or from the keyframe.
+    /// The whole bytes of version `a`, verified against its checksum: its keyframe and the
+    /// deltas after it, applied to the bytes.
     async fn assemble(&mut self, a: &WeightsAnnounce) -> Result<Vec<u8>, WeightsError> {
-        // Walk down the bases until a keyframe or the version held.
+        // Walk down the bases to the keyframe.
         let mut chain = Vec::new();
         let mut at = a.clone();
-        let from_held = loop {
-            if !at.is_delta() {
-                if !is_whole_format(&at.format)
-                    || (at.kind == WeightsKind::Lora) != (a.kind == WeightsKind::Lora)
-                {
-                    return Err(WeightsError::Format {
-                        version: at.version,
-                        format: at.format.clone(),
-                    });
-                }
-                break false;
-            }
+        while at.is_delta() {
             let base = at.base.unwrap_or_default();
             chain.push(at.clone());
-            if self.held.as_ref().is_some_and(|(v, _)| *v == base) {
-                break true;
-            }
             at = match self.seen.get(&base) {
                 Some(b) => b.clone(),
                 None => {
@@ -414,18 +595,19 @@ where
                     });
                 }
             };
-        };
+        }
+        if !is_whole_format(&at.format)
+            || (at.kind == WeightsKind::Lora) != (a.kind == WeightsKind::Lora)
+        {
+            return Err(WeightsError::Format {
+                version: at.version,
+                format: at.format.clone(),
+            });
+        }
         let began = Instant::now();
-        let mut bytes = if from_held {
-            self.held.take().map(|(_, b)| b).unwrap_or_default()
-        } else {
-            let store = self.store_for(&at)?;
-            let full = fetch_object(store.as_ref(), &at).await?;
-            self.phase("fetch", began.elapsed().as_secs_f64());
-            // The keyframe replaces whatever was held.
-            self.held = None;
-            full
-        };
+        let store = self.store_for(&at)?;
+        let mut bytes = fetch_object(store.as_ref(), &at).await?;
+        self.phase("fetch", began.elapsed().as_secs_f64());
         for d in chain.into_iter().rev() {
             let t = Instant::now();
             let store = self.store_for(&d)?;
@@ -474,18 +656,15 @@ where
         crate::metrics::error(Stage::Gen, "weights_rejected");
     }
 
-    /// Builds a version off the async threads and swaps it in; a version that does not fit
-    /// the model is rejected and the current one kept.
+    /// Builds a version off the async threads and swaps it in (host tensors in process, an
+    /// adapter merged into the base); a version that does not fit the model is rejected and
+    /// the current one kept. The model it replaces is not kept: these versions are not
+    /// applied in place.
     async fn build(
         &mut self,
         version: u64,
         current: u64,
-        make: impl FnOnce(
-            &PolicyConfig,
-            &B::Device,
-        ) -> Result<(Policy<B>, Option<(u64, Vec<u8>)>), ModelError>
-        + Send
-        + 'static,
+        make: impl FnOnce(&PolicyConfig, &B::Device) -> Result<Policy<B>, ModelError> + Send + 'static,
     ) -> Result<Option<u64>, WeightsError> {
         let config = self.config.clone();
         let began = Instant::now();
@@ -494,8 +673,9 @@ where
             .map_err(|e| ModelError::Unsupported(format!("weight build task failed: {e}")))?;
         self.phase("build", began.elapsed().as_secs_f64());
         match built {
-            Ok((policy, held)) => {
-                self.held = held;
+            Ok(policy) => {
+                self.spare = None;
+                self.layout = None;
                 self.slot.store(Versioned { version, policy });
                 Ok(Some(version))
             }

@@ -11,12 +11,18 @@
 //! one. The store keeps the newest `keep` versions with the chain each needs, within
 //! `max_bytes`.
 //!
-//! Generators follow the stream with a [`Follower`]: a background task reads announces,
-//! assembles the newest version by the shortest path (deltas on top of the bytes it holds,
-//! or the keyframe and the deltas after it), verifies it against the announced checksum of
-//! the whole version, builds a fresh model off the decode thread, and stores it in an
-//! `ArcSwap` that the decode loop loads once per forward pass. A version that fails its
-//! checksum or does not build is rejected (counted): the generator keeps its weights.
+//! Generators follow the stream with a [`Follower`]: a background task reads announces and
+//! brings the newest version into the model slot off the decode thread. It holds two models,
+//! the slot's and the one the last swap retired: a delta is XORed into the retired model's
+//! own buffers ([`resident`]), which are checked against the announced checksum of the whole
+//! version and swapped in, so no model is allocated per version. A keyframe is assembled as
+//! bytes and written over them. The decode loop loads the slot once per forward pass. A
+//! version that fails its checksum or does not fit is rejected (counted): the generator keeps
+//! its weights.
+//!
+//! The publisher writes a version as it encodes it: segment by segment, each converted from
+//! the trainer's tensors in the version's [`layout`], XORed and compressed, goes to the store
+//! while the next is being made.
 //!
 //! In one process (`rlstream run`) a [`Transport::InProcess`] hands the trainer's host
 //! tensors to the generator by reference instead of through a store. The version protocol
@@ -28,7 +34,9 @@ pub mod delta;
 mod fetch;
 mod follower;
 mod format;
+pub mod layout;
 mod publisher;
+pub mod resident;
 mod slot;
 pub mod store;
 mod transport;
@@ -85,6 +93,12 @@ pub enum WeightsError {
         version: u64,
         #[source]
         source: delta::DeltaError,
+    },
+    #[error("weights version {version}: cannot be applied to the model in place: {source}")]
+    Resident {
+        version: u64,
+        #[source]
+        source: resident::ResidentError,
     },
     #[error("weights version {version}: its base version {base} is not on the weights stream")]
     MissingBase { version: u64, base: u64 },

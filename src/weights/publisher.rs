@@ -6,6 +6,8 @@
 use super::format::{
     IN_PROCESS_FORMAT, LORA_IN_PROCESS_FORMAT, full_format, keyframe_request_key, lora_format,
 };
+use super::layout::Layout;
+use super::store::Piece;
 use super::transport::{LocalWeights, Payload, Transport};
 use super::{BlobStore, RedisStore, WeightsConfig, WeightsError, delta, store};
 use crate::bus::{RangeBound, SharedBus, Topology};
@@ -18,6 +20,7 @@ use crate::schema::{self, AdapterInfo, DELTA_FORMAT, Message, WeightsAnnounce, W
 use bytes::Bytes;
 use std::sync::Arc;
 use std::time::Instant;
+use xxhash_rust::xxh3::Xxh3;
 
 /// A version object the publisher has in its store.
 #[derive(Debug, Clone, Copy)]
@@ -215,14 +218,7 @@ impl Publisher {
             (Payload::Tensors(t), Transport::Bus | Transport::Store(_)) => {
                 // Publication starts with the encoding: publish-to-swap counts it.
                 let started_us = schema::now_us();
-                let dtype = self.dtype;
-                let blob =
-                    tokio::task::spawn_blocking(move || tensors_to_safetensors_as(&t, dtype))
-                        .await
-                        .map_err(|e| {
-                            ModelError::Unsupported(format!("weights encoder failed: {e}"))
-                        })??;
-                self.publish_blob(version, step, blob, started_us).await
+                self.publish_tensors(version, step, t, started_us).await
             }
         }
     }
@@ -389,22 +385,45 @@ impl Publisher {
             .await
             .map_err(|e| ModelError::Unsupported(format!("checksum task failed: {e}")))?;
         let encode_s = began.elapsed().as_secs_f64();
-        let (stored, base, keyframe) = match object {
-            Some((d, base, keyframe)) => (d, Some(base), Some(keyframe)),
+        let (stored, base) = match object {
+            Some((d, base, keyframe)) => (d, Some((base, keyframe))),
             None => {
                 if self.cfg.max_bytes > 0 {
                     self.make_room(full).await?;
                 }
-                (blob.clone(), None, None)
+                (blob.clone(), None)
             }
         };
-        let stored_bytes = stored.len() as u64;
-        let stored_checksum = base.map(|_| checksum(&stored));
-        let chunks = self.store.put(version, stored).await?;
-        let announce = WeightsAnnounce {
-            schema: WeightsAnnounce::SCHEMA,
+        let object = Object {
+            chunks: self.store.put(version, stored.clone()).await?,
+            bytes: stored.len() as u64,
+            checksum: base.map(|_| checksum(&stored)),
+            base,
+        };
+        let stamp = Stamp {
             version,
             step,
+            started_us,
+            encode_s,
+        };
+        self.finish(stamp, lora, blob, whole_checksum, object).await
+    }
+
+    /// Announces a version whose object is in the store, records it, keeps its bytes as
+    /// the next delta's base and deletes what the newest versions no longer need.
+    async fn finish(
+        &mut self,
+        stamp: Stamp,
+        lora: Option<AdapterInfo>,
+        blob: Arc<Vec<u8>>,
+        whole_checksum: String,
+        object: Object,
+    ) -> Result<WeightsAnnounce, WeightsError> {
+        let base = object.base.map(|(b, _)| b);
+        let announce = WeightsAnnounce {
+            schema: WeightsAnnounce::SCHEMA,
+            version: stamp.version,
+            step: stamp.step,
             kind: if lora.is_some() {
                 WeightsKind::Lora
             } else {
@@ -412,67 +431,164 @@ impl Publisher {
             },
             format: self.format_of(base.is_some(), lora.is_some()),
             dtype: self.dtype.short_name().into(),
-            bytes: full,
-            chunks,
+            bytes: blob.len() as u64,
+            chunks: object.chunks,
             checksum: whole_checksum,
             store: self.store.kind().as_str().into(),
             base,
-            keyframe,
-            stored_bytes: base.map(|_| stored_bytes),
-            stored_checksum,
+            keyframe: object.base.map(|(_, k)| k),
+            stored_bytes: base.map(|_| object.bytes),
+            stored_checksum: object.checksum.clone(),
             lora: lora.clone(),
-            started_us,
+            started_us: stamp.started_us,
             published_us: schema::now_us(),
         };
         self.announce(&announce).await?;
         self.hold(
             Held {
-                version,
+                version: stamp.version,
                 base,
-                chunks,
-                bytes: stored_bytes,
+                chunks: object.chunks,
+                bytes: object.bytes,
             },
-            keyframe,
+            object.base.map(|(_, k)| k),
         )
         .await?;
-        self.prev = (self.cfg.delta && lora.is_none()).then_some((version, blob));
+        self.prev = (self.cfg.delta && lora.is_none()).then_some((stamp.version, blob));
         self.collect().await?;
         let kind = match (&lora, base) {
             (Some(_), _) => "lora",
             (None, Some(_)) => "delta",
             (None, None) => "full",
         };
-        crate::metrics::weights_published(kind, stored_bytes, encode_s);
+        crate::metrics::weights_published(kind, object.bytes, stamp.encode_s);
         crate::metrics::weights_store(self.held_bytes(), self.cfg.max_bytes);
         Ok(announce)
     }
 
-    /// The delta of `blob` on the previous version, with its base and keyframe, when
-    /// deltas are on, the chain may grow, no generator asked for a keyframe, and the delta
-    /// fits (in bytes, against a keyframe and the store's bound); `None` for a keyframe.
-    async fn delta_object(
+    /// Publishes the trainer's tensors as a whole version in the publisher's dtype, written
+    /// to the store while it is encoded: each segment of the version is converted from the
+    /// tensors, XORed with the previous version's and compressed (a delta) on its own core,
+    /// and goes to the store while the next ones are made. The previous version's bytes
+    /// become this version's in place, so publishing holds one version's bytes. A bounded
+    /// store (`weights.max_bytes`) encodes the whole version first, to choose what fits.
+    async fn publish_tensors(
         &mut self,
         version: u64,
-        blob: &Arc<Vec<u8>>,
-    ) -> Result<Option<(Arc<Vec<u8>>, u64, u64)>, WeightsError> {
-        let full = blob.len() as u64;
-        let (Some((base, prev)), Some((keyframe, chain))) = (&self.prev, self.keyframe) else {
+        step: u64,
+        tensors: TensorMap,
+        started_us: u64,
+    ) -> Result<WeightsAnnounce, WeightsError> {
+        let began = Instant::now();
+        let layout = Arc::new(Layout::of_tensors(&tensors, self.dtype));
+        let full = layout.total as u64;
+        self.check_fits(full)?;
+        if self.cfg.max_bytes > 0 {
+            let blob = tokio::task::spawn_blocking(move || layout.encode(&tensors))
+                .await
+                .map_err(|e| ModelError::Unsupported(format!("weights encoder failed: {e}")))??;
+            return self.publish_blob(version, step, blob, started_us).await;
+        }
+        let base = self.delta_base(version, full).await?;
+        // The previous version's bytes, made into this version's as the encoder goes (a
+        // failure on the way leaves no previous version: the next one is a keyframe).
+        let buffer = self
+            .prev
+            .take()
+            .map(|(_, b)| Arc::try_unwrap(b).unwrap_or_else(|b| b.as_ref().clone()))
+            .filter(|b| b.len() == layout.total);
+        let on_prev = base.is_some() && buffer.is_some();
+        let (tx, rx) = tokio::sync::mpsc::channel(8);
+        let encoder = tokio::task::spawn_blocking(move || {
+            encode_streaming(&layout, &tensors, buffer, on_prev, &tx)
+        });
+        let written = self.store.put_stream(version, rx).await;
+        let encoded = encoder
+            .await
+            .map_err(|e| ModelError::Unsupported(format!("weights encoder failed: {e}")))?;
+        let (chunks, stored_bytes, encoded) = match (written, encoded) {
+            (Ok((chunks, n)), Ok(e)) => (chunks, n, e),
+            (Ok((chunks, _)), Err(e)) => {
+                self.store.remove(version, chunks).await?;
+                return Err(e);
+            }
+            // The encoder's failure is the cause of the writer's.
+            (Err(_), Err(e)) | (Err(e), Ok(_)) => return Err(e),
+        };
+        let blob = Arc::new(encoded.bytes);
+        let mut object = Object {
+            chunks,
+            bytes: stored_bytes,
+            checksum: encoded.object_checksum,
+            base: base.filter(|_| on_prev),
+        };
+        // A chain longer in bytes than a keyframe costs a joining reader more: write the
+        // version whole instead.
+        let chain = self.keyframe.map_or(0, |(_, c)| c);
+        if object.base.is_some() && chain + stored_bytes > full {
+            self.store.remove(version, chunks).await?;
+            object = Object {
+                chunks: self.store.put(version, blob.clone()).await?,
+                bytes: full,
+                checksum: None,
+                base: None,
+            };
+        }
+        let stamp = Stamp {
+            version,
+            step,
+            started_us,
+            encode_s: began.elapsed().as_secs_f64(),
+        };
+        self.finish(stamp, None, blob, encoded.checksum, object)
+            .await
+    }
+
+    /// The base and keyframe of a delta for `version` of `full` bytes, with the base's
+    /// bytes: when deltas are on, the chain since the keyframe may grow, the layout is the
+    /// same and no generator asked for a keyframe; `None` for a keyframe.
+    async fn delta_base(
+        &mut self,
+        version: u64,
+        full: u64,
+    ) -> Result<Option<(u64, u64)>, WeightsError> {
+        let (Some((base, prev)), Some((keyframe, _))) = (&self.prev, self.keyframe) else {
             return Ok(None);
         };
         let base = *base;
         if !self.cfg.delta
             || version <= base
             || version - keyframe >= self.cfg.keyframe_every
+            || prev.len() as u64 != full
             || self.keyframe_requested().await?
         {
             return Ok(None);
         }
+        Ok(Some((base, keyframe)))
+    }
+
+    /// The delta of `blob` on the previous version, with its base and keyframe, when
+    /// [`Publisher::delta_base`] allows one and it fits (in bytes, against a keyframe and
+    /// the store's bound); `None` for a keyframe.
+    async fn delta_object(
+        &mut self,
+        version: u64,
+        blob: &Arc<Vec<u8>>,
+    ) -> Result<Option<(Arc<Vec<u8>>, u64, u64)>, WeightsError> {
+        let full = blob.len() as u64;
+        let Some((base, keyframe)) = self.delta_base(version, full).await? else {
+            return Ok(None);
+        };
+        let Some((_, prev)) = &self.prev else {
+            return Ok(None);
+        };
         let (prev, next) = (prev.clone(), blob.clone());
         let encoded = tokio::task::spawn_blocking(move || delta::encode(&prev, &next))
             .await
             .map_err(|e| ModelError::Unsupported(format!("delta encoder failed: {e}")))?;
         let Some(d) = encoded else { return Ok(None) };
         let n = d.len() as u64;
+        let chain = self.keyframe.map_or(0, |(_, c)| c);
         // A chain longer in bytes than a keyframe costs a joining reader more.
         let small = chain + n <= full;
         if small && (self.cfg.max_bytes == 0 || self.fit_delta(n, full).await?) {
@@ -552,4 +668,112 @@ impl Publisher {
         }
         Ok(())
     }
+}
+
+/// When and what a version is, for its announce.
+struct Stamp {
+    version: u64,
+    step: u64,
+    started_us: u64,
+    /// Seconds from the start of publishing to the object being in the store.
+    encode_s: f64,
+}
+
+/// A version's object as written: its chunks, size, checksum (a delta's own) and, for a
+/// delta, its base and keyframe.
+struct Object {
+    chunks: u32,
+    bytes: u64,
+    checksum: Option<String>,
+    base: Option<(u64, u64)>,
+}
+
+/// What [`encode_streaming`] made: the version's bytes, their checksum, and the checksum
+/// of the delta object when it wrote one.
+struct Encoded {
+    bytes: Vec<u8>,
+    checksum: String,
+    object_checksum: Option<String>,
+}
+
+/// Encodes `tensors` in `layout` segment by segment into `buffer` (the previous version's
+/// bytes when `on_prev`, whose delta is then what `tx` gets; otherwise any buffer of the
+/// right size, or none) and sends each segment's object piece to `tx` as soon as its window
+/// of segments (two per core) is made.
+fn encode_streaming(
+    layout: &Layout,
+    tensors: &TensorMap,
+    buffer: Option<Vec<u8>>,
+    on_prev: bool,
+    tx: &tokio::sync::mpsc::Sender<Piece>,
+) -> Result<Encoded, WeightsError> {
+    use rayon::prelude::*;
+    let (total, segment) = (layout.total, delta::SEGMENT);
+    let on_prev = on_prev && buffer.is_some();
+    let mut next = buffer.unwrap_or_else(|| vec![0u8; total]);
+    let stopped = || WeightsError::Store {
+        store: "encoder",
+        reason: "the store stopped taking the version".into(),
+    };
+    let send = |b: Vec<u8>| {
+        tx.blocking_send(Piece::Bytes(Bytes::from(b)))
+            .map_err(|_| stopped())
+    };
+    let (mut whole, mut object) = (Xxh3::new(), Xxh3::new());
+    if on_prev {
+        let h = delta::header(total, segment);
+        object.update(&h);
+        send(h)?;
+    }
+    let window = segment * 2 * rayon::current_num_threads().max(1);
+    for (w, chunk) in next.chunks_mut(window).enumerate() {
+        let from = w * window;
+        let frames: Vec<Option<Vec<u8>>> = chunk
+            .par_chunks_mut(segment)
+            .enumerate()
+            .map_init(Vec::new, |scratch: &mut Vec<u8>, (k, out)| {
+                let at = from + k * segment;
+                if !on_prev {
+                    layout.write_range(tensors, at, out)?;
+                    return Ok(None);
+                }
+                // `out` holds the previous version: XOR the new bytes in, compress that,
+                // then leave the new bytes there.
+                scratch.resize(out.len(), 0);
+                layout.write_range(tensors, at, scratch)?;
+                delta::xor_in_place(out, scratch);
+                let frame = zstd::bulk::compress(out, delta::ZSTD_LEVEL).map_err(|e| {
+                    WeightsError::Store {
+                        store: "encoder",
+                        reason: format!("zstd: {e}"),
+                    }
+                })?;
+                out.copy_from_slice(scratch);
+                Ok(Some(frame))
+            })
+            .collect::<Result<_, WeightsError>>()?;
+        whole.update(chunk);
+        for (k, frame) in frames.into_iter().enumerate() {
+            match frame {
+                Some(f) => {
+                    let len = delta::frame_length(&f);
+                    object.update(&len);
+                    object.update(&f);
+                    send(len.to_vec())?;
+                    send(f)?;
+                }
+                None => {
+                    let end = ((k + 1) * segment).min(chunk.len());
+                    send(chunk[k * segment..end].to_vec())?;
+                }
+            }
+        }
+    }
+    tx.blocking_send(Piece::End).map_err(|_| stopped())?;
+    let hex = |h: &Xxh3| format!("{:016x}", h.digest());
+    Ok(Encoded {
+        bytes: next,
+        checksum: hex(&whole),
+        object_checksum: on_prev.then(|| hex(&object)),
+    })
 }

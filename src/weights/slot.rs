@@ -61,9 +61,16 @@ impl<B: Backend> ModelSlot<B> {
 
     /// Swaps `model` in and wakes the waiters.
     pub fn store(&self, model: Versioned<B>) {
+        drop(self.swap(model));
+    }
+
+    /// Swaps `model` in, wakes the waiters and returns the model it replaced (the decode
+    /// loop may still be running a pass on it: it is free once this is its last holder).
+    pub fn swap(&self, model: Versioned<B>) -> Arc<Versioned<B>> {
         let version = model.version;
-        self.model.store(Arc::new(model));
+        let old = self.model.swap(Arc::new(model));
         self.version.send_replace(version);
+        old
     }
 
     /// Waits until the slot holds `version` or a newer one.

@@ -40,6 +40,43 @@ fn fault_tick() {
     }
 }
 
+/// A piece of an object written while it is being made ([`BlobStore::put_stream`]).
+pub enum Piece {
+    Bytes(Bytes),
+    /// The object is whole: nothing follows.
+    End,
+}
+
+/// The pieces of an object, for a writer that consumes them as they come. The object is
+/// complete only once [`Piece::End`] arrives: a channel that closes before it is a writer
+/// that stopped halfway, and what was written is removed.
+pub type Pieces = tokio::sync::mpsc::Receiver<Piece>;
+
+fn stopped_halfway(store: &'static str, version: u64) -> WeightsError {
+    WeightsError::Store {
+        store,
+        reason: format!("version {version} stopped before its last piece; nothing was kept"),
+    }
+}
+
+/// Bytes owned by an `Arc<Vec<u8>>`, handed out without a copy.
+struct Shared(Arc<Vec<u8>>);
+
+impl AsRef<[u8]> for Shared {
+    fn as_ref(&self) -> &[u8] {
+        self.0.as_slice()
+    }
+}
+
+/// The pieces of an object that is already whole.
+fn whole(bytes: Arc<Vec<u8>>) -> Pieces {
+    let (tx, rx) = tokio::sync::mpsc::channel(2);
+    // Capacity 2 holds both: neither send can fail or wait.
+    let _ = tx.try_send(Piece::Bytes(Bytes::from_owner(Shared(bytes))));
+    let _ = tx.try_send(Piece::End);
+    rx
+}
+
 /// A place for version objects. `put` is complete when it returns; `get` returns the bytes
 /// as stored (the caller verifies them against the announce).
 #[async_trait::async_trait]
@@ -47,6 +84,25 @@ pub trait BlobStore: Send + Sync {
     fn kind(&self) -> StoreKind;
     /// Writes the object of `version`; returns how many chunks it took.
     async fn put(&self, version: u64, bytes: Arc<Vec<u8>>) -> Result<u32, WeightsError>;
+    /// Writes the object of `version` piece by piece as `pieces` brings them, so that
+    /// writing overlaps making the object; returns how many chunks and bytes it took. The
+    /// default gathers the pieces and [`BlobStore::put`]s them.
+    async fn put_stream(
+        &self,
+        version: u64,
+        mut pieces: Pieces,
+    ) -> Result<(u32, u64), WeightsError> {
+        let mut all = Vec::new();
+        loop {
+            match pieces.recv().await {
+                Some(Piece::Bytes(b)) => all.extend_from_slice(&b),
+                Some(Piece::End) => break,
+                None => return Err(stopped_halfway(self.kind().as_str(), version)),
+            }
+        }
+        let n = all.len() as u64;
+        Ok((self.put(version, Arc::new(all)).await?, n))
+    }
     /// Reads the object of `version` written in `chunks` chunks.
     async fn get(&self, version: u64, chunks: u32) -> Result<Vec<u8>, WeightsError>;
     /// Deletes the object of `version` (absent is not an error).
@@ -96,32 +152,72 @@ impl BlobStore for RedisStore {
     }
 
     async fn put(&self, version: u64, bytes: Arc<Vec<u8>>) -> Result<u32, WeightsError> {
-        let chunks: Vec<(String, Bytes)> = if bytes.is_empty() {
-            vec![(self.topo.weights_chunk_key(version, 0), Bytes::new())]
-        } else {
-            bytes
-                .chunks(self.chunk_bytes)
-                .enumerate()
-                .map(|(i, c)| {
-                    (
-                        self.topo.weights_chunk_key(version, i as u32),
-                        Bytes::copy_from_slice(c),
-                    )
-                })
-                .collect()
+        Ok(self.put_stream(version, whole(bytes)).await?.0)
+    }
+
+    /// Cuts the pieces into chunks of `chunk_bytes` (the same chunks whatever the pieces)
+    /// and writes them in pipelined batches as they fill.
+    async fn put_stream(
+        &self,
+        version: u64,
+        mut pieces: Pieces,
+    ) -> Result<(u32, u64), WeightsError> {
+        let size = self.chunk_bytes.max(1);
+        let mut open = bytes::BytesMut::new();
+        let mut ready: Vec<(String, Bytes)> = Vec::new();
+        let (mut chunks, mut total) = (0u32, 0u64);
+        let cut = |b: Bytes, ready: &mut Vec<(String, Bytes)>, chunks: &mut u32| {
+            ready.push((self.topo.weights_chunk_key(version, *chunks), b));
+            *chunks += 1;
         };
-        if fault_budget().is_some() {
-            for c in &chunks {
-                self.bus.put_blobs(std::slice::from_ref(c)).await?;
-                fault_tick();
-            }
-        } else {
+        loop {
+            let piece = pieces.recv().await;
+            let end = match piece {
+                Some(Piece::Bytes(mut b)) => {
+                    total += b.len() as u64;
+                    while !b.is_empty() {
+                        if open.is_empty() && b.len() >= size {
+                            cut(b.split_to(size), &mut ready, &mut chunks);
+                            continue;
+                        }
+                        let take = (size - open.len()).min(b.len());
+                        open.extend_from_slice(&b.split_to(take));
+                        if open.len() == size {
+                            cut(open.split().freeze(), &mut ready, &mut chunks);
+                        }
+                    }
+                    false
+                }
+                Some(Piece::End) => {
+                    if !open.is_empty() || (chunks == 0 && ready.is_empty()) {
+                        cut(open.split().freeze(), &mut ready, &mut chunks);
+                    }
+                    true
+                }
+                None => {
+                    let keys: Vec<String> = (0..chunks)
+                        .map(|c| self.topo.weights_chunk_key(version, c))
+                        .collect();
+                    self.bus.delete(&keys).await?;
+                    return Err(stopped_halfway("redis", version));
+                }
+            };
             // One pipelined batch per few chunks keeps other traffic moving between them.
-            for batch in chunks.chunks(16) {
-                self.bus.put_blobs(batch).await?;
+            while ready.len() >= 16 || (end && !ready.is_empty()) {
+                let batch: Vec<_> = ready.drain(..ready.len().min(16)).collect();
+                if fault_budget().is_some() {
+                    for c in &batch {
+                        self.bus.put_blobs(std::slice::from_ref(c)).await?;
+                        fault_tick();
+                    }
+                } else {
+                    self.bus.put_blobs(&batch).await?;
+                }
+            }
+            if end {
+                return Ok((chunks, total));
             }
         }
-        Ok(chunks.len() as u32)
     }
 
     async fn get(&self, version: u64, chunks: u32) -> Result<Vec<u8>, WeightsError> {
@@ -186,6 +282,16 @@ impl BlobStore for DirStore {
     }
 
     async fn put(&self, version: u64, bytes: Arc<Vec<u8>>) -> Result<u32, WeightsError> {
+        Ok(self.put_stream(version, whole(bytes)).await?.0)
+    }
+
+    /// Appends each piece to a temporary file as it comes; fsyncs and renames it once the
+    /// last has.
+    async fn put_stream(
+        &self,
+        version: u64,
+        mut pieces: Pieces,
+    ) -> Result<(u32, u64), WeightsError> {
         let path = self.path(version);
         let tmp = self
             .dir
@@ -204,31 +310,48 @@ impl BlobStore for DirStore {
                     ),
                 });
             }
-            let write = || -> std::io::Result<()> {
+            let mut total = 0u64;
+            let mut write = || -> std::io::Result<bool> {
                 if !dir.is_dir() {
                     std::fs::create_dir(&dir)?;
                 }
                 let mut f = std::fs::File::create(&tmp)?;
-                for c in bytes.chunks(piece) {
-                    f.write_all(c)?;
-                    fault_tick();
+                loop {
+                    match pieces.blocking_recv() {
+                        Some(Piece::Bytes(b)) => {
+                            for c in b.chunks(piece) {
+                                f.write_all(c)?;
+                                fault_tick();
+                            }
+                            total += b.len() as u64;
+                        }
+                        Some(Piece::End) => break,
+                        None => return Ok(false),
+                    }
                 }
                 f.sync_all()?;
                 std::fs::rename(&tmp, &path)?;
                 // The rename is durable once the directory is synced.
-                std::fs::File::open(&dir)?.sync_all()
+                std::fs::File::open(&dir)?.sync_all()?;
+                Ok(true)
             };
-            write().map_err(|e| {
-                let _ = std::fs::remove_file(&tmp);
-                dir_err(&path, "cannot write", &e)
-            })
+            match write() {
+                Ok(true) => Ok((1, total)),
+                Ok(false) => {
+                    let _ = std::fs::remove_file(&tmp);
+                    Err(stopped_halfway("dir", version))
+                }
+                Err(e) => {
+                    let _ = std::fs::remove_file(&tmp);
+                    Err(dir_err(&path, "cannot write", &e))
+                }
+            }
         })
         .await
         .map_err(|e| WeightsError::Store {
             store: "dir",
             reason: format!("writer task failed: {e}"),
-        })??;
-        Ok(1)
+        })?
     }
 
     async fn get(&self, version: u64, _chunks: u32) -> Result<Vec<u8>, WeightsError> {

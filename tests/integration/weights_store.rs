@@ -7,6 +7,7 @@
 
 use bytes::Bytes;
 use rlstream::bus::{RangeBound, RedisBus, SharedBus, Topology};
+use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
 use rlstream::model::tensors::{TensorMap, WeightDtype, tensors_to_safetensors_as};
 use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
 use rlstream::schema::{self, WeightsAnnounce};
@@ -680,4 +681,140 @@ async fn a_bf16_checkpoint_is_published_in_bf16() {
         want.to_tensors().unwrap(),
         "the trainer keeps f32 weights that bf16 does not hold"
     );
+}
+
+/// The generator's decode loop keeps sampling while the follower applies each delta in
+/// place to the model the slot retired and swaps it in (published as the trainer does,
+/// streamed from its tensors, through each store): every completion's tokens up to its
+/// first swap match teacher forcing under the version they are tagged with, completions
+/// span swaps, and after the first delta no version copies or builds a model.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn swapping_in_place_while_decoding_keeps_every_token_on_its_version() {
+    use rlstream::model::sampler::{Completion, Generator, Request};
+    use rlstream::schema::SamplingParams;
+    use rlstream::weights::Payload;
+    use std::sync::atomic::AtomicBool;
+    for store in [StoreKind::Redis, StoreKind::Dir] {
+        let dir = tempfile::tempdir().unwrap();
+        let ns = crate::common::unique_ns("wswap");
+        let (bus, topo) = redis(&ns).await;
+        let cfg = WeightsConfig {
+            keyframe_every: 100,
+            ..settings(store, dir.path())
+        };
+        let mut p = publisher(&bus, &topo, &cfg, 3).await;
+        let (mut f, slot) = follower(&bus, &topo, &cfg);
+        let first = p
+            .publish_payload(1, 1, Payload::Tensors(version_tensors(1)))
+            .await
+            .unwrap();
+        assert_eq!((first.base, first.dtype.as_str()), (None, "bf16"));
+        assert_eq!(settle(&mut f).await, Some(1));
+
+        let stop = Arc::new(AtomicBool::new(false));
+        let steps = Arc::new(AtomicU64::new(0));
+        let decode = {
+            let (slot, stop, steps) = (slot.clone(), stop.clone(), steps.clone());
+            std::thread::spawn(move || {
+                let mut g = Generator::new();
+                let mut done: Vec<(Vec<u32>, Completion)> = Vec::new();
+                let mut prompts = std::collections::HashMap::new();
+                let mut id = 0u64;
+                while !stop.load(Ordering::SeqCst) || !g.is_idle() {
+                    // One load per pass, as the decode loop does.
+                    let m = slot.load();
+                    if !stop.load(Ordering::SeqCst) && g.active() < 4 {
+                        let prompt = vec![3, 5, 7 + (id % 11) as u32];
+                        let params = SamplingParams {
+                            temperature: 1.0,
+                            top_k: 0,
+                            top_p: 1.0,
+                            max_new_tokens: 6,
+                            stop_tokens: vec![],
+                            seed: id,
+                        };
+                        let req = Request {
+                            id,
+                            prompt: prompt.clone(),
+                            n: 2,
+                            params,
+                        };
+                        g.admit(&m.policy, m.version, &req).unwrap();
+                        prompts.insert(id, prompt);
+                        id += 1;
+                    }
+                    for c in g.step(&m.policy, m.version).unwrap() {
+                        done.push((prompts[&c.request_id].clone(), c));
+                    }
+                    steps.fetch_add(1, Ordering::SeqCst);
+                }
+                done
+            })
+        };
+        let wait_steps = |n: u64| {
+            let steps = steps.clone();
+            async move {
+                let from = steps.load(Ordering::SeqCst);
+                while steps.load(Ordering::SeqCst) < from + n {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+            }
+        };
+        for v in 2..=6 {
+            wait_steps(40).await;
+            let a = p
+                .publish_payload(v, v, Payload::Tensors(version_tensors(v)))
+                .await
+                .unwrap();
+            assert_eq!(a.base, Some(v - 1), "{store:?}: version {v} is a delta");
+            assert_eq!(settle(&mut f).await, Some(v), "{store:?}");
+            let phases: Vec<&str> = f.last_phases().iter().map(|(n, _)| *n).collect();
+            if v >= 3 {
+                assert!(
+                    phases.contains(&"decode") && !phases.contains(&"copy"),
+                    "{store:?}: version {v} was not applied in place: {phases:?}"
+                );
+            }
+        }
+        wait_steps(40).await;
+        stop.store(true, Ordering::SeqCst);
+        let done = decode.join().unwrap();
+        assert_eq!(f.rejected, 0);
+        holds(&slot, 6);
+
+        let announced: Vec<Policy<InferBackend>> = (0..=6)
+            .map(|v| {
+                Policy::from_bytes(&model_config(), &wire(v.max(1)), &Default::default()).unwrap()
+            })
+            .collect();
+        let (mut versions, mut spanning, mut checked) = (std::collections::BTreeSet::new(), 0, 0);
+        for (prompt, c) in &done {
+            let v = c.versions[0].version;
+            let end = c
+                .versions
+                .get(1)
+                .map_or(c.tokens.len(), |r| r.start as usize);
+            versions.insert(v);
+            spanning += usize::from(c.versions.len() > 1);
+            let seqs = [ScoredSeq::plain(prompt, &c.tokens)];
+            let (lp, _) = completion_logprobs(&announced[v as usize], &seqs, 1.0);
+            let lp: Vec<f32> = lp.into_data().into_vec().unwrap();
+            for j in 0..end {
+                assert!(
+                    (c.logprobs[j] - lp[j]).abs() < 1e-4,
+                    "{store:?}: token {j} tagged version {v} was sampled with log-prob {}, \
+                     the version gives {}",
+                    c.logprobs[j],
+                    lp[j]
+                );
+                checked += 1;
+            }
+        }
+        assert!(
+            versions.len() >= 4,
+            "{store:?}: completions began under versions {versions:?} only"
+        );
+        assert!(spanning > 0, "{store:?}: no completion spanned a swap");
+        assert!(checked > 100, "{store:?}: only {checked} tokens checked");
+    }
 }

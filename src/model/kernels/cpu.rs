@@ -2,7 +2,7 @@
 //! cores by rayon, each output written once into a fresh buffer. A tensor of another dtype
 //! takes the composed path.
 
-use super::{Kept, Kernels, attend, inv_temperature, reference, rows, token_logprob};
+use super::{HfValues, Kept, Kernels, attend, inv_temperature, reference, rows, token_logprob};
 use burn::backend::NdArray;
 use burn::backend::ndarray::NdArrayTensor;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
@@ -178,6 +178,22 @@ const BF16_MIN_VALUES: usize = 1 << 18;
 
 /// A generation model's bf16 weight ([`Kernels::decode_weight`]): its `[out, in]` bits in
 /// memory order, when it is the transposed view that builds.
+/// The values of `a` in Hugging Face order (for a linear weight, `a` is the `[in, out]` view
+/// of `[out, in]` values): its buffer when that is laid out so and `a` holds it alone, a
+/// copy otherwise.
+fn hf_vec<E: Clone>(a: ArcArray<E, IxDyn>, linear: bool) -> Vec<E> {
+    let a = if linear { a.reversed_axes() } else { a };
+    if a.is_standard_layout() {
+        let n = a.len();
+        let (v, offset) = a.into_owned().into_raw_vec_and_offset();
+        if offset.unwrap_or(0) == 0 && v.len() == n {
+            return v;
+        }
+        return v[offset.unwrap_or(0)..][..n].to_vec();
+    }
+    a.iter().cloned().collect()
+}
+
 fn bf16_stored(weight: &Tensor<NdArray, 2>) -> Option<ArcArray<u16, IxDyn>> {
     match weight.clone().into_primitive().tensor() {
         NdArrayTensor::U16(storage) => {
@@ -205,6 +221,55 @@ impl Kernels for NdArray {
             NdArrayTensor::from(stored(bits, [rows, cols]))
         } else {
             NdArrayTensor::from(stored(values, [rows, cols]))
+        };
+        Tensor::from_primitive(TensorPrimitive::Float(primitive))
+    }
+
+    /// The buffer itself when it is in Hugging Face order and this tensor holds it alone
+    /// (a generation model's weights: `[out, in]` as stored, or row-major), a copy otherwise.
+    fn into_hf_values<const D: usize>(
+        t: Tensor<Self, D>,
+        linear: bool,
+    ) -> Result<HfValues, crate::model::ModelError> {
+        Ok(match t.into_primitive().tensor() {
+            NdArrayTensor::U16(storage) => HfValues::Bf16(hf_vec(storage.into_shared(), linear)),
+            NdArrayTensor::F32(storage) => HfValues::F32(hf_vec(storage.into_shared(), linear)),
+            other => {
+                let t = Tensor::<Self, D>::from_primitive(TensorPrimitive::Float(other));
+                let t = if linear && D == 2 {
+                    t.swap_dims(0, 1)
+                } else {
+                    t
+                };
+                let data = t.into_data().convert::<f32>();
+                HfValues::F32(
+                    data.into_vec::<f32>()
+                        .map_err(|e| crate::model::ModelError::Unsupported(format!("{e:?}")))?,
+                )
+            }
+        })
+    }
+
+    /// The values become the tensor's buffer without a copy: a linear weight as
+    /// [`Kernels::decode_weight`] holds it (bf16 bits stay 16 bits), anything else row-major.
+    fn from_hf_values<const D: usize>(
+        values: HfValues,
+        hf_shape: &[usize],
+        linear: bool,
+        device: &Self::Device,
+    ) -> Tensor<Self, D> {
+        let primitive = match (values, linear && D == 2) {
+            (HfValues::Bf16(bits), true) => {
+                NdArrayTensor::from(stored(bits, [hf_shape[0], hf_shape[1]]))
+            }
+            (HfValues::F32(v), true) => {
+                let t = Self::decode_weight(v, [hf_shape[0], hf_shape[1]], device);
+                return Tensor::from_primitive(t.into_primitive());
+            }
+            (values, false) => NdArrayTensor::from(
+                ArcArray::from_shape_vec(IxDyn(hf_shape), values.into_f32())
+                    .unwrap_or_else(|e| unreachable!("values sized to their shape: {e}")),
+            ),
         };
         Tensor::from_primitive(TensorPrimitive::Float(primitive))
     }

@@ -58,6 +58,48 @@ pub fn widened<B: Backend>(w: Tensor<B, 2>) -> Tensor<B, 2> {
         .transpose()
 }
 
+/// A parameter's values in its Hugging Face tensor's order, as a backend holds them: bf16
+/// bits (a weight [`Kernels::decode_weight`] keeps in 16 bits) or f32.
+#[derive(Debug, Clone, PartialEq)]
+pub enum HfValues {
+    Bf16(Vec<u16>),
+    F32(Vec<f32>),
+}
+
+impl HfValues {
+    pub fn len(&self) -> usize {
+        match self {
+            HfValues::Bf16(v) => v.len(),
+            HfValues::F32(v) => v.len(),
+        }
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The values as f32 (bf16 widened exactly).
+    pub fn into_f32(self) -> Vec<f32> {
+        match self {
+            HfValues::F32(v) => v,
+            HfValues::Bf16(v) => v
+                .into_iter()
+                .map(|h| f32::from_bits(u32::from(h) << 16))
+                .collect(),
+        }
+    }
+}
+
+/// [`widened`] for a tensor of any rank (only matrices are ever held in 16 bits).
+fn widened_any<B: Backend, const D: usize>(t: Tensor<B, D>) -> Tensor<B, D> {
+    if D != 2 || t.dtype() != burn::tensor::DType::U16 {
+        return t;
+    }
+    let dims = t.dims();
+    let w: Tensor<B, 2> = t.reshape([dims[0], dims[1]]);
+    widened(w).reshape(dims)
+}
+
 /// The gradients of a linear layer on rows: input, weight (when wanted), bias (when it
 /// has one).
 pub type LinearGrads<B> = (Tensor<B, 2>, Option<Tensor<B, 2>>, Option<Tensor<B, 1>>);
@@ -88,6 +130,46 @@ pub trait Kernels: Backend {
     ) -> Tensor<Self, 2> {
         let t = crate::model::tensors::transpose(&values, rows, cols);
         Tensor::from_data(burn::tensor::TensorData::new(t, [cols, rows]), device)
+    }
+
+    /// A generation model's parameter moved out as its values in Hugging Face order (`[out,
+    /// in]` for a linear weight: `linear`, which burn holds as `[in, out]`), to be changed in
+    /// place and put back with [`Kernels::from_hf_values`]. A backend that keeps the values
+    /// in host memory in that order hands its buffer over without a copy when the tensor is
+    /// its only holder; the default copies them to the host as f32.
+    fn into_hf_values<const D: usize>(
+        t: Tensor<Self, D>,
+        linear: bool,
+    ) -> Result<HfValues, crate::model::ModelError> {
+        let t = if linear && D == 2 {
+            widened_any(t).swap_dims(0, 1)
+        } else {
+            t
+        };
+        let data = t.into_data().convert::<f32>();
+        data.into_vec::<f32>()
+            .map(HfValues::F32)
+            .map_err(|e| crate::model::ModelError::Unsupported(format!("{e:?}")))
+    }
+
+    /// The parameter of `hf_shape` holding `values` (see [`Kernels::into_hf_values`]): a
+    /// linear weight as [`Kernels::decode_weight`] holds it, anything else as a row-major
+    /// f32 tensor.
+    fn from_hf_values<const D: usize>(
+        values: HfValues,
+        hf_shape: &[usize],
+        linear: bool,
+        device: &Self::Device,
+    ) -> Tensor<Self, D> {
+        let values = values.into_f32();
+        if linear && D == 2 {
+            let t = Self::decode_weight(values, [hf_shape[0], hf_shape[1]], device);
+            return Tensor::from_primitive(t.into_primitive());
+        }
+        Tensor::from_data(
+            burn::tensor::TensorData::new(values, hf_shape.to_vec()),
+            device,
+        )
     }
 
     /// `x · weight + bias` for `x` `[n, in]` and `weight` `[in, out]` (burn's layout).

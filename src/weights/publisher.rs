@@ -471,7 +471,8 @@ impl Publisher {
     /// tensors, XORed with the previous version's and compressed (a delta) on its own core,
     /// and goes to the store while the next ones are made. The previous version's bytes
     /// become this version's in place, so publishing holds one version's bytes. A bounded
-    /// store (`weights.max_bytes`) encodes the whole version first, to choose what fits.
+    /// store (`weights.max_bytes`) first makes room for a whole version (a delta is never
+    /// kept larger), and keeps a delta only if a keyframe still fits after it.
     async fn publish_tensors(
         &mut self,
         version: u64,
@@ -483,12 +484,11 @@ impl Publisher {
         let layout = Arc::new(Layout::of_tensors(&tensors, self.dtype));
         let full = layout.total as u64;
         self.check_fits(full)?;
-        if self.cfg.max_bytes > 0 {
-            let blob = tokio::task::spawn_blocking(move || layout.encode(&tensors))
-                .await
-                .map_err(|e| ModelError::Unsupported(format!("weights encoder failed: {e}")))??;
-            return self.publish_blob(version, step, blob, started_us).await;
+        let max = self.cfg.max_bytes;
+        if max > 0 {
+            self.make_room(full).await?;
         }
+        let newest_chain = self.newest_chain();
         let base = self.delta_base(version, full).await?;
         // The previous version's bytes, made into this version's as the encoder goes (a
         // failure on the way leaves no previous version: the next one is a keyframe).
@@ -510,10 +510,11 @@ impl Publisher {
             (Ok((chunks, n)), Ok(e)) => (chunks, n, e),
             (Ok((chunks, _)), Err(e)) => {
                 self.store.remove(version, chunks).await?;
-                return Err(e);
+                return Err(e.unwrap_or_else(|| stopped("the encoder stopped early")));
             }
-            // The encoder's failure is the cause of the writer's.
-            (Err(_), Err(e)) | (Err(e), Ok(_)) => return Err(e),
+            // Whichever failed first is the cause: an encoder that failed on its own closed
+            // the writer's channel; one the writer stopped has nothing to say.
+            (Err(_), Err(Some(e))) | (Err(e), _) => return Err(e),
         };
         let blob = Arc::new(encoded.bytes);
         let mut object = Object {
@@ -522,10 +523,12 @@ impl Publisher {
             checksum: encoded.object_checksum,
             base: base.filter(|_| on_prev),
         };
-        // A chain longer in bytes than a keyframe costs a joining reader more: write the
-        // version whole instead.
+        // A chain longer in bytes than a keyframe costs a joining reader more, and a delta
+        // after which no keyframe fits the bound blocks the next one: write the version
+        // whole instead (the room made above holds it).
         let chain = self.keyframe.map_or(0, |(_, c)| c);
-        if object.base.is_some() && chain + stored_bytes > full {
+        let crowds = max > 0 && newest_chain + stored_bytes + full > max;
+        if object.base.is_some() && (chain + stored_bytes > full || crowds) {
             self.store.remove(version, chunks).await?;
             object = Object {
                 chunks: self.store.put(version, blob.clone()).await?,
@@ -630,24 +633,24 @@ impl Publisher {
     /// `full` bytes after it (deleting versions the newest does not need, if that helps).
     async fn fit_delta(&mut self, d: u64, full: u64) -> Result<bool, WeightsError> {
         let max = self.cfg.max_bytes;
-        let newest_chain: u64 = match self.held.last() {
-            Some(h) => {
-                let c = self.closure(h.version);
-                self.held
-                    .iter()
-                    .filter(|x| c.contains(&x.version))
-                    .map(|x| x.bytes)
-                    .sum()
-            }
-            None => 0,
-        };
-        if newest_chain + d + full > max {
+        if self.newest_chain() + d + full > max {
             return Ok(false);
         }
         if self.held_bytes() + d > max {
             self.collect_keeping(1).await?;
         }
         Ok(self.held_bytes() + d <= max)
+    }
+
+    /// Bytes the newest version's chain holds (the newest version and its bases).
+    fn newest_chain(&self) -> u64 {
+        let Some(h) = self.held.last() else { return 0 };
+        let c = self.closure(h.version);
+        self.held
+            .iter()
+            .filter(|x| c.contains(&x.version))
+            .map(|x| x.bytes)
+            .sum()
     }
 
     /// Deletes older versions until a keyframe of `full` bytes fits the bound; the newest
@@ -696,6 +699,13 @@ struct Encoded {
     object_checksum: Option<String>,
 }
 
+fn stopped(why: &str) -> WeightsError {
+    WeightsError::Store {
+        store: "encoder",
+        reason: why.into(),
+    }
+}
+
 /// Encodes `tensors` in `layout` segment by segment into `buffer` (the previous version's
 /// bytes when `on_prev`, whose delta is then what `tx` gets; otherwise any buffer of the
 /// right size, or none) and sends each segment's object piece to `tx` as soon as its window
@@ -706,18 +716,15 @@ fn encode_streaming(
     buffer: Option<Vec<u8>>,
     on_prev: bool,
     tx: &tokio::sync::mpsc::Sender<Piece>,
-) -> Result<Encoded, WeightsError> {
+) -> Result<Encoded, Option<WeightsError>> {
     use rayon::prelude::*;
     let (total, segment) = (layout.total, delta::SEGMENT);
     let on_prev = on_prev && buffer.is_some();
     let mut next = buffer.unwrap_or_else(|| vec![0u8; total]);
-    let stopped = || WeightsError::Store {
-        store: "encoder",
-        reason: "the store stopped taking the version".into(),
-    };
+    // A closed channel is a writer that failed: its error is the one to report.
     let send = |b: Vec<u8>| {
         tx.blocking_send(Piece::Bytes(Bytes::from(b)))
-            .map_err(|_| stopped())
+            .map_err(|_| None)
     };
     let (mut whole, mut object) = (Xxh3::new(), Xxh3::new());
     if on_prev {
@@ -742,16 +749,13 @@ fn encode_streaming(
                 scratch.resize(out.len(), 0);
                 layout.write_range(tensors, at, scratch)?;
                 delta::xor_in_place(out, scratch);
-                let frame = zstd::bulk::compress(out, delta::ZSTD_LEVEL).map_err(|e| {
-                    WeightsError::Store {
-                        store: "encoder",
-                        reason: format!("zstd: {e}"),
-                    }
-                })?;
+                let frame = zstd::bulk::compress(out, delta::ZSTD_LEVEL)
+                    .map_err(|e| stopped(&format!("zstd: {e}")))?;
                 out.copy_from_slice(scratch);
                 Ok(Some(frame))
             })
-            .collect::<Result<_, WeightsError>>()?;
+            .collect::<Result<_, WeightsError>>()
+            .map_err(Some)?;
         whole.update(chunk);
         for (k, frame) in frames.into_iter().enumerate() {
             match frame {
@@ -769,7 +773,7 @@ fn encode_streaming(
             }
         }
     }
-    tx.blocking_send(Piece::End).map_err(|_| stopped())?;
+    tx.blocking_send(Piece::End).map_err(|_| None)?;
     let hex = |h: &Xxh3| format!("{:016x}", h.digest());
     Ok(Encoded {
         bytes: next,

@@ -438,8 +438,9 @@ async fn max_bytes_bounds_what_the_store_holds() {
         "{err}"
     );
     // Room for two and a half versions, keep 3: deltas until the bound, then keyframes and
-    // older versions deleted. Every version still reaches the generator.
-    for delta in [true, false] {
+    // older versions deleted. Every version still reaches the generator, published whole or
+    // streamed from the trainer's tensors.
+    for (delta, streamed) in [(true, false), (false, false), (true, true), (false, true)] {
         let cfg = WeightsConfig {
             max_bytes: full * 5 / 2,
             keyframe_every: 100,
@@ -448,18 +449,26 @@ async fn max_bytes_bounds_what_the_store_holds() {
         };
         let topo = topo
             .clone()
-            .with_namespace(&format!("{ns}-{delta}"))
+            .with_namespace(&format!("{ns}-{delta}-{streamed}"))
             .unwrap();
         let mut p = publisher(&bus, &topo, &cfg, 3).await;
         let (mut f, slot) = follower(&bus, &topo, &cfg);
+        let mut deltas = 0;
         for v in 1..=8 {
-            p.publish(v, v, &wire(v)).await.unwrap();
+            let a = if streamed {
+                let t = rlstream::weights::Payload::Tensors(version_tensors(v));
+                p.publish_payload(v, v, t).await.unwrap()
+            } else {
+                p.publish(v, v, &wire(v)).await.unwrap()
+            };
+            deltas += usize::from(a.is_delta());
             let held = p.held_bytes();
             assert!(held <= cfg.max_bytes, "v{v}: {held} > {}", cfg.max_bytes);
             assert_eq!(redis_store_bytes(&bus, &topo, v).await, held, "v{v}");
             assert_eq!(settle(&mut f).await, Some(v));
             holds(&slot, v);
         }
+        assert_eq!(deltas > 0, delta, "delta {delta}, streamed {streamed}");
     }
 }
 
@@ -799,13 +808,11 @@ async fn swapping_in_place_while_decoding_keeps_every_token_on_its_version() {
             let seqs = [ScoredSeq::plain(prompt, &c.tokens)];
             let (lp, _) = completion_logprobs(&announced[v as usize], &seqs, 1.0);
             let lp: Vec<f32> = lp.into_data().into_vec().unwrap();
-            for j in 0..end {
+            for (j, (behaviour, teacher)) in c.logprobs.iter().zip(&lp).take(end).enumerate() {
                 assert!(
-                    (c.logprobs[j] - lp[j]).abs() < 1e-4,
-                    "{store:?}: token {j} tagged version {v} was sampled with log-prob {}, \
-                     the version gives {}",
-                    c.logprobs[j],
-                    lp[j]
+                    (behaviour - teacher).abs() < 1e-4,
+                    "{store:?}: token {j} tagged version {v} was sampled with log-prob \
+                     {behaviour}, the version gives {teacher}"
                 );
                 checked += 1;
             }
@@ -817,4 +824,121 @@ async fn swapping_in_place_while_decoding_keeps_every_token_on_its_version() {
         assert!(spanning > 0, "{store:?}: no completion spanned a swap");
         assert!(checked > 100, "{store:?}: only {checked} tokens checked");
     }
+}
+
+/// A store that fails a version once `budget` of its bytes are written, in the middle of
+/// the stream (a disk that fills up while the trainer writes).
+struct Breaking {
+    inner: Arc<dyn BlobStore>,
+    budget: AtomicU64,
+}
+
+#[async_trait::async_trait]
+impl BlobStore for Breaking {
+    fn kind(&self) -> StoreKind {
+        self.inner.kind()
+    }
+    async fn put(&self, version: u64, bytes: Arc<Vec<u8>>) -> Result<u32, WeightsError> {
+        self.inner.put(version, bytes).await
+    }
+    async fn put_stream(
+        &self,
+        version: u64,
+        mut pieces: rlstream::weights::store::Pieces,
+    ) -> Result<(u32, u64), WeightsError> {
+        use rlstream::weights::store::Piece;
+        let (tx, rx) = tokio::sync::mpsc::channel(4);
+        let inner = self.inner.clone();
+        let writer = tokio::spawn(async move { inner.put_stream(version, rx).await });
+        let mut left = self.budget.load(Ordering::SeqCst);
+        while let Some(p) = pieces.recv().await {
+            if let Piece::Bytes(b) = &p {
+                if b.len() as u64 > left {
+                    // The inner writer sees its stream end without the last piece.
+                    drop(tx);
+                    assert!(writer.await.unwrap().is_err());
+                    return Err(WeightsError::Store {
+                        store: "dir",
+                        reason: std::io::Error::from_raw_os_error(27).to_string(),
+                    });
+                }
+                left -= b.len() as u64;
+            }
+            let _ = tx.send(p).await;
+        }
+        drop(tx);
+        writer.await.unwrap()
+    }
+    async fn get(&self, version: u64, chunks: u32) -> Result<Vec<u8>, WeightsError> {
+        self.inner.get(version, chunks).await
+    }
+    async fn remove(&self, version: u64, chunks: u32) -> Result<(), WeightsError> {
+        self.inner.remove(version, chunks).await
+    }
+}
+
+/// A version streamed to a store that fails halfway is not announced, leaves no file and
+/// no previous version behind it (the next is a keyframe), and the generator keeps its
+/// weights.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_that_breaks_halfway_leaves_nothing() {
+    use rlstream::weights::Payload;
+    let dir = tempfile::tempdir().unwrap();
+    let ns = crate::common::unique_ns("wbreak");
+    let (bus, topo) = redis(&ns).await;
+    let root = dir.path().join("shared");
+    std::fs::create_dir(&root).unwrap();
+    let cfg = WeightsConfig {
+        // Segments of 16 MiB: the tiny model's version is one; a keyframe of it is one piece.
+        delta: true,
+        keyframe_every: 100,
+        ..settings(StoreKind::Dir, &root)
+    };
+    let breaking = Arc::new(Breaking {
+        inner: Arc::new(DirStore::new(&root, &ns, 4096)),
+        budget: AtomicU64::new(u64::MAX),
+    });
+    let mut p = publisher(&bus, &topo, &cfg, 2)
+        .await
+        .with_store(breaking.clone());
+    let (mut f, slot) = follower(&bus, &topo, &cfg);
+    p.publish_payload(1, 1, Payload::Tensors(version_tensors(1)))
+        .await
+        .unwrap();
+    assert_eq!(settle(&mut f).await, Some(1));
+    // Version 2's delta: its header goes through, its frame does not.
+    breaking.budget.store(30, Ordering::SeqCst);
+    let err = p
+        .publish_payload(2, 2, Payload::Tensors(version_tensors(2)))
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("File too large"), "{err}");
+    assert_eq!(
+        announces(&bus, &topo).await.len(),
+        1,
+        "no announce without its object"
+    );
+    let files: Vec<String> = std::fs::read_dir(root.join(&ns))
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    assert_eq!(files.len(), 1, "only version 1 is in the store: {files:?}");
+    assert_eq!(settle(&mut f).await, None);
+    holds(&slot, 1);
+    breaking.budget.store(u64::MAX, Ordering::SeqCst);
+    let a = p
+        .publish_payload(2, 2, Payload::Tensors(version_tensors(2)))
+        .await
+        .unwrap();
+    assert_eq!(a.base, None, "no previous version to make a delta on");
+    assert_eq!(settle(&mut f).await, Some(2));
+    holds(&slot, 2);
+    let a = p
+        .publish_payload(3, 3, Payload::Tensors(version_tensors(3)))
+        .await
+        .unwrap();
+    assert_eq!(a.base, Some(2));
+    assert_eq!(settle(&mut f).await, Some(3));
+    holds(&slot, 3);
 }

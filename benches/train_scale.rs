@@ -7,7 +7,7 @@
 //! cargo bench --bench train_scale -- generate DIR PROMPT NEW ROWS   # tokens/s, peak memory
 //! cargo bench --bench train_scale -- generate-flex DIR PROMPT NEW ROWS   # on Flex, the sampler before
 //! cargo bench --bench train_scale -- bf16 DIR OUT            # DIR's weights as bf16 in OUT
-//! cargo bench --bench train_scale -- weights DIR LRS STEPS STORE   # version sizes, publish-to-swap
+//! cargo bench --bench train_scale -- weights DIR LRS STEPS STORE ROWS   # publish-to-swap, a generator decoding
 //! cargo bench --bench train_scale -- step-lora DIR MICRO STEPS RANK    # `step` training a LoRA adapter
 //! cargo bench --bench train_scale -- generate-lora DIR PROMPT NEW ROWS RANK  # merged vs unmerged adapter
 //! cargo bench --bench train_scale -- teacher SIZE DIR GROUPS # a teacher scorer's prefill per group
@@ -36,13 +36,8 @@
 //! ways in one process: the base alone, the base with an adapter applied unmerged in every
 //! forward pass, and the adapter merged into a copy of the base (plus the merge itself).
 //!
-//! `weights` trains DIR's model for STEPS steps at each learning rate of LRS (comma
-//! separated) on the fixed batch and publishes every version, bf16 with deltas, through
-//! STORE (`redis` at `RLSTREAM_BENCH_REDIS`, default 127.0.0.1:6379, or `dir` in a temporary
-//! directory) to a follower running as a generator's does. One JSON line per version: the
-//! sizes of the version as f32 and bf16 and of its bf16 delta, the share of bf16 values
-//! unchanged, the encode time, the time from the start of publication to the follower's
-//! swap, and the bytes the store holds.
+//! `weights` trains, publishes and swaps versions at scale with a generator process
+//! decoding all along: see `train_scale/weights.rs`.
 //!
 //! With `--features mpi`, under `mpirun -n N`: `step-ranks` is `step` over N trainer
 //! ranks (each group of the fixed batch split into PARTS groups, so that every rank has
@@ -69,8 +64,11 @@ use rlstream::schema::{
 };
 use rlstream::stages::train::{Trainer, TrainerSettings};
 use std::path::Path;
-use std::sync::Arc;
+
 use std::time::Instant;
+
+#[path = "train_scale/weights.rs"]
+mod weights;
 
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
@@ -403,181 +401,6 @@ fn time_generation<B: Kernels>(
     (secs, out.iter().map(|c| c.tokens.len()).sum())
 }
 
-/// A swap the follower made: the version, when, and the seconds of each phase.
-type Swap = (u64, Instant, Vec<(&'static str, f64)>);
-
-/// A follower of the store `cfg` names, swapping into `slot` and reporting each swap.
-fn spawn_follower(
-    rt: &tokio::runtime::Runtime,
-    bus: &rlstream::bus::SharedBus,
-    topo: &rlstream::bus::Topology,
-    cfg: &rlstream::weights::WeightsConfig,
-    model_cfg: &rlstream::model::PolicyConfig,
-    slot: &rlstream::weights::ModelSlot<InferBackend>,
-) -> (tokio::task::JoinHandle<()>, std::sync::mpsc::Receiver<Swap>) {
-    use rlstream::weights::{Follower, Transport};
-    let (swapped_tx, swapped_rx) = std::sync::mpsc::channel::<Swap>();
-    let mut f = Follower::new(bus.clone(), topo.clone(), model_cfg.clone(), slot.clone())
-        .with_transport(Transport::Store(cfg.clone()));
-    let task = rt.spawn(async move {
-        loop {
-            match f.poll(std::time::Duration::from_millis(20)).await {
-                Ok(Some(v)) => {
-                    let at = Instant::now();
-                    if swapped_tx.send((v, at, f.last_phases().to_vec())).is_err() {
-                        break;
-                    }
-                }
-                Ok(None) => {}
-                Err(e) => panic!("follower: {e}"),
-            }
-        }
-    });
-    (task, swapped_rx)
-}
-
-/// The delta of `next` on `prev`: its size, the share of bf16 values unchanged, and the
-/// seconds encoding took.
-fn delta_stats(prev: &[u8], next: &[u8]) -> (usize, f64, f64) {
-    let t = Instant::now();
-    let d = rlstream::weights::delta::encode(prev, next).expect("same layout");
-    let s = t.elapsed().as_secs_f64();
-    let same = prev
-        .chunks_exact(2)
-        .zip(next.chunks_exact(2))
-        .filter(|(a, b)| a == b)
-        .count();
-    (d.len(), same as f64 / (prev.len() / 2) as f64, s)
-}
-
-/// A bus on the Redis at `url` under a namespace of this run and `lr`, the weights
-/// settings of `store` (`dir` under `shared`, else Redis), and a bf16 publisher to them.
-fn weights_rig(
-    rt: &tokio::runtime::Runtime,
-    url: &str,
-    shared: &Path,
-    store: &str,
-    lr: f64,
-) -> (
-    rlstream::bus::SharedBus,
-    rlstream::bus::Topology,
-    rlstream::weights::WeightsConfig,
-    rlstream::weights::Publisher,
-) {
-    use rlstream::bus::{RedisBus, SharedBus, Topology};
-    use rlstream::weights::{Publisher, StoreKind, WeightsConfig};
-    let ns = format!("bench-weights-{}-{lr:e}", std::process::id());
-    let cfg = WeightsConfig {
-        store: if store == "dir" {
-            StoreKind::Dir
-        } else {
-            StoreKind::Redis
-        },
-        store_dir: Some(shared.to_path_buf()),
-        ..WeightsConfig::default()
-    };
-    let (bus, topo): (SharedBus, Topology) = rt.block_on(async {
-        let bus: SharedBus = Arc::new(RedisBus::connect(url).await.expect("redis"));
-        (bus, Topology::default().with_namespace(&ns).expect("ns"))
-    });
-    let publisher = Publisher::new(bus.clone(), topo.clone(), 2)
-        .with_config(&cfg, WeightDtype::Bf16)
-        .expect("publisher");
-    (bus, topo, cfg, publisher)
-}
-
-/// The trainer's weights: their size in f32, and the bf16 bytes a version publishes.
-fn version_bytes(trainer: &Trainer) -> (usize, Vec<u8>) {
-    use rlstream::model::tensors::tensors_to_safetensors_as;
-    let tensors = trainer.model().valid().to_tensors().expect("tensors");
-    let f32_bytes = tensors_to_safetensors_as(&tensors, WeightDtype::F32)
-        .expect("f32")
-        .len();
-    let bf16 = tensors_to_safetensors_as(&tensors, WeightDtype::Bf16).expect("bf16");
-    (f32_bytes, bf16)
-}
-
-/// Trains and publishes versions through a store; see the module docs.
-fn weights(dir: &Path, lrs: &[f64], steps: usize, store: &str) {
-    use rlstream::weights::{ModelSlot, Versioned};
-    let (size, vocab) = size_of(dir);
-    let groups = batch(size, vocab);
-    let refs: Vec<&ScoredGroup> = groups.iter().collect();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .enable_all()
-        .build()
-        .expect("runtime");
-    let url =
-        std::env::var("RLSTREAM_BENCH_REDIS").unwrap_or_else(|_| "redis://127.0.0.1:6379".into());
-    let shared = tempfile::tempdir().expect("tmp");
-    for &lr in lrs {
-        let ckpt = tempfile::tempdir().expect("tmp");
-        let settings = trainer_settings(dir, ckpt.path(), lr, 0);
-        let mut trainer = Trainer::start(&settings).expect("trainer");
-        let model_cfg = trainer.model().config().clone();
-        let (bus, topo, cfg, mut publisher) = weights_rig(&rt, &url, shared.path(), store, lr);
-        let initial = Policy::<InferBackend>::from_tensors(
-            &model_cfg,
-            &trainer.model().valid().to_tensors().expect("tensors"),
-            &Default::default(),
-        )
-        .expect("model");
-        let slot = ModelSlot::new(Versioned {
-            version: 0,
-            policy: initial,
-        });
-        let (follow, swapped_rx) = spawn_follower(&rt, &bus, &topo, &cfg, &model_cfg, &slot);
-        let mut prev: Option<Vec<u8>> = None;
-        for version in 1..=steps as u64 + 1 {
-            if version > 1 {
-                let t = Instant::now();
-                let record = trainer.step(&refs).expect("step");
-                assert!(!record.skipped, "a skipped step changes nothing");
-                let secs = t.elapsed().as_secs_f64();
-                eprintln!("lr {lr:e}: step {} in {secs:.1} s", version - 1);
-            }
-            let (f32_bytes, bf16) = version_bytes(&trainer);
-            let (delta_bytes, unchanged, delta_s) = match &prev {
-                Some(p) => delta_stats(p, &bf16),
-                None => (0, 0.0, 0.0),
-            };
-            let t = Instant::now();
-            let a = rt
-                .block_on(publisher.publish(version, version, &bf16))
-                .expect("publish");
-            let publish_s = t.elapsed().as_secs_f64();
-            let (v, at, phases) = swapped_rx.recv().expect("follower swapped");
-            let phases: Vec<String> = phases
-                .iter()
-                .map(|(p, s)| format!("\"{p}\": {s:.3}"))
-                .collect();
-            assert_eq!(v, version, "the follower took every version in turn");
-            println!(
-                "{{\"lr\": {lr:e}, \"store\": \"{store}\", \"version\": {version}, \
-                 \"f32_bytes\": {f32_bytes}, \"bf16_bytes\": {}, \"delta_bytes\": {delta_bytes}, \
-                 \"published_as\": \"{}\", \"stored_bytes\": {}, \"bf16_unchanged\": {unchanged:.4}, \
-                 \"delta_encode_s\": {delta_s:.3}, \"publish_s\": {publish_s:.3}, \
-                 \"publish_to_swap_s\": {:.3}, \"phases_s\": {{{}}}, \"store_held_bytes\": {}, \
-                 \"peak_rss_mb\": {:.0}}}",
-                bf16.len(),
-                if a.is_delta() { "delta" } else { "full" },
-                a.object_bytes(),
-                at.duration_since(t).as_secs_f64(),
-                phases.join(", "),
-                publisher.held_bytes(),
-                peak_rss_mb()
-            );
-            prev = Some(bf16);
-        }
-        follow.abort();
-        let keys: Vec<String> = (1..=steps as u64 + 1)
-            .flat_map(|v| (0..1024).map(move |c| (v, c)))
-            .map(|(v, c)| topo.weights_chunk_key(v, c))
-            .collect();
-        let _ = rt.block_on(bus.delete(&keys));
-    }
-}
-
 /// See the module docs: per-row bits of a product at M = 1, 8 and `rows`, and its time.
 fn invariance(rows: usize) {
     use burn::tensor::{Distribution, Tensor};
@@ -680,7 +503,7 @@ fn decode_products(rows: usize) {
 }
 
 const USAGE: &str = "write SIZE DIR | step DIR MICRO STEPS | load DIR | \
-             generate[-flex] DIR PROMPT NEW ROWS | bf16 DIR OUT | weights DIR LRS STEPS STORE | \
+             generate[-flex] DIR PROMPT NEW ROWS | bf16 DIR OUT | weights DIR LRS STEPS STORE ROWS | \
              step-lora DIR MICRO STEPS RANK | generate-lora DIR PROMPT NEW ROWS RANK | \
              teacher SIZE DIR GROUPS | invariance ROWS | decode-products ROWS | \
              (feature mpi, under mpirun) step-ranks DIR MICRO STEPS PARTS | \
@@ -695,6 +518,9 @@ fn main() {
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     #[cfg(feature = "mpi")]
     if ranks::dispatch(&args) {
+        return;
+    }
+    if weights::dispatch(&args) {
         return;
     }
     match args[..] {
@@ -722,14 +548,6 @@ fn main() {
             let bytes = std::fs::metadata(weights).map_or(0, |m| m.len());
             println!("{{\"bf16\": \"{out}\", \"bytes\": {bytes}}}");
         }
-        ["weights", dir, lrs, steps, store] => weights(
-            Path::new(dir),
-            &lrs.split(',')
-                .map(|x| x.parse().expect("LRS: learning rates, comma separated"))
-                .collect::<Vec<f64>>(),
-            steps.parse().expect("STEPS: a count"),
-            store,
-        ),
         ["step", dir, micro, steps] => step(
             Path::new(dir),
             micro.parse().expect("MICRO: a token count"),

@@ -554,6 +554,37 @@ impl<B: Kernels> ModuleMapper<B> for Fill<B> {
     }
 }
 
+/// Copies each parameter's values into the host parameter of its name.
+struct CopyInto<'a> {
+    at: HashMap<String, usize>,
+    params: &'a mut [HostParam],
+    error: Option<ModelError>,
+}
+
+impl CopyInto<'_> {
+    fn copy<B: Kernels, const D: usize>(&mut self, name: &str, t: &Tensor<B, D>, linear: bool) {
+        let Some(&i) = self.at.get(name) else {
+            self.error
+                .get_or_insert(ModelError::MissingTensor(name.to_string()));
+            return;
+        };
+        let dst = &mut self.params[i].values;
+        if let Err(e) = B::read_hf_values(t, linear, &mut |src| dst.copy_from(src)) {
+            self.error.get_or_insert(e);
+        }
+    }
+}
+
+impl<B: Kernels> Named<B> for CopyInto<'_> {
+    fn matrix(&mut self, name: &str, p: &Param<Tensor<B, 2>>, linear: bool) {
+        self.copy(name, &p.val(), linear);
+    }
+
+    fn vector(&mut self, name: &str, p: &Param<Tensor<B, 1>>) {
+        self.copy(name, &p.val(), false);
+    }
+}
+
 /// A generation model whose parameters were moved out ([`Policy::take_values`]): it runs
 /// nothing until [`Hollow::fill`] puts them back.
 pub struct Hollow<B: Kernels> {
@@ -604,6 +635,31 @@ impl<B: Kernels> Policy<B> {
         let (hollow, params) = self.clone().take_values()?;
         drop(hollow);
         Ok(params)
+    }
+}
+
+impl<B: Kernels> Policy<B> {
+    /// Copies every parameter's values into `params` (taken from a model of the same
+    /// shape by [`Policy::take_values`]), into their own buffers where the kinds match: a
+    /// spare model made this one without allocating.
+    pub fn copy_values_into(&self, params: &mut [HostParam]) -> Result<(), ModelError> {
+        if self.has_adapter() {
+            return Err(ModelError::Unsupported(
+                "a model with an adapter has no values of its own to copy".into(),
+            ));
+        }
+        let at = params
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (p.name.clone(), i))
+            .collect();
+        let mut copy = CopyInto {
+            at,
+            params,
+            error: None,
+        };
+        copy.policy(self);
+        copy.error.map_or(Ok(()), Err)
     }
 }
 

@@ -476,9 +476,17 @@ where
                     }
                     (hollow, params)
                 }
-                other => {
-                    // No spare that deltas bring to the slot's version: copy the slot's.
-                    drop(other);
+                Some((model, None)) => {
+                    // The last swap was not a delta on the spare: it becomes a copy of
+                    // the slot's model, in its own buffers.
+                    let (hollow, mut params) = model.policy.take_values()?;
+                    live.policy.copy_values_into(&mut params)?;
+                    drop(live);
+                    phases.push(("copy", t.elapsed().as_secs_f64()));
+                    (hollow, params)
+                }
+                None => {
+                    // No spare (the first delta, or one the decode loop kept): a new copy.
                     let copied = live.policy.clone().take_values()?;
                     drop(live);
                     phases.push(("copy", t.elapsed().as_secs_f64()));

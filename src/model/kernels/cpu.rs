@@ -2,7 +2,9 @@
 //! cores by rayon, each output written once into a fresh buffer. A tensor of another dtype
 //! takes the composed path.
 
-use super::{HfValues, Kept, Kernels, attend, inv_temperature, reference, rows, token_logprob};
+use super::{
+    HfSlice, HfValues, Kept, Kernels, attend, inv_temperature, reference, rows, token_logprob,
+};
 use burn::backend::NdArray;
 use burn::backend::ndarray::NdArrayTensor;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
@@ -178,11 +180,17 @@ const BF16_MIN_VALUES: usize = 1 << 18;
 
 /// A generation model's bf16 weight ([`Kernels::decode_weight`]): its `[out, in]` bits in
 /// memory order, when it is the transposed view that builds.
+/// `a` read in Hugging Face order (a linear weight's `[in, out]` view turned back to `[out,
+/// in]`).
+fn hf_ordered<E>(a: ArcArray<E, IxDyn>, linear: bool) -> ArcArray<E, IxDyn> {
+    if linear { a.reversed_axes() } else { a }
+}
+
 /// The values of `a` in Hugging Face order (for a linear weight, `a` is the `[in, out]` view
 /// of `[out, in]` values): its buffer when that is laid out so and `a` holds it alone, a
 /// copy otherwise.
 fn hf_vec<E: Clone>(a: ArcArray<E, IxDyn>, linear: bool) -> Vec<E> {
-    let a = if linear { a.reversed_axes() } else { a };
+    let a = hf_ordered(a, linear);
     if a.is_standard_layout() {
         let n = a.len();
         let (v, offset) = a.into_owned().into_raw_vec_and_offset();
@@ -248,6 +256,35 @@ impl Kernels for NdArray {
                 )
             }
         })
+    }
+
+    /// The tensor's own buffer when it is laid out in Hugging Face order.
+    fn read_hf_values<const D: usize>(
+        t: &Tensor<Self, D>,
+        linear: bool,
+        f: &mut dyn FnMut(HfSlice<'_>),
+    ) -> Result<(), crate::model::ModelError> {
+        match t.clone().into_primitive().tensor() {
+            NdArrayTensor::U16(s) => {
+                let a = hf_ordered(s.into_shared(), linear);
+                match a.as_slice() {
+                    Some(v) => f(HfSlice::Bf16(v)),
+                    None => f(HfSlice::Bf16(&a.iter().copied().collect::<Vec<_>>())),
+                }
+            }
+            NdArrayTensor::F32(s) => {
+                let a = hf_ordered(s.into_shared(), linear);
+                match a.as_slice() {
+                    Some(v) => f(HfSlice::F32(v)),
+                    None => f(HfSlice::F32(&a.iter().copied().collect::<Vec<_>>())),
+                }
+            }
+            _ => match Self::into_hf_values(t.clone(), linear)? {
+                HfValues::Bf16(v) => f(HfSlice::Bf16(&v)),
+                HfValues::F32(v) => f(HfSlice::F32(&v)),
+            },
+        }
+        Ok(())
     }
 
     /// The values become the tensor's buffer without a copy: a linear weight as

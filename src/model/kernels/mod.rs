@@ -66,7 +66,24 @@ pub enum HfValues {
     F32(Vec<f32>),
 }
 
+/// [`HfValues`] borrowed.
+#[derive(Debug, Clone, Copy)]
+pub enum HfSlice<'a> {
+    Bf16(&'a [u16]),
+    F32(&'a [f32]),
+}
+
 impl HfValues {
+    /// Becomes a copy of `src`, in its buffer when the kind and length match.
+    pub fn copy_from(&mut self, src: HfSlice<'_>) {
+        match (self, src) {
+            (HfValues::Bf16(d), HfSlice::Bf16(s)) if d.len() == s.len() => d.copy_from_slice(s),
+            (HfValues::F32(d), HfSlice::F32(s)) if d.len() == s.len() => d.copy_from_slice(s),
+            (d, HfSlice::Bf16(s)) => *d = HfValues::Bf16(s.to_vec()),
+            (d, HfSlice::F32(s)) => *d = HfValues::F32(s.to_vec()),
+        }
+    }
+
     pub fn len(&self) -> usize {
         match self {
             HfValues::Bf16(v) => v.len(),
@@ -150,6 +167,21 @@ pub trait Kernels: Backend {
         data.into_vec::<f32>()
             .map(HfValues::F32)
             .map_err(|e| crate::model::ModelError::Unsupported(format!("{e:?}")))
+    }
+
+    /// Runs `f` on a parameter's values in Hugging Face order (see
+    /// [`Kernels::into_hf_values`]), read where they are when the backend holds them in host
+    /// memory in that order; the default copies them to the host first.
+    fn read_hf_values<const D: usize>(
+        t: &Tensor<Self, D>,
+        linear: bool,
+        f: &mut dyn FnMut(HfSlice<'_>),
+    ) -> Result<(), crate::model::ModelError> {
+        match Self::into_hf_values(t.clone(), linear)? {
+            HfValues::Bf16(v) => f(HfSlice::Bf16(&v)),
+            HfValues::F32(v) => f(HfSlice::F32(&v)),
+        }
+        Ok(())
     }
 
     /// The parameter of `hf_shape` holding `values` (see [`Kernels::into_hf_values`]): a

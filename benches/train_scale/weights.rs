@@ -1,6 +1,6 @@
 //! `weights` and `follow`: versions trained, published and swapped in at scale.
 //!
-//! `weights DIR LRS STEPS STORE ROWS` trains DIR's model for STEPS steps at each learning
+//! `weights DIR LRS STEPS STORE ROWS` (ROWS 0: a generator that only follows) trains DIR's model for STEPS steps at each learning
 //! rate of LRS on the fixed batch and publishes every version as the trainer stage does (its
 //! host tensors, bf16 with deltas, streamed to STORE while they are encoded). A generator
 //! runs in its own process (`follow`, this binary again): the weights follower of
@@ -87,7 +87,7 @@ fn follow(dir: &Path, store: &str, shared: &Path, ns: &str, rows: usize) {
         policy: model,
     });
     let log: Arc<Mutex<Vec<(u64, usize)>>> = Arc::default();
-    {
+    if rows > 0 {
         let (slot, log) = (slot.clone(), log.clone());
         std::thread::spawn(move || decode(&slot, &log, rows));
     }
@@ -277,10 +277,11 @@ fn weights(dir: &Path, lrs: &[f64], steps: usize, store: &str, rows: usize) {
             let from_copy_us = schema::now_us();
             let t = Instant::now();
             let payload = trainer.payload().expect("payload");
+            let copy_s = t.elapsed().as_secs_f64();
             let a = rt
                 .block_on(publisher.publish_payload(version, version, payload))
                 .expect("publish");
-            let publish_s = t.elapsed().as_secs_f64();
+            let publish_s = t.elapsed().as_secs_f64() - copy_s;
             let line = lines.next().expect("a swap").expect("read");
             let swapped_us: u64 = line
                 .split("\"swapped_us\": ")
@@ -291,7 +292,8 @@ fn weights(dir: &Path, lrs: &[f64], steps: usize, store: &str, rows: usize) {
             println!(
                 "{{\"lr\": {lr:e}, \"store\": \"{store}\", \"rows\": {rows}, \"bf16_bytes\": {}, \
                  \"delta_bytes\": {delta_bytes}, \"stored_bytes\": {}, \"bf16_unchanged\": {unchanged:.4}, \
-                 \"publish_s\": {publish_s:.3}, \"from_weights_copy_to_swap_s\": {:.3}, \
+                 \"weights_copy_s\": {copy_s:.3}, \"publish_s\": {publish_s:.3}, \
+                 \"from_weights_copy_to_swap_s\": {:.3}, \
                  \"store_held_bytes\": {}, \"trainer_peak_rss_mb\": {:.0}, \"generator\": {line}}}",
                 bf16.len(),
                 a.object_bytes(),

@@ -6,7 +6,7 @@
 //! serialised as one safetensors buffer, are the weight blob the trainer publishes.
 
 use super::config::{MoeConfig, PolicyConfig};
-use super::kernels::{HfValues, widened};
+use super::kernels::{HfSlice, HfValues};
 use super::layers::Mlp;
 use super::llama::{Assembler, Attention, Block, Policy};
 use super::moe::Moe;
@@ -14,7 +14,7 @@ use super::tensors::{
     HostTensor, TensorMap, WeightDtype, read_safetensors_file, safetensors_to_tensors,
     tensors_to_safetensors, tensors_to_safetensors_as, transpose,
 };
-use super::{Kernels, ModelError, host_f32};
+use super::{Kernels, ModelError};
 use burn::module::{Module, ModuleMapper, Param, ParamId};
 use burn::tensor::backend::Backend;
 use burn::tensor::{Tensor, TensorData};
@@ -169,7 +169,7 @@ impl<B: Kernels> Policy<B> {
     }
 }
 
-impl<B: Backend> Policy<B> {
+impl<B: Kernels> Policy<B> {
     /// Every parameter by HF name, copied to the host. A model with an adapter gives its
     /// merged weights (what a plain Hugging Face model of it holds).
     pub fn to_tensors(&self) -> Result<TensorMap, ModelError> {
@@ -178,18 +178,7 @@ impl<B: Backend> Policy<B> {
         }
         let mut out = Collected::default();
         Named::<B>::policy(&mut out, self);
-        out.on_device
-            .into_iter()
-            .map(|(name, shape, data)| {
-                Ok((
-                    name,
-                    HostTensor {
-                        shape,
-                        data: host_f32(data)?,
-                    },
-                ))
-            })
-            .collect()
+        out.error.map_or(Ok(out.tensors), Err)
     }
 
     /// All parameters as one safetensors buffer (f32): the published weight blob.
@@ -440,27 +429,48 @@ trait Named<B: Backend> {
     }
 }
 
-/// A model's parameters by HF name, still on the device, in the order they were read.
+/// A model's parameters by HF name, copied to the host as f32.
 #[derive(Default)]
 struct Collected {
-    on_device: Vec<(String, Vec<usize>, TensorData)>,
+    tensors: TensorMap,
+    error: Option<ModelError>,
 }
 
-impl<B: Backend> Named<B> for Collected {
+impl Collected {
+    fn collect<B: Kernels, const D: usize>(&mut self, name: &str, t: &Tensor<B, D>, linear: bool) {
+        let mut shape = t.dims().to_vec();
+        if linear {
+            shape.reverse();
+        }
+        let mut data = Vec::new();
+        let read = B::read_hf_values(t, linear, &mut |v| {
+            data = match v {
+                HfSlice::F32(v) => v.to_vec(),
+                HfSlice::Bf16(v) => v
+                    .iter()
+                    .map(|h| f32::from_bits(u32::from(*h) << 16))
+                    .collect(),
+            }
+        });
+        match read {
+            Ok(()) => {
+                self.tensors
+                    .insert(name.to_string(), HostTensor { shape, data });
+            }
+            Err(e) => {
+                self.error.get_or_insert(e);
+            }
+        }
+    }
+}
+
+impl<B: Kernels> Named<B> for Collected {
     fn matrix(&mut self, name: &str, p: &Param<Tensor<B, 2>>, linear: bool) {
-        let t = if linear {
-            widened(p.val()).transpose()
-        } else {
-            p.val()
-        };
-        self.on_device
-            .push((name.to_string(), t.dims().to_vec(), t.into_data()));
+        self.collect(name, &p.val(), linear);
     }
 
     fn vector(&mut self, name: &str, p: &Param<Tensor<B, 1>>) {
-        let t = p.val();
-        self.on_device
-            .push((name.to_string(), t.dims().to_vec(), t.into_data()));
+        self.collect(name, &p.val(), false);
     }
 }
 
@@ -832,6 +842,48 @@ mod tests {
     fn tiny() -> Policy<NdArray> {
         let cfg = PolicyConfig::tiny(Architecture::Qwen2, 50).with_qkv_bias(true);
         Policy::random(&cfg, 3, &Default::default()).expect("random policy")
+    }
+
+    /// Values moved out of a generation model, changed and put back are its weights; one
+    /// model's values copied into another's make it the same model; names and shapes are
+    /// the Hugging Face tensors'.
+    #[test]
+    fn values_move_out_and_back_in_place() {
+        let model = tiny();
+        let before = model.to_tensors().expect("tensors");
+        let (hollow, mut params) = model.clone().take_values().expect("take");
+        let want: HashMap<String, Vec<usize>> =
+            expected_tensors(model.config()).into_iter().collect();
+        assert_eq!(params.len(), want.len());
+        for p in &params {
+            assert_eq!(Some(&p.shape), want.get(&p.name), "{}", p.name);
+        }
+        let norm = params
+            .iter_mut()
+            .find(|p| p.name == "model.norm.weight")
+            .expect("norm");
+        match &mut norm.values {
+            HfValues::F32(v) => v[3] = 7.5,
+            HfValues::Bf16(_) => panic!("a norm is held in f32"),
+        }
+        let changed = hollow
+            .fill(params)
+            .expect("fill")
+            .to_tensors()
+            .expect("tensors");
+        for (name, t) in &before {
+            if name == "model.norm.weight" {
+                assert_eq!(changed[name].data[3], 7.5);
+                assert_eq!(changed[name].data[..3], t.data[..3]);
+            } else {
+                assert_eq!(&changed[name], t, "{name}");
+            }
+        }
+        let other = Policy::<NdArray>::random(model.config(), 9, &Default::default()).unwrap();
+        let (hollow, mut params) = other.take_values().expect("take");
+        model.copy_values_into(&mut params).expect("copy");
+        let copied = hollow.fill(params).expect("fill");
+        assert_eq!(copied.to_tensors().expect("tensors"), before);
     }
 
     /// A bf16 checkpoint: half the bytes, `torch_dtype` says so, every value is its f32

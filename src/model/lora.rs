@@ -390,12 +390,6 @@ impl<B: Backend> Policy<B> {
         out
     }
 
-    /// xxh3 over the base weights (every tensor by HF name, f32, adapter excluded): what
-    /// an adapter version says it applies to, and a generator checks before taking one.
-    pub fn base_checksum(&self) -> Result<String, ModelError> {
-        Ok(tensors_checksum(&self.without_adapter().to_tensors()?))
-    }
-
     /// Writes the adapter as PEFT does: `adapter_model.safetensors` in `dtype` and
     /// `adapter_config.json` naming `base_model` (written aside and renamed).
     pub fn save_adapter(
@@ -475,6 +469,14 @@ pub fn load_with_adapter<B: Kernels>(
     let base = super::hf::load_hf::<B>(model_dir, device)?;
     let (spec, tensors) = read_adapter(adapter_dir)?;
     base.with_adapter(&spec, &tensors)
+}
+
+impl<B: Kernels> Policy<B> {
+    /// xxh3 over the base weights (every tensor by HF name, f32, adapter excluded): what
+    /// an adapter version says it applies to, and a generator checks before taking one.
+    pub fn base_checksum(&self) -> Result<String, ModelError> {
+        Ok(tensors_checksum(&self.without_adapter().to_tensors()?))
+    }
 }
 
 #[cfg(test)]

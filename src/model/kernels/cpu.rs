@@ -276,6 +276,18 @@ impl Kernels for NdArray {
                 let a = hf_ordered(s.into_shared(), linear);
                 match a.as_slice() {
                     Some(v) => f(HfSlice::F32(v)),
+                    // A trainer's row-major `[in, out]` weight: transposed in cache tiles on
+                    // every core.
+                    None if linear && a.ndim() == 2 && a.t().is_standard_layout() => {
+                        let (rows, cols) = (a.shape()[1], a.shape()[0]);
+                        let t = a.t();
+                        let v = t
+                            .as_slice()
+                            .unwrap_or_else(|| unreachable!("checked above"));
+                        f(HfSlice::F32(&crate::model::tensors::transpose(
+                            v, rows, cols,
+                        )));
+                    }
                     None => f(HfSlice::F32(&a.iter().copied().collect::<Vec<_>>())),
                 }
             }

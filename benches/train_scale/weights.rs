@@ -44,6 +44,9 @@ fn settings(store: &str, shared: &Path) -> WeightsConfig {
             StoreKind::Redis
         },
         store_dir: Some(shared.to_path_buf()),
+        // Every third version a keyframe: a run of five versions or more shows a keyframe
+        // written over the spare model and the deltas after one.
+        keyframe_every: 3,
         ..WeightsConfig::default()
     }
 }

@@ -6,7 +6,7 @@
 //! serialised as one safetensors buffer, are the weight blob the trainer publishes.
 
 use super::config::{MoeConfig, PolicyConfig};
-use super::kernels::{HfSlice, HfValues};
+use super::kernels::HfValues;
 use super::layers::Mlp;
 use super::llama::{Assembler, Attention, Block, Policy};
 use super::moe::Moe;
@@ -442,18 +442,9 @@ impl Collected {
         if linear {
             shape.reverse();
         }
-        let mut data = Vec::new();
-        let read = B::read_hf_values(t, linear, &mut |v| {
-            data = match v {
-                HfSlice::F32(v) => v.to_vec(),
-                HfSlice::Bf16(v) => v
-                    .iter()
-                    .map(|h| f32::from_bits(u32::from(*h) << 16))
-                    .collect(),
-            }
-        });
-        match read {
-            Ok(()) => {
+        match B::into_hf_values(t.clone(), linear) {
+            Ok(v) => {
+                let data = v.into_f32();
                 self.tensors
                     .insert(name.to_string(), HostTensor { shape, data });
             }

@@ -32,6 +32,18 @@ pub struct Layout {
     pub total: usize,
 }
 
+/// `x` rounded to bf16 (to nearest, ties to even; a NaN stays a quiet NaN), as
+/// `half::bf16::from_f32` and `torch.Tensor.to(torch.bfloat16)` round: written out so the
+/// encoder's loop vectorises.
+#[inline(always)]
+fn bf16_bits(x: f32) -> u16 {
+    let b = x.to_bits();
+    if b & 0x7fff_ffff > 0x7f80_0000 {
+        return ((b >> 16) | 0x40) as u16;
+    }
+    (b.wrapping_add(0x7fff + ((b >> 16) & 1)) >> 16) as u16
+}
+
 fn width(dtype: WeightDtype) -> usize {
     match dtype {
         WeightDtype::F32 => 4,
@@ -194,7 +206,7 @@ impl Layout {
                 match t.dtype {
                     WeightDtype::F32 => v.to_le_bytes(),
                     WeightDtype::Bf16 => {
-                        let [x, y] = half::bf16::from_f32(v).to_le_bytes();
+                        let [x, y] = bf16_bits(v).to_le_bytes();
                         [x, y, 0, 0]
                     }
                 }
@@ -211,9 +223,18 @@ impl Layout {
                 let k = a / w;
                 out[at(a)..at(lo)].copy_from_slice(&one(k)[a - k * w..w]);
             }
-            let dst = &mut out[at(lo)..at(hi)];
-            for (j, d) in dst.chunks_exact_mut(w).enumerate() {
-                d.copy_from_slice(&one(lo / w + j)[..w]);
+            let (dst, src) = (&mut out[at(lo)..at(hi)], &values.data[lo / w..hi / w]);
+            match t.dtype {
+                WeightDtype::F32 => {
+                    for (d, v) in dst.as_chunks_mut::<4>().0.iter_mut().zip(src) {
+                        *d = v.to_le_bytes();
+                    }
+                }
+                WeightDtype::Bf16 => {
+                    for (d, v) in dst.as_chunks_mut::<2>().0.iter_mut().zip(src) {
+                        *d = bf16_bits(*v).to_le_bytes();
+                    }
+                }
             }
             if hi < b {
                 out[at(hi)..at(b)].copy_from_slice(&one(hi / w)[..b - hi]);
@@ -267,6 +288,33 @@ mod tests {
             let mut piece = vec![0u8; 13];
             layout.write_range(&t, 40, &mut piece).unwrap();
             assert_eq!(piece, bytes[40..53]);
+        }
+    }
+
+    #[test]
+    fn bf16_rounding_is_halfs() {
+        let mut x = 0x1234_5678u32;
+        let special = [
+            0.0f32,
+            -0.0,
+            1.0,
+            f32::MAX,
+            f32::MIN_POSITIVE,
+            1e-40,
+            f32::INFINITY,
+        ];
+        let values = special
+            .into_iter()
+            .chain([f32::NEG_INFINITY, f32::NAN, f32::from_bits(0x7f80_0001)])
+            .chain((0..100_000).map(|_| {
+                x ^= x << 13;
+                x ^= x >> 17;
+                x ^= x << 5;
+                f32::from_bits(x)
+            }));
+        for v in values {
+            let want = half::bf16::from_f32(v).to_bits();
+            assert_eq!(bf16_bits(v), want, "{v:e} ({:#x})", v.to_bits());
         }
     }
 

@@ -241,7 +241,18 @@ impl Kernels for NdArray {
     ) -> Result<HfValues, crate::model::ModelError> {
         Ok(match t.into_primitive().tensor() {
             NdArrayTensor::U16(storage) => HfValues::Bf16(hf_vec(storage.into_shared(), linear)),
-            NdArrayTensor::F32(storage) => HfValues::F32(hf_vec(storage.into_shared(), linear)),
+            NdArrayTensor::F32(storage) => {
+                let a = storage.into_shared();
+                match a.as_slice() {
+                    // A trainer's row-major `[in, out]` weight: transposed in cache tiles on
+                    // every core.
+                    Some(v) if linear && a.ndim() == 2 => {
+                        let (rows, cols) = (a.shape()[0], a.shape()[1]);
+                        HfValues::F32(crate::model::tensors::transpose(v, rows, cols))
+                    }
+                    _ => HfValues::F32(hf_vec(a, linear)),
+                }
+            }
             other => {
                 let t = Tensor::<Self, D>::from_primitive(TensorPrimitive::Float(other));
                 let t = if linear && D == 2 {
@@ -276,19 +287,10 @@ impl Kernels for NdArray {
                 let a = hf_ordered(s.into_shared(), linear);
                 match a.as_slice() {
                     Some(v) => f(HfSlice::F32(v)),
-                    // A trainer's row-major `[in, out]` weight: transposed in cache tiles on
-                    // every core.
-                    None if linear && a.ndim() == 2 && a.t().is_standard_layout() => {
-                        let (rows, cols) = (a.shape()[1], a.shape()[0]);
-                        let t = a.t();
-                        let v = t
-                            .as_slice()
-                            .unwrap_or_else(|| unreachable!("checked above"));
-                        f(HfSlice::F32(&crate::model::tensors::transpose(
-                            v, rows, cols,
-                        )));
-                    }
-                    None => f(HfSlice::F32(&a.iter().copied().collect::<Vec<_>>())),
+                    None => match Self::into_hf_values(t.clone(), linear)? {
+                        HfValues::F32(v) => f(HfSlice::F32(&v)),
+                        HfValues::Bf16(v) => f(HfSlice::Bf16(&v)),
+                    },
                 }
             }
             _ => match Self::into_hf_values(t.clone(), linear)? {

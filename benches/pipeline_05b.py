@@ -10,7 +10,8 @@ at the generator, what the weights store holds, and each process's peak resident
 (VmHWM, polled) and Redis's peak.
 
 Usage: python3 benches/pipeline_05b.py [--steps 3] [--store redis|dir] [--out DIR]
-Needs the release binaries (built here with cargo, --features blas) and Redis on
+    [--features blas]
+Needs the release binaries (built here with cargo, --features blas unless told) and Redis on
 127.0.0.1:6379 (`--redis URL` for another).
 """
 
@@ -85,8 +86,11 @@ def main():
     ap.add_argument("--store", default="redis", choices=["redis", "dir"])
     ap.add_argument("--redis", default="redis://127.0.0.1:6379")
     ap.add_argument("--out", default=None)
+    ap.add_argument(
+        "--features", default="blas", help="cargo features of the build ('' for none)"
+    )
     args = ap.parse_args()
-    rlstream, scale = build()
+    rlstream, scale = build(("--features", args.features) if args.features else ())
     out = args.out or tempfile.mkdtemp(prefix="pipeline-05b-")
     os.makedirs(out, exist_ok=True)
     f32 = os.path.join(out, "model-f32")

@@ -27,6 +27,7 @@ pub mod llama;
 pub mod logprobs;
 pub mod lora;
 pub mod moe;
+pub mod params;
 pub mod sampler;
 pub mod tensors;
 pub mod tokenizer;

@@ -388,6 +388,17 @@ where
         }
     }
 
+    /// The announce of `base`, a version `a`'s chain passes through.
+    fn base_of(&self, a: &WeightsAnnounce, base: u64) -> Result<WeightsAnnounce, WeightsError> {
+        self.seen
+            .get(&base)
+            .cloned()
+            .ok_or(WeightsError::MissingBase {
+                version: a.version,
+                base,
+            })
+    }
+
     /// Whether `a` is reached by deltas on the slot's version (they are returned, oldest
     /// first) or from a keyframe.
     fn route(&self, a: &WeightsAnnounce) -> Result<Route, WeightsError> {
@@ -401,15 +412,7 @@ where
                 chain.reverse();
                 return Ok(Route::OnLive(chain));
             }
-            at = match self.seen.get(&base) {
-                Some(b) => b.clone(),
-                None => {
-                    return Err(WeightsError::MissingBase {
-                        version: a.version,
-                        base,
-                    });
-                }
-            };
+            at = self.base_of(a, base)?;
         }
         Ok(Route::FromKeyframe)
     }
@@ -594,15 +597,7 @@ where
         while at.is_delta() {
             let base = at.base.unwrap_or_default();
             chain.push(at.clone());
-            at = match self.seen.get(&base) {
-                Some(b) => b.clone(),
-                None => {
-                    return Err(WeightsError::MissingBase {
-                        version: a.version,
-                        base,
-                    });
-                }
-            };
+            at = self.base_of(a, base)?;
         }
         if !is_whole_format(&at.format)
             || (at.kind == WeightsKind::Lora) != (a.kind == WeightsKind::Lora)

@@ -8,7 +8,6 @@
 
 use super::WeightsError;
 use crate::model::tensors::{TensorMap, WeightDtype};
-use rayon::prelude::*;
 
 /// One tensor of a version: its name, shape, dtype and byte range in the version.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -243,8 +242,11 @@ impl Layout {
         Ok(())
     }
 
-    /// The whole version `tensors` make in this layout, written on every core.
+    /// The whole version `tensors` make in this layout, written on every core (the
+    /// publisher writes it segment by segment instead).
+    #[cfg(test)]
     pub fn encode(&self, tensors: &TensorMap) -> Result<Vec<u8>, WeightsError> {
+        use rayon::prelude::*;
         let mut out = vec![0u8; self.total];
         out.par_chunks_mut(1 << 20)
             .enumerate()

@@ -11,8 +11,8 @@
 
 use super::delta::{self, DeltaError, Frames};
 use super::layout::{Layout, Placed};
-use crate::model::hf::HostParam;
 use crate::model::kernels::HfValues;
+use crate::model::params::HostParam;
 use crate::model::tensors::WeightDtype;
 use rayon::prelude::*;
 use std::collections::HashMap;
@@ -139,52 +139,45 @@ impl Target<'_> {
         }
     }
 
-    /// `self ^= x` (the version's bytes of these values); `false` when a header byte
-    /// would change.
-    fn xor(&mut self, x: &[u8]) -> bool {
-        let le16 = |c: &[u8]| u16::from_le_bytes([c[0], c[1]]);
+    /// Sets each value's bits to `op(its bits, the version's bits in x)`: XOR for a delta,
+    /// the version's own bits for a whole version. A bf16 value held widened takes the
+    /// version's bits in its top half.
+    fn merge(&mut self, x: &[u8], op: impl Fn(u32, u32) -> u32) {
+        let le16 = |c: &[u8]| u32::from(u16::from_le_bytes([c[0], c[1]]));
         match self {
-            Target::Header(_) => return x.iter().all(|b| *b == 0),
+            Target::Header(_) => {}
             Target::Bits(v) => {
                 for (d, c) in v.iter_mut().zip(x.chunks_exact(2)) {
-                    *d ^= le16(c);
+                    *d = op(u32::from(*d), le16(c)) as u16;
                 }
             }
             Target::Wide(v) => {
                 for (d, c) in v.iter_mut().zip(x.chunks_exact(2)) {
-                    *d = f32::from_bits(d.to_bits() ^ (u32::from(le16(c)) << 16));
+                    *d = f32::from_bits(op(d.to_bits(), le16(c) << 16));
                 }
             }
             Target::F32(v) => {
                 for (d, c) in v.iter_mut().zip(x.chunks_exact(4)) {
-                    *d = f32::from_bits(d.to_bits() ^ u32::from_le_bytes([c[0], c[1], c[2], c[3]]));
+                    let bits = u32::from_le_bytes([c[0], c[1], c[2], c[3]]);
+                    *d = f32::from_bits(op(d.to_bits(), bits));
                 }
             }
         }
+    }
+
+    /// `self ^= x` (the version's bytes of these values); `false` when a header byte
+    /// would change.
+    fn xor(&mut self, x: &[u8]) -> bool {
+        if let Target::Header(_) = self {
+            return x.iter().all(|b| *b == 0);
+        }
+        self.merge(x, |a, b| a ^ b);
         true
     }
 
     /// `self = x`.
     fn write(&mut self, x: &[u8]) {
-        let le16 = |c: &[u8]| u16::from_le_bytes([c[0], c[1]]);
-        match self {
-            Target::Header(_) => {}
-            Target::Bits(v) => {
-                for (d, c) in v.iter_mut().zip(x.chunks_exact(2)) {
-                    *d = le16(c);
-                }
-            }
-            Target::Wide(v) => {
-                for (d, c) in v.iter_mut().zip(x.chunks_exact(2)) {
-                    *d = f32::from_bits(u32::from(le16(c)) << 16);
-                }
-            }
-            Target::F32(v) => {
-                for (d, c) in v.iter_mut().zip(x.chunks_exact(4)) {
-                    *d = f32::from_le_bytes([c[0], c[1], c[2], c[3]]);
-                }
-            }
-        }
+        self.merge(x, |_, b| b);
     }
 }
 

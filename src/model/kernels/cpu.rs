@@ -287,16 +287,10 @@ impl Kernels for NdArray {
                 let a = hf_ordered(s.into_shared(), linear);
                 match a.as_slice() {
                     Some(v) => f(HfSlice::F32(v)),
-                    None => match Self::into_hf_values(t.clone(), linear)? {
-                        HfValues::F32(v) => f(HfSlice::F32(&v)),
-                        HfValues::Bf16(v) => f(HfSlice::Bf16(&v)),
-                    },
+                    None => f(Self::into_hf_values(t.clone(), linear)?.as_slice()),
                 }
             }
-            _ => match Self::into_hf_values(t.clone(), linear)? {
-                HfValues::Bf16(v) => f(HfSlice::Bf16(&v)),
-                HfValues::F32(v) => f(HfSlice::F32(&v)),
-            },
+            _ => f(Self::into_hf_values(t.clone(), linear)?.as_slice()),
         }
         Ok(())
     }

@@ -84,6 +84,13 @@ impl HfValues {
         }
     }
 
+    pub fn as_slice(&self) -> HfSlice<'_> {
+        match self {
+            HfValues::Bf16(v) => HfSlice::Bf16(v),
+            HfValues::F32(v) => HfSlice::F32(v),
+        }
+    }
+
     pub fn len(&self) -> usize {
         match self {
             HfValues::Bf16(v) => v.len(),
@@ -177,10 +184,7 @@ pub trait Kernels: Backend {
         linear: bool,
         f: &mut dyn FnMut(HfSlice<'_>),
     ) -> Result<(), crate::model::ModelError> {
-        match Self::into_hf_values(t.clone(), linear)? {
-            HfValues::Bf16(v) => f(HfSlice::Bf16(&v)),
-            HfValues::F32(v) => f(HfSlice::F32(&v)),
-        }
+        f(Self::into_hf_values(t.clone(), linear)?.as_slice());
         Ok(())
     }
 

@@ -496,11 +496,54 @@ pub fn read_hf_tensors(dir: &Path) -> Result<TensorMap, ModelError> {
 mod tests {
     use super::*;
     use crate::model::config::Architecture;
+    use crate::model::kernels::HfValues;
     use burn::backend::NdArray;
 
     fn tiny() -> Policy<NdArray> {
         let cfg = PolicyConfig::tiny(Architecture::Qwen2, 50).with_qkv_bias(true);
         Policy::random(&cfg, 3, &Default::default()).expect("random policy")
+    }
+
+    /// Values moved out of a generation model, changed and put back are its weights; one
+    /// model's values copied into another's make it the same model; names and shapes are
+    /// the Hugging Face tensors'.
+    #[test]
+    fn values_move_out_and_back_in_place() {
+        let model = tiny();
+        let before = model.to_tensors().expect("tensors");
+        let (hollow, mut params) = model.clone().take_values().expect("take");
+        let want: HashMap<String, Vec<usize>> =
+            expected_tensors(model.config()).into_iter().collect();
+        assert_eq!(params.len(), want.len());
+        for p in &params {
+            assert_eq!(Some(&p.shape), want.get(&p.name), "{}", p.name);
+        }
+        let norm = params
+            .iter_mut()
+            .find(|p| p.name == "model.norm.weight")
+            .expect("norm");
+        match &mut norm.values {
+            HfValues::F32(v) => v[3] = 7.5,
+            HfValues::Bf16(_) => panic!("a norm is held in f32"),
+        }
+        let changed = hollow
+            .fill(params)
+            .expect("fill")
+            .to_tensors()
+            .expect("tensors");
+        for (name, t) in &before {
+            if name == "model.norm.weight" {
+                assert_eq!(changed[name].data[3], 7.5);
+                assert_eq!(changed[name].data[..3], t.data[..3]);
+            } else {
+                assert_eq!(&changed[name], t, "{name}");
+            }
+        }
+        let other = Policy::<NdArray>::random(model.config(), 9, &Default::default()).unwrap();
+        let (hollow, mut params) = other.take_values().expect("take");
+        model.copy_values_into(&mut params).expect("copy");
+        let copied = hollow.fill(params).expect("fill");
+        assert_eq!(copied.to_tensors().expect("tensors"), before);
     }
 
     /// A bf16 checkpoint: half the bytes, `torch_dtype` says so, every value is its f32

@@ -63,6 +63,10 @@ pub const LOGPROB_GAP: &str = "rlstream_logprob_gap";
 pub const SWAP_TOKENS: &str = "rlstream_swap_tokens";
 pub const GRAD_NORM: &str = "rlstream_grad_norm";
 pub const BUILD_INFO: &str = "rlstream_build_info";
+pub const SERVE_REQUESTS_TOTAL: &str = "rlstream_serve_requests_total";
+pub const SERVE_REQUEST_SECONDS: &str = "rlstream_serve_request_seconds";
+pub const SERVE_ROWS: &str = "rlstream_serve_rows";
+pub const SERVE_RECORDED_TOTAL: &str = "rlstream_serve_recorded_calls_total";
 
 /// The commit the binary was built from (`git rev-parse --short=12 HEAD` at build time, or
 /// `RLSTREAM_GIT_SHA`, or `unknown` outside a checkout).
@@ -83,8 +87,15 @@ const SCORE_BUCKETS: &[f64] = &[1e-5, 1e-4, 1e-3, 0.01, 0.1, 1.0, 10.0];
 /// same machine about a millisecond, tools and sandboxes up to minutes.
 const ENV_STEP_BUCKETS: &[f64] = &[1e-5, 1e-4, 1e-3, 0.01, 0.05, 0.2, 1.0, 5.0, 30.0, 120.0];
 
+/// Buckets of an endpoint request, first byte to last: a few tokens on a tiny model to
+/// minutes of decoding.
+const REQUEST_BUCKETS: &[f64] = &[
+    1e-3, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 10.0, 60.0, 300.0,
+];
+
 /// Every histogram with its buckets (the exporter emits summaries for histograms without).
 const HISTOGRAMS: &[(&str, &[f64])] = &[
+    (SERVE_REQUEST_SECONDS, REQUEST_BUCKETS),
     (SAMPLE_STALENESS_VERSIONS, STALENESS_BUCKETS),
     (WEIGHT_SWAP_STALL_SECONDS, STALL_BUCKETS),
     (WEIGHT_SYNC_SECONDS, SYNC_BUCKETS),
@@ -322,6 +333,26 @@ fn describe() {
         "Mixture-of-experts policies: fraction of the last step's recorded (token, MoE layer) routing decisions for which the trainer's live router picks other experts."
     );
     describe_gauge!(GRAD_NORM, "Global gradient norm before clipping.");
+    describe_counter!(
+        SERVE_REQUESTS_TOTAL,
+        Unit::Count,
+        "Endpoint requests (gen --serve) by endpoint and outcome (ok, or what refused or ended it)."
+    );
+    describe_histogram!(
+        SERVE_REQUEST_SECONDS,
+        Unit::Seconds,
+        "Endpoint requests' time from arrival to their last byte, by endpoint."
+    );
+    describe_gauge!(
+        SERVE_ROWS,
+        Unit::Count,
+        "KV rows the endpoint's calls hold in the generator's batch."
+    );
+    describe_counter!(
+        SERVE_RECORDED_TOTAL,
+        Unit::Count,
+        "Endpoint calls recorded into an episode (X-Rlstream-Episode)."
+    );
     describe_gauge!(
         BUILD_INFO,
         "Always 1; the labels carry the version and git commit."
@@ -394,6 +425,22 @@ pub fn env_started(n: u64) {
     if n > 1 {
         tracing::info!(starts = n, "environment process restarted");
     }
+}
+
+/// An endpoint request on `endpoint` ended as `outcome` after `seconds`.
+pub fn serve_request(endpoint: &'static str, outcome: &'static str, seconds: f64) {
+    counter!(SERVE_REQUESTS_TOTAL, "endpoint" => endpoint, "outcome" => outcome).increment(1);
+    histogram!(SERVE_REQUEST_SECONDS, "endpoint" => endpoint).record(seconds);
+}
+
+/// The endpoint's calls hold `rows` rows of the generator's batch.
+pub fn serving_rows(rows: usize) {
+    gauge!(SERVE_ROWS).set(rows as f64);
+}
+
+/// A call was recorded into an episode.
+pub fn recorded_call() {
+    counter!(SERVE_RECORDED_TOTAL).increment(1);
 }
 
 /// A generator picked up new weights.

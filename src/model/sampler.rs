@@ -150,6 +150,18 @@ struct Row {
     routing_shape: Option<RoutingShape>,
     routing: Vec<u16>,
     prompt_routing: Option<Arc<Routing>>,
+    /// Whether each draw is reported as it happens ([`Generator::take_drawn`]).
+    watched: bool,
+}
+
+/// One token as it was drawn, for a caller that streams tokens ([`Generator::admit_watched`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Drawn {
+    pub request_id: u64,
+    pub index: usize,
+    pub token: u32,
+    pub logprob: f32,
+    pub version: u64,
 }
 
 /// What a row does after a token.
@@ -187,6 +199,7 @@ impl Row {
             routing_shape: None,
             routing: Vec::new(),
             prompt_routing: None,
+            watched: false,
         }
     }
 
@@ -337,6 +350,8 @@ pub struct Generator<B: Backend> {
     /// MoE models: the experts each row's token ran through in the last forward pass
     /// (`[rows, layers, k]`), which [`Generator::sample`] files with the rows.
     pass_routes: Option<Vec<u16>>,
+    /// Tokens of watched rows drawn since the last [`Generator::take_drawn`].
+    drawn: Vec<Drawn>,
 }
 
 impl<B: Backend> Default for Generator<B> {
@@ -348,6 +363,7 @@ impl<B: Backend> Default for Generator<B> {
             parked: Vec::new(),
             turns: Vec::new(),
             pass_routes: None,
+            drawn: Vec::new(),
         }
     }
 }
@@ -434,7 +450,72 @@ impl<B: Kernels> Generator<B> {
         version: u64,
         req: &Request,
     ) -> Result<(), ModelError> {
-        self.start(model, version, req, None)
+        self.start(model, version, req, None, false)
+    }
+
+    /// Like [`Generator::admit`], and every token of the request's rows is reported as it
+    /// is drawn ([`Generator::take_drawn`]), for a caller that streams them.
+    pub fn admit_watched(
+        &mut self,
+        model: &Policy<B>,
+        version: u64,
+        req: &Request,
+    ) -> Result<(), ModelError> {
+        self.start(model, version, req, None, true)
+    }
+
+    /// The tokens of watched rows drawn since the last call, in the order drawn.
+    pub fn take_drawn(&mut self) -> Vec<Drawn> {
+        std::mem::take(&mut self.drawn)
+    }
+
+    /// Notes `row`'s last draw when the row is watched.
+    fn note(&mut self, row: &Row, version: u64) {
+        if let (true, Some(&token), Some(&logprob)) =
+            (row.watched, row.tokens.last(), row.logprobs.last())
+        {
+            self.drawn.push(Drawn {
+                request_id: row.request_id,
+                index: row.index,
+                token,
+                logprob,
+                version,
+            });
+        }
+    }
+
+    /// Ends row `index` of `request` now, wherever it is (decoding, finished, parked), with
+    /// `finish`: its completion as it stands, its cache row freed. `None` when there is no
+    /// such row.
+    pub fn finish_row(
+        &mut self,
+        request: u64,
+        index: usize,
+        finish: FinishReason,
+    ) -> Option<Completion> {
+        if let Some(at) = self
+            .done
+            .iter()
+            .position(|c| c.request_id == request && c.index == index)
+        {
+            let mut c = self.done.swap_remove(at);
+            c.finish = finish;
+            return Some(c);
+        }
+        if let Some(p) = self.unpark(request, index) {
+            return Some(p.row.finish_as(finish));
+        }
+        let at = self
+            .rows
+            .iter()
+            .position(|r| r.request_id == request && r.index == index)?;
+        let row = self.rows.remove(at);
+        let keep: Vec<usize> = (0..=self.rows.len()).filter(|&i| i != at).collect();
+        match self.cache.as_mut() {
+            Some(c) if !keep.is_empty() => c.keep_rows(&keep),
+            _ => self.cache = None,
+        }
+        Some(row.finish_as(finish))
     }
 
     /// Like [`Generator::admit`], for `req.n` episodes: each model turn ends on a stop
@@ -448,7 +529,7 @@ impl<B: Kernels> Generator<B> {
         req: &Request,
         limits: TurnLimits,
     ) -> Result<(), ModelError> {
-        self.start(model, version, req, Some(limits))
+        self.start(model, version, req, Some(limits), false)
     }
 
     fn start(
@@ -457,6 +538,7 @@ impl<B: Kernels> Generator<B> {
         version: u64,
         req: &Request,
         episode: Option<TurnLimits>,
+        watched: bool,
     ) -> Result<(), ModelError> {
         let vocab = model.config().vocab_size;
         model
@@ -488,12 +570,15 @@ impl<B: Kernels> Generator<B> {
             row.routing_shape = shape;
             row.prompt_routing = prompt_routing.clone();
             row.turn_tokens = episode.map(|t| t.turn_tokens.max(1));
+            row.watched = watched;
             if episode.is_some() {
                 row.prompt = prompt_ids.clone();
                 row.cache_version = Some(version);
             }
             let draw = sample_token(&last, &row.params, &mut row.rng);
-            match row.next(draw, version, vocab) {
+            let next = row.next(draw, version, vocab);
+            self.note(&row, version);
+            match next {
                 Next::Finished => self.done.push(row.finish()),
                 Next::TurnEnd => self.park(row, &cache, i),
                 Next::Continue => {
@@ -624,7 +709,9 @@ impl<B: Kernels> Generator<B> {
         }
         let vocab = model.config().vocab_size;
         let draw = sample_token(&logits, &row.params, &mut row.rng);
-        Ok(Some(match row.next(draw, version, vocab) {
+        let next = row.next(draw, version, vocab);
+        self.note(&row, version);
+        Ok(Some(match next {
             Next::Finished => Resumed::Finished(Box::new(row.finish())),
             Next::TurnEnd => {
                 self.park(row, &cache, 0);
@@ -696,6 +783,7 @@ impl<B: Kernels> Generator<B> {
             .filter(|&i| self.rows[i].request_id != request)
             .collect();
         self.done.retain(|c| c.request_id != request);
+        self.drawn.retain(|d| d.request_id != request);
         self.parked.retain(|p| p.row.request_id != request);
         self.turns.retain(|t| t.request_id != request);
         if keep.len() == self.rows.len() {
@@ -730,7 +818,9 @@ impl<B: Kernels> Generator<B> {
             // This pass fed the row's last token with the weights of `version`.
             row.cache_version = row.cache_version.filter(|&v| v == version);
             let draw = sample_token(&host[i * vocab..(i + 1) * vocab], &row.params, &mut row.rng);
-            match row.next(draw, version, vocab) {
+            let next = row.next(draw, version, vocab);
+            self.note(&row, version);
+            match next {
                 Next::Finished => finished.push(row.finish()),
                 Next::TurnEnd => ended.push((i, row)),
                 Next::Continue => {
@@ -895,5 +985,52 @@ mod tests {
         }
         assert!(done.iter().all(|c| c.request_id == 1), "{}", done.len());
         assert_eq!(done.len(), 2);
+    }
+
+    #[test]
+    fn watched_rows_report_each_draw_and_a_row_ended_early_frees_only_itself() {
+        let model = short_context_model();
+        let mut g = Generator::new();
+        let req = |id, n| Request {
+            id,
+            prompt: vec![1, 2],
+            n,
+            params: SamplingParams {
+                max_new_tokens: 5,
+                ..params(1.0, 0, 1.0)
+            },
+        };
+        g.admit_watched(&model, 3, &req(0, 2)).expect("admit");
+        g.admit(&model, 3, &req(1, 1)).expect("admit");
+        let mut drawn = g.take_drawn();
+        assert_eq!(drawn.len(), 2, "each watched row's first token");
+        g.step(&model, 4).expect("step");
+        drawn.extend(g.take_drawn());
+        let ended = g
+            .finish_row(0, 1, FinishReason::Stop)
+            .expect("row 1 is decoding");
+        assert_eq!(ended.tokens.len(), 2);
+        assert_eq!(ended.finish, FinishReason::Stop);
+        assert_eq!(g.row_requests(), [0, 1]);
+        let mut done = vec![ended];
+        while !g.is_idle() {
+            done.extend(g.step(&model, 4).expect("step"));
+            drawn.extend(g.take_drawn());
+        }
+        for c in done.iter().filter(|c| c.request_id == 0) {
+            let mine: Vec<&Drawn> = drawn.iter().filter(|d| d.index == c.index).collect();
+            let tokens: Vec<u32> = mine.iter().map(|d| d.token).collect();
+            let logprobs: Vec<f32> = mine.iter().map(|d| d.logprob).collect();
+            assert_eq!(tokens, c.tokens, "row {}", c.index);
+            assert_eq!(logprobs, c.logprobs);
+            let versions: Vec<u64> = mine.iter().map(|d| d.version).collect();
+            assert_eq!(versions[0], 3);
+            assert!(versions[1..].iter().all(|&v| v == 4));
+        }
+        assert!(
+            drawn.iter().all(|d| d.request_id == 0),
+            "request 1 is not watched"
+        );
+        assert_eq!(done.len(), 3);
     }
 }

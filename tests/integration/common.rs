@@ -731,3 +731,17 @@ pub fn tiny_qwen3(dir: &Path) -> rlstream::model::config::PolicyConfig {
     .unwrap();
     cfg
 }
+
+/// The Python of `scripts/setup-python.sh` (`.venv`, with schemas/requirements.txt), or
+/// `RLSTREAM_PYTHON`.
+pub fn python() -> PathBuf {
+    if let Some(p) = std::env::var_os("RLSTREAM_PYTHON") {
+        return PathBuf::from(p);
+    }
+    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
+    assert!(
+        venv.exists(),
+        "no Python environment for the Python tests: run scripts/setup-python.sh (or set RLSTREAM_PYTHON)"
+    );
+    venv
+}

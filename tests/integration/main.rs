@@ -24,6 +24,7 @@ mod model_parity;
 mod model_sampling;
 mod nccl_ranks;
 mod observability;
+mod openai_endpoint;
 mod pipeline_processes;
 mod poison;
 mod python_interop;

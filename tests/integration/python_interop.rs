@@ -9,17 +9,7 @@ use rlstream::schema::{self, FinishReason, RolloutGroup, examples};
 use std::path::PathBuf;
 use std::process::Command;
 
-fn python() -> PathBuf {
-    if let Some(p) = std::env::var_os("RLSTREAM_PYTHON") {
-        return PathBuf::from(p);
-    }
-    let venv = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join(".venv/bin/python");
-    assert!(
-        venv.exists(),
-        "no Python environment for the interop test: run scripts/setup-python.sh (or set RLSTREAM_PYTHON)"
-    );
-    venv
-}
+use crate::common::python;
 
 fn check_py(args: &[&str]) -> String {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("schemas/check.py");

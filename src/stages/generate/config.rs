@@ -49,6 +49,28 @@ crate::settings! {
         pub adapter: Option<std::path::PathBuf> = None,
         /// Consumer name, unique per generator process.
         pub name: String = "gen-0".into(),
+        /// Serve an OpenAI-compatible endpoint on this address (PORT for loopback, or HOST:PORT) from this generator's decoder; unset: no endpoint.
+        #[arg(value_name = "ADDR")]
+        pub serve: Option<String> = None,
+        /// The endpoint's bearer key, read from this file (or from RLSTREAM_SERVE_KEY); required when --serve binds beyond loopback.
+        #[arg(value_name = "FILE")]
+        pub serve_key_file: Option<std::path::PathBuf> = None,
+        /// Most endpoint requests at once (decoding or waiting for rows); more get 429.
+        pub serve_max_requests: usize = 64,
+        /// Recorded episodes idle this long (no call) are forgotten.
+        pub serve_episode_ttl_s: u64 = 3600,
+    }
+}
+
+/// The top-k to sample with: `top_k` tightened to `mask_cap` whenever sampling truncates
+/// at all (top-k or top-p), since every truncated step records its kept set. Without
+/// truncation nothing is recorded and nothing is capped.
+pub fn capped_top_k(top_k: u32, top_p: f32, mask_cap: u32) -> u32 {
+    let truncates = top_k > 0 || top_p < 1.0;
+    match (truncates, mask_cap) {
+        (false, _) | (true, 0) => top_k,
+        (true, cap) if top_k == 0 => cap,
+        (true, cap) => top_k.min(cap),
     }
 }
 
@@ -57,12 +79,7 @@ impl GenConfig {
     /// truncates at all (top-k or top-p), since every truncated step records its kept set.
     /// Without truncation nothing is recorded and nothing is capped.
     pub fn sampling_top_k(&self) -> u32 {
-        let truncates = self.top_k > 0 || self.top_p < 1.0;
-        match (truncates, self.mask_cap) {
-            (false, _) | (true, 0) => self.top_k,
-            (true, cap) if self.top_k == 0 => cap,
-            (true, cap) => self.top_k.min(cap),
-        }
+        capped_top_k(self.top_k, self.top_p, self.mask_cap)
     }
 
     /// Checks values the types cannot.
@@ -82,6 +99,20 @@ impl GenConfig {
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(invalid("gen.top_p", "must be in (0, 1]"));
+        }
+        if let Some(addr) = &self.serve {
+            crate::metrics::parse_addr(addr).map_err(|e| {
+                invalid(
+                    "gen.serve",
+                    e.to_string().replace("--metrics-addr", "--serve"),
+                )
+            })?;
+        }
+        if self.serve_max_requests == 0 {
+            return Err(invalid("gen.serve_max_requests", "must be at least 1"));
+        }
+        if self.serve_episode_ttl_s == 0 {
+            return Err(invalid("gen.serve_episode_ttl_s", "must be at least 1"));
         }
         if self.max_batch < self.group_size {
             return Err(invalid(

@@ -11,11 +11,13 @@
 //! episode failed is dead-lettered with the first failure's reason.
 
 use super::GenConfig;
+use super::calls::{Call, CallEvent};
+use super::text::TextStream;
 use crate::bus::{Entry, EntryId};
 use crate::env::play::{Answer, EpisodeLimits, into_answer, turn_text};
 use crate::env::{self, EnvError, Environment, Environments};
 use crate::model::fault;
-use crate::model::sampler::{Completion, Generator, Request, Resumed, Turn, TurnLimits};
+use crate::model::sampler::{Completion, Drawn, Generator, Request, Resumed, Turn, TurnLimits};
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{InferBackend, ModelError};
 use crate::schema::{self, FinishReason, Prompt, RolloutGroup, Sample, SamplingParams};
@@ -38,12 +40,14 @@ const IDLE_WAIT: Duration = Duration::from_millis(20);
 /// bits repeat. A reader held up inside a read (the in-flight bound) ends the wait.
 const READ_WAIT: Duration = Duration::from_millis(500);
 
-/// What the reader hands the decoder.
+/// What the reader and the endpoint hand the decoder.
 pub enum ToDecoder {
     /// An admitted prompt.
     Prompt(Box<Admit>),
     /// The prompts of one read have all been handed over.
     ReadEnd,
+    /// A call from the endpoint.
+    Call(Box<Call>),
 }
 
 /// A prompt on its way to the decode thread: its entry as read (for a dead letter), the
@@ -208,6 +212,25 @@ impl Episodes {
     }
 }
 
+/// The ids that end a completion: the model's end-of-sequence ids (its config and
+/// generation config).
+pub fn stop_tokens(
+    policy: &PolicySettings,
+    model: &crate::model::config::PolicyConfig,
+) -> Vec<u32> {
+    match &policy.model {
+        Some(dir) => crate::model::hf::stop_tokens(dir, model),
+        None => model.eos_token_id.into_iter().collect(),
+    }
+}
+
+/// A call being decoded: where its tokens go, each row's text, the rows not yet ended.
+struct Serving {
+    events: tokio::sync::mpsc::UnboundedSender<CallEvent>,
+    texts: Vec<TextStream>,
+    open: usize,
+}
+
 /// The decode loop's state.
 pub struct Decoder {
     /// End-of-sequence ids of the model (config and generation config).
@@ -217,6 +240,12 @@ pub struct Decoder {
     slot: ModelSlot<InferBackend>,
     generator: Generator<InferBackend>,
     pending: HashMap<u64, Pending>,
+    /// Calls being decoded, and calls waiting for rows (first come, first admitted, before
+    /// any waiting prompt).
+    calls: HashMap<u64, Serving>,
+    queued: VecDeque<Call>,
+    /// Rows the calls hold, as last reported.
+    served_rows: usize,
     episodes: Episodes,
     /// The model's tokenizer: turns to text for the environment, observations to tokens.
     tokenizer: Tokenizer,
@@ -235,10 +264,7 @@ impl Decoder {
     ) -> Self {
         let last_version = slot.load().version;
         let model_config = slot.load().policy.config().clone();
-        let stop_tokens = match &policy.model {
-            Some(dir) => crate::model::hf::stop_tokens(dir, &model_config),
-            None => model_config.eos_token_id.into_iter().collect(),
-        };
+        let stop_tokens = stop_tokens(&policy, &model_config);
         let context = model_config.max_position;
         let episodes = Episodes {
             limits: EpisodeLimits {
@@ -265,6 +291,9 @@ impl Decoder {
             slot,
             generator: Generator::new(),
             pending: HashMap::new(),
+            calls: HashMap::new(),
+            queued: VecDeque::new(),
+            served_rows: 0,
             episodes,
             tokenizer,
             next_id: 0,
@@ -304,32 +333,53 @@ impl Decoder {
             // With nothing to decode, wait for a prompt *before* loading the model, so the
             // first prompt after a pause starts on the newest weights; then for the rest of
             // its read (READ_WAIT).
-            if self.generator.is_idle() && self.pending.is_empty() && waiting.is_empty() {
+            if self.is_idle() && waiting.is_empty() {
                 let idle = Instant::now();
-                if let Ok(ToDecoder::Prompt(a)) = admit.recv_timeout(IDLE_WAIT) {
-                    waiting.push_back(*a);
-                    while let Ok(ToDecoder::Prompt(a)) = admit.recv_timeout(READ_WAIT) {
+                match admit.recv_timeout(IDLE_WAIT) {
+                    Ok(ToDecoder::Prompt(a)) => {
                         waiting.push_back(*a);
+                        loop {
+                            match admit.recv_timeout(READ_WAIT) {
+                                Ok(ToDecoder::Prompt(a)) => waiting.push_back(*a),
+                                // A call starts now, not after the read.
+                                Ok(ToDecoder::Call(c)) => {
+                                    self.queued.push_back(*c);
+                                    break;
+                                }
+                                _ => break,
+                            }
+                        }
                     }
+                    Ok(ToDecoder::Call(c)) => self.queued.push_back(*c),
+                    _ => {}
                 }
                 self.stats.idle_s += idle.elapsed().as_secs_f64();
-                if waiting.is_empty() {
+                if waiting.is_empty() && self.queued.is_empty() {
                     continue;
                 }
             }
+            for m in admit.try_iter() {
+                match m {
+                    ToDecoder::Prompt(a) => waiting.push_back(*a),
+                    ToDecoder::Call(c) => self.queued.push_back(*c),
+                    ToDecoder::ReadEnd => {}
+                }
+            }
+            self.drop_abandoned();
             let current = self.current_model();
             let mut decoded = Vec::new();
             // With only parked episodes, wait here (briefly) for an environment's answer.
             let wait = (self.generator.active() == 0 && waiting.is_empty()).then_some(IDLE_WAIT);
             decoded.extend(self.answers(&current, wait)?);
+            while let Some(c) = self.queued.front()
+                && self.generator.active() + c.n <= self.cfg.max_batch
+            {
+                if let Some(c) = self.queued.pop_front() {
+                    self.admit_call(&current, c)?;
+                }
+            }
             while self.generator.active() + self.cfg.group_size <= self.cfg.max_batch {
-                let next = waiting.pop_front().or_else(|| {
-                    std::iter::from_fn(|| admit.try_recv().ok()).find_map(|m| match m {
-                        ToDecoder::Prompt(a) => Some(*a),
-                        ToDecoder::ReadEnd => None,
-                    })
-                });
-                let Some(a) = next else {
+                let Some(a) = waiting.pop_front() else {
                     break;
                 };
                 decoded.extend(self.admit(&current, a)?.map(Decoded::Failed));
@@ -341,6 +391,7 @@ impl Decoder {
                 decoded.extend(self.finished(done));
             }
             decoded.extend(self.dispatch());
+            self.report_rows();
             for d in decoded {
                 if out.send(d).is_err() {
                     return Ok(self.stats);
@@ -362,6 +413,156 @@ impl Decoder {
             crate::metrics::swapped(current.version, stall);
         }
         current
+    }
+
+    /// Nothing decoding, parked, finished or waiting.
+    fn is_idle(&self) -> bool {
+        self.generator.is_idle()
+            && self.pending.is_empty()
+            && self.calls.is_empty()
+            && self.queued.is_empty()
+    }
+
+    /// Drops the calls whose client went away, with their rows.
+    fn drop_abandoned(&mut self) {
+        self.queued.retain(|c| !c.events.is_closed());
+        let gone: Vec<u64> = self
+            .calls
+            .iter()
+            .filter(|(_, c)| c.events.is_closed())
+            .map(|(&id, _)| id)
+            .collect();
+        for id in gone {
+            self.generator.drop_request(id);
+            self.calls.remove(&id);
+            tracing::debug!(call = id, "a call's client went away: its rows are dropped");
+        }
+    }
+
+    /// Reports the rows the calls hold when that changed.
+    fn report_rows(&mut self) {
+        let rows: usize = self.calls.values().map(|c| c.open).sum();
+        if rows != self.served_rows {
+            self.served_rows = rows;
+            crate::metrics::serving_rows(rows);
+        }
+    }
+
+    /// Starts decoding a call (its prefill runs now); the call hears why when the model
+    /// refuses it.
+    fn admit_call(
+        &mut self,
+        current: &Versioned<InferBackend>,
+        call: Call,
+    ) -> Result<(), ModelError> {
+        if call.events.is_closed() {
+            return Ok(());
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let req = Request {
+            id,
+            prompt: call.prompt,
+            n: call.n,
+            params: call.params,
+        };
+        let prefill = Instant::now();
+        let admitted = fault::contain(|| {
+            self.generator
+                .admit_watched(&current.policy, current.version, &req)
+        });
+        self.stats.busy_s += prefill.elapsed().as_secs_f64();
+        let refused = match admitted {
+            Ok(Ok(())) => {
+                let texts = (0..call.n).map(|_| TextStream::new(call.stop.clone()));
+                self.calls.insert(
+                    id,
+                    Serving {
+                        events: call.events,
+                        texts: texts.collect(),
+                        open: call.n,
+                    },
+                );
+                return Ok(());
+            }
+            Ok(Err(ModelError::Refused(r))) => CallEvent::Refused {
+                reason: r.reason,
+                detail: r.detail,
+            },
+            Ok(Err(e)) => return Err(e),
+            Err(panic) => CallEvent::Failed(format!("the prefill panicked: {panic}")),
+        };
+        let _ = call.events.send(refused);
+        Ok(())
+    }
+
+    /// Hands the calls the tokens drawn since the last call; ends the rows whose text
+    /// reached a stop string.
+    fn report_drawn(&mut self) {
+        for Drawn {
+            request_id,
+            index,
+            token,
+            logprob,
+            version,
+        } in self.generator.take_drawn()
+        {
+            let Some(call) = self.calls.get_mut(&request_id) else {
+                continue;
+            };
+            let Some(text) = call.texts.get_mut(index) else {
+                continue;
+            };
+            if text.stopped() {
+                continue;
+            }
+            let piece = text.push(&self.tokenizer, token).unwrap_or_else(|e| {
+                tracing::warn!(error = %e, "a served token has no text");
+                String::new()
+            });
+            let _ = call.events.send(CallEvent::Token {
+                index,
+                token,
+                logprob,
+                version,
+                text: piece,
+            });
+            if text.stopped()
+                && let Some(c) = self
+                    .generator
+                    .finish_row(request_id, index, FinishReason::Stop)
+            {
+                self.call_finished(c);
+            }
+        }
+    }
+
+    /// Hands a call one of its finished rows (its text up to a stop string).
+    fn call_finished(&mut self, c: Completion) {
+        let Some(call) = self.calls.get_mut(&c.request_id) else {
+            return;
+        };
+        let Some(text) = call.texts.get_mut(c.index) else {
+            return;
+        };
+        let finish = if text.stopped() {
+            FinishReason::Stop
+        } else {
+            c.finish
+        };
+        let rest = text.finish(&self.tokenizer).unwrap_or_default();
+        self.stats.tokens += c.tokens.len() as u64;
+        let id = c.request_id;
+        let _ = call.events.send(CallEvent::Finished {
+            index: c.index,
+            finish,
+            completion: Box::new(c),
+            text: rest,
+        });
+        call.open = call.open.saturating_sub(1);
+        if call.open == 0 {
+            self.calls.remove(&id);
+        }
     }
 
     /// Starts decoding G completions of `a` (its prefill runs now, for this prompt alone):
@@ -484,8 +685,14 @@ impl Decoder {
 
     /// Files finished completions with their prompts: the groups this completed.
     fn finished(&mut self, done: Vec<Completion>) -> Vec<Decoded> {
+        // A call's tokens reach it before its rows' ends.
+        self.report_drawn();
         let mut out = Vec::new();
         for c in done {
+            if self.calls.contains_key(&c.request_id) {
+                self.call_finished(c);
+                continue;
+            }
             self.stats.tokens += c.tokens.len() as u64;
             let (rid, idx) = (c.request_id, c.index);
             if self.episodes.envs.remove(&(rid, idx)).is_some() {
@@ -707,6 +914,11 @@ impl Decoder {
         for r in bad {
             self.generator.drop_request(r);
             self.episodes.drop_request(r);
+            if let Some(call) = self.calls.remove(&r) {
+                let _ = call.events.send(CallEvent::Failed(format!(
+                    "a forward pass over this call's rows panicked: {panic}"
+                )));
+            }
             if let Some(p) = self.pending.remove(&r) {
                 let detail = if alone {
                     format!("its forward pass panicked, alone as in its batch: {panic}")

@@ -30,9 +30,12 @@
 //! after training on them, and it takes at most `groups_per_step` it has not trained. The
 //! trainer drops groups older than `max_lag` versions; this bound keeps it from having to.
 
+pub mod calls;
 mod config;
 pub mod decode;
 mod reader;
+pub mod serve;
+mod text;
 mod writer;
 
 pub use config::*;
@@ -134,6 +137,51 @@ fn policy_tokenizer(policy: &PolicySettings) -> Result<Tokenizer, StageError> {
     })
 }
 
+/// Starts the OpenAI-compatible endpoint on `addr`, handing its calls to the decode thread
+/// through `admit`.
+async fn start_endpoint(
+    policy: &PolicySettings,
+    cfg: &GenConfig,
+    addr: &str,
+    slot: &ModelSlot<InferBackend>,
+    admit: mpsc::Sender<ToDecoder>,
+) -> Result<JoinHandle<()>, StageError> {
+    let addr = crate::metrics::parse_addr(addr)
+        .map_err(|e| crate::settings::invalid("gen.serve", e.to_string()))?;
+    let model = slot.load().policy.config().clone();
+    let template = match &policy.model {
+        Some(dir) => crate::model::chat::ChatTemplate::load(dir)?,
+        None => None,
+    };
+    let model_id = policy
+        .model
+        .as_ref()
+        .and_then(|d| d.file_name())
+        .map_or_else(
+            || "rlstream".to_string(),
+            |n| n.to_string_lossy().into_owned(),
+        );
+    let setup = serve::Setup {
+        addr,
+        key: serve::read_key(cfg.serve_key_file.as_deref())?,
+        model_id,
+        tokenizer: policy_tokenizer(policy)?,
+        template,
+        vocab: model.vocab_size,
+        context: model.max_position,
+        stop_tokens: decode::stop_tokens(policy, &model),
+        temperature: policy.temperature,
+        mask_cap: cfg.mask_cap,
+        max_batch: cfg.max_batch,
+        max_requests: cfg.serve_max_requests,
+        seed: policy.seed,
+        episode_ttl: Duration::from_secs(cfg.serve_episode_ttl_s),
+    };
+    let (bound, task) = serve::start(setup, admit).await?;
+    eprintln!("serving the OpenAI-compatible endpoint on http://{bound}/v1");
+    Ok(task)
+}
+
 /// The decode thread's state: the model slot, its own tokenizer (an episode's turns to
 /// text, its observations to tokens) and the episodes' environments.
 fn new_decoder(
@@ -174,6 +222,10 @@ pub async fn run(
     let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<Settled>();
     let decoder = new_decoder(policy, cfg, &slot)?;
     let decode = decoder.spawn(admit_rx, done_tx, stop.clone())?;
+    let endpoint = match &cfg.serve {
+        Some(addr) => Some(start_endpoint(policy, cfg, addr, &slot, admit_tx.clone()).await?),
+        None => None,
+    };
     let (follower, announced) =
         spawn_follower(bus.clone(), topo, slot.clone(), transport, stop.clone());
     let released = Arc::new(Notify::new());
@@ -218,6 +270,9 @@ pub async fn run(
         .await
         .map_err(|e| StageError::Panic(format!("decode thread: {e}")))?
         .map_err(|_| StageError::Panic("the decode thread panicked".into()))??;
+    if let Some(task) = endpoint {
+        task.abort();
+    }
     outcome?;
     reader_result?;
     summary.rejected = follower.await.unwrap_or(0);

@@ -1,0 +1,831 @@
+//! The generator's OpenAI-compatible endpoint (`rlstream gen --serve ADDR`), on axum.
+//!
+//! - `POST /v1/completions` (a text prompt or token ids) and `POST /v1/chat/completions`
+//!   (messages rendered with the model's chat template), each whole or streamed as
+//!   server-sent events in OpenAI's chunk format; `GET /v1/models`;
+//!   `GET /v1/rlstream/episodes/{id}` returns an episode's recorded calls.
+//! - Calls are decoded by the generator's own decode thread, in the batch beside the
+//!   stream's prompts and under its weight swaps: each choice carries (in `rlstream`) the
+//!   prompt's and the completion's token ids, their behaviour log-probs and the version of
+//!   every token.
+//! - A request with an `X-Rlstream-Episode: ID` header is recorded under that episode, as
+//!   ids ([`episodes`]). It must sample as the trainer assumes: at the policy's temperature
+//!   (an omitted temperature is the policy's); any other temperature (0 included) is
+//!   refused with 400 `not_trainable`. Top-p and top-k are trainable: the kept sets are
+//!   recorded and the trainer renormalises over them (`--mask-cap` applies, as to prompts).
+//! - Refusals are OpenAI error bodies with the status: 400 for a body that is not JSON, a
+//!   parameter not supported or out of range, a prompt past the context; 404 for another
+//!   model; 401 without the bearer key; 429 beyond `--serve-max-requests` requests at once;
+//!   503 once the generator stops. A client that goes away mid-stream ends its call: its
+//!   rows leave the batch before the next forward pass.
+//! - Bound to loopback by default; bound elsewhere it needs a bearer key (from
+//!   `--serve-key-file` or `RLSTREAM_SERVE_KEY`, never a flag value that `ps` would show).
+
+pub mod api;
+pub mod episodes;
+
+use super::calls::{Call, CallEvent};
+use super::config::capped_top_k;
+use super::decode::ToDecoder;
+use crate::model::chat::ChatTemplate;
+use crate::model::sampler::Completion;
+use crate::model::tokenizer::Tokenizer;
+use crate::schema::SamplingParams;
+use crate::stages::StageError;
+use api::{ApiError, Body, Endpoint, Head, Input, Sampling, Tokens};
+use axum::Router;
+use axum::body::Bytes;
+use axum::extract::{Path, State};
+use axum::http::{HeaderMap, StatusCode};
+use axum::response::sse::{Event, KeepAlive, Sse};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use episodes::{Episodes, RecordedCall, finish_reason};
+use serde_json::{Value, json};
+use std::collections::VecDeque;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tokio::sync::Semaphore;
+use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
+
+/// The header that names a call's episode.
+pub const EPISODE_HEADER: &str = "x-rlstream-episode";
+
+/// The environment variable holding the bearer key (when no key file is given).
+pub const KEY_ENV: &str = "RLSTREAM_SERVE_KEY";
+
+/// What the endpoint needs to know about the generator.
+pub struct Setup {
+    pub addr: SocketAddr,
+    pub key: Option<String>,
+    /// The model's id in requests and `/v1/models`.
+    pub model_id: String,
+    pub tokenizer: Tokenizer,
+    pub template: Option<ChatTemplate>,
+    pub vocab: usize,
+    pub context: usize,
+    pub stop_tokens: Vec<u32>,
+    /// The policy's temperature (the default, and the only one a recorded call may use).
+    pub temperature: f32,
+    pub mask_cap: u32,
+    pub max_batch: usize,
+    pub max_requests: usize,
+    pub seed: u64,
+    pub episode_ttl: Duration,
+}
+
+/// The bearer key: from `file` when given, else from [`KEY_ENV`]; `None` when neither.
+pub fn read_key(file: Option<&std::path::Path>) -> Result<Option<String>, StageError> {
+    let key = match file {
+        Some(f) => Some(std::fs::read_to_string(f).map_err(|e| {
+            StageError::Other(format!("cannot read --serve-key-file {}: {e}", f.display()))
+        })?),
+        None => std::env::var(KEY_ENV).ok(),
+    };
+    match key.map(|k| k.trim().to_string()) {
+        Some(k) if k.is_empty() => Err(StageError::Other(
+            "the endpoint's bearer key is empty (--serve-key-file or RLSTREAM_SERVE_KEY)".into(),
+        )),
+        k => Ok(k),
+    }
+}
+
+struct Server {
+    setup: Setup,
+    admit: std::sync::mpsc::Sender<ToDecoder>,
+    permits: Arc<Semaphore>,
+    episodes: Episodes,
+    /// Requests so far (response ids, and the seeds of requests that give none).
+    requests: AtomicU64,
+    started: u64,
+}
+
+/// Binds `setup.addr` and serves until the returned task is aborted; the address bound.
+pub async fn start(
+    setup: Setup,
+    admit: std::sync::mpsc::Sender<ToDecoder>,
+) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), StageError> {
+    if setup.key.is_none() && !setup.addr.ip().is_loopback() {
+        return Err(StageError::Other(format!(
+            "gen --serve {} binds beyond loopback: give the endpoint a bearer key with --serve-key-file FILE or {KEY_ENV}",
+            setup.addr
+        )));
+    }
+    let listener = tokio::net::TcpListener::bind(setup.addr)
+        .await
+        .map_err(|e| {
+            StageError::Other(format!(
+                "cannot serve the endpoint on {}: {e} (is the port taken? pick another --serve)",
+                setup.addr
+            ))
+        })?;
+    let bound = listener
+        .local_addr()
+        .map_err(|e| StageError::Other(format!("the endpoint's socket: {e}")))?;
+    let server = Arc::new(Server {
+        permits: Arc::new(Semaphore::new(setup.max_requests)),
+        episodes: Episodes::new(setup.episode_ttl),
+        requests: AtomicU64::new(0),
+        started: crate::schema::now_us() / 1_000_000,
+        setup,
+        admit,
+    });
+    let app = Router::new()
+        .route("/v1/models", get(models))
+        .route("/v1/completions", post(completions))
+        .route("/v1/chat/completions", post(chat))
+        .route("/v1/rlstream/episodes/{episode}", get(episode))
+        .fallback(not_found)
+        .with_state(server);
+    tracing::info!(addr = %bound, "serving the OpenAI-compatible endpoint");
+    let task = tokio::spawn(async move {
+        if let Err(e) = axum::serve(listener, app).await {
+            tracing::error!(error = %e, "the endpoint stopped");
+        }
+    });
+    Ok((bound, task))
+}
+
+/// Records a request's outcome and time when it ends; a request dropped before it ended
+/// (its client went away) counts as `disconnected`.
+struct Timer {
+    endpoint: &'static str,
+    start: Instant,
+    outcome: Option<&'static str>,
+}
+
+impl Timer {
+    fn new(endpoint: &'static str) -> Self {
+        Timer {
+            endpoint,
+            start: Instant::now(),
+            outcome: None,
+        }
+    }
+}
+
+impl Drop for Timer {
+    fn drop(&mut self) {
+        let outcome = self.outcome.unwrap_or("disconnected");
+        crate::metrics::serve_request(self.endpoint, outcome, self.start.elapsed().as_secs_f64());
+    }
+}
+
+/// Compares in time that does not depend on where the strings differ.
+fn same_key(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+impl Server {
+    fn authorize(&self, headers: &HeaderMap) -> Result<(), ApiError> {
+        let Some(key) = &self.setup.key else {
+            return Ok(());
+        };
+        let given = headers
+            .get(axum::http::header::AUTHORIZATION)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.strip_prefix("Bearer "));
+        match given {
+            Some(g) if same_key(g.trim().as_bytes(), key.as_bytes()) => Ok(()),
+            _ => Err(ApiError::new(
+                StatusCode::UNAUTHORIZED,
+                "invalid_api_key",
+                "missing or wrong bearer key (Authorization: Bearer KEY)",
+            )),
+        }
+    }
+
+    /// Reads, checks and tokenizes a request: the call to decode, or why not.
+    fn prepare(
+        &self,
+        endpoint: Endpoint,
+        headers: &HeaderMap,
+        bytes: &[u8],
+    ) -> Result<Prepared, ApiError> {
+        let mut body = Body::parse(bytes)?;
+        let model: String = body
+            .take("model")?
+            .ok_or_else(|| ApiError::param("invalid_value", "model", "`model` is required"))?;
+        if model != self.setup.model_id {
+            return Err(ApiError {
+                param: Some("model".into()),
+                ..ApiError::new(
+                    StatusCode::NOT_FOUND,
+                    "model_not_found",
+                    format!(
+                        "no model `{model}` here: this generator serves `{}`",
+                        self.setup.model_id
+                    ),
+                )
+            });
+        }
+        let input = match endpoint {
+            Endpoint::Completions => api::completion_input(&mut body)?,
+            Endpoint::Chat => api::chat_input(&mut body)?,
+        };
+        let mut sampling = Sampling::take(&mut body, self.setup.max_batch)?;
+        sampling.logprobs = match endpoint {
+            Endpoint::Chat => body.take("logprobs")?.unwrap_or(false),
+            Endpoint::Completions => match body.take::<u32>("logprobs")? {
+                None => false,
+                Some(0) => true,
+                Some(_) => {
+                    return Err(ApiError::param(
+                        "unsupported_parameter",
+                        "logprobs",
+                        "alternatives are not listed: give `logprobs: 0` for the sampled tokens' log-probs (every choice carries them in `rlstream` too)",
+                    ));
+                }
+            },
+        };
+        body.finish()?;
+        let episode = self.episode(headers)?;
+        let prompt = self.tokenize(input)?;
+        let params = self.params(endpoint, &sampling, prompt.len(), episode.is_some())?;
+        Ok(Prepared {
+            endpoint,
+            prompt,
+            sampling,
+            params,
+            episode,
+        })
+    }
+
+    /// The episode a request names, if any.
+    fn episode(&self, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
+        let Some(v) = headers.get(EPISODE_HEADER) else {
+            return Ok(None);
+        };
+        match v.to_str() {
+            Ok(s) if !s.trim().is_empty() && s.len() <= episodes::MAX_EPISODE_ID => {
+                Ok(Some(s.trim().to_string()))
+            }
+            _ => Err(ApiError::param(
+                "invalid_value",
+                EPISODE_HEADER,
+                format!(
+                    "{EPISODE_HEADER} must be 1 to {} visible characters",
+                    episodes::MAX_EPISODE_ID
+                ),
+            )),
+        }
+    }
+
+    fn tokenize(&self, input: Input) -> Result<Vec<u32>, ApiError> {
+        let tokenizer_error =
+            |e: crate::model::ModelError| ApiError::param("invalid_value", "prompt", e.to_string());
+        let ids = match input {
+            Input::Text(t) => self.setup.tokenizer.encode(&t).map_err(tokenizer_error)?,
+            Input::Ids(ids) => {
+                if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.setup.vocab) {
+                    return Err(ApiError::param(
+                        "invalid_value",
+                        "prompt",
+                        format!(
+                            "token id {bad} is past the model's {}-id vocabulary",
+                            self.setup.vocab
+                        ),
+                    ));
+                }
+                ids
+            }
+            Input::Chat { messages, kwargs } => {
+                let Some(template) = &self.setup.template else {
+                    return Err(ApiError::param(
+                        "invalid_value",
+                        "messages",
+                        "this model has no chat template: use /v1/completions",
+                    ));
+                };
+                let text = template
+                    .render(&messages, true, &kwargs)
+                    .map_err(|e| ApiError::param("invalid_value", "messages", e.to_string()))?;
+                self.setup
+                    .tokenizer
+                    .encode(&text)
+                    .map_err(tokenizer_error)?
+            }
+        };
+        Ok(ids)
+    }
+
+    /// How to sample a prompt of `prompt_len` tokens as `s` asks. Without `max_tokens`, a
+    /// completion may take 16 tokens (OpenAI's default) and a chat reply what the context
+    /// leaves.
+    fn params(
+        &self,
+        endpoint: Endpoint,
+        s: &Sampling,
+        prompt_len: usize,
+        recorded: bool,
+    ) -> Result<SamplingParams, ApiError> {
+        let context = self.setup.context;
+        let room = context.saturating_sub(prompt_len.max(1));
+        if room == 0 {
+            return Err(ApiError::param(
+                "context_length_exceeded",
+                "messages",
+                format!(
+                    "the prompt is {prompt_len} tokens; the model's context is {context}, leaving no room for a completion"
+                ),
+            ));
+        }
+        let max_tokens = match s.max_tokens {
+            Some(m) if m as usize > room => {
+                return Err(ApiError::param(
+                    "context_length_exceeded",
+                    "max_tokens",
+                    format!(
+                        "the prompt ({prompt_len} tokens) and max_tokens ({m}) exceed the model's context of {context} tokens"
+                    ),
+                ));
+            }
+            Some(m) => m,
+            None => match endpoint {
+                Endpoint::Completions => room.min(16) as u32,
+                Endpoint::Chat => room as u32,
+            },
+        };
+        let policy = self.setup.temperature;
+        let temperature = s.temperature.unwrap_or(policy);
+        if recorded && (temperature - policy).abs() > 1e-6 {
+            return Err(ApiError::param(
+                "not_trainable",
+                "temperature",
+                format!(
+                    "a recorded call ({EPISODE_HEADER}) samples at the policy's temperature {policy}, which the trainer's log-probs assume: leave `temperature` out or set it to {policy}"
+                ),
+            ));
+        }
+        let n = self.requests.fetch_add(1, Ordering::Relaxed);
+        Ok(SamplingParams {
+            temperature,
+            top_k: capped_top_k(s.top_k, s.top_p, self.setup.mask_cap),
+            top_p: s.top_p,
+            max_new_tokens: max_tokens,
+            stop_tokens: self.setup.stop_tokens.clone(),
+            seed: s.seed.unwrap_or_else(|| {
+                crate::seed::derive(self.setup.seed, &format!("call-{}-{n}", self.started))
+            }),
+        })
+    }
+
+    fn head(&self, endpoint: Endpoint) -> Head {
+        let n = self.requests.load(Ordering::Relaxed);
+        let prefix = match endpoint {
+            Endpoint::Completions => "cmpl",
+            Endpoint::Chat => "chatcmpl",
+        };
+        Head {
+            id: format!("{prefix}-{:x}{n:06x}", self.started),
+            created: crate::schema::now_us() / 1_000_000,
+            model: self.setup.model_id.clone(),
+            endpoint,
+        }
+    }
+
+    /// Each token's text, for OpenAI's `logprobs`.
+    fn token_texts(&self, ids: &[u32]) -> Vec<String> {
+        ids.iter()
+            .map(|&t| self.setup.tokenizer.decode(&[t]).unwrap_or_default())
+            .collect()
+    }
+}
+
+/// A request read and checked.
+struct Prepared {
+    endpoint: Endpoint,
+    prompt: Vec<u32>,
+    sampling: Sampling,
+    params: SamplingParams,
+    episode: Option<String>,
+}
+
+/// One choice as it arrives.
+#[derive(Default)]
+struct Choice {
+    tokens: Tokens,
+    text: String,
+    finish: Option<&'static str>,
+    completion: Option<Completion>,
+}
+
+/// A call's choices as they arrive.
+struct Gathered {
+    choices: Vec<Choice>,
+    open: usize,
+}
+
+impl Gathered {
+    fn new(n: usize) -> Self {
+        Gathered {
+            choices: (0..n).map(|_| Choice::default()).collect(),
+            open: n,
+        }
+    }
+
+    /// Files `first` and every event after it until each choice has ended.
+    async fn gather(
+        &mut self,
+        first: CallEvent,
+        rx: &mut UnboundedReceiver<CallEvent>,
+    ) -> Result<(), ApiError> {
+        self.file(first)?;
+        while self.open > 0 {
+            self.file(rx.recv().await.ok_or_else(stopped)?)?;
+        }
+        Ok(())
+    }
+
+    /// Files an event: `Err` when the call failed.
+    fn file(&mut self, ev: CallEvent) -> Result<(), ApiError> {
+        match ev {
+            CallEvent::Token {
+                index,
+                token,
+                logprob,
+                version,
+                text,
+            } => {
+                if let Some(c) = self.choices.get_mut(index) {
+                    c.tokens.push(token, logprob, version);
+                    c.text.push_str(&text);
+                }
+            }
+            CallEvent::Finished {
+                index,
+                finish,
+                completion,
+                text,
+            } => {
+                if let Some(c) = self.choices.get_mut(index) {
+                    c.text.push_str(&text);
+                    c.finish = Some(finish_reason(finish));
+                    c.completion = Some(*completion);
+                    self.open = self.open.saturating_sub(1);
+                }
+            }
+            CallEvent::Refused { reason, detail } => {
+                let code = if reason == "context" {
+                    "context_length_exceeded"
+                } else {
+                    "invalid_value"
+                };
+                return Err(ApiError::param(code, "prompt", detail));
+            }
+            CallEvent::Failed(detail) => {
+                return Err(ApiError::new(
+                    StatusCode::INTERNAL_SERVER_ERROR,
+                    "generation_failed",
+                    detail,
+                ));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// The decode thread stopped before the call ended.
+fn stopped() -> ApiError {
+    ApiError::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "generator_stopped",
+        "the generator stopped before the call ended",
+    )
+}
+
+async fn models(State(s): State<Arc<Server>>, headers: HeaderMap) -> Response {
+    if let Err(e) = s.authorize(&headers) {
+        return e.into_response();
+    }
+    axum::Json(json!({
+        "object": "list",
+        "data": [{
+            "id": s.setup.model_id,
+            "object": "model",
+            "created": s.started,
+            "owned_by": "rlstream",
+            "max_model_len": s.setup.context,
+        }],
+    }))
+    .into_response()
+}
+
+async fn episode(
+    State(s): State<Arc<Server>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+) -> Response {
+    if let Err(e) = s.authorize(&headers) {
+        return e.into_response();
+    }
+    match s.episodes.json(&id) {
+        Some(v) => axum::Json(v).into_response(),
+        None => ApiError::new(
+            StatusCode::NOT_FOUND,
+            "episode_not_found",
+            format!("no calls are recorded under episode `{id}`"),
+        )
+        .into_response(),
+    }
+}
+
+async fn not_found() -> Response {
+    ApiError::new(
+        StatusCode::NOT_FOUND,
+        "not_found",
+        "no such route: /v1/completions, /v1/chat/completions, /v1/models, /v1/rlstream/episodes/{id}",
+    )
+    .into_response()
+}
+
+async fn completions(State(s): State<Arc<Server>>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(s, Endpoint::Completions, headers, body).await
+}
+
+async fn chat(State(s): State<Arc<Server>>, headers: HeaderMap, body: Bytes) -> Response {
+    serve(s, Endpoint::Chat, headers, body).await
+}
+
+/// One call, start to end (or to its first event when streamed).
+async fn serve(s: Arc<Server>, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
+    let mut timer = Timer::new(endpoint.as_str());
+    let refuse = |timer: &mut Timer, e: ApiError| {
+        timer.outcome = Some(e.outcome());
+        e.into_response()
+    };
+    if let Err(e) = s.authorize(&headers) {
+        return refuse(&mut timer, e);
+    }
+    let Ok(permit) = s.permits.clone().try_acquire_owned() else {
+        let e = ApiError::new(
+            StatusCode::TOO_MANY_REQUESTS,
+            "too_many_requests",
+            format!(
+                "this generator takes {} requests at once (--serve-max-requests): retry later",
+                s.setup.max_requests
+            ),
+        );
+        return refuse(&mut timer, e);
+    };
+    let p = match s.prepare(endpoint, &headers, &body) {
+        Ok(p) => p,
+        Err(e) => return refuse(&mut timer, e),
+    };
+    let (tx, mut rx) = unbounded_channel();
+    let call = Call {
+        prompt: p.prompt.clone(),
+        n: p.sampling.n,
+        params: p.params.clone(),
+        stop: p.sampling.stop.clone(),
+        events: tx,
+    };
+    if s.admit.send(ToDecoder::Call(Box::new(call))).is_err() {
+        return refuse(&mut timer, stopped());
+    }
+    let mut gathered = Gathered::new(p.sampling.n);
+    // The first event says whether the model took the prompt: a refusal is a 400 even
+    // for a streamed call.
+    let first = match rx.recv().await {
+        Some(ev @ (CallEvent::Refused { .. } | CallEvent::Failed(_))) => {
+            let e = gathered.file(ev).err().unwrap_or_else(stopped);
+            return refuse(&mut timer, e);
+        }
+        Some(ev) => ev,
+        None => return refuse(&mut timer, stopped()),
+    };
+    let head = s.head(endpoint);
+    if p.sampling.stream {
+        let mut stream = Streamed {
+            server: s,
+            head,
+            prepared: p,
+            rx,
+            gathered,
+            sent: Vec::new(),
+            queue: VecDeque::new(),
+            done: false,
+            timer,
+            _permit: permit,
+        };
+        if let Err(e) = stream.file(first) {
+            // A token or an end cannot be refused; should it be, the stream says so.
+            stream.fail(e);
+        }
+        let events = futures_util::stream::unfold(stream, |mut st| async move {
+            st.next().await.map(|e| (Ok::<Event, Infallible>(e), st))
+        });
+        return Sse::new(events)
+            .keep_alive(KeepAlive::default())
+            .into_response();
+    }
+    if let Err(e) = gathered.gather(first, &mut rx).await {
+        return refuse(&mut timer, e);
+    }
+    drop(permit);
+    let body = s.whole(&p, &head, &mut gathered);
+    timer.outcome = Some("ok");
+    axum::Json(body).into_response()
+}
+
+impl Server {
+    /// Records a finished call when it names an episode: its number there.
+    fn record(&self, p: &Prepared, gathered: &mut Gathered) -> Option<usize> {
+        let episode = p.episode.as_ref()?;
+        let choices: Vec<Completion> = gathered
+            .choices
+            .iter_mut()
+            .filter_map(|c| c.completion.take())
+            .collect();
+        Some(self.episodes.record(
+            episode,
+            RecordedCall {
+                endpoint: p.endpoint.as_str(),
+                prompt: p.prompt.clone(),
+                sampling: p.params.clone(),
+                choices,
+            },
+        ))
+    }
+
+    /// The whole (not streamed) response of a finished call.
+    fn whole(&self, p: &Prepared, head: &Head, gathered: &mut Gathered) -> Value {
+        let mut completion_tokens = 0;
+        let choices: Vec<Value> = gathered
+            .choices
+            .iter()
+            .enumerate()
+            .map(|(i, c)| {
+                completion_tokens += c.tokens.token_ids.len();
+                let logprobs = p.sampling.logprobs.then(|| {
+                    let texts = self.token_texts(&c.tokens.token_ids);
+                    api::logprobs_json(p.endpoint, &c.tokens, &texts, 0)
+                });
+                let mut v = json!({
+                    "index": i,
+                    "logprobs": logprobs,
+                    "finish_reason": c.finish,
+                    "rlstream": c.tokens.json(Some(&p.prompt)),
+                });
+                match p.endpoint {
+                    Endpoint::Completions => v["text"] = json!(c.text),
+                    Endpoint::Chat => {
+                        v["message"] = json!({"role": "assistant", "content": c.text});
+                    }
+                }
+                v
+            })
+            .collect();
+        let usage = api::usage(p.prompt.len(), completion_tokens);
+        let mut body = head.wrap(false, choices, Some(usage));
+        if let Some(call) = self.record(p, gathered) {
+            body["rlstream"] = json!({"episode": p.episode, "call": call});
+        }
+        body
+    }
+}
+
+/// A streamed call: each decoder event becomes chunks, then `[DONE]`.
+struct Streamed {
+    server: Arc<Server>,
+    head: Head,
+    prepared: Prepared,
+    rx: UnboundedReceiver<CallEvent>,
+    gathered: Gathered,
+    /// Whether each choice has had its first chunk (which carries the prompt's ids).
+    sent: Vec<bool>,
+    queue: VecDeque<Event>,
+    done: bool,
+    timer: Timer,
+    _permit: tokio::sync::OwnedSemaphorePermit,
+}
+
+impl Streamed {
+    fn chunk(&mut self, index: usize, text: &str, tokens: Tokens, finish: Option<&str>) -> Event {
+        let p = &self.prepared;
+        if self.sent.len() <= index {
+            self.sent.resize(index + 1, false);
+        }
+        let first = !std::mem::replace(&mut self.sent[index], true);
+        let logprobs = (p.sampling.logprobs && !tokens.token_ids.is_empty()).then(|| {
+            let texts = self.server.token_texts(&tokens.token_ids);
+            let offset = self
+                .gathered
+                .choices
+                .get(index)
+                .map_or(0, |c| c.text.len() - text.len());
+            api::logprobs_json(p.endpoint, &tokens, &texts, offset)
+        });
+        let mut choice = json!({
+            "index": index,
+            "logprobs": logprobs,
+            "finish_reason": finish,
+            "rlstream": tokens.json(first.then_some(p.prompt.as_slice())),
+        });
+        match p.endpoint {
+            Endpoint::Completions => choice["text"] = json!(text),
+            Endpoint::Chat if first => {
+                choice["delta"] = json!({"role": "assistant", "content": text});
+            }
+            Endpoint::Chat => choice["delta"] = json!({"content": text}),
+        }
+        data(&self.head.wrap(true, vec![choice], None))
+    }
+
+    /// Files an event and queues its chunks.
+    fn file(&mut self, ev: CallEvent) -> Result<(), ApiError> {
+        let (index, text, tokens, finish) = match &ev {
+            CallEvent::Token {
+                index,
+                token,
+                logprob,
+                version,
+                text,
+            } => {
+                let mut t = Tokens::default();
+                t.push(*token, *logprob, *version);
+                (*index, text.clone(), t, None)
+            }
+            CallEvent::Finished {
+                index,
+                finish,
+                text,
+                ..
+            } => (
+                *index,
+                text.clone(),
+                Tokens::default(),
+                Some(finish_reason(*finish)),
+            ),
+            _ => (0, String::new(), Tokens::default(), None),
+        };
+        self.gathered.file(ev)?;
+        let chunk = self.chunk(index, &text, tokens, finish);
+        self.queue.push_back(chunk);
+        if self.gathered.open == 0 {
+            self.end();
+        }
+        Ok(())
+    }
+
+    /// Queues the last chunks of a call whose every choice ended, and records it: a chunk
+    /// without choices carries the usage (when asked for) and the recorded call's place.
+    fn end(&mut self) {
+        let p = &self.prepared;
+        let usage = p.sampling.include_usage.then(|| {
+            let completion: usize = self
+                .gathered
+                .choices
+                .iter()
+                .map(|c| c.tokens.token_ids.len())
+                .sum();
+            api::usage(p.prompt.len(), completion)
+        });
+        let recorded = self.server.record(&self.prepared, &mut self.gathered);
+        if usage.is_some() || recorded.is_some() {
+            let mut last = self.head.wrap(true, Vec::new(), usage);
+            if let Some(call) = recorded {
+                last["rlstream"] = json!({"episode": self.prepared.episode, "call": call});
+            }
+            self.queue.push_back(data(&last));
+        }
+        self.queue.push_back(Event::default().data("[DONE]"));
+        self.done = true;
+        self.timer.outcome = Some("ok");
+    }
+
+    /// Ends the stream with `e`'s error body.
+    fn fail(&mut self, e: ApiError) {
+        self.timer.outcome = Some(e.outcome());
+        self.queue.push_back(data(&e.body()));
+        self.done = true;
+    }
+
+    /// The next server-sent event, `None` at the end.
+    async fn next(&mut self) -> Option<Event> {
+        loop {
+            if let Some(e) = self.queue.pop_front() {
+                return Some(e);
+            }
+            if self.done {
+                return None;
+            }
+            match self.rx.recv().await {
+                Some(ev) => {
+                    if let Err(e) = self.file(ev) {
+                        self.fail(e);
+                    }
+                }
+                None => self.fail(stopped()),
+            }
+        }
+    }
+}
+
+/// A server-sent event carrying `v`.
+fn data(v: &Value) -> Event {
+    Event::default().data(v.to_string())
+}

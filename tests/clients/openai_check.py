@@ -148,8 +148,28 @@ def phase_calls(client, a):
     # Not recorded: any temperature, greedy included.
     g = client.completions.create(model=a.model, prompt="7+1=", max_tokens=4, temperature=0)
     check(all(lp == 0.0 for lp in rl(g.choices[0])["logprobs"]), "greedy tokens have log-prob 0")
+    stops = check_stop(client, a)
     n = same_as_recorded(a.base, a.key, ep, calls)
-    return {"episode": ep, "calls": n, "versions": sorted(versions)}
+    return {"episode": ep, "calls": n, "versions": sorted(versions), "stop": stops}
+
+
+def check_stop(client, a):
+    """A stop string ends the text before it, on the token that completed it, whole and
+    streamed (greedy, so the calls without and with the stop string sample alike)."""
+    greedy = dict(model=a.model, prompt="12*3=", max_tokens=8, temperature=0)
+    full = client.completions.create(**greedy)
+    text, ids = full.choices[0].text, rl(full.choices[0])["token_ids"]
+    check(len(text) >= 1, f"the greedy completion has no text to stop on: {ids}")
+    stop = text[-1]
+    cut = text.index(stop)
+    r = client.completions.create(**greedy, stop=[stop])
+    got = rl(r.choices[0])["token_ids"]
+    check(r.choices[0].text == text[:cut], f"stopped text {r.choices[0].text!r} of {text!r}")
+    check(r.choices[0].finish_reason == "stop", "a stop string is finish `stop`")
+    check(got == ids[:len(got)] and len(got) >= 1, f"stopped ids {got} of {ids}")
+    s, _ = streamed(client.completions.create(**greedy, stop=[stop], stream=True), 1)
+    check(s[0]["text"] == text[:cut] and s[0]["token_ids"] == got, f"streamed stop: {s}")
+    return {"text": text, "stop": stop, "tokens": len(got)}
 
 
 def phase_refusals(client, a):

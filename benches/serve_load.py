@@ -1,0 +1,177 @@
+#!/usr/bin/env python3
+"""The endpoint under load: latency and tokens/s of `rlstream gen --serve` for 1, 8 and 32
+concurrent OpenAI clients.
+
+    .venv/bin/python benches/serve_load.py [--sizes small,0.5b] [--clients 1,8,32]
+        [--requests N] [--max-tokens T] [--redis URL] [--features F]
+
+For each size one `rlstream gen --serve` process (release build) serves; for each client
+count C, C threads of the real `openai` client (one shared client, as an agent framework
+would hold) each send `--requests` streamed `/v1/completions` calls one after another, with
+prompts of the built-in `sort` task. Per call: the time to the first token and to the last
+byte; per run: p50 and p99 of both over all calls, and completion tokens per second (all
+calls' tokens over the run's wall time). Each call's tokens, versions and log-probs are
+checked to be present and of one length.
+
+Sizes: `small` is a warm-started `sort` model (`rlstream sft`, real completion lengths: rows
+end at their stop token); `0.5b` is Qwen2.5-0.5B's shape with random weights and the Qwen3
+tokenizer from tests/fixtures (every row runs to `--max-tokens`). Needs Redis on
+127.0.0.1:6379 (the generator also joins its prompt stream, which stays empty) and the
+`openai` package (scripts/setup-python.sh installs it in .venv). Results are printed and
+written to benches/results/serve_load.json.
+"""
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import tempfile
+import threading
+import time
+import urllib.request
+
+import openai
+
+from pipeline_05b import build
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def model_dir(size, rlstream, scale, out):
+    d = os.path.join(out, size)
+    if os.path.exists(os.path.join(d, "config.json")):
+        return d
+    if size == "small":
+        subprocess.run([rlstream, "sft", "--task", "sort", "--out", d, "--steps", "400"],
+                       check=True, stdout=subprocess.DEVNULL)
+        return d
+    subprocess.run([scale, "write", "0.5b", d], check=True, stdout=subprocess.DEVNULL)
+    tok = os.path.join(ROOT, "tests", "fixtures", "tokenizers", "qwen3")
+    for name in ["tokenizer.json", "tokenizer_config.json"]:
+        shutil.copy(os.path.join(tok, name), d)
+    return d
+
+
+def prompts(n):
+    """Prompts shaped like the `sort` task's: letters to sort."""
+    import random
+    rng = random.Random(7)
+    return [
+        "sort " + "".join(rng.choice("abcdefghij") for _ in range(rng.randint(4, 8))) + "="
+        for _ in range(n)
+    ]
+
+
+def pct(xs, q):
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
+
+
+def one_run(client, model, clients, requests, max_tokens):
+    calls, lock = [], threading.Lock()
+    texts = prompts(clients * requests)
+
+    def worker(k):
+        for r in range(requests):
+            t0 = time.perf_counter()
+            first, tokens, versions, logprobs = None, 0, 0, 0
+            stream = client.completions.create(
+                model=model, prompt=texts[k * requests + r], max_tokens=max_tokens, stream=True)
+            for chunk in stream:
+                for c in chunk.choices:
+                    rl = (c.model_extra or {}).get("rlstream", {})
+                    if rl.get("token_ids") and first is None:
+                        first = time.perf_counter() - t0
+                    tokens += len(rl.get("token_ids", []))
+                    versions += len(rl.get("versions", []))
+                    logprobs += len(rl.get("logprobs", []))
+            assert tokens > 0 and tokens == versions == logprobs, (tokens, versions, logprobs)
+            with lock:
+                calls.append({"first_s": first, "total_s": time.perf_counter() - t0,
+                              "tokens": tokens})
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    tokens = sum(c["tokens"] for c in calls)
+    return {
+        "clients": clients,
+        "calls": len(calls),
+        "tokens": tokens,
+        "wall_s": round(wall, 3),
+        "tokens_per_s": round(tokens / wall, 1),
+        "first_token_p50_s": round(pct([c["first_s"] for c in calls], 0.5), 4),
+        "first_token_p99_s": round(pct([c["first_s"] for c in calls], 0.99), 4),
+        "latency_p50_s": round(pct([c["total_s"] for c in calls], 0.5), 4),
+        "latency_p99_s": round(pct([c["total_s"] for c in calls], 0.99), 4),
+        "tokens_per_call_mean": round(statistics.mean(c["tokens"] for c in calls), 1),
+    }
+
+
+def wait_up(addr, proc, log):
+    deadline = time.time() + 600
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"gen exited:\n{open(log).read()}")
+        try:
+            urllib.request.urlopen(f"http://{addr}/v1/models", timeout=2)
+            return
+        except OSError:
+            time.sleep(0.2)
+    raise SystemExit("the endpoint never came up")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="small,0.5b")
+    ap.add_argument("--clients", default="1,8,32")
+    ap.add_argument("--requests", type=int, default=0,
+                    help="calls per client (0: 16 for small, 4 for 0.5b at 1 client, scaled down)")
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--redis", default="redis://127.0.0.1:6379")
+    ap.add_argument("--features", default="", help="cargo features of the build")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rlstream, scale = build(("--features", args.features) if args.features else ())
+    out = args.out or tempfile.mkdtemp(prefix="serve-load-")
+    results = []
+    for size in args.sizes.split(","):
+        d = model_dir(size, rlstream, scale, out)
+        port = 18500 + len(results)
+        addr = f"127.0.0.1:{port}"
+        log = os.path.join(out, f"gen-{size}.log")
+        ns = f"serve-load-{os.getpid()}-{size}"
+        cmd = [rlstream, "gen", "--model", d, "--serve", str(port), "--max-batch", "64",
+               "--serve-max-requests", "64", "--redis", args.redis, "--namespace", ns]
+        with open(log, "w") as f:
+            proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=f)
+        try:
+            wait_up(addr, proc, log)
+            client = openai.OpenAI(base_url=f"http://{addr}/v1", api_key="none",
+                                   max_retries=0, timeout=600)
+            model = os.path.basename(d)
+            one_run(client, model, 1, 2, args.max_tokens)  # warm-up
+            for c in [int(x) for x in args.clients.split(",")]:
+                per = args.requests or max(2, (16 if size == "small" else 4) * 8 // max(c, 8))
+                r = one_run(client, model, c, per, args.max_tokens)
+                r.update({"size": size, "max_tokens": args.max_tokens})
+                print(json.dumps(r), flush=True)
+                results.append(r)
+        finally:
+            proc.terminate()
+            proc.wait()
+    machine = f"{platform.machine()}, {os.cpu_count()} cores"
+    path = os.path.join(ROOT, "benches", "results", "serve_load.json")
+    with open(path, "w") as f:
+        json.dump({"machine": machine, "features": args.features, "runs": results}, f, indent=1)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -10,8 +10,11 @@ count C, C threads of the real `openai` client (one shared client, as an agent f
 would hold) each send `--requests` streamed `/v1/completions` calls one after another, with
 prompts of the built-in `sort` task. Per call: the time to the first token and to the last
 byte; per run: p50 and p99 of both over all calls, and completion tokens per second (all
-calls' tokens over the run's wall time). Each call's tokens, versions and log-probs are
-checked to be present and of one length.
+calls' tokens over the run's wall time). Beside each run, one call with `n` = C rows
+(no per-call cost: one HTTP request, one prefill) gives the decoder's own tokens/s for the
+same batch size. Each call's tokens, versions and log-probs are checked to be present and
+of one length. The CPU time the generator process and this client spent per call (from
+/proc and `os.times`) shows which side bounds a run where the model is cheap.
 
 Sizes: `small` is a warm-started `sort` model (`rlstream sft`, real completion lengths: rows
 end at their stop token); `0.5b` is Qwen2.5-0.5B's shape with random weights and the Qwen3
@@ -55,11 +58,11 @@ def model_dir(size, rlstream, scale, out):
 
 
 def prompts(n):
-    """Prompts shaped like the `sort` task's: letters to sort."""
+    """Prompts of the built-in `sort` task: 3 to 6 digits to sort."""
     import random
     rng = random.Random(7)
     return [
-        "sort " + "".join(rng.choice("abcdefghij") for _ in range(rng.randint(4, 8))) + "="
+        "sort:" + "".join(rng.choice("0123456789") for _ in range(rng.randint(3, 6))) + "="
         for _ in range(n)
     ]
 
@@ -69,7 +72,14 @@ def pct(xs, q):
     return xs[min(len(xs) - 1, int(round(q * (len(xs) - 1))))]
 
 
-def one_run(client, model, clients, requests, max_tokens):
+def cpu_s(pid):
+    """User + system CPU seconds of process `pid` so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def one_run(client, model, clients, requests, max_tokens, server_pid):
     calls, lock = [], threading.Lock()
     texts = prompts(clients * requests)
 
@@ -93,14 +103,18 @@ def one_run(client, model, clients, requests, max_tokens):
                               "tokens": tokens})
 
     threads = [threading.Thread(target=worker, args=(k,)) for k in range(clients)]
+    server0, client0 = cpu_s(server_pid), sum(os.times()[:2])
     t0 = time.perf_counter()
     for t in threads:
         t.start()
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    server, client_cpu = cpu_s(server_pid) - server0, sum(os.times()[:2]) - client0
     tokens = sum(c["tokens"] for c in calls)
     return {
+        "server_cpu_ms_per_call": round(1000 * server / len(calls), 2),
+        "client_cpu_ms_per_call": round(1000 * client_cpu / len(calls), 2),
         "clients": clients,
         "calls": len(calls),
         "tokens": tokens,
@@ -112,6 +126,17 @@ def one_run(client, model, clients, requests, max_tokens):
         "latency_p99_s": round(pct([c["total_s"] for c in calls], 0.99), 4),
         "tokens_per_call_mean": round(statistics.mean(c["tokens"] for c in calls), 1),
     }
+
+
+def one_call(client, model, n, max_tokens):
+    """The same rows in one call (`n` = the client count): the endpoint without the cost of
+    many calls, side by side with them."""
+    t0 = time.perf_counter()
+    r = client.completions.create(model=model, prompt=prompts(1)[0], n=n, max_tokens=max_tokens)
+    wall = time.perf_counter() - t0
+    tokens = sum(len(c.model_extra["rlstream"]["token_ids"]) for c in r.choices)
+    return {"one_call_n": n, "one_call_tokens": tokens,
+            "one_call_tokens_per_s": round(tokens / wall, 1)}
 
 
 def wait_up(addr, proc, log):
@@ -156,11 +181,12 @@ def main():
             client = openai.OpenAI(base_url=f"http://{addr}/v1", api_key="none",
                                    max_retries=0, timeout=600)
             model = os.path.basename(d)
-            one_run(client, model, 1, 2, args.max_tokens)  # warm-up
+            one_run(client, model, 1, 2, args.max_tokens, proc.pid)  # warm-up
             for c in [int(x) for x in args.clients.split(",")]:
                 per = args.requests or max(2, (16 if size == "small" else 4) * 8 // max(c, 8))
-                r = one_run(client, model, c, per, args.max_tokens)
+                r = one_run(client, model, c, per, args.max_tokens, proc.pid)
                 r.update({"size": size, "max_tokens": args.max_tokens})
+                r.update(one_call(client, model, c, args.max_tokens))
                 print(json.dumps(r), flush=True)
                 results.append(r)
         finally:

@@ -244,8 +244,11 @@ impl Server {
         body.finish()?;
         let episode = self.episode(headers)?;
         let prompt = self.tokenize(input)?;
-        let params = self.params(endpoint, &sampling, prompt.len(), episode.is_some())?;
+        let number = self.requests.fetch_add(1, Ordering::Relaxed);
+        let recorded = episode.is_some();
+        let params = self.params(endpoint, &sampling, prompt.len(), recorded, number)?;
         Ok(Prepared {
+            number,
             endpoint,
             prompt,
             sampling,
@@ -312,7 +315,8 @@ impl Server {
         Ok(ids)
     }
 
-    /// How to sample a prompt of `prompt_len` tokens as `s` asks. Without `max_tokens`, a
+    /// How to sample a prompt of `prompt_len` tokens as `s` asks (request `number` seeds
+    /// a call that gives no seed). Without `max_tokens`, a
     /// completion may take 16 tokens (OpenAI's default) and a chat reply what the context
     /// leaves.
     fn params(
@@ -321,6 +325,7 @@ impl Server {
         s: &Sampling,
         prompt_len: usize,
         recorded: bool,
+        number: u64,
     ) -> Result<SamplingParams, ApiError> {
         let context = self.setup.context;
         let room = context.saturating_sub(prompt_len.max(1));
@@ -360,7 +365,6 @@ impl Server {
                 ),
             ));
         }
-        let n = self.requests.fetch_add(1, Ordering::Relaxed);
         Ok(SamplingParams {
             temperature,
             top_k: capped_top_k(s.top_k, s.top_p, self.setup.mask_cap),
@@ -368,13 +372,12 @@ impl Server {
             max_new_tokens: max_tokens,
             stop_tokens: self.setup.stop_tokens.clone(),
             seed: s.seed.unwrap_or_else(|| {
-                crate::seed::derive(self.setup.seed, &format!("call-{}-{n}", self.started))
+                crate::seed::derive(self.setup.seed, &format!("call-{}-{number}", self.started))
             }),
         })
     }
 
-    fn head(&self, endpoint: Endpoint) -> Head {
-        let n = self.requests.load(Ordering::Relaxed);
+    fn head(&self, endpoint: Endpoint, n: u64) -> Head {
         let prefix = match endpoint {
             Endpoint::Completions => "cmpl",
             Endpoint::Chat => "chatcmpl",
@@ -397,6 +400,8 @@ impl Server {
 
 /// A request read and checked.
 struct Prepared {
+    /// The request's number since the endpoint started.
+    number: u64,
     endpoint: Endpoint,
     prompt: Vec<u32>,
     sampling: Sampling,
@@ -597,7 +602,7 @@ async fn serve(s: Arc<Server>, endpoint: Endpoint, headers: HeaderMap, body: Byt
         Some(ev) => ev,
         None => return refuse(&mut timer, stopped()),
     };
-    let head = s.head(endpoint);
+    let head = s.head(endpoint, p.number);
     if p.sampling.stream {
         let mut stream = Streamed {
             server: s,

@@ -67,6 +67,8 @@ pub const SERVE_REQUESTS_TOTAL: &str = "rlstream_serve_requests_total";
 pub const SERVE_REQUEST_SECONDS: &str = "rlstream_serve_request_seconds";
 pub const SERVE_ROWS: &str = "rlstream_serve_rows";
 pub const SERVE_RECORDED_TOTAL: &str = "rlstream_serve_recorded_calls_total";
+pub const SERVE_DRIFT_TOTAL: &str = "rlstream_serve_drift_total";
+pub const SERVE_EPISODES_TOTAL: &str = "rlstream_serve_episodes_total";
 
 /// The commit the binary was built from (`git rev-parse --short=12 HEAD` at build time, or
 /// `RLSTREAM_GIT_SHA`, or `unknown` outside a checkout).
@@ -353,6 +355,16 @@ fn describe() {
         Unit::Count,
         "Endpoint calls recorded into an episode (X-Rlstream-Episode)."
     );
+    describe_counter!(
+        SERVE_DRIFT_TOTAL,
+        Unit::Count,
+        "Endpoint calls of a trained episode whose prompt did not extend what the episode sampled (its episode is not trained)."
+    );
+    describe_counter!(
+        SERVE_EPISODES_TOTAL,
+        Unit::Count,
+        "Agent episodes closed through the endpoint, by outcome (closed: trained with its group; drift: left out)."
+    );
     describe_gauge!(
         BUILD_INFO,
         "Always 1; the labels carry the version and git commit."
@@ -436,6 +448,16 @@ pub fn serve_request(endpoint: &'static str, outcome: &'static str, seconds: f64
 /// The endpoint's calls hold `rows` rows of the generator's batch.
 pub fn serving_rows(rows: usize) {
     gauge!(SERVE_ROWS).set(rows as f64);
+}
+
+/// A call of a trained episode did not extend what its episode sampled.
+pub fn drift() {
+    counter!(SERVE_DRIFT_TOTAL).increment(1);
+}
+
+/// An agent episode was closed (`outcome`: `closed` or `drift`).
+pub fn agent_episode(outcome: &'static str) {
+    counter!(SERVE_EPISODES_TOTAL, "outcome" => outcome).increment(1);
 }
 
 /// A call was recorded into an episode.

@@ -110,6 +110,17 @@ impl Tokenizer {
         }
     }
 
+    /// The text of `ids` with special tokens written out, as a chat template renders them
+    /// (the character tokenizer has none to write: its end-of-sequence id has no text).
+    pub fn decode_special(&self, ids: &[u32]) -> Result<String, ModelError> {
+        match self {
+            Tokenizer::Char(t) => t.decode(ids),
+            Tokenizer::Hf(t) => t
+                .decode(ids, false)
+                .map_err(|e| ModelError::Tokenizer(e.to_string())),
+        }
+    }
+
     /// Whether `other` maps every id to the same token as `self`: `Err` says how they differ.
     /// Two tokenizers agree when they are of one kind with the same vocabulary (characters,
     /// or Hugging Face tokens with their added tokens, id for id).

@@ -6,6 +6,7 @@
 // limit the library keeps does not apply here.
 #![allow(clippy::too_many_lines)]
 
+mod agent_episodes;
 mod bad_input;
 mod bitwise;
 mod bus_conformance;

@@ -57,8 +57,10 @@ crate::settings! {
         pub serve_key_file: Option<std::path::PathBuf> = None,
         /// Most endpoint requests at once (decoding or waiting for rows); more get 429.
         pub serve_max_requests: usize = 64,
-        /// Recorded episodes idle this long (no call) are forgotten.
+        /// Recorded episodes idle this long (no call) are forgotten (episodes of an open group stay until the group ends).
         pub serve_episode_ttl_s: u64 = 3600,
+        /// A group of agent episodes (X-Rlstream-Group) not closed this long after its first call is dead-lettered (reason group_timeout).
+        pub serve_group_timeout_s: u64 = 1800,
     }
 }
 
@@ -110,6 +112,9 @@ impl GenConfig {
         }
         if self.serve_max_requests == 0 {
             return Err(invalid("gen.serve_max_requests", "must be at least 1"));
+        }
+        if self.serve_group_timeout_s == 0 {
+            return Err(invalid("gen.serve_group_timeout_s", "must be at least 1"));
         }
         if self.serve_episode_ttl_s == 0 {
             return Err(invalid("gen.serve_episode_ttl_s", "must be at least 1"));

@@ -142,6 +142,7 @@ fn policy_tokenizer(policy: &PolicySettings) -> Result<Tokenizer, StageError> {
 async fn start_endpoint(
     policy: &PolicySettings,
     cfg: &GenConfig,
+    (bus, topo): (SharedBus, &Topology),
     addr: &str,
     slot: &ModelSlot<InferBackend>,
     admit: mpsc::Sender<ToDecoder>,
@@ -176,6 +177,11 @@ async fn start_endpoint(
         max_requests: cfg.serve_max_requests,
         seed: policy.seed,
         episode_ttl: Duration::from_secs(cfg.serve_episode_ttl_s),
+        group_size: cfg.group_size,
+        group_timeout: Duration::from_secs(cfg.serve_group_timeout_s),
+        bus,
+        topo: topo.clone(),
+        gen_id: cfg.name.clone(),
     };
     let (bound, task) = serve::start(setup, admit).await?;
     eprintln!("serving the OpenAI-compatible endpoint on http://{bound}/v1");
@@ -223,7 +229,10 @@ pub async fn run(
     let decoder = new_decoder(policy, cfg, &slot)?;
     let decode = decoder.spawn(admit_rx, done_tx, stop.clone())?;
     let endpoint = match &cfg.serve {
-        Some(addr) => Some(start_endpoint(policy, cfg, addr, &slot, admit_tx.clone()).await?),
+        Some(addr) => {
+            let on = (bus.clone(), topo);
+            Some(start_endpoint(policy, cfg, on, addr, &slot, admit_tx.clone()).await?)
+        }
         None => None,
     };
     let (follower, announced) =

@@ -27,9 +27,12 @@ pub mod episodes;
 use super::calls::{Call, CallEvent};
 use super::config::capped_top_k;
 use super::decode::ToDecoder;
+use crate::bus::{SharedBus, Topology};
 use crate::model::chat::ChatTemplate;
 use crate::model::sampler::Completion;
 use crate::model::tokenizer::Tokenizer;
+use crate::roles::Stream;
+use crate::schema::DeadLetter;
 use crate::schema::SamplingParams;
 use crate::stages::StageError;
 use api::{ApiError, Body, Endpoint, Head, Input, Sampling, Tokens};
@@ -40,7 +43,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use episodes::{Episodes, RecordedCall, finish_reason};
+use episodes::{Closed, Episodes, Extension, Given, Kind, RecordedCall, Start, finish_reason};
 use serde_json::{Value, json};
 use std::collections::VecDeque;
 use std::convert::Infallible;
@@ -53,6 +56,9 @@ use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
 /// The header that names a call's episode.
 pub const EPISODE_HEADER: &str = "x-rlstream-episode";
+
+/// The header that names an episode's group (its first call; trained episodes only).
+pub const GROUP_HEADER: &str = "x-rlstream-group";
 
 /// The environment variable holding the bearer key (when no key file is given).
 pub const KEY_ENV: &str = "RLSTREAM_SERVE_KEY";
@@ -75,6 +81,14 @@ pub struct Setup {
     pub max_requests: usize,
     pub seed: u64,
     pub episode_ttl: Duration,
+    /// Episodes per group (`--group-size`), and how long a group may stay open.
+    pub group_size: usize,
+    pub group_timeout: Duration,
+    /// Where closed groups are published (rollouts) or dead-lettered.
+    pub bus: SharedBus,
+    pub topo: Topology,
+    /// The generator's name (`gen_id` of the groups it publishes).
+    pub gen_id: String,
 }
 
 /// The bearer key: from `file` when given, else from [`KEY_ENV`]; `None` when neither.
@@ -97,7 +111,7 @@ struct Server {
     setup: Setup,
     admit: std::sync::mpsc::Sender<ToDecoder>,
     permits: Arc<Semaphore>,
-    episodes: Episodes,
+    episodes: Arc<Episodes>,
     /// Requests so far (response ids, and the seeds of requests that give none).
     requests: AtomicU64,
     started: u64,
@@ -127,7 +141,13 @@ pub async fn start(
         .map_err(|e| StageError::Other(format!("the endpoint's socket: {e}")))?;
     let server = Arc::new(Server {
         permits: Arc::new(Semaphore::new(setup.max_requests)),
-        episodes: Episodes::new(setup.episode_ttl),
+        episodes: Arc::new(Episodes::new(
+            setup.episode_ttl,
+            setup.group_size,
+            setup.group_timeout,
+            setup.vocab,
+            &setup.gen_id,
+        )),
         requests: AtomicU64::new(0),
         started: crate::schema::now_us() / 1_000_000,
         setup,
@@ -138,12 +158,30 @@ pub async fn start(
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/rlstream/episodes/{episode}", get(episode))
+        .route("/v1/rlstream/episodes/{episode}/close", post(close))
         .fallback(not_found)
-        .with_state(server);
+        .with_state(server.clone());
+    let sweeper = server;
     tracing::info!(addr = %bound, "serving the OpenAI-compatible endpoint");
     let task = tokio::spawn(async move {
-        if let Err(e) = axum::serve(listener, app).await {
-            tracing::error!(error = %e, "the endpoint stopped");
+        let sweep = async {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            loop {
+                tick.tick().await;
+                for dead in sweeper.episodes.expired() {
+                    if let Err(e) = sweeper.settle(dead).await {
+                        tracing::warn!(error = %e.message, "an expired group was not dead-lettered");
+                    }
+                }
+            }
+        };
+        tokio::select! {
+            served = axum::serve(listener, app) => {
+                if let Err(e) = served {
+                    tracing::error!(error = %e, "the endpoint stopped");
+                }
+            }
+            _ = sweep => {}
         }
     });
     Ok((bound, task))
@@ -242,46 +280,96 @@ impl Server {
             },
         };
         body.finish()?;
-        let episode = self.episode(headers)?;
-        let prompt = self.tokenize(input)?;
+        let episode = header_id(headers, EPISODE_HEADER)?;
+        let group = header_id(headers, GROUP_HEADER)?;
+        if group.is_some() && episode.is_none() {
+            return Err(ApiError::param(
+                "invalid_value",
+                GROUP_HEADER,
+                format!("{GROUP_HEADER} names the group of an episode: give {EPISODE_HEADER} too"),
+            ));
+        }
+        let (prompt, given) = self.tokenize(input)?;
         let number = self.requests.fetch_add(1, Ordering::Relaxed);
         let recorded = episode.is_some();
         let params = self.params(endpoint, &sampling, prompt.len(), recorded, number)?;
-        Ok(Prepared {
+        let mut p = Prepared {
             number,
             endpoint,
             prompt,
             sampling,
             params,
-            episode,
-        })
-    }
-
-    /// The episode a request names, if any.
-    fn episode(&self, headers: &HeaderMap) -> Result<Option<String>, ApiError> {
-        let Some(v) = headers.get(EPISODE_HEADER) else {
-            return Ok(None);
+            episode: None,
+            given,
+            extension: Extension::Untracked,
         };
-        match v.to_str() {
-            Ok(s) if !s.trim().is_empty() && s.len() <= episodes::MAX_EPISODE_ID => {
-                Ok(Some(s.trim().to_string()))
-            }
-            _ => Err(ApiError::param(
-                "invalid_value",
-                EPISODE_HEADER,
-                format!(
-                    "{EPISODE_HEADER} must be 1 to {} visible characters",
-                    episodes::MAX_EPISODE_ID
-                ),
-            )),
+        if let Some(id) = episode {
+            self.start_episode(&mut p, id, group.as_deref())?;
         }
+        Ok(p)
     }
 
-    fn tokenize(&self, input: Input) -> Result<Vec<u32>, ApiError> {
+    /// Starts `p` as a call of episode `id` (in `group`): decoded from the episode's ids
+    /// when it extends them. The episode is busy until the call is recorded or `p` dropped.
+    fn start_episode(
+        &self,
+        p: &mut Prepared,
+        id: String,
+        group: Option<&str>,
+    ) -> Result<(), ApiError> {
+        let tokenizer = &self.setup.tokenizer;
+        let start = Start {
+            episode: &id,
+            group,
+            n: p.sampling.n,
+            given: &p.given,
+            prompt: &p.prompt,
+            sampling: &p.params,
+        };
+        let extension = self
+            .episodes
+            .start(&start, |t: &str| {
+                tokenizer.encode(t).map_err(|e| e.to_string())
+            })
+            .map_err(|r| {
+                let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST);
+                ApiError::new(status, r.code, r.message)
+            })?;
+        p.episode = Some(Lease {
+            episodes: self.episodes.clone(),
+            id,
+            open: true,
+        });
+        if let Extension::Extends { ids, .. } = &extension {
+            let room = self.setup.context.saturating_sub(ids.len());
+            if room < p.params.max_new_tokens as usize {
+                return Err(ApiError::param(
+                    "context_length_exceeded",
+                    "messages",
+                    format!(
+                        "the episode so far ({} tokens) and max_tokens ({}) exceed the model's context of {} tokens",
+                        ids.len(),
+                        p.params.max_new_tokens,
+                        self.setup.context
+                    ),
+                ));
+            }
+            p.prompt = ids.clone();
+        }
+        p.extension = extension;
+        Ok(())
+    }
+
+    /// The ids of `input`, and the prompt as given (what a later call of its episode must
+    /// extend).
+    fn tokenize(&self, input: Input) -> Result<(Vec<u32>, Given), ApiError> {
         let tokenizer_error =
             |e: crate::model::ModelError| ApiError::param("invalid_value", "prompt", e.to_string());
-        let ids = match input {
-            Input::Text(t) => self.setup.tokenizer.encode(&t).map_err(tokenizer_error)?,
+        Ok(match input {
+            Input::Text(t) => (
+                self.setup.tokenizer.encode(&t).map_err(tokenizer_error)?,
+                Given::Text(Kind::Text, t),
+            ),
             Input::Ids(ids) => {
                 if let Some(bad) = ids.iter().find(|&&t| t as usize >= self.setup.vocab) {
                     return Err(ApiError::param(
@@ -293,7 +381,7 @@ impl Server {
                         ),
                     ));
                 }
-                ids
+                (ids.clone(), Given::Ids(ids))
             }
             Input::Chat { messages, kwargs } => {
                 let Some(template) = &self.setup.template else {
@@ -306,13 +394,14 @@ impl Server {
                 let text = template
                     .render(&messages, true, &kwargs)
                     .map_err(|e| ApiError::param("invalid_value", "messages", e.to_string()))?;
-                self.setup
+                let ids = self
+                    .setup
                     .tokenizer
                     .encode(&text)
-                    .map_err(tokenizer_error)?
+                    .map_err(tokenizer_error)?;
+                (ids, Given::Text(Kind::Chat, text))
             }
-        };
-        Ok(ids)
+        })
     }
 
     /// How to sample a prompt of `prompt_len` tokens as `s` asks (request `number` seeds
@@ -402,11 +491,49 @@ impl Server {
 struct Prepared {
     /// The request's number since the endpoint started.
     number: u64,
+    given: Given,
+    extension: Extension,
     endpoint: Endpoint,
     prompt: Vec<u32>,
     sampling: Sampling,
     params: SamplingParams,
-    episode: Option<String>,
+    episode: Option<Lease>,
+}
+
+/// A call's hold on its episode: released (not recorded) when dropped before
+/// [`Server::record`], whatever ended the call.
+struct Lease {
+    episodes: Arc<Episodes>,
+    id: String,
+    open: bool,
+}
+
+impl Drop for Lease {
+    fn drop(&mut self) {
+        if self.open {
+            self.episodes.release(&self.id);
+        }
+    }
+}
+
+/// The id a request's header `name` gives, if any.
+fn header_id(headers: &HeaderMap, name: &'static str) -> Result<Option<String>, ApiError> {
+    let Some(v) = headers.get(name) else {
+        return Ok(None);
+    };
+    match v.to_str() {
+        Ok(s) if !s.trim().is_empty() && s.len() <= episodes::MAX_ID => {
+            Ok(Some(s.trim().to_string()))
+        }
+        _ => Err(ApiError::param(
+            "invalid_value",
+            name,
+            format!(
+                "{name} must be 1 to {} visible characters",
+                episodes::MAX_ID
+            ),
+        )),
+    }
 }
 
 /// One choice as it arrives.
@@ -538,6 +665,122 @@ async fn episode(
     }
 }
 
+/// `POST /v1/rlstream/episodes/{id}/close` with `{"reward": r, "turn_rewards": [..]}`.
+async fn close(
+    State(s): State<Arc<Server>>,
+    headers: HeaderMap,
+    Path(id): Path<String>,
+    body: Bytes,
+) -> Response {
+    let mut timer = Timer::new("close");
+    let answer = async {
+        s.authorize(&headers)?;
+        let mut b = Body::parse(&body)?;
+        let reward: f32 = b
+            .take("reward")?
+            .ok_or_else(|| ApiError::param("invalid_value", "reward", "`reward` is required"))?;
+        let turn_rewards: Vec<f32> = b.take("turn_rewards")?.unwrap_or_default();
+        b.finish()?;
+        if !reward.is_finite() || turn_rewards.iter().any(|r| !r.is_finite()) {
+            return Err(ApiError::param(
+                "invalid_value",
+                "reward",
+                "rewards must be finite numbers",
+            ));
+        }
+        let closed = s.episodes.close(&id, reward, &turn_rewards).map_err(|r| {
+            let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST);
+            ApiError::new(status, r.code, r.message)
+        })?;
+        s.settle(closed).await
+    }
+    .await;
+    match answer {
+        Ok(mut v) => {
+            timer.outcome = Some("ok");
+            v["episode"] = json!(id);
+            axum::Json(v).into_response()
+        }
+        Err(e) => {
+            timer.outcome = Some(e.outcome());
+            e.into_response()
+        }
+    }
+}
+
+impl Server {
+    /// Publishes a complete group to the rollouts stream, or dead-letters a group that
+    /// cannot be trained; what happened, as JSON.
+    async fn settle(&self, closed: Closed) -> Result<Value, ApiError> {
+        let (bus, topo) = (&self.setup.bus, &self.setup.topo);
+        let unavailable = |e: crate::bus::BusError| {
+            ApiError::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "bus_unavailable",
+                format!("the group could not be written to the bus: {e}"),
+            )
+        };
+        match closed {
+            Closed::Waiting { closed, of } => {
+                Ok(json!({"closed": closed, "of": of, "published": false}))
+            }
+            Closed::Publish(group) => {
+                let payload = crate::schema::encode(&*group).map_err(|e| {
+                    ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "encode_failed",
+                        e.to_string(),
+                    )
+                })?;
+                let out = Stream::Rollouts;
+                bus.publish(&topo.key(out), &[payload.into()], topo.max_len(out))
+                    .await
+                    .map_err(unavailable)?;
+                crate::metrics::generated(
+                    group.samples.len() as u64,
+                    group.completion_tokens() as u64,
+                );
+                tracing::info!(group = %group.group_id, samples = group.samples.len(), "agent group published");
+                Ok(
+                    json!({"closed": group.samples.len(), "published": true, "group_id": group.group_id}),
+                )
+            }
+            Closed::Dead {
+                group,
+                reason,
+                detail,
+            } => {
+                let letter = DeadLetter {
+                    schema: crate::schema::SchemaVersion::CURRENT,
+                    source_stream: "endpoint".into(),
+                    source_id: group.clone(),
+                    group: "agent".into(),
+                    consumer: self.setup.gen_id.clone(),
+                    reason: reason.into(),
+                    error: detail.clone(),
+                    deliveries: 0,
+                    payload: Vec::new(),
+                    dead_us: crate::schema::now_us(),
+                };
+                let payload = crate::schema::encode(&letter).map_err(|e| {
+                    ApiError::new(
+                        StatusCode::INTERNAL_SERVER_ERROR,
+                        "encode_failed",
+                        e.to_string(),
+                    )
+                })?;
+                let dead = Stream::Dead;
+                bus.publish(&topo.key(dead), &[payload.into()], topo.max_len(dead))
+                    .await
+                    .map_err(unavailable)?;
+                crate::metrics::dead_lettered("endpoint", "agent", reason, 1);
+                tracing::warn!(group, reason, detail, "agent group dead-lettered");
+                Ok(json!({"published": false, "dead_lettered": reason, "detail": detail}))
+            }
+        }
+    }
+}
+
 async fn not_found() -> Response {
     ApiError::new(
         StatusCode::NOT_FOUND,
@@ -576,7 +819,7 @@ async fn serve(s: Arc<Server>, endpoint: Endpoint, headers: HeaderMap, body: Byt
         );
         return refuse(&mut timer, e);
     };
-    let p = match s.prepare(endpoint, &headers, &body) {
+    let mut p = match s.prepare(endpoint, &headers, &body) {
         Ok(p) => p,
         Err(e) => return refuse(&mut timer, e),
     };
@@ -631,33 +874,48 @@ async fn serve(s: Arc<Server>, endpoint: Endpoint, headers: HeaderMap, body: Byt
         return refuse(&mut timer, e);
     }
     drop(permit);
-    let body = s.whole(&p, &head, &mut gathered);
+    let body = s.whole(&mut p, &head, &mut gathered);
     timer.outcome = Some("ok");
     axum::Json(body).into_response()
 }
 
 impl Server {
-    /// Records a finished call when it names an episode: its number there.
-    fn record(&self, p: &Prepared, gathered: &mut Gathered) -> Option<usize> {
-        let episode = p.episode.as_ref()?;
+    /// Records a finished call when it names an episode (releasing the episode): its
+    /// number there.
+    fn record(&self, p: &mut Prepared, gathered: &mut Gathered) -> Option<usize> {
+        let lease = p.episode.as_mut()?;
+        lease.open = false;
+        // What a later call's prompt must continue with: a chat template renders the
+        // completion with its special tokens (the stop token the model sampled); a text
+        // prompt holds the text the client got.
+        let completion_text = match (p.endpoint, gathered.choices.first()) {
+            (Endpoint::Chat, Some(c)) => self
+                .setup
+                .tokenizer
+                .decode_special(&c.tokens.token_ids)
+                .unwrap_or_default(),
+            (Endpoint::Completions, Some(c)) => c.text.clone(),
+            (_, None) => String::new(),
+        };
         let choices: Vec<Completion> = gathered
             .choices
             .iter_mut()
             .filter_map(|c| c.completion.take())
             .collect();
-        Some(self.episodes.record(
-            episode,
-            RecordedCall {
-                endpoint: p.endpoint.as_str(),
-                prompt: p.prompt.clone(),
-                sampling: p.params.clone(),
-                choices,
-            },
-        ))
+        let call = RecordedCall {
+            endpoint: p.endpoint.as_str(),
+            prompt: p.prompt.clone(),
+            sampling: p.params.clone(),
+            choices,
+        };
+        Some(
+            self.episodes
+                .record(&lease.id, call, &p.extension, &p.given, &completion_text),
+        )
     }
 
     /// The whole (not streamed) response of a finished call.
-    fn whole(&self, p: &Prepared, head: &Head, gathered: &mut Gathered) -> Value {
+    fn whole(&self, p: &mut Prepared, head: &Head, gathered: &mut Gathered) -> Value {
         let mut completion_tokens = 0;
         let choices: Vec<Value> = gathered
             .choices
@@ -687,7 +945,8 @@ impl Server {
         let usage = api::usage(p.prompt.len(), completion_tokens);
         let mut body = head.wrap(false, choices, Some(usage));
         if let Some(call) = self.record(p, gathered) {
-            body["rlstream"] = json!({"episode": p.episode, "call": call});
+            let episode = p.episode.as_ref().map(|l| l.id.clone());
+            body["rlstream"] = json!({"episode": episode, "call": call});
         }
         body
     }
@@ -789,11 +1048,12 @@ impl Streamed {
                 .sum();
             api::usage(p.prompt.len(), completion)
         });
-        let recorded = self.server.record(&self.prepared, &mut self.gathered);
+        let recorded = self.server.record(&mut self.prepared, &mut self.gathered);
         if usage.is_some() || recorded.is_some() {
             let mut last = self.head.wrap(true, Vec::new(), usage);
             if let Some(call) = recorded {
-                last["rlstream"] = json!({"episode": self.prepared.episode, "call": call});
+                let episode = self.prepared.episode.as_ref().map(|l| l.id.clone());
+                last["rlstream"] = json!({"episode": episode, "call": call});
             }
             self.queue.push_back(data(&last));
         }

@@ -93,7 +93,11 @@ fn check_recorded(episodes: &[Value], groups: &[RolloutGroup]) -> u64 {
             .iter()
             .map(|x| x.as_f64().unwrap() as f32)
             .collect();
-        assert_eq!(s.logprobs.as_slice(), logprobs.as_slice(), "{id}: log-probs");
+        assert_eq!(
+            s.logprobs.as_slice(),
+            logprobs.as_slice(),
+            "{id}: log-probs"
+        );
         for (i, v) in want["versions"].as_array().unwrap().iter().enumerate() {
             if let Some(v) = v.as_u64() {
                 assert_eq!(s.version_at(i), v, "{id}: version of token {i}");

@@ -39,12 +39,19 @@ pub use llama::{KvCache, Policy};
 /// The CPU backend generation runs on: NdArray with the trainer's native kernels
 /// ([`Kernels`]), its linear weights kept `[out, in]` so that a decode step streams each
 /// once, in 16 bits when its values are bf16 ([`Kernels::decode_weight`]). Measured against Flex and PyTorch in BENCHMARKS.md.
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(any(feature = "cuda", feature = "wgpu")))]
 pub type InferBackend = burn::backend::NdArray;
 /// The backend training runs on: autodiff over NdArray, whose train step measured 1.26×
 /// faster than Flex's. Weights move between the two as bytes, as they do between processes.
-#[cfg(not(feature = "cuda"))]
+#[cfg(not(any(feature = "cuda", feature = "wgpu")))]
 pub type TrainBackend = burn::backend::Autodiff<burn::backend::NdArray>;
+
+/// With the `wgpu` feature (and not `cuda`), generation and training run on burn's CubeCL
+/// backend over wgpu: a GPU's Vulkan, Metal or DX12, or Mesa's lavapipe on the CPU.
+#[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+pub type InferBackend = burn::backend::Wgpu;
+#[cfg(all(feature = "wgpu", not(feature = "cuda")))]
+pub type TrainBackend = burn::backend::Autodiff<burn::backend::Wgpu>;
 
 /// With the `cuda` feature, generation and training run on the first CUDA device.
 #[cfg(feature = "cuda")]

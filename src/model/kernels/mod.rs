@@ -485,6 +485,8 @@ impl Kernels for burn::backend::Flex {}
 
 #[cfg(feature = "cuda")]
 impl Kernels for burn::backend::Cuda {}
+#[cfg(feature = "wgpu")]
+impl Kernels for burn::backend::Wgpu {}
 
 #[cfg(test)]
 mod tests;

@@ -65,6 +65,13 @@ impl ApiError {
     }
 }
 
+impl From<super::episodes::Refusal> for ApiError {
+    fn from(r: super::episodes::Refusal) -> Self {
+        let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST);
+        ApiError::new(status, r.code, r.message)
+    }
+}
+
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
         (self.status, axum::Json(self.body())).into_response()

@@ -34,6 +34,7 @@
 //! Everything lives in the generator's memory: a generator that stops loses the episodes
 //! not yet published (their calls' clients lose it too).
 
+use super::recorded::RecordedCall;
 use crate::model::sampler::Completion;
 use crate::schema::{
     FinishReason, RolloutGroup, Sample, SamplingMask, SamplingParams, Span, TurnReward, VersionRun,
@@ -45,66 +46,6 @@ use std::time::{Duration, Instant};
 
 /// Most bytes of an episode or group id.
 pub const MAX_ID: usize = 200;
-
-/// One recorded call.
-#[derive(Debug, Clone)]
-pub struct RecordedCall {
-    pub endpoint: &'static str,
-    pub prompt: Vec<u32>,
-    pub sampling: SamplingParams,
-    /// One completion per choice, in choice order.
-    pub choices: Vec<Completion>,
-}
-
-impl RecordedCall {
-    fn json(&self, call: usize) -> Value {
-        let choices: Vec<Value> = self
-            .choices
-            .iter()
-            .map(|c| {
-                json!({
-                    "index": c.index,
-                    "token_ids": c.tokens,
-                    "logprobs": c.logprobs,
-                    "versions": per_token(&c.versions, c.tokens.len()),
-                    "finish_reason": finish_reason(c.finish),
-                    "truncated": c.mask.is_some(),
-                })
-            })
-            .collect();
-        json!({
-            "call": call,
-            "endpoint": self.endpoint,
-            "prompt_token_ids": self.prompt,
-            "sampling": {
-                "temperature": self.sampling.temperature,
-                "top_p": self.sampling.top_p,
-                "top_k": self.sampling.top_k,
-                "max_tokens": self.sampling.max_new_tokens,
-                "seed": self.sampling.seed,
-            },
-            "choices": choices,
-        })
-    }
-}
-
-/// Each of `n` tokens' version, from version runs.
-pub fn per_token(runs: &[VersionRun], n: usize) -> Vec<u64> {
-    (0..n)
-        .map(|i| {
-            let at = runs.partition_point(|r| r.start as usize <= i);
-            runs.get(at.saturating_sub(1)).map_or(0, |r| r.version)
-        })
-        .collect()
-}
-
-/// OpenAI's name of a finish reason.
-pub fn finish_reason(f: FinishReason) -> &'static str {
-    match f {
-        FinishReason::Stop => "stop",
-        FinishReason::Length => "length",
-    }
-}
 
 /// How an episode's calls give their prompts (they must all give them one way).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -260,6 +201,41 @@ struct Episode {
     used: Instant,
 }
 
+impl Episode {
+    fn new(used: Instant) -> Self {
+        Episode {
+            calls: Vec::new(),
+            group: None,
+            track: None,
+            drifted: 0,
+            busy: false,
+            closed: false,
+            used,
+        }
+    }
+
+    /// Refuses a closed episode, or one with a call being decoded.
+    fn open(&self, episode: &str) -> Result<(), Refusal> {
+        if self.closed {
+            return Err(refuse(
+                409,
+                "episode_closed",
+                format!("episode `{episode}` is closed"),
+            ));
+        }
+        if self.busy {
+            return Err(refuse(
+                409,
+                "episode_busy",
+                format!(
+                    "episode `{episode}` has a call being decoded: an episode's calls follow one another"
+                ),
+            ));
+        }
+        Ok(())
+    }
+}
+
 struct Group {
     prompt: Vec<u32>,
     sampling: SamplingParams,
@@ -374,15 +350,7 @@ impl Episodes {
         episodes.retain(|_, e| e.busy || e.group.is_some() || now.duration_since(e.used) < ttl);
         let e = episodes
             .entry(s.episode.to_string())
-            .or_insert_with(|| Episode {
-                calls: Vec::new(),
-                group: None,
-                track: None,
-                drifted: 0,
-                busy: false,
-                closed: false,
-                used: now,
-            });
+            .or_insert_with(|| Episode::new(now));
         check_call(e, s)?;
         let group = s.group.map(str::to_string).or_else(|| e.group.clone());
         let extension = match (&group, &e.track) {
@@ -476,15 +444,7 @@ impl Episodes {
         let e = state
             .episodes
             .entry(episode.to_string())
-            .or_insert_with(|| Episode {
-                calls: Vec::new(),
-                group: None,
-                track: None,
-                drifted: 0,
-                busy: false,
-                closed: false,
-                used: Instant::now(),
-            });
+            .or_insert_with(|| Episode::new(Instant::now()));
         e.busy = false;
         e.used = Instant::now();
         match (extension, call.choices.first().cloned()) {
@@ -654,20 +614,7 @@ fn closing(
     reward: f32,
     turn_rewards: &[f32],
 ) -> Result<(String, Option<Sample>), Refusal> {
-    if e.closed {
-        return Err(refuse(
-            409,
-            "episode_closed",
-            format!("episode `{episode}` is already closed"),
-        ));
-    }
-    if e.busy {
-        return Err(refuse(
-            409,
-            "episode_busy",
-            format!("episode `{episode}` has a call being decoded"),
-        ));
-    }
+    e.open(episode)?;
     let Some(g) = e.group.clone() else {
         return Err(refuse(
             400,
@@ -707,22 +654,7 @@ fn closing(
 /// episode's.
 fn check_call(e: &Episode, s: &Start<'_>) -> Result<(), Refusal> {
     let episode = s.episode;
-    if e.closed {
-        return Err(refuse(
-            409,
-            "episode_closed",
-            format!("episode `{episode}` is closed"),
-        ));
-    }
-    if e.busy {
-        return Err(refuse(
-            409,
-            "episode_busy",
-            format!(
-                "episode `{episode}` has a call being decoded: an episode's calls follow one another"
-            ),
-        ));
-    }
+    e.open(episode)?;
     match (s.group, e.group.as_deref()) {
         (Some(g), Some(mine)) if g != mine => Err(refuse(
             400,

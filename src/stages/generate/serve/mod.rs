@@ -22,7 +22,10 @@
 //!   `--serve-key-file` or `RLSTREAM_SERVE_KEY`, never a flag value that `ps` would show).
 
 pub mod api;
+mod close;
 pub mod episodes;
+pub mod recorded;
+mod stream;
 
 use super::calls::{Call, CallEvent};
 use super::config::capped_top_k;
@@ -31,8 +34,6 @@ use crate::bus::{SharedBus, Topology};
 use crate::model::chat::ChatTemplate;
 use crate::model::sampler::Completion;
 use crate::model::tokenizer::Tokenizer;
-use crate::roles::Stream;
-use crate::schema::DeadLetter;
 use crate::schema::SamplingParams;
 use crate::stages::StageError;
 use api::{ApiError, Body, Endpoint, Head, Input, Sampling, Tokens};
@@ -43,14 +44,15 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use episodes::{Closed, Episodes, Extension, Given, Kind, RecordedCall, Start, finish_reason};
+use episodes::{Episodes, Extension, Given, Kind, Start};
+use recorded::{RecordedCall, finish_reason};
 use serde_json::{Value, json};
-use std::collections::VecDeque;
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
+use stream::Streamed;
 use tokio::sync::Semaphore;
 use tokio::sync::mpsc::{UnboundedReceiver, unbounded_channel};
 
@@ -158,7 +160,7 @@ pub async fn start(
         .route("/v1/completions", post(completions))
         .route("/v1/chat/completions", post(chat))
         .route("/v1/rlstream/episodes/{episode}", get(episode))
-        .route("/v1/rlstream/episodes/{episode}/close", post(close))
+        .route("/v1/rlstream/episodes/{episode}/close", post(close::close))
         .fallback(not_found)
         .with_state(server.clone());
     let sweeper = server;
@@ -331,10 +333,7 @@ impl Server {
             .start(&start, |t: &str| {
                 tokenizer.encode(t).map_err(|e| e.to_string())
             })
-            .map_err(|r| {
-                let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST);
-                ApiError::new(status, r.code, r.message)
-            })?;
+            .map_err(ApiError::from)?;
         p.episode = Some(Lease {
             episodes: self.episodes.clone(),
             id,
@@ -665,122 +664,6 @@ async fn episode(
     }
 }
 
-/// `POST /v1/rlstream/episodes/{id}/close` with `{"reward": r, "turn_rewards": [..]}`.
-async fn close(
-    State(s): State<Arc<Server>>,
-    headers: HeaderMap,
-    Path(id): Path<String>,
-    body: Bytes,
-) -> Response {
-    let mut timer = Timer::new("close");
-    let answer = async {
-        s.authorize(&headers)?;
-        let mut b = Body::parse(&body)?;
-        let reward: f32 = b
-            .take("reward")?
-            .ok_or_else(|| ApiError::param("invalid_value", "reward", "`reward` is required"))?;
-        let turn_rewards: Vec<f32> = b.take("turn_rewards")?.unwrap_or_default();
-        b.finish()?;
-        if !reward.is_finite() || turn_rewards.iter().any(|r| !r.is_finite()) {
-            return Err(ApiError::param(
-                "invalid_value",
-                "reward",
-                "rewards must be finite numbers",
-            ));
-        }
-        let closed = s.episodes.close(&id, reward, &turn_rewards).map_err(|r| {
-            let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST);
-            ApiError::new(status, r.code, r.message)
-        })?;
-        s.settle(closed).await
-    }
-    .await;
-    match answer {
-        Ok(mut v) => {
-            timer.outcome = Some("ok");
-            v["episode"] = json!(id);
-            axum::Json(v).into_response()
-        }
-        Err(e) => {
-            timer.outcome = Some(e.outcome());
-            e.into_response()
-        }
-    }
-}
-
-impl Server {
-    /// Publishes a complete group to the rollouts stream, or dead-letters a group that
-    /// cannot be trained; what happened, as JSON.
-    async fn settle(&self, closed: Closed) -> Result<Value, ApiError> {
-        let (bus, topo) = (&self.setup.bus, &self.setup.topo);
-        let unavailable = |e: crate::bus::BusError| {
-            ApiError::new(
-                StatusCode::SERVICE_UNAVAILABLE,
-                "bus_unavailable",
-                format!("the group could not be written to the bus: {e}"),
-            )
-        };
-        match closed {
-            Closed::Waiting { closed, of } => {
-                Ok(json!({"closed": closed, "of": of, "published": false}))
-            }
-            Closed::Publish(group) => {
-                let payload = crate::schema::encode(&*group).map_err(|e| {
-                    ApiError::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "encode_failed",
-                        e.to_string(),
-                    )
-                })?;
-                let out = Stream::Rollouts;
-                bus.publish(&topo.key(out), &[payload.into()], topo.max_len(out))
-                    .await
-                    .map_err(unavailable)?;
-                crate::metrics::generated(
-                    group.samples.len() as u64,
-                    group.completion_tokens() as u64,
-                );
-                tracing::info!(group = %group.group_id, samples = group.samples.len(), "agent group published");
-                Ok(
-                    json!({"closed": group.samples.len(), "published": true, "group_id": group.group_id}),
-                )
-            }
-            Closed::Dead {
-                group,
-                reason,
-                detail,
-            } => {
-                let letter = DeadLetter {
-                    schema: crate::schema::SchemaVersion::CURRENT,
-                    source_stream: "endpoint".into(),
-                    source_id: group.clone(),
-                    group: "agent".into(),
-                    consumer: self.setup.gen_id.clone(),
-                    reason: reason.into(),
-                    error: detail.clone(),
-                    deliveries: 0,
-                    payload: Vec::new(),
-                    dead_us: crate::schema::now_us(),
-                };
-                let payload = crate::schema::encode(&letter).map_err(|e| {
-                    ApiError::new(
-                        StatusCode::INTERNAL_SERVER_ERROR,
-                        "encode_failed",
-                        e.to_string(),
-                    )
-                })?;
-                let dead = Stream::Dead;
-                bus.publish(&topo.key(dead), &[payload.into()], topo.max_len(dead))
-                    .await
-                    .map_err(unavailable)?;
-                crate::metrics::dead_lettered("endpoint", "agent", reason, 1);
-                tracing::warn!(group, reason, detail, "agent group dead-lettered");
-                Ok(json!({"published": false, "dead_lettered": reason, "detail": detail}))
-            }
-        }
-    }
-}
-
 async fn not_found() -> Response {
     ApiError::new(
         StatusCode::NOT_FOUND,
@@ -854,7 +737,7 @@ async fn serve(s: Arc<Server>, endpoint: Endpoint, headers: HeaderMap, body: Byt
             rx,
             gathered,
             sent: Vec::new(),
-            queue: VecDeque::new(),
+            queue: std::collections::VecDeque::new(),
             done: false,
             timer,
             _permit: permit,
@@ -950,147 +833,4 @@ impl Server {
         }
         body
     }
-}
-
-/// A streamed call: each decoder event becomes chunks, then `[DONE]`.
-struct Streamed {
-    server: Arc<Server>,
-    head: Head,
-    prepared: Prepared,
-    rx: UnboundedReceiver<CallEvent>,
-    gathered: Gathered,
-    /// Whether each choice has had its first chunk (which carries the prompt's ids).
-    sent: Vec<bool>,
-    queue: VecDeque<Event>,
-    done: bool,
-    timer: Timer,
-    _permit: tokio::sync::OwnedSemaphorePermit,
-}
-
-impl Streamed {
-    fn chunk(&mut self, index: usize, text: &str, tokens: Tokens, finish: Option<&str>) -> Event {
-        let p = &self.prepared;
-        if self.sent.len() <= index {
-            self.sent.resize(index + 1, false);
-        }
-        let first = !std::mem::replace(&mut self.sent[index], true);
-        let logprobs = (p.sampling.logprobs && !tokens.token_ids.is_empty()).then(|| {
-            let texts = self.server.token_texts(&tokens.token_ids);
-            let offset = self
-                .gathered
-                .choices
-                .get(index)
-                .map_or(0, |c| c.text.len() - text.len());
-            api::logprobs_json(p.endpoint, &tokens, &texts, offset)
-        });
-        let mut choice = json!({
-            "index": index,
-            "logprobs": logprobs,
-            "finish_reason": finish,
-            "rlstream": tokens.json(first.then_some(p.prompt.as_slice())),
-        });
-        match p.endpoint {
-            Endpoint::Completions => choice["text"] = json!(text),
-            Endpoint::Chat if first => {
-                choice["delta"] = json!({"role": "assistant", "content": text});
-            }
-            Endpoint::Chat => choice["delta"] = json!({"content": text}),
-        }
-        data(&self.head.wrap(true, vec![choice], None))
-    }
-
-    /// Files an event and queues its chunks.
-    fn file(&mut self, ev: CallEvent) -> Result<(), ApiError> {
-        let (index, text, tokens, finish) = match &ev {
-            CallEvent::Token {
-                index,
-                token,
-                logprob,
-                version,
-                text,
-            } => {
-                let mut t = Tokens::default();
-                t.push(*token, *logprob, *version);
-                (*index, text.clone(), t, None)
-            }
-            CallEvent::Finished {
-                index,
-                finish,
-                text,
-                ..
-            } => (
-                *index,
-                text.clone(),
-                Tokens::default(),
-                Some(finish_reason(*finish)),
-            ),
-            _ => (0, String::new(), Tokens::default(), None),
-        };
-        self.gathered.file(ev)?;
-        let chunk = self.chunk(index, &text, tokens, finish);
-        self.queue.push_back(chunk);
-        if self.gathered.open == 0 {
-            self.end();
-        }
-        Ok(())
-    }
-
-    /// Queues the last chunks of a call whose every choice ended, and records it: a chunk
-    /// without choices carries the usage (when asked for) and the recorded call's place.
-    fn end(&mut self) {
-        let p = &self.prepared;
-        let usage = p.sampling.include_usage.then(|| {
-            let completion: usize = self
-                .gathered
-                .choices
-                .iter()
-                .map(|c| c.tokens.token_ids.len())
-                .sum();
-            api::usage(p.prompt.len(), completion)
-        });
-        let recorded = self.server.record(&mut self.prepared, &mut self.gathered);
-        if usage.is_some() || recorded.is_some() {
-            let mut last = self.head.wrap(true, Vec::new(), usage);
-            if let Some(call) = recorded {
-                let episode = self.prepared.episode.as_ref().map(|l| l.id.clone());
-                last["rlstream"] = json!({"episode": episode, "call": call});
-            }
-            self.queue.push_back(data(&last));
-        }
-        self.queue.push_back(Event::default().data("[DONE]"));
-        self.done = true;
-        self.timer.outcome = Some("ok");
-    }
-
-    /// Ends the stream with `e`'s error body.
-    fn fail(&mut self, e: ApiError) {
-        self.timer.outcome = Some(e.outcome());
-        self.queue.push_back(data(&e.body()));
-        self.done = true;
-    }
-
-    /// The next server-sent event, `None` at the end.
-    async fn next(&mut self) -> Option<Event> {
-        loop {
-            if let Some(e) = self.queue.pop_front() {
-                return Some(e);
-            }
-            if self.done {
-                return None;
-            }
-            match self.rx.recv().await {
-                Some(ev) => {
-                    if let Err(e) = self.file(ev) {
-                        self.fail(e);
-                    }
-                }
-                None => self.fail(stopped()),
-            }
-        }
-    }
-}
-
-/// A server-sent event carrying `v`.
-fn data(v: &Value) -> Event {
-    Event::default().data(v.to_string())
 }

@@ -9,41 +9,21 @@
 //! (drift > 0) and its group is dead-lettered instead of trained.
 
 use crate::common::{
-    free_port, interrupt, messages, on_bus, python, redis_url, spawn, spawn_with_env, unique_ns,
+    interrupt, messages, on_bus, python_json, redis_url, serve_gen, spawn, unique_ns, wait_until,
 };
 use rlstream::schema::{DeadLetter, Event, RolloutGroup};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::time::{Duration, Instant};
 
 /// Runs `examples/calc_agent.py` with `args`; its summary.
 fn agent(args: &[&str]) -> Value {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("examples/calc_agent.py");
-    let out = Command::new(python())
-        .arg(script)
-        .args(args)
-        .output()
-        .expect("run python");
-    assert!(
-        out.status.success(),
-        "calc_agent.py failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("one JSON line")
-}
-
-fn wait_until(what: &str, log: &Path, mut done: impl FnMut() -> bool) {
-    let deadline = Instant::now() + Duration::from_secs(90);
-    while !done() {
-        assert!(
-            Instant::now() < deadline,
-            "{what}:\n{}",
-            std::fs::read_to_string(log).unwrap_or_default()
-        );
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let script = script.to_str().expect("a UTF-8 path");
+    let args: Vec<&str> = std::iter::once(script)
+        .chain(args.iter().copied())
+        .collect();
+    python_json(&args)
 }
 
 fn read_jsonl(path: &Path) -> Vec<Value> {
@@ -130,24 +110,19 @@ async fn openai_agents_play_episodes_that_are_recorded_token_exactly_grouped_and
     let url = redis_url();
     let args = |extra: &[&str]| on_bus(extra, &url, &ns);
     let log = |n: &str| dir.path().join(format!("{n}.log"));
-    let port = free_port();
     let ckpt = dir.path().join("ckpt");
-    let policy = ["--model", m, "--groups-per-step", "2", "--max-lag", "8"];
-    let port_arg = port.to_string();
-    let gen_args: Vec<&str> = ["gen", "--group-size", "4", "--max-batch", "32", "--serve"]
+    let shared = ["--groups-per-step", "2", "--max-lag", "8"];
+    let gen_flags: Vec<&str> = ["--group-size", "4", "--max-batch", "32"]
         .into_iter()
-        .chain([port_arg.as_str()])
-        .chain(policy)
+        .chain(shared)
         .collect();
-    let generator = spawn_with_env(
-        &args(&gen_args),
-        &log("gen"),
-        &[("RLSTREAM_SERVE_KEY", "k")],
-    );
+    let gen_env = [("RLSTREAM_SERVE_KEY", "k")];
+    let serving = serve_gen(&model, &ns, &log("gen"), &gen_flags, &gen_env);
+    let policy: Vec<&str> = ["--model", m].into_iter().chain(shared).collect();
     let score = spawn(&args(&["score", "--name", "score-0"]), &log("score"));
     let train_args: Vec<&str> = ["train", "--steps", "100", "--lr", "1e-3"]
         .into_iter()
-        .chain(policy)
+        .chain(policy.iter().copied())
         .chain([
             "--checkpoint-dir",
             ckpt.to_str().unwrap(),
@@ -156,15 +131,11 @@ async fn openai_agents_play_episodes_that_are_recorded_token_exactly_grouped_and
         ])
         .collect();
     let train = spawn(&args(&train_args), &log("train"));
-    let addr = format!("127.0.0.1:{port}");
-    wait_until("the endpoint never came up", &log("gen"), || {
-        std::net::TcpStream::connect(&addr).is_ok()
-    });
-    let base = format!("http://{addr}/v1");
+    let base = &serving.base;
     let play = |seed: &str, record: &Path| {
         agent(&[
             "--base",
-            &base,
+            base,
             "--model",
             "calc",
             "--key",
@@ -209,7 +180,7 @@ async fn openai_agents_play_episodes_that_are_recorded_token_exactly_grouped_and
             .count();
     }
     interrupt(train, "train", &log("train"));
-    interrupt(generator, "gen", &log("gen"));
+    interrupt(serving.proc, "gen", &log("gen"));
     interrupt(score, "score", &log("score"));
     assert!(
         steps >= 4,
@@ -268,17 +239,7 @@ print(json.dumps({{"extends": extends, "record": record, "closed": closed}}))
 "#,
         edit = if edit { "True" } else { "False" }
     );
-    let out = Command::new(python())
-        .args(["-c", &code])
-        .output()
-        .expect("python");
-    assert!(
-        out.status.success(),
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("JSON")
+    python_json(&["-c", &code])
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -286,43 +247,21 @@ async fn chat_history_sent_back_as_sampled_extends_the_episode_and_edited_histor
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("qwen3");
     crate::common::tiny_qwen3(&model);
-    let (port, metrics) = (free_port(), format!("127.0.0.1:{}", free_port()));
     let ns = unique_ns("agents-chat");
     let log = dir.path().join("gen.log");
-    let _gen = spawn(
-        &on_bus(
-            &[
-                "gen",
-                "--model",
-                model.to_str().unwrap(),
-                "--serve",
-                &port.to_string(),
-                "--group-size",
-                "1",
-                "--metrics-addr",
-                &metrics,
-            ],
-            &redis_url(),
-            &ns,
-        ),
-        &log,
-    );
-    let addr = format!("127.0.0.1:{port}");
-    wait_until("the endpoint never came up", &log, || {
-        std::net::TcpStream::connect(&addr).is_ok()
-    });
-    let base = format!("http://{addr}/v1");
+    let serving = serve_gen(&model, &ns, &log, &["--group-size", "1"], &[]);
+    let (base, metrics) = (&serving.base, &serving.metrics);
     let drift = || {
         crate::common::metric(
-            &crate::common::scrape(&metrics),
+            &crate::common::scrape(metrics),
             "rlstream_serve_drift_total",
         )
     };
-    let kept = chat_episode(&base, "kept", "g-kept", false);
+    let kept = chat_episode(base, "kept", "g-kept", false);
     assert_eq!(kept["extends"], true, "{kept}");
     assert_eq!(kept["record"]["drifted_calls"], 0, "{kept}");
     assert_eq!(kept["closed"]["published"], true, "{kept}");
-    let edited = chat_episode(&base, "edited", "g-edited", true);
+    let edited = chat_episode(base, "edited", "g-edited", true);
     assert_eq!(edited["extends"], false, "{edited}");
     assert_eq!(edited["record"]["drifted_calls"], 1, "{edited}");
     assert_eq!(edited["closed"]["dead_lettered"], "drift", "{edited}");

@@ -745,3 +745,78 @@ pub fn python() -> PathBuf {
     );
     venv
 }
+
+/// Runs the test Python with `args` (a script and its arguments, or `-c CODE`): its
+/// standard output. The test fails with both outputs when Python does.
+pub fn python_ok(args: &[&str]) -> String {
+    let out = Command::new(python())
+        .args(args)
+        .output()
+        .expect("run python");
+    assert!(
+        out.status.success(),
+        "python {:?} failed:\n{}{}",
+        args.first(),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 output")
+}
+
+/// [`python_ok`], whose output is one JSON value.
+pub fn python_json(args: &[&str]) -> serde_json::Value {
+    let out = python_ok(args);
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("not JSON ({e}): {out}"))
+}
+
+/// Waits (up to 90 s) until `done`; fails with `what` and the log at `log` otherwise.
+pub fn wait_until(what: &str, log: &Path, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(90);
+    while !done() {
+        assert!(
+            Instant::now() < deadline,
+            "{what}:\n{}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A `gen --serve` process, up: where its endpoint and its metrics are.
+pub struct Serving {
+    pub proc: Proc,
+    /// `127.0.0.1:PORT`, and the endpoint's `http://127.0.0.1:PORT/v1`.
+    pub addr: String,
+    pub base: String,
+    pub metrics: String,
+}
+
+/// Starts `gen --model MODEL --serve` on a free loopback port, with metrics on another,
+/// `extra` flags and `env`, on the test Redis in namespace `ns`; returns once the endpoint
+/// takes connections.
+pub fn serve_gen(
+    model: &Path,
+    ns: &str,
+    log: &Path,
+    extra: &[&str],
+    env: &[(&str, &str)],
+) -> Serving {
+    let (port, metrics) = (
+        free_port().to_string(),
+        format!("127.0.0.1:{}", free_port()),
+    );
+    let mut args = vec!["gen", "--model", model.to_str().expect("a UTF-8 path")];
+    args.extend(["--serve", &port, "--metrics-addr", &metrics]);
+    args.extend_from_slice(extra);
+    let proc = spawn_with_env(&on_bus(&args, &redis_url(), ns), log, env);
+    let addr = format!("127.0.0.1:{port}");
+    wait_until("the endpoint never came up", log, || {
+        std::net::TcpStream::connect(&addr).is_ok()
+    });
+    Serving {
+        proc,
+        base: format!("http://{addr}/v1"),
+        addr,
+        metrics,
+    }
+}

@@ -7,7 +7,7 @@
 //! status and OpenAI error code; more requests than admitted; a client that leaves mid-stream.
 
 use crate::common::{
-    bin, free_port, http_get, on_bus, python, redis_bus, redis_url, spawn_with_env, unique_ns,
+    bin, free_port, http_get, on_bus, python_json, redis_bus, redis_url, serve_gen, unique_ns,
 };
 use rlstream::bus::Topology;
 use rlstream::model::hf::load_hf;
@@ -15,41 +15,16 @@ use rlstream::model::tensors::WeightDtype;
 use rlstream::model::{InferBackend, Policy};
 use rlstream::weights::{Payload, Publisher, WeightsConfig};
 use serde_json::Value;
-use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 /// Runs one phase of the client check; its JSON summary.
 fn client(base: &str, model: &str, phase: &str, extra: &[&str]) -> Value {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/clients/openai_check.py");
-    let out = Command::new(python())
-        .arg(script)
-        .args(["--base", base, "--model", model, "--phase", phase])
-        .args(extra)
-        .output()
-        .expect("run python");
-    assert!(
-        out.status.success(),
-        "openai_check.py --phase {phase} failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("one JSON line")
-}
-
-/// Waits until the endpoint at `addr` answers (any status).
-fn wait_for(addr: &str, log: &Path) {
-    let deadline = Instant::now() + Duration::from_secs(60);
-    while Instant::now() < deadline {
-        if std::net::TcpStream::connect(addr).is_ok() {
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    panic!(
-        "the endpoint never came up:\n{}",
-        std::fs::read_to_string(log).unwrap_or_default()
-    );
+    let script = script.to_str().expect("a UTF-8 path");
+    let mut args = vec![script, "--base", base, "--model", model, "--phase", phase];
+    args.extend_from_slice(extra);
+    python_json(&args)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -59,39 +34,22 @@ async fn an_openai_client_gets_ids_logprobs_and_versions_across_a_weight_swap() 
     crate::common::warm_start("calc", &model, 10, &[]);
     let key = dir.path().join("key");
     std::fs::write(&key, "s3cret\n").unwrap();
-    let (port, metrics) = (free_port(), format!("127.0.0.1:{}", free_port()));
     let ns = unique_ns("serve");
     let log = dir.path().join("gen.log");
-    let _gen = spawn_with_env(
-        &on_bus(
-            &[
-                "gen",
-                "--model",
-                model.to_str().unwrap(),
-                "--serve",
-                &port.to_string(),
-                "--serve-key-file",
-                key.to_str().unwrap(),
-                "--serve-max-requests",
-                "1",
-                "--max-batch",
-                "16",
-                "--metrics-addr",
-                &metrics,
-            ],
-            &redis_url(),
-            &ns,
-        ),
-        &log,
-        &[],
-    );
-    let addr = format!("127.0.0.1:{port}");
-    wait_for(&addr, &log);
-    let base = format!("http://{addr}/v1");
+    let gen_flags = [
+        "--serve-key-file",
+        key.to_str().unwrap(),
+        "--serve-max-requests",
+        "1",
+        "--max-batch",
+        "16",
+    ];
+    let serving = serve_gen(&model, &ns, &log, &gen_flags, &[]);
+    let (base, metrics) = (&serving.base, &serving.metrics);
     let m = metrics.as_str();
 
     let before = client(
-        &base,
+        base,
         "calc",
         "calls",
         &["--key", "s3cret", "--metrics", m, "--expect-version", "0"],
@@ -125,7 +83,7 @@ async fn an_openai_client_gets_ids_logprobs_and_versions_across_a_weight_swap() 
         std::thread::sleep(Duration::from_millis(50));
     }
     let after = client(
-        &base,
+        base,
         "calc",
         "calls",
         &["--key", "s3cret", "--metrics", m, "--expect-version", "1"],
@@ -133,7 +91,7 @@ async fn an_openai_client_gets_ids_logprobs_and_versions_across_a_weight_swap() 
     assert_eq!(after["versions"], serde_json::json!([1]), "{after}");
 
     let refusals = client(
-        &base,
+        base,
         "calc",
         "refusals",
         &["--key", "s3cret", "--metrics", m, "--context", "128"],
@@ -170,14 +128,14 @@ async fn an_openai_client_gets_ids_logprobs_and_versions_across_a_weight_swap() 
         assert_eq!(refusals[case], status, "{case}: {refusals}");
     }
     let load = client(
-        &base,
+        base,
         "calc",
         "load",
         &["--key", "s3cret", "--metrics", m, "--context", "128"],
     );
     assert!(load["too_many"].as_u64().unwrap() >= 1, "{load}");
     // No refused request reached the decoder: the generator decoded only the calls served.
-    let scrape = crate::common::scrape(&metrics);
+    let scrape = crate::common::scrape(metrics);
     assert_eq!(
         crate::common::metric(&scrape, "rlstream_serve_rows"),
         0.0,
@@ -194,34 +152,13 @@ fn a_chat_model_with_a_bpe_tokenizer_serves_chat_whole_and_streamed() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("qwen3");
     crate::common::tiny_qwen3(&model);
-    let (port, metrics) = (free_port(), format!("127.0.0.1:{}", free_port()));
     let ns = unique_ns("serve-chat");
     let log = dir.path().join("gen.log");
-    let _gen = spawn_with_env(
-        &on_bus(
-            &[
-                "gen",
-                "--model",
-                model.to_str().unwrap(),
-                "--serve",
-                &port.to_string(),
-                "--serve-max-requests",
-                "1",
-                "--metrics-addr",
-                &metrics,
-            ],
-            &redis_url(),
-            &ns,
-        ),
-        &log,
-        &[],
-    );
-    let addr = format!("127.0.0.1:{port}");
-    wait_for(&addr, &log);
-    let (status, models) = http_get(&addr, "/v1/models");
+    let serving = serve_gen(&model, &ns, &log, &["--serve-max-requests", "1"], &[]);
+    let (base, metrics) = (&serving.base, &serving.metrics);
+    let (status, models) = http_get(&serving.addr, "/v1/models");
     assert_eq!(status, 200, "{models}");
-    let base = format!("http://{addr}/v1");
-    let chat = client(&base, "qwen3", "chat", &[]);
+    let chat = client(base, "qwen3", "chat", &[]);
     // The prompt is the model's chat template rendered (with its kwargs) and tokenized.
     let ids = |v: &Value| -> Vec<u32> {
         v.as_array()
@@ -248,10 +185,10 @@ fn a_chat_model_with_a_bpe_tokenizer_serves_chat_whole_and_streamed() {
         assert_eq!(tokenizer.encode(&text).unwrap(), ids(prompt), "{text}");
     }
     let load = client(
-        &base,
+        base,
         "qwen3",
         "load",
-        &["--metrics", &metrics, "--context", "512"],
+        &["--metrics", metrics, "--context", "512"],
     );
     assert!(load["too_many"].as_u64().unwrap() >= 1, "{load}");
 }

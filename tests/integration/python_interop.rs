@@ -7,24 +7,16 @@ use bytes::Bytes;
 use rlstream::bus::{Consumer, ConsumerOptions, RangeBound};
 use rlstream::schema::{self, FinishReason, RolloutGroup, examples};
 use std::path::PathBuf;
-use std::process::Command;
 
-use crate::common::python;
+use crate::common::python_ok;
 
 fn check_py(args: &[&str]) -> String {
     let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("schemas/check.py");
-    let out = Command::new(python())
-        .arg(script)
-        .args(args)
-        .output()
-        .expect("run python");
-    assert!(
-        out.status.success(),
-        "check.py {args:?} failed:\n{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("utf-8 output")
+    let script = script.to_str().expect("a UTF-8 path");
+    let args: Vec<&str> = std::iter::once(script)
+        .chain(args.iter().copied())
+        .collect();
+    python_ok(&args)
 }
 
 #[tokio::test]

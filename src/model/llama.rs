@@ -344,12 +344,11 @@ impl<B: Kernels> Block<B> {
     }
 }
 
-/// `[l, l]`: 0 on and below the diagonal, masked above.
+/// `[l, l]`: 0 on and below the diagonal, masked above; made on the device (only the two
+/// `l`-long index ranges cross, not `l²` values).
 fn causal_bias<B: Backend>(l: usize, device: &B::Device) -> Tensor<B, 2> {
-    let data: Vec<f32> = (0..l)
-        .flat_map(|i| (0..l).map(move |j| if j <= i { 0.0 } else { MASKED }))
-        .collect();
-    Tensor::from_data(TensorData::new(data, [l, l]), device)
+    let above = Tensor::<B, 2, burn::tensor::Bool>::tril_mask([l, l], 0, device);
+    Tensor::zeros([l, l], device).mask_fill(above, MASKED)
 }
 
 /// `[rows, 1, l, past + l]` for `l` new tokens per row after `past` cached columns: a row

@@ -18,6 +18,7 @@
 
 pub mod chat;
 pub mod config;
+pub mod counted;
 pub mod draw;
 pub mod fault;
 pub mod hf;

@@ -46,5 +46,6 @@ mod train_resume;
 mod train_step;
 #[cfg(feature = "mpi")]
 mod trainer_ranks;
+mod transfers;
 mod weights_store;
 mod weights_transfer;

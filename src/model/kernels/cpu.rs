@@ -214,6 +214,7 @@ fn bf16_stored(weight: &Tensor<NdArray, 2>) -> Option<ArcArray<u16, IxDyn>> {
 
 impl Kernels for NdArray {
     const NATIVE_LINEAR: bool = true;
+    const HOST_MEMORY: bool = true;
 
     /// `[out, in]` as stored, read as a transposed view; in 16 bits when every value is a
     /// bf16 (its low 16 bits zero, so narrowing loses nothing) and the weight is too large

@@ -139,6 +139,12 @@ pub trait Kernels: Backend {
     /// by that shape).
     const NATIVE_LINEAR: bool = false;
 
+    /// Whether tensors live in host memory, where reading one is free: the trainer's
+    /// optimizer and gradient norm then run as one fused pass over the host buffers
+    /// (`stages::train::adamw`). Elsewhere (a device) they stay in tensor operations on the
+    /// device, and a step reads back its statistics only.
+    const HOST_MEMORY: bool = false;
+
     /// A linear weight of a model built for generation (no gradients), `[in, out]`, from
     /// the checkpoint's row-major `[out, in]` values. By default a contiguous `[in, out]`
     /// copy, as every model gets; the native CPU kernels keep the stored order instead, read
@@ -481,7 +487,9 @@ pub fn token_logprob(row: &[f32], target: usize, temperature: f32, kept: &[u32])
     )
 }
 
-impl Kernels for burn::backend::Flex {}
+impl Kernels for burn::backend::Flex {
+    const HOST_MEMORY: bool = true;
+}
 
 #[cfg(feature = "cuda")]
 impl Kernels for burn::backend::Cuda {}

@@ -9,14 +9,20 @@
 //! moments are taken out of their tensors without a copy when nothing else holds them.
 //! Its state is burn's [`AdamWState`], so optimizer records keep their format.
 //!
-//! Gradient clipping is folded in: [`FusedAdamW::scale_gradients`] sets a factor that the
-//! next step multiplies every gradient by as it reads it.
+//! Gradient clipping is folded in: [`GradScaleHandle::set`] sets a factor that the next
+//! step multiplies every gradient by as it reads it.
+//!
+//! That pass, like [`SquaredNorm`]'s, is for tensors in host memory
+//! ([`Kernels::HOST_MEMORY`]). On a device the same update runs as tensor operations there,
+//! so a step moves no parameter, gradient or moment across to the host
+//! (`tests/integration/transfers.rs` bounds what does cross).
 
+use crate::model::Kernels;
 use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{AdamWState, AdaptiveMomentumState};
 use burn::optim::{LearningRate, SimpleOptimizer};
 use burn::tensor::backend::{AutodiffBackend, Backend};
-use burn::tensor::{Tensor, TensorData};
+use burn::tensor::{ElementConversion, Tensor, TensorData};
 use rayon::prelude::*;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU32, Ordering};
@@ -51,6 +57,7 @@ impl FusedAdamW {
     where
         M: burn::module::AutodiffModule<B>,
         B: AutodiffBackend,
+        B::InnerBackend: Kernels,
     {
         OptimizerAdaptor::from(self)
     }
@@ -87,7 +94,7 @@ fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
 
 /// The sum of squares of `g`'s values, handing the tensor back rebuilt around the same
 /// buffer (no copy when nothing else holds it).
-pub fn sum_squares<B: Backend, const D: usize>(g: Tensor<B, D>) -> (f64, Tensor<B, D>) {
+fn host_sum_squares<B: Backend, const D: usize>(g: Tensor<B, D>) -> (f64, Tensor<B, D>) {
     let (shape, device) = (g.shape(), g.device());
     let v = values(g);
     // Each chunk's sum in parallel, then the chunks in order: a parallel reduction would
@@ -101,16 +108,75 @@ pub fn sum_squares<B: Backend, const D: usize>(g: Tensor<B, D>) -> (f64, Tensor<
     (sum, Tensor::from_data(TensorData::new(v, shape), &device))
 }
 
-impl<B: Backend> SimpleOptimizer<B> for FusedAdamW {
-    type State<const D: usize> = AdamWState<B, D>;
+/// The squared global L2 norm of a step's gradients, added one gradient at a time: on the
+/// host in f64 and a fixed order ([`Kernels::HOST_MEMORY`]), on a device as one running
+/// scalar there, read once by [`SquaredNorm::total`].
+pub struct SquaredNorm<B: Backend> {
+    host: f64,
+    device: Option<Tensor<B, 1>>,
+}
 
-    fn step<const D: usize>(
+impl<B: Kernels> Default for SquaredNorm<B> {
+    fn default() -> Self {
+        SquaredNorm {
+            host: 0.0,
+            device: None,
+        }
+    }
+}
+
+impl<B: Kernels> SquaredNorm<B> {
+    /// Adds the squares of `g`'s values, handing `g` back.
+    pub fn add<const D: usize>(&mut self, g: Tensor<B, D>) -> Tensor<B, D> {
+        if B::HOST_MEMORY {
+            let (sum, g) = host_sum_squares(g);
+            self.host += sum;
+            return g;
+        }
+        let sum = g.clone().square().sum();
+        self.device = Some(match self.device.take() {
+            Some(total) => total + sum,
+            None => sum,
+        });
+        g
+    }
+
+    /// The sum of squares of everything added.
+    pub fn total(self) -> f64 {
+        let device = self.device.map_or(0.0, |t| t.into_scalar().elem::<f64>());
+        self.host + device
+    }
+}
+
+/// The step's factors: bias corrections, learning rate, weight-decay factor and gradient
+/// factor.
+struct Factors {
+    c1: f32,
+    c2: f32,
+    lr: f32,
+    keep: f32,
+    scale: f32,
+}
+
+impl FusedAdamW {
+    fn factors(&self, time: usize, lr: LearningRate) -> Factors {
+        Factors {
+            c1: 1f32 - self.beta_1.powi(time as i32),
+            c2: 1f32 - self.beta_2.powi(time as i32),
+            lr: lr as f32,
+            keep: (1.0 - lr * f64::from(self.weight_decay)) as f32,
+            scale: self.grad_scale(),
+        }
+    }
+
+    /// The update as one pass over host buffers, split over the cores.
+    fn host_step<B: Backend, const D: usize>(
         &self,
         lr: LearningRate,
         tensor: Tensor<B, D>,
         grad: Tensor<B, D>,
-        state: Option<Self::State<D>>,
-    ) -> (Tensor<B, D>, Option<Self::State<D>>) {
+        state: Option<AdamWState<B, D>>,
+    ) -> (Tensor<B, D>, Option<AdamWState<B, D>>) {
         let (shape, device) = (tensor.shape(), tensor.device());
         let n = shape.num_elements();
         let (time, m, v) = match state {
@@ -124,11 +190,13 @@ impl<B: Backend> SimpleOptimizer<B> for FusedAdamW {
         let (mut p, g, mut m, mut v) = (values(tensor), values(grad), m, v);
         let (b1, b2, eps) = (self.beta_1, self.beta_2, self.epsilon);
         let (f1, f2) = (1.0 - b1, 1.0 - b2);
-        let c1 = 1f32 - b1.powi(time as i32);
-        let c2 = 1f32 - b2.powi(time as i32);
-        let lr32 = lr as f32;
-        let keep = (1.0 - lr * f64::from(self.weight_decay)) as f32;
-        let scale = self.grad_scale();
+        let Factors {
+            c1,
+            c2,
+            lr: lr32,
+            keep,
+            scale,
+        } = self.factors(time, lr);
         p.par_chunks_mut(CHUNK)
             .zip(g.par_chunks(CHUNK))
             .zip(m.par_chunks_mut(CHUNK))
@@ -150,6 +218,56 @@ impl<B: Backend> SimpleOptimizer<B> for FusedAdamW {
         (tensor(p), Some(state))
     }
 
+    /// The same update in tensor operations on the tensors' device: nothing crosses to
+    /// the host. Each element goes through the same operations in the same order as in
+    /// [`FusedAdamW::host_step`].
+    fn device_step<B: Backend, const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<B, D>,
+        grad: Tensor<B, D>,
+        state: Option<AdamWState<B, D>>,
+    ) -> (Tensor<B, D>, Option<AdamWState<B, D>>) {
+        let (time, m, v) = match state {
+            Some(s) => (
+                s.momentum.time + 1,
+                s.momentum.moment_1,
+                s.momentum.moment_2,
+            ),
+            None => (1, tensor.zeros_like(), tensor.zeros_like()),
+        };
+        let (b1, b2, eps) = (self.beta_1, self.beta_2, self.epsilon);
+        let f = self.factors(time, lr);
+        let g = grad.mul_scalar(f.scale);
+        let m = m.mul_scalar(b1) + g.clone().mul_scalar(1.0 - b1);
+        let v = v.mul_scalar(b2) + (g.clone() * g).mul_scalar(1.0 - b2);
+        let delta =
+            m.clone().div_scalar(f.c1) / (v.clone().div_scalar(f.c2).sqrt().add_scalar(eps));
+        let p = tensor.mul_scalar(f.keep) - delta.mul_scalar(f.lr);
+        let state = AdamWState {
+            momentum: AdaptiveMomentumState::new(time, m, v),
+        };
+        (p, Some(state))
+    }
+}
+
+impl<B: Kernels> SimpleOptimizer<B> for FusedAdamW {
+    type State<const D: usize> = AdamWState<B, D>;
+
+    fn step<const D: usize>(
+        &self,
+        lr: LearningRate,
+        tensor: Tensor<B, D>,
+        grad: Tensor<B, D>,
+        state: Option<Self::State<D>>,
+    ) -> (Tensor<B, D>, Option<Self::State<D>>) {
+        if B::HOST_MEMORY {
+            self.host_step(lr, tensor, grad, state)
+        } else {
+            self.device_step(lr, tensor, grad, state)
+        }
+    }
+
     fn to_device<const D: usize>(mut state: Self::State<D>, device: &B::Device) -> Self::State<D> {
         state.momentum.moment_1 = state.momentum.moment_1.to_device(device);
         state.momentum.moment_2 = state.momentum.moment_2.to_device(device);
@@ -160,18 +278,17 @@ impl<B: Backend> SimpleOptimizer<B> for FusedAdamW {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::model::counted::Counted;
     use burn::backend::{Autodiff, NdArray};
     use burn::module::Param;
     use burn::nn::Linear;
     use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
 
-    type B = NdArray;
-
     /// Three steps of the fused update against burn's AdamW on the same model and data,
-    /// through burn's optimizer API as the trainer drives it.
-    #[test]
-    fn matches_burns_adamw() {
-        type AB = Autodiff<B>;
+    /// through burn's optimizer API as the trainer drives it: the largest difference in a
+    /// weight, and how far the weights moved.
+    fn against_burns<B: Kernels>() -> (f32, f32) {
+        type AB<B> = Autodiff<B>;
         let device = Default::default();
         // Parameters made from data: a freshly configured module initialises lazily, and
         // each clone would draw its own values.
@@ -180,7 +297,7 @@ mod tests {
                 .map(|i| ((i * k % 101) as f32 - 50.0) / 200.0)
                 .collect()
         };
-        let start = Linear::<AB> {
+        let start = Linear::<AB<B>> {
             weight: Param::from_tensor(Tensor::from_data(
                 TensorData::new(values(300, 37), [15, 20]),
                 &device,
@@ -193,14 +310,14 @@ mod tests {
         let (mut a, mut b) = (start.clone(), start.clone());
         let mut burns = AdamWConfig::new()
             .with_weight_decay(0.01)
-            .init::<AB, Linear<AB>>();
-        let mut fused = FusedAdamW::new(0.01).adaptor::<Linear<AB>, AB>();
+            .init::<AB<B>, Linear<AB<B>>>();
+        let mut fused = FusedAdamW::new(0.01).adaptor::<Linear<AB<B>>, AB<B>>();
         for step in 0..3 {
             let x: Vec<f32> = (0..60)
                 .map(|i| (((i * 13 + step * 7) % 29) as f32 - 14.0) / 9.0)
                 .collect();
-            let x = Tensor::<AB, 2>::from_data(TensorData::new(x, [4, 15]), &device);
-            let grads = |m: &Linear<AB>| {
+            let x = Tensor::<AB<B>, 2>::from_data(TensorData::new(x, [4, 15]), &device);
+            let grads = |m: &Linear<AB<B>>| {
                 let loss = m.forward(x.clone()).powf_scalar(2.0).sum();
                 GradientsParams::from_grads(loss.backward(), m)
             };
@@ -208,24 +325,36 @@ mod tests {
             a = burns.step(1e-2, a, ga);
             b = fused.step(1e-2, b, gb);
         }
-        let flat = |m: &Linear<AB>| super::values(m.weight.val().inner());
+        let flat = |m: &Linear<AB<B>>| super::values(m.weight.val().inner());
         let (wa, wb, w0) = (flat(&a), flat(&b), flat(&start));
-        let worst = wa
-            .iter()
-            .zip(&wb)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max);
-        assert!(worst < 1e-6, "fused AdamW differs from burn's by {worst}");
-        let moved = wa
-            .iter()
-            .zip(&w0)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0f32, f32::max);
-        assert!(moved > 1e-3, "the parameters should move ({moved})");
+        let most = |x: &[f32], y: &[f32]| {
+            x.iter()
+                .zip(y)
+                .map(|(x, y)| (x - y).abs())
+                .fold(0f32, f32::max)
+        };
+        (most(&wa, &wb), most(&wa, &w0))
     }
 
     #[test]
-    fn grad_scale_scales_the_gradient() {
+    fn matches_burns_adamw_on_the_host() {
+        let (worst, moved) = against_burns::<NdArray>();
+        assert!(worst < 1e-6, "fused AdamW differs from burn's by {worst}");
+        assert!(moved > 1e-3, "the parameters should move ({moved})");
+    }
+
+    /// The device path (tensor operations), taken by a backend that is not host memory.
+    #[test]
+    fn matches_burns_adamw_on_a_device() {
+        let (worst, moved) = against_burns::<Counted<NdArray>>();
+        assert!(
+            worst < 1e-6,
+            "AdamW on the device differs from burn's by {worst}"
+        );
+        assert!(moved > 1e-3, "the parameters should move ({moved})");
+    }
+
+    fn scaled_moment<B: Kernels>() -> (Vec<f32>, Vec<f32>) {
         let device = Default::default();
         let fused = FusedAdamW::new(0.0);
         let p = Tensor::<B, 1>::from_data(TensorData::new(vec![1.0f32; 4], [4]), &device);
@@ -235,18 +364,40 @@ mod tests {
         let (_, s2) = fused.step(1e-3, p, g, None);
         let m1 = values(s1.map(|s| s.momentum.moment_1).expect("state"));
         let m2 = values(s2.map(|s| s.momentum.moment_1).expect("state"));
-        assert!(
-            (m1[0] - 0.2).abs() < 1e-7 && (m2[0] - 0.1).abs() < 1e-7,
-            "{m1:?} {m2:?}"
-        );
+        (m1, m2)
     }
 
     #[test]
-    fn sum_squares_keeps_the_tensor() {
+    fn grad_scale_scales_the_gradient() {
+        for (m1, m2) in [
+            scaled_moment::<NdArray>(),
+            scaled_moment::<Counted<NdArray>>(),
+        ] {
+            assert!(
+                (m1[0] - 0.2).abs() < 1e-7 && (m2[0] - 0.1).abs() < 1e-7,
+                "{m1:?} {m2:?}"
+            );
+        }
+    }
+
+    fn squared_norm<B: Kernels>() -> (f64, Vec<f32>) {
         let device = Default::default();
         let g = Tensor::<B, 1>::from_data(TensorData::new(vec![1.0f32, -2.0, 3.0], [3]), &device);
-        let (s, back) = sum_squares(g);
-        assert_eq!(s, 14.0);
-        assert_eq!(values(back), vec![1.0, -2.0, 3.0]);
+        let h = Tensor::<B, 2>::from_data(TensorData::new(vec![0.5f32; 4], [2, 2]), &device);
+        let mut norm = SquaredNorm::<B>::default();
+        let back = norm.add(g);
+        let _ = norm.add(h);
+        (norm.total(), values(back))
+    }
+
+    #[test]
+    fn squared_norm_adds_every_gradient_and_keeps_them() {
+        for (s, back) in [
+            squared_norm::<NdArray>(),
+            squared_norm::<Counted<NdArray>>(),
+        ] {
+            assert_eq!(s, 15.0);
+            assert_eq!(back, vec![1.0, -2.0, 3.0]);
+        }
     }
 }

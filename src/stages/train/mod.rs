@@ -30,7 +30,7 @@ pub use checkpoint::CheckpointError;
 pub use config::*;
 pub use ranks::{Outcome, follow, step as step_over_ranks};
 pub use state::TrainerState;
-pub use trainer::Trainer;
+pub use trainer::{TrainOn, Trainer, TrainerOn};
 
 use super::StageError;
 use super::policy::PolicySettings;

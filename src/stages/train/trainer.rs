@@ -2,7 +2,7 @@
 //! batch of groups, checkpoints written and resumed through [`super::checkpoint`].
 
 use super::TrainerSettings;
-use super::adamw::{self, FusedAdamW, GradScaleHandle};
+use super::adamw::{FusedAdamW, GradScaleHandle, SquaredNorm};
 use super::checkpoint::{self, CheckpointError, MODEL_RECORD, OPTIM_RECORD};
 use super::loss::{self, Samples, TokenSums};
 use super::state::{REMEMBERED_GROUPS, TrainerState};
@@ -11,7 +11,7 @@ use crate::model::hf::load_hf;
 use crate::model::layers;
 use crate::model::lora::{self, LoraSpec};
 use crate::model::tensors::WeightDtype;
-use crate::model::{ModelError, Policy, TrainBackend};
+use crate::model::{Kernels, ModelError, Policy, TrainBackend};
 use crate::schema::{ScoredGroup, StepRecord};
 use crate::weights::{AdapterVersion, Payload};
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
@@ -19,29 +19,35 @@ use burn::optim::adaptor::OptimizerAdaptor;
 use burn::optim::{GradientsAccumulator, GradientsParams, Optimizer};
 use burn::record::{FullPrecisionSettings, NamedMpkFileRecorder, Recorder};
 use burn::tensor::Tensor;
-use burn::tensor::backend::AutodiffBackend;
+use burn::tensor::backend::{AutodiffBackend, Backend};
 
 use std::collections::{BTreeMap, HashSet};
 use std::path::PathBuf;
 use std::time::Instant;
 
-type Optim = OptimizerAdaptor<FusedAdamW, Policy<TrainBackend>, TrainBackend>;
-/// The optimizer and the handle that sets its gradient factor (clipping).
-type OptimParts = (Optim, GradScaleHandle);
-type Reference = Policy<<TrainBackend as AutodiffBackend>::InnerBackend>;
+/// A backend the trainer runs on: autodiff over a [`Kernels`] backend.
+pub trait TrainOn: AutodiffBackend<InnerBackend: Kernels> + Kernels {}
+impl<B: AutodiffBackend<InnerBackend: Kernels> + Kernels> TrainOn for B {}
 
-/// Global L2 norm of the gradients, read in place (each gradient is handed back to
-/// `grads` around the same buffer).
-struct GradNorm<'a> {
+type Optim<B> = OptimizerAdaptor<FusedAdamW, Policy<B>, B>;
+/// The optimizer and the handle that sets its gradient factor (clipping).
+type OptimParts<B> = (Optim<B>, GradScaleHandle);
+type Reference<B> = Policy<<B as AutodiffBackend>::InnerBackend>;
+
+/// Global L2 norm of the gradients, read where they are (each gradient is handed back to
+/// `grads`, on the host around the same buffer).
+struct GradNorm<'a, B: Backend> {
     grads: &'a mut GradientsParams,
-    sum_sq: f64,
+    norm: SquaredNorm<B>,
 }
 
-impl<B: AutodiffBackend> ModuleVisitor<B> for GradNorm<'_> {
+impl<B: AutodiffBackend> ModuleVisitor<B> for GradNorm<'_, B::InnerBackend>
+where
+    B::InnerBackend: Kernels,
+{
     fn visit_float<const D: usize>(&mut self, param: &Param<Tensor<B, D>>) {
         if let Some(g) = self.grads.remove::<B::InnerBackend, D>(param.id) {
-            let (sum_sq, g) = adamw::sum_squares(g);
-            self.sum_sq += sum_sq;
+            let g = self.norm.add(g);
             self.grads.register::<B::InnerBackend, D>(param.id, g);
         }
     }
@@ -163,14 +169,17 @@ impl<B: burn::tensor::backend::Backend> burn::module::ModuleMapper<B> for GradsA
     }
 }
 
-/// Model, optimizer and state; one `step` per batch of groups.
-pub struct Trainer {
+/// The trainer on the build's backend.
+pub type Trainer = TrainerOn<TrainBackend>;
+
+/// Model, optimizer and state; one `step` per batch of groups, on backend `B`.
+pub struct TrainerOn<B: TrainOn> {
     /// `None` only while the optimizer holds it: handed over rather than cloned, so the
     /// update can reuse the parameters' buffers (see [`super::adamw`]).
-    model: Option<Policy<TrainBackend>>,
-    optim: Optim,
+    model: Option<Policy<B>>,
+    optim: Optim<B>,
     grad_scale: GradScaleHandle,
-    reference: Option<Reference>,
+    reference: Option<Reference<B>>,
     pub state: TrainerState,
     /// `state.recent_groups` as a set: the duplicate check runs for every incoming group.
     trained_ids: HashSet<String>,
@@ -187,15 +196,15 @@ pub struct Adapter {
     pub base_checksum: String,
 }
 
-impl Trainer {
-    fn optimizer(cfg: &TrainerSettings) -> OptimParts {
+impl<B: TrainOn> TrainerOn<B> {
+    fn optimizer(cfg: &TrainerSettings) -> OptimParts<B> {
         let adamw = FusedAdamW::new(cfg.train.weight_decay as f32);
         let handle = adamw.grad_scale_handle();
         (adamw.adaptor(), handle)
     }
 
     /// The model being trained.
-    pub fn model(&self) -> &Policy<TrainBackend> {
+    pub fn model(&self) -> &Policy<B> {
         self.model
             .as_ref()
             .expect("the trainer's model is only absent during an optimizer step")
@@ -265,7 +274,7 @@ impl Trainer {
             (None, true) => return Err(CheckpointError::NoReference),
             (_, false) => None,
         };
-        Ok(Trainer {
+        Ok(TrainerOn {
             model: Some(model),
             optim,
             grad_scale,
@@ -286,7 +295,7 @@ impl Trainer {
     fn resume(
         cfg: &TrainerSettings,
         dir: &std::path::Path,
-    ) -> Result<(Policy<TrainBackend>, TrainerState, OptimParts), CheckpointError> {
+    ) -> Result<(Policy<B>, TrainerState, OptimParts<B>), CheckpointError> {
         let device = Default::default();
         let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
         if dir.join(lora::ADAPTER_FILE).exists() {
@@ -297,7 +306,7 @@ impl Trainer {
                 .as_ref()
                 .ok_or_else(|| CheckpointError::LoraBase(dir.to_path_buf()))?;
             let (spec, tensors) = lora::read_adapter(dir)?;
-            let model = load_hf::<TrainBackend>(base, &device)?.with_adapter(&spec, &tensors)?;
+            let model = load_hf::<B>(base, &device)?.with_adapter(&spec, &tensors)?;
             let optim_record = recorder
                 .load(dir.join(OPTIM_RECORD), &device)
                 .map_err(|e| CheckpointError::format(dir, "optimizer record", e))?;
@@ -309,7 +318,7 @@ impl Trainer {
         if cfg.train.lora() {
             return Err(CheckpointError::NotLora(dir.to_path_buf()));
         }
-        let model: Policy<TrainBackend> = load_hf(dir, &device)?;
+        let model: Policy<B> = load_hf(dir, &device)?;
         let record = recorder
             .load(dir.join(MODEL_RECORD), &device)
             .map_err(|e| CheckpointError::format(dir, "model record", e))?;
@@ -343,10 +352,10 @@ impl Trainer {
     ) -> StepRecord {
         let mut norm = GradNorm {
             grads: &mut grads,
-            sum_sq: 0.0,
+            norm: SquaredNorm::<B::InnerBackend>::default(),
         };
         self.model().visit(&mut norm);
-        stats.grad_norm = norm.sum_sq.sqrt();
+        stats.grad_norm = norm.norm.total().sqrt();
         if stats.loss.is_finite() && stats.grad_norm.is_finite() {
             let max = f64::from(self.cfg.train.max_grad_norm);
             self.grad_scale.set(if stats.grad_norm > max {
@@ -403,7 +412,7 @@ impl Trainer {
         }
         let samples = Samples::of(groups, self.cfg.train.token_discount);
         let n_tokens = n_tokens.max(1) as f32;
-        let mut sum = GradientsAccumulator::<Policy<TrainBackend>>::new();
+        let mut sum = GradientsAccumulator::<Policy<B>>::new();
         let mut parts = Vec::new();
         for range in samples.micro_batches(self.cfg.train.micro_batch_tokens) {
             let reference = self.reference.as_ref();

@@ -70,6 +70,9 @@ use std::time::Instant;
 #[path = "train_scale/weights.rs"]
 mod weights;
 
+#[path = "train_scale/device.rs"]
+mod device;
+
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -507,7 +510,7 @@ const USAGE: &str = "write SIZE DIR | step DIR MICRO STEPS | load DIR | \
              step-lora DIR MICRO STEPS RANK | generate-lora DIR PROMPT NEW ROWS RANK | \
              teacher SIZE DIR GROUPS | invariance ROWS | decode-products ROWS | \
              (feature mpi, under mpirun) step-ranks DIR MICRO STEPS PARTS | \
-             allreduce VALUES BUCKET_MB";
+             allreduce VALUES BUCKET_MB | transfers DIR | nccl VALUES";
 
 fn main() {
     rlstream::cpu::select_blas_kernels();
@@ -526,6 +529,8 @@ fn main() {
     match args[..] {
         ["write", size, dir] => write(size, Path::new(dir)),
         ["load", dir] => load(Path::new(dir)),
+        ["transfers", dir] => device::measure(Path::new(dir)),
+        ["nccl", values] => device::nccl(values.parse().expect("VALUES: a count")),
         ["generate", dir, prompt, new, rows] => generate::<InferBackend>(
             Path::new(dir),
             prompt.parse().expect("PROMPT: a token count"),

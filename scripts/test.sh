@@ -21,32 +21,42 @@ phase "cargo fmt" cargo fmt --all --check
 # feature check in .ci/run.
 export RUSTC_WORKSPACE_WRAPPER="${RUSTC_WORKSPACE_WRAPPER:-$(rustc --print sysroot)/bin/clippy-driver}"
 export CLIPPY_ARGS="-Dwarnings"
-# The tests cover the `mpi` feature: trainer ranks under `mpirun` (set up above).
-phase "lint + build the tests" cargo test --features mpi --no-run
+# The tests cover the `mpi` feature: trainer ranks under `mpirun` (set up above). With
+# `wgpu-deps`, burn's wgpu backend is compiled too (not used: these tests run on the CPU
+# backends), so that the CubeCL build below finds every dependency compiled with the same
+# features and rebuilds only this crate.
+features=mpi,wgpu-deps
+phase "lint + build the tests" cargo test --features "$features" --no-run
 if cargo nextest --version >/dev/null 2>&1; then
-  phase "tests (nextest)" cargo nextest run --features mpi --no-fail-fast
+  phase "tests (nextest)" cargo nextest run --features "$features" --no-fail-fast
 else
-  phase "tests (cargo test)" cargo test --features mpi --no-fail-fast
+  phase "tests (cargo test)" cargo test --features "$features" --no-fail-fast
 fi
 
 # The model, sampler and trainer tests again on burn's CubeCL backend over wgpu, on Mesa's
 # lavapipe (a Vulkan driver on the CPU): the runtime, fusion and kernels the `cuda` build
-# shares, exercised where no GPU is. Built in the same target directory (only burn, its
-# CubeCL crates and this crate rebuild), without the lint wrapper (the lint pass above
-# covers the code). The bitwise tests stay on the CPU backend: their exact equalities are a
-# property of its fixed-order kernels (BENCHMARKS.md, "The CubeCL backend on lavapipe").
-# The slow end-to-end runs (minutes on lavapipe) are left out here. Opt-in
-# (RLSTREAM_TEST_WGPU=1): the build adds about 9 minutes on two cores, which CI's budget
-# does not hold yet.
+# shares, exercised where no GPU is, and the host-traffic bounds (tests/integration/
+# transfers.rs) counted on it. Built in the same target directory (only this crate
+# rebuilds), without the lint wrapper (the lint pass above covers the code). The bitwise
+# tests stay on the CPU backend: their exact equalities are a property of its fixed-order
+# kernels (BENCHMARKS.md, "The CubeCL backend on lavapipe"); the slow end-to-end runs
+# (minutes on lavapipe) are left out. Autotuning is bounded to its minimal level: lavapipe's
+# timings say nothing about a GPU's. Then the GPU check's rehearsal (scripts/gpu-check.sh):
+# its whole flow on this build. RLSTREAM_TEST_WGPU=0 skips all of it (a machine without
+# Vulkan).
 wgpu_tests='binary(integration) & (test(/^model_parity::/) | test(/^grad_parity::/) | test(/^routing::/) | test(/^train_step::/)
+  | test(/^transfers::/)
   | test(/^lora::/) - test(=lora::generators_sample_from_the_announced_adapter_never_the_base) - test(=lora::run_trains_an_adapter_end_to_end)
   | test(=model_sampling::sampling_is_reproducible_from_the_seed) | test(=model_sampling::a_swap_between_passes_is_tagged_on_later_tokens)
   | test(=model_sampling::a_rows_tokens_and_logprobs_do_not_depend_on_its_batch))'
-if [ "${RLSTREAM_TEST_WGPU:-0}" = 1 ]; then
+if [ "${RLSTREAM_TEST_WGPU:-1}" = 1 ]; then
+  export CUBECL_AUTOTUNE_LEVEL=minimal
   phase "Vulkan set-up" scripts/setup-vulkan.sh
   phase "CubeCL backend (wgpu on lavapipe): build" \
-    env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS cargo test --features wgpu --no-run
+    env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS cargo test --features wgpu --test integration --no-run
   phase "CubeCL backend (wgpu on lavapipe): tests" \
     env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS \
-    cargo nextest run --features wgpu --no-fail-fast -E "$wgpu_tests"
+    cargo nextest run --features wgpu --test integration --no-fail-fast -E "$wgpu_tests"
+  phase "GPU check rehearsal (wgpu on lavapipe)" \
+    env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS scripts/gpu-check.sh rehearse
 fi

@@ -138,7 +138,9 @@ impl Command {
     pub fn default_log_filter(&self) -> &'static str {
         match self {
             Command::Run(_) | Command::Replay(_) => "warn",
-            _ => "info",
+            // The GPU runtimes' own start-up lines (adapter, device features) are debugging
+            // detail: warnings only.
+            _ => "info,cubecl_wgpu=warn,cubecl_cuda=warn,wgpu_core=warn,wgpu_hal=warn,naga=warn",
         }
     }
 }

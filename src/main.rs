@@ -3,6 +3,8 @@
 
 use anyhow::Context;
 use rlstream::cli::Cli;
+use std::io::IsTerminal;
+use std::process::ExitCode;
 
 /// Tensor buffers are allocated and freed by the thousand per training step; glibc's
 /// allocator hands large ones back to the kernel each time, and the page faults cost about
@@ -10,7 +12,7 @@ use rlstream::cli::Cli;
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
-fn main() -> anyhow::Result<()> {
+fn main() -> ExitCode {
     // SAFETY: the first thing the process does; no other thread runs yet.
     unsafe { rlstream::collective::divide_cores() };
     rlstream::cpu::select_blas_kernels();
@@ -21,10 +23,19 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or_else(|_| cli.command.default_log_filter().into()),
         )
         .with_writer(std::io::stderr)
+        // Colour only for a terminal: a log file or a pipe gets plain text.
+        .with_ansi(std::io::stderr().is_terminal())
         .init();
-    tokio::runtime::Builder::new_multi_thread()
+    let done = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
-        .context("cannot start the async runtime")?
-        .block_on(cli.command.exec())
+        .context("cannot start the async runtime")
+        .and_then(|rt| rt.block_on(cli.command.exec()));
+    match done {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("{}", rlstream::cli::report(&e));
+            ExitCode::FAILURE
+        }
+    }
 }

@@ -37,6 +37,19 @@ impl Estimate {
         Self::with_se(mean, (var / n as f64).sqrt(), n)
     }
 
+    /// [`Estimate::of`] a rate (each value in [0, 1]: a pass, a call): its interval clipped
+    /// to [0, 1], where the normal approximation can reach past either end.
+    pub fn rate(values: &[f64]) -> Self {
+        Self::of(values).within(0.0, 1.0)
+    }
+
+    /// The interval clipped to `[lo, hi]`, the range the quantity can take.
+    pub fn within(mut self, lo: f64, hi: f64) -> Self {
+        self.lo = self.lo.clamp(lo, hi);
+        self.hi = self.hi.clamp(lo, hi);
+        self
+    }
+
     fn with_se(mean: f64, se: f64, n: usize) -> Self {
         Estimate {
             mean,
@@ -520,5 +533,10 @@ mod tests {
         assert!(d.se > e.se);
         assert_eq!(Estimate::of(&[]), Estimate::default());
         assert_eq!(Estimate::of(&[0.7]).se, 0.0);
+        // A rate's interval stays within [0, 1] (the normal approximation reaches -0.24).
+        let r = Estimate::rate(&[0.0, 0.0, 0.0, 1.0]);
+        assert!(Estimate::of(&[0.0, 0.0, 0.0, 1.0]).lo < 0.0);
+        assert_eq!((r.lo, r.mean), (0.0, 0.25));
+        assert!(r.hi <= 1.0);
     }
 }

@@ -4,6 +4,7 @@
 
 mod common;
 mod dump;
+mod errors;
 mod eval;
 mod feed;
 mod generate;
@@ -20,6 +21,7 @@ mod train;
 mod trim;
 
 pub use common::{StageArgs, shutdown_signal};
+pub use errors::{one_line, report};
 
 use anyhow::Result;
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};

@@ -58,11 +58,19 @@ pub struct ReplayCommand {
 
 impl ReplayCommand {
     pub async fn exec(self) -> Result<()> {
-        let source = match &self.archive {
-            Some(path) => Source::Archive(path.clone()),
+        let (source, place) = match &self.archive {
+            Some(path) => (
+                Source::Archive(path.clone()),
+                format!("the archive {}", path.display()),
+            ),
             None => {
-                let (_, topo, bus) = plain_connect(&self.stage, Stage::Replay).await?;
-                Source::Bus { bus, topo }
+                let (cfg, topo, bus) = plain_connect(&self.stage, Stage::Replay).await?;
+                let place = format!(
+                    "namespace `{}` at {}",
+                    topo.namespace,
+                    crate::bus::redact_url(cfg.redis_url())
+                );
+                (Source::Bus { bus, topo }, place)
             }
         };
         let from = point_bound(self.from.as_deref())?;
@@ -99,8 +107,16 @@ impl ReplayCommand {
         };
         let stdout = std::io::stdout();
         let mut out = std::io::BufWriter::new(stdout.lock());
-        replay::read(&source, &opts, &mut out).await?;
+        let shown = replay::read(&source, &opts, &mut out).await?;
         let _ = out.flush();
+        if shown == 0 && opts.count != Some(0) {
+            bail!(
+                "nothing to replay: no {} entries in {place} match the range and filters \
+                 (`rlstream streams` lists what a namespace holds; `rlstream run` on the \
+                 embedded bus keeps its streams only with --archive)",
+                opts.stream
+            );
+        }
         Ok(())
     }
 }

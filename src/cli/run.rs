@@ -143,6 +143,21 @@ impl RunCommand {
                 DisplayMode::auto()
             },
         };
+        if cfg.train.steps == 0 {
+            anyhow::bail!(
+                "run needs --steps of at least 1 (a run ends after its steps; `rlstream train` \
+                 alone runs until stopped with --steps 0)"
+            );
+        }
+        if cfg.generator.group_size < 2
+            && cfg.score.distill == crate::stages::score::DistillKind::None
+        {
+            anyhow::bail!(
+                "--group-size 1 trains nothing: each completion's advantage is its reward less \
+                 its group's mean, which for a group of one is itself, so every advantage is 0; \
+                 use --group-size 2 or more (8 is the default)"
+            );
+        }
         eprintln!("run directory {}", opts.out.display());
         let outcome = run::run(&opts, cfg, bus, topo, shutdown_signal()).await?;
         println!("{}", outcome.summary.paragraph());

@@ -12,6 +12,11 @@ pub struct SftCommand {
 impl SftCommand {
     pub fn exec(self) -> Result<()> {
         let opts = self.sft.over(&SftOptions::default());
+        if opts.steps == 0 {
+            anyhow::bail!(
+                "sft needs --steps of at least 1: with 0 it would write the initial model, untrained"
+            );
+        }
         let every = (opts.steps / 10).max(1);
         let s = sft::run(&opts, |step, loss| {
             if step % every == 0 || step == opts.steps {

@@ -38,6 +38,12 @@ impl GenCommand {
         let Some(dir) = cfg.policy.model.clone() else {
             bail!("gen needs --model DIR (a Hugging Face checkpoint, e.g. from `rlstream sft`)");
         };
+        if cfg.generator.group_size == 1 {
+            tracing::warn!(
+                "--group-size 1: with the trainer's group-mean baseline every advantage is 0 \
+                 and these groups train nothing (unless a teacher scores them); use 2 or more"
+            );
+        }
         let (topo, bus) = connect(&cfg, Stage::Gen).await?;
         let slot = gen_stage::initial_slot(&dir, cfg.generator.adapter.as_deref())?;
         let s = gen_stage::run(

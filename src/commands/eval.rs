@@ -427,19 +427,21 @@ pub fn greedy(
     progress: impl FnMut(usize),
 ) -> Result<(Estimate, Estimate), ModelError> {
     let p = per_prompt(model, set, 1, 0.0, 0, batch, progress)?;
-    Ok((Estimate::of(&p.passes), Estimate::of(&p.rewards)))
+    Ok((Estimate::rate(&p.passes), Estimate::of(&p.rewards)))
 }
 
-/// Evaluates `model` on `set`: sampled (pass@1, reward) and greedy (accuracy, reward).
+/// Evaluates `model` on `set`: sampled (pass@1, reward) and greedy (accuracy, reward); the
+/// progress shown as `label` (12 columns at most).
 pub fn evaluate(
     model: &Policy<InferBackend>,
     set: &EvalSet,
     sampling: &EvalSampling,
     display: DisplayMode,
+    label: &str,
 ) -> Result<EvalResult, ModelError> {
     let started = Instant::now();
     let total = set.items.len() as u64;
-    let mut phase = Phase::new(display, "eval", 2 * total);
+    let mut phase = Phase::new(display, label, 2 * total);
     let sampled = per_prompt(
         model,
         set,
@@ -458,14 +460,14 @@ pub fn evaluate(
         prompts: set.items.len(),
         samples: sampling.samples.max(1),
         temperature: sampling.temperature,
-        pass_at_1: Estimate::of(&sampled.passes),
+        pass_at_1: Estimate::rate(&sampled.passes),
         reward: Estimate::of(&sampled.rewards),
-        greedy_accuracy: Estimate::of(&greedy.passes),
+        greedy_accuracy: Estimate::rate(&greedy.passes),
         greedy_reward: Estimate::of(&greedy.rewards),
         turns: turns(&sampled),
         greedy_turns: turns(&greedy),
-        tool_call_rate: (!sampled.calls.is_empty()).then(|| Estimate::of(&sampled.calls)),
-        tool_call_validity: (!sampled.calls.is_empty()).then(|| Estimate::of(&sampled.valid)),
+        tool_call_rate: (!sampled.calls.is_empty()).then(|| Estimate::rate(&sampled.calls)),
+        tool_call_validity: (!sampled.calls.is_empty()).then(|| Estimate::rate(&sampled.valid)),
         seconds: started.elapsed().as_secs_f64(),
     };
     phase.finish(&result.line());
@@ -556,7 +558,7 @@ pub fn run(opts: &EvalOptions, display: DisplayMode) -> Result<EvalResult, EvalE
         seed: opts.seed,
         batch: opts.batch,
     };
-    let result = evaluate(&model, &set, &sampling, display)?;
+    let result = evaluate(&model, &set, &sampling, display, "eval")?;
     if let Some(path) = &opts.json {
         let text = serde_json::to_string_pretty(&result).unwrap_or_default();
         std::fs::write(path, text).map_err(|source| EvalError::Output {

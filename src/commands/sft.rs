@@ -24,7 +24,7 @@ crate::settings! {
         /// Directory the Hugging Face checkpoint is written to.
         #[arg(value_name = "DIR")]
         pub out: PathBuf = PathBuf::from("runs/sft"),
-        /// Optimizer steps.
+        /// Optimizer steps (at least 1).
         pub steps: u64 = 300,
         /// Sequences per step.
         pub batch: usize = 32,

@@ -10,6 +10,8 @@ use std::path::Path;
 
 /// The file holding the template and the special tokens it refers to.
 pub const TOKENIZER_CONFIG: &str = "tokenizer_config.json";
+/// The template file transformers' `save_pretrained` writes (since 4.43).
+pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 
 /// A model's chat template, ready to render.
 pub struct ChatTemplate {
@@ -90,43 +92,54 @@ fn strftime_now(format: &str) -> Result<String, minijinja::Error> {
 }
 
 impl ChatTemplate {
-    /// The template of a model directory's `tokenizer_config.json`; `None` when the file or
-    /// its `chat_template` is absent (a base model).
+    /// The template of a model directory: `chat_template.jinja` where there is one (as
+    /// transformers' `save_pretrained` writes it since 4.43, and as transformers reads it,
+    /// before `tokenizer_config.json`'s), else `tokenizer_config.json`'s `chat_template`;
+    /// the special tokens from `tokenizer_config.json`. `None` when neither holds a template
+    /// (a base model).
     pub fn load(dir: &Path) -> Result<Option<Self>, ModelError> {
+        let dir = &super::model_dir(dir);
+        let read = |path: &Path| {
+            std::fs::read_to_string(path).map_err(|source| ModelError::Io {
+                path: path.display().to_string(),
+                source,
+            })
+        };
         let path = dir.join(TOKENIZER_CONFIG);
-        if !path.exists() {
+        let jinja = dir.join(CHAT_TEMPLATE_FILE);
+        let config = if path.exists() {
+            read(&path)?
+        } else {
+            "{}".to_string()
+        };
+        let (source, origin) = if jinja.exists() {
+            (Some(read(&jinja)?), &jinja)
+        } else if path.exists() {
+            (None, &path)
+        } else {
             return Ok(None);
-        }
-        let text = std::fs::read_to_string(&path).map_err(|source| ModelError::Io {
-            path: path.display().to_string(),
-            source,
-        })?;
-        Self::from_config_json(&text)
-            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", path.display())))
+        };
+        Self::from_parts(&config, source)
+            .map_err(|e| ModelError::Tokenizer(format!("{}: {e}", origin.display())))
     }
 
     /// The template of a `tokenizer_config.json` text; `None` without a `chat_template`.
     /// A list of named templates (`[{"name": "default", "template": ...}]`) uses `default`.
     pub fn from_config_json(text: &str) -> Result<Option<Self>, ModelError> {
-        let cfg: Map<String, Json> = serde_json::from_str(text)
+        Self::from_parts(text, None)
+    }
+
+    /// The template `source` (or, without one, the config's `chat_template`) with the
+    /// special tokens of the `tokenizer_config.json` text `config`.
+    fn from_parts(config: &str, source: Option<String>) -> Result<Option<Self>, ModelError> {
+        let cfg: Map<String, Json> = serde_json::from_str(config)
             .map_err(|e| ModelError::Tokenizer(format!("not a JSON object: {e}")))?;
-        let source = match cfg.get("chat_template") {
-            None | Some(Json::Null) => return Ok(None),
-            Some(Json::String(s)) => s.clone(),
-            Some(Json::Array(named)) => named
-                .iter()
-                .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
-                .and_then(|t| t.get("template"))
-                .and_then(Json::as_str)
-                .ok_or_else(|| {
-                    ModelError::Tokenizer("chat_template lists no `default` template".into())
-                })?
-                .to_string(),
-            Some(_) => {
-                return Err(ModelError::Tokenizer(
-                    "chat_template must be a string or a list of named templates".into(),
-                ));
-            }
+        let source = match source {
+            Some(s) => s,
+            None => match Self::config_source(&cfg)? {
+                Some(s) => s,
+                None => return Ok(None),
+            },
         };
         let mut env = Environment::new();
         // transformers renders with jinja2's trim_blocks and lstrip_blocks.
@@ -143,6 +156,28 @@ impl ChatTemplate {
             env,
             bos_token: token_text(cfg.get("bos_token")),
             eos_token: token_text(cfg.get("eos_token")),
+        }))
+    }
+
+    /// `tokenizer_config.json`'s `chat_template`, if it has one.
+    fn config_source(cfg: &Map<String, Json>) -> Result<Option<String>, ModelError> {
+        Ok(Some(match cfg.get("chat_template") {
+            None | Some(Json::Null) => return Ok(None),
+            Some(Json::String(s)) => s.clone(),
+            Some(Json::Array(named)) => named
+                .iter()
+                .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+                .and_then(|t| t.get("template"))
+                .and_then(Json::as_str)
+                .ok_or_else(|| {
+                    ModelError::Tokenizer("chat_template lists no `default` template".into())
+                })?
+                .to_string(),
+            Some(_) => {
+                return Err(ModelError::Tokenizer(
+                    "chat_template must be a string or a list of named templates".into(),
+                ));
+            }
         }))
     }
 

@@ -357,10 +357,26 @@ where
 /// Loads `config.json` plus `model.safetensors` or a sharded
 /// `model.safetensors.index.json` from a Hugging Face model directory.
 pub fn load_hf<B: Kernels>(dir: &Path, device: &B::Device) -> Result<Policy<B>, ModelError> {
+    let dir = &super::model_dir(dir);
+    let no_model = |reason: String| ModelError::NoModel {
+        dir: dir.display().to_string(),
+        reason,
+    };
+    if !dir.is_dir() {
+        return Err(no_model(if dir.exists() {
+            "not a directory (a model directory holds config.json and model.safetensors)".into()
+        } else {
+            "the directory does not exist".into()
+        }));
+    }
     let config_path = dir.join("config.json");
-    let text = std::fs::read_to_string(&config_path).map_err(|e| ModelError::MissingFile {
-        path: config_path.display().to_string(),
-        reason: e.to_string(),
+    let text = std::fs::read_to_string(&config_path).map_err(|e| match e.kind() {
+        std::io::ErrorKind::NotFound => no_model(
+            "config.json not found (a Hugging Face model directory holds config.json and \
+             model.safetensors)"
+                .into(),
+        ),
+        _ => ModelError::io(&config_path, e),
     })?;
     let cfg = PolicyConfig::from_hf_json(&text)?;
     let mut tensors = read_hf_tensors(dir)?;

@@ -66,6 +66,7 @@ pub enum Tokenizer {
 impl Tokenizer {
     /// `tokenizer.json` (Hugging Face) or `rlstream_tokenizer.json` (built-in).
     pub fn load(dir: &Path) -> Result<Self, ModelError> {
+        let dir = &super::model_dir(dir);
         let hf = dir.join("tokenizer.json");
         let own = dir.join(CHAR_TOKENIZER_FILE);
         if hf.exists() {

@@ -24,9 +24,12 @@ fn real_chat_templates_render_and_encode_as_transformers_does() {
         let name = case["tokenizer"].as_str().unwrap().to_string();
         let (template, tokenizer) = loaded.entry(name.clone()).or_insert_with(|| {
             let dir = fixtures().join(&name);
+            // A directory saved again by transformers keeps the template, not the
+            // vocabulary it shares with the fixture it came from.
+            let vocab = fixtures().join(name.strip_suffix("_saved").unwrap_or(&name));
             (
                 ChatTemplate::load(&dir).unwrap().expect("a chat template"),
-                Tokenizer::load(&dir).unwrap(),
+                Tokenizer::load(&vocab).unwrap(),
             )
         });
         let messages = case["messages"].as_array().unwrap();
@@ -54,6 +57,7 @@ fn real_chat_templates_render_and_encode_as_transformers_does() {
         "qwen3 {}",
         "qwen3 {\"enable_thinking\":false}",
         "qwen3 {\"enable_thinking\":true}",
+        "qwen3_saved {}",
     ] {
         assert!(
             keys.iter().any(|k| k == want),
@@ -158,4 +162,18 @@ fn generate_renders_a_chat_with_the_model_template_and_stops_at_its_end_of_turn(
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// A tokenizer saved by transformers 5's own `save_pretrained` keeps its template in
+/// `chat_template.jinja` and none in `tokenizer_config.json`: rlstream reads it from there
+/// (and renders it as transformers does: the `qwen3_saved` cases above).
+#[test]
+fn a_template_saved_to_chat_template_jinja_is_read_from_there() {
+    let dir = fixtures().join("qwen3_saved");
+    assert!(dir.join("chat_template.jinja").exists());
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_config.json")).unwrap())
+            .unwrap();
+    assert!(config.get("chat_template").is_none(), "{config}");
+    assert!(ChatTemplate::load(&dir).unwrap().is_some());
 }

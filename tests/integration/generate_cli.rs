@@ -120,7 +120,7 @@ fn bad_invocations_fail_with_a_clear_message() {
         ),
         (
             vec!["generate", "--model", "/nonexistent", "--prompt-ids", "1"],
-            "config.json",
+            "no model at /nonexistent: the directory does not exist",
         ),
     ] {
         let out = rlstream(&args);

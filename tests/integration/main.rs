@@ -24,6 +24,7 @@ mod lora;
 mod model_parity;
 mod model_sampling;
 mod nccl_ranks;
+mod newcomer;
 mod observability;
 mod openai_endpoint;
 mod pipeline_processes;

@@ -230,6 +230,36 @@ fn the_binary_runs_on_the_embedded_bus_and_on_redis() {
     ] {
         assert!(out.join("report").join(f).is_file(), "{f} missing");
     }
+    // What is left for replay is said: nothing, from the embedded bus.
+    assert!(
+        stdout.contains("ended with it, so there is nothing to replay"),
+        "{stdout}"
+    );
+    // The trainer's busy and waiting times do not overlap, and rate intervals stay in range.
+    let summary: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report/summary.json")).unwrap())
+            .unwrap();
+    let secs = |k: &str| summary[k].as_f64().unwrap();
+    assert!(
+        secs("train_busy_s") + secs("train_wait_s") <= secs("wall_s") + 0.05,
+        "busy {} + wait {} > wall {}",
+        secs("train_busy_s"),
+        secs("train_wait_s"),
+        secs("wall_s")
+    );
+    assert_eq!(
+        summary["namespace"].as_str().map(str::is_empty),
+        Some(false)
+    );
+    for h in summary["held_out"].as_array().unwrap() {
+        for k in ["pass_at_1", "greedy_accuracy"] {
+            let (lo, hi) = (h[k]["lo"].as_f64().unwrap(), h[k]["hi"].as_f64().unwrap());
+            assert!(
+                (0.0..=1.0).contains(&lo) && (0.0..=1.0).contains(&hi),
+                "{k}: {h}"
+            );
+        }
+    }
 
     // The same directory is refused rather than resumed into a fresh bus.
     let again = rlstream(&args);
@@ -283,6 +313,10 @@ fn the_binary_runs_on_the_embedded_bus_and_on_redis() {
         String::from_utf8_lossy(&o.stderr)
     );
     assert!(stdout.contains("on the redis bus: 3 steps"), "{stdout}");
+    assert!(
+        stdout.contains(&format!("rlstream replay --redis URL --namespace {ns}")),
+        "{stdout}"
+    );
     let rt = tokio::runtime::Runtime::new().unwrap();
     rt.block_on(async {
         let bus = crate::common::redis_bus().await;

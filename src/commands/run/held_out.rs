@@ -33,16 +33,20 @@ impl HeldOutEval {
 
     /// The evaluation of `policy` as the point at `step`; `None` when the run does not
     /// evaluate.
+    /// The evaluation of `policy` after `step` steps, shown as `eval {when}` (`before`,
+    /// `halfway`, `after`).
     pub(super) fn of(
         &self,
         step: u64,
+        when: &str,
         policy: &Policy<InferBackend>,
     ) -> Result<Option<HeldOut>, StageError> {
         let Some(set) = &self.set else {
             return Ok(None);
         };
+        let label = format!("eval {when}");
         let eval = tokio::task::block_in_place(|| {
-            eval::evaluate(policy, set, &self.sampling, self.display)
+            eval::evaluate(policy, set, &self.sampling, self.display, &label)
         })?;
         Ok(Some(HeldOut { step, eval }))
     }

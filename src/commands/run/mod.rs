@@ -188,7 +188,10 @@ pub async fn run(
     let slot = gen_stage::initial_slot(&model_dir, cfg.generator.adapter.as_deref())?;
     let params = slot.load().policy.config().num_params();
     let held = HeldOutEval::new(opts, &cfg);
-    let mut held_out: Vec<HeldOut> = held.of(0, &slot.load().policy)?.into_iter().collect();
+    let mut held_out: Vec<HeldOut> = held
+        .of(0, "before", &slot.load().policy)?
+        .into_iter()
+        .collect();
     let (step_tx, step_rx) = mpsc::unbounded_channel::<StepRecord>();
     let started = Instant::now();
     let stages = Stages::spawn(opts, &cfg, &bus, &topo, &slot, step_tx);
@@ -208,12 +211,19 @@ pub async fn run(
         .await?;
 
     // The checkpoint nearest halfway, then the trainer's final weights (its last checkpoint).
-    for (step, dir) in held_out_checkpoints(&cfg.train.checkpoint_dir) {
-        let policy: Policy<InferBackend> = train::checkpoint::load_policy(&dir, &model_dir)?;
-        held_out.extend(held.of(step, &policy)?);
+    let after = held_out_checkpoints(&cfg.train.checkpoint_dir);
+    for (i, (step, dir)) in after.iter().enumerate() {
+        let policy: Policy<InferBackend> = train::checkpoint::load_policy(dir, &model_dir)?;
+        let when = if i + 1 == after.len() {
+            "after"
+        } else {
+            "halfway"
+        };
+        held_out.extend(held.of(*step, when, &policy)?);
     }
     let facts = RunFacts {
         bus: bus.backend(),
+        namespace: &topo.namespace,
         params,
         warm_start_s,
         wall_s,

@@ -67,8 +67,11 @@ impl Monitor {
                 Some(s) = steps.recv() => {
                     let queues = queue_depths(bus, topo).await;
                     let time_s = self.started.elapsed().as_secs_f64();
-                    let line = status_line(self.record(&s, time_s, slot.load().version, queues));
-                    self.phase.update(s.step.min(self.total), &line);
+                    let (short, long) = {
+                        let row = self.record(&s, time_s, slot.load().version, queues);
+                        (short_status(row), status_line(row))
+                    };
+                    self.phase.update_with(s.step.min(self.total), &short, &long);
                 }
                 r = &mut stages.train => break r,
             }
@@ -96,6 +99,18 @@ fn step_row(s: &StepRecord, time_s: f64, gen_version: u64, trained: u64, q: [u64
             queue_scored: q[2],
         },
     }
+}
+
+/// The bar's status: reward, sample accuracy and the trainer's version (29 columns at most
+/// up to version 99,999).
+fn short_status(r: &StepRow) -> String {
+    let s = &r.record;
+    format!(
+        "reward {:.3} acc {:.0}% v{}",
+        s.reward_mean,
+        100.0 * s.accuracy,
+        s.version
+    )
 }
 
 fn status_line(r: &StepRow) -> String {

@@ -19,6 +19,9 @@ pub struct RunSummary {
     pub task: String,
     /// `memory` or `redis`.
     pub bus: String,
+    /// The namespace of the run's streams: on Redis, where `rlstream replay --namespace`
+    /// finds them; on the embedded bus they ended with the run.
+    pub namespace: String,
     pub model_params: usize,
     pub warm_start_s: f64,
     pub steps: u64,
@@ -64,7 +67,7 @@ impl RunSummary {
              warm start. Training reward {r0:.3} -> {r1:.3}, sample accuracy {a0:.1}% -> {a1:.1}%. \
              {held}Trained {tt} tokens ({tps:.0}/s) from \
              {tg} groups; generated {gt} tokens in {gg} groups. Generator idle {idle:.0}% of \
-             the time; {swaps} weight swaps, stall p50 {p50:.1} us, p99 {p99:.1} us.",
+             the time; {swaps} weight swaps, stall p50 {p50:.1} us, p99 {p99:.1} us. {replay}",
             mode = self.mode,
             task = self.task,
             bus = self.bus,
@@ -85,7 +88,22 @@ impl RunSummary {
             swaps = self.swaps,
             p50 = 1e6 * self.swap_stall_p50_s,
             p99 = 1e6 * self.swap_stall_p99_s,
+            replay = self.replay_sentence(),
         )
+    }
+
+    /// What the run leaves for `rlstream replay`.
+    pub fn replay_sentence(&self) -> String {
+        if self.bus == "redis" {
+            format!(
+                "Its streams stay in Redis for `rlstream replay --redis URL --namespace {}`.",
+                self.namespace
+            )
+        } else {
+            "Its streams were on the embedded bus and ended with it, so there is nothing to \
+             replay; a run given --redis URL keeps them for `rlstream replay`."
+                .into()
+        }
     }
 }
 
@@ -164,6 +182,7 @@ impl RunSummary {
 /// What a finished run measured, for [`summarize`].
 pub(super) struct RunFacts<'a> {
     pub(super) bus: &'static str,
+    pub(super) namespace: &'a str,
     pub(super) params: usize,
     pub(super) warm_start_s: f64,
     pub(super) wall_s: f64,
@@ -177,6 +196,7 @@ pub(super) struct RunFacts<'a> {
 pub(super) fn summarize(opts: &RunOptions, cfg: Config, f: &RunFacts) -> RunSummary {
     let RunFacts {
         bus,
+        namespace,
         params,
         warm_start_s,
         wall_s,
@@ -200,6 +220,7 @@ pub(super) fn summarize(opts: &RunOptions, cfg: Config, f: &RunFacts) -> RunSumm
         mode: if opts.sync { "sync" } else { "async" }.into(),
         task: opts.task.name().into(),
         bus: bus.into(),
+        namespace: namespace.into(),
         model_params: params,
         warm_start_s,
         steps: t.steps,
@@ -215,7 +236,7 @@ pub(super) fn summarize(opts: &RunOptions, cfg: Config, f: &RunFacts) -> RunSumm
         accuracy_end,
         pass_at_1_gain: match (held_out.first(), held_out.last()) {
             (Some(b), Some(a)) if held_out.len() > 1 => {
-                Some(a.eval.pass_at_1.minus(&b.eval.pass_at_1))
+                Some(a.eval.pass_at_1.minus(&b.eval.pass_at_1).within(-1.0, 1.0))
             }
             _ => None,
         },

@@ -62,7 +62,7 @@ crate::settings! {
         /// Where checkpoints go.
         #[arg(value_name = "DIR")]
         pub checkpoint_dir: PathBuf = PathBuf::from("checkpoints"),
-        /// Stop after this many steps (0 runs until stopped).
+        /// Stop after this many steps; 0: the trainer stage (`rlstream train`) runs until stopped, while `run` needs at least 1.
         pub steps: u64 = 0,
         /// LoRA: train rank-r adapters on a frozen base instead of every weight, and publish only the adapter (0: full fine-tuning; 16-32 is usual for RL).
         pub lora_rank: usize = 0,

@@ -311,11 +311,14 @@ impl<'a> Loop<'a> {
         taken: Vec<Delivery<ScoredGroup>>,
     ) -> Result<Option<StepRecord>, StageError> {
         let version_before = self.trainer.state.version;
+        // The wait ends where the step begins: since the last step's end (weights and
+        // checkpoint included), not counting this step's own time.
+        let wait_s = self.waiting.elapsed().as_secs_f64();
         let Some((taken, mut record)) = self.contained_step(taken).await? else {
             return Ok(None);
         };
         let groups: Vec<&ScoredGroup> = taken.iter().map(|d| &d.message).collect();
-        record.wait_s = self.waiting.elapsed().as_secs_f64();
+        record.wait_s = wait_s;
         record.staleness = groups
             .iter()
             .map(|g| staleness(g, version_before))

@@ -180,7 +180,9 @@ impl<B: Backend> Policy<B> {
     pub fn empty_cache(&self, rows: usize) -> KvCache<B> {
         let device = self.device();
         let (kvh, hd) = (self.config.num_kv_heads, self.config.head_dim);
-        let empty = || Tensor::<B, 4>::zeros([rows, kvh, 0, hd], &device);
+        // Allocated, not filled: a fill over no elements would launch no blocks (refused
+        // by CUDA).
+        let empty = || Tensor::<B, 4>::empty([rows, kvh, 0, hd], &device);
         KvCache {
             layers: (0..self.config.num_layers)
                 .map(|_| (empty(), empty()))
@@ -391,8 +393,8 @@ impl<B: Backend> KvCache<B> {
         if rows.is_empty() {
             for (k, v) in &mut self.layers {
                 let [_, h, _, d] = k.dims();
-                *k = Tensor::zeros([0, h, 0, d], &k.device());
-                *v = Tensor::zeros([0, h, 0, d], &v.device());
+                *k = Tensor::empty([0, h, 0, d], &k.device());
+                *v = Tensor::empty([0, h, 0, d], &v.device());
             }
             self.starts.clear();
             self.len = 0;

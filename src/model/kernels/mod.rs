@@ -263,7 +263,13 @@ pub trait Kernels: Backend {
     /// `a` `[r, h, ta, d]` and `b` `[r, h, tb, d]` joined along the third dimension: a layer's
     /// cached keys or values and a forward pass's new columns.
     fn cat_columns(a: Tensor<Self, 4>, b: Tensor<Self, 4>) -> Tensor<Self, 4> {
-        Tensor::cat(vec![a, b], 2)
+        // An empty side (a fresh cache before its prefill) is the other side as it is: a
+        // copy kernel over no columns is a launch with no blocks, which CUDA refuses.
+        match (a.dims()[2], b.dims()[2]) {
+            (0, _) => b,
+            (_, 0) => a,
+            _ => Tensor::cat(vec![a, b], 2),
+        }
     }
 
     /// Rotary positions in the Hugging Face half-rotation layout, `x · cos + rotate_half(x)

@@ -8,9 +8,10 @@ data and uploads it, where a device backend overrides it with a fill on the devi
 wrapper must take the inner backend's path, not the default's, or it would count (and
 cause) transfers the backend does not make.
 
-Run after changing burn's version (then `cargo fmt`):
+Run after changing burn's version:
     python3 scripts/gen_counted.py "$(cargo metadata --format-version 1 | python3 -c \
-        'import json,sys; print(next(p["manifest_path"] for p in json.load(sys.stdin)["packages"] if p["name"]=="burn-backend").rsplit("/",1)[0])')"
+        'import json,sys; print(next(p["manifest_path"] for p in json.load(sys.stdin)["packages"] if p["name"]=="burn-backend").rsplit("/",1)[0])')" \
+        > src/model/counted/delegate.rs && cargo fmt
 """
 import re
 import sys

@@ -109,36 +109,27 @@ fn a_trainers_latest_file_is_taken_for_the_checkpoint_it_names() {
     copy_model(&fixture("qwen2"), &ckpt.join("step-000007"));
     // As the trainer marks its newest checkpoint: the directory's name, in a file.
     std::fs::write(ckpt.join("latest"), "step-000007\n").unwrap();
-    let latest = ckpt.join("latest");
-    let out = rlstream(&[
-        "generate",
-        "--model",
-        latest.to_str().unwrap(),
-        "--prompt-ids",
-        "1,12,5,7,30",
-        "--temperature",
-        "0",
-        "--max-new-tokens",
-        "3",
-        "--json",
-    ]);
+    let greedy = |model: &Path| {
+        rlstream(&[
+            "generate",
+            "--model",
+            model.to_str().unwrap(),
+            "--prompt-ids",
+            "1,12,5,7,30",
+            "--temperature",
+            "0",
+            "--max-new-tokens",
+            "3",
+            "--json",
+        ])
+    };
+    let out = greedy(&ckpt.join("latest"));
     assert!(
         out.status.success(),
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    let direct = rlstream(&[
-        "generate",
-        "--model",
-        ckpt.join("step-000007").to_str().unwrap(),
-        "--prompt-ids",
-        "1,12,5,7,30",
-        "--temperature",
-        "0",
-        "--max-new-tokens",
-        "3",
-        "--json",
-    ]);
+    let direct = greedy(&ckpt.join("step-000007"));
     assert_eq!(out.stdout, direct.stdout);
 }
 

@@ -8,7 +8,7 @@
 //! - [`model`]: the policy (Llama/Qwen2-family and mixture-of-experts decoders in burn),
 //!   Hugging Face checkpoints, LoRA adapters, the KV-cache sampler and the trainer's
 //!   log-probs.
-//! - [`tasks`]: built-in tasks, verifiers and JSONL datasets.
+//! - [`tasks`]: built-in tasks, verifiers and datasets (JSONL, Parquet).
 //! - [`env`]: environments of multi-turn episodes (the built-in `guess` game and `calc`
 //!   tool, environment processes speaking JSON lines) and playing them to the end.
 //! - [`child`]: a child process speaking JSON lines (external scorers, environment

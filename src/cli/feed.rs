@@ -24,7 +24,15 @@ impl FeedCommand {
         cfg.validate()?;
         let (topo, bus) = connect(&cfg, Stage::Feed).await?;
         let s = crate::stages::feed::run(&cfg.feed, bus, &topo, shutdown_signal()).await?;
-        println!("fed {} prompts to {}", s.fed, topo.key(Stream::Prompts));
+        let skipped = match s.skipped {
+            0 => String::new(),
+            n => format!(" ({n} bad dataset rows skipped: listed above)"),
+        };
+        println!(
+            "fed {} prompts to {}{skipped}",
+            s.fed,
+            topo.key(Stream::Prompts)
+        );
         Ok(())
     }
 }

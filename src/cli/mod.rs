@@ -10,6 +10,7 @@ mod feed;
 mod generate;
 mod inspect;
 mod load;
+pub mod reference;
 mod replay;
 mod run;
 mod score;
@@ -42,7 +43,7 @@ pub enum Command {
     /// The whole pipeline in one process: warm start, then feed, gen, score and train on the
     /// embedded bus (or Redis with --redis), with a live display and a report.
     Run(Box<run::RunCommand>),
-    /// Push prompts from a built-in task or a JSONL dataset to the prompts stream.
+    /// Push prompts from a built-in task or a dataset (JSONL, Parquet) to the prompts stream.
     Feed(feed::FeedCommand),
     /// Generator: sample G completions per prompt, follow new weights without stopping.
     Gen(stage_gen::GenCommand),

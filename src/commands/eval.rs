@@ -9,7 +9,8 @@
 //!
 //! Built-in tasks are evaluated on their held-out split ([`tasks::held_out`]): prompts no
 //! training stream of any seed produces, the same ones for every run. `--dataset` evaluates
-//! a JSONL file's items (keeping it apart from training data is then the user's part).
+//! a JSONL or Parquet file's items (keeping it apart from training data is then the user's
+//! part); its bad rows are skipped and reported, as `feed` does.
 
 use crate::display::{DisplayMode, Phase};
 use crate::env::{
@@ -43,9 +44,18 @@ crate::settings! {
         pub adapter: Option<PathBuf> = None,
         /// Built-in task whose held-out prompts to evaluate on.
         pub task: Option<BuiltinTask> = None,
-        /// JSONL dataset to evaluate on instead of a task (its first --prompts items).
+        /// Dataset (JSONL or Parquet) to evaluate on instead of a task (its first --prompts items).
         #[arg(value_name = "FILE")]
         pub dataset: Option<PathBuf> = None,
+        /// The dataset's prompt column (Parquet) or field (JSONL).
+        #[arg(value_name = "NAME")]
+        pub prompt_column: String = "prompt".into(),
+        /// The dataset's answer column or field.
+        #[arg(value_name = "NAME")]
+        pub answer_column: String = "answer".into(),
+        /// The dataset's conversation column or field (a list of {role, content}), read when there is no prompt column.
+        #[arg(value_name = "NAME")]
+        pub messages_column: String = "messages".into(),
         /// Tokenizer directory for --dataset; the model's when absent.
         #[arg(value_name = "DIR")]
         pub tokenizer: Option<PathBuf> = None,
@@ -166,16 +176,21 @@ impl EvalSet {
         }
     }
 
-    /// The first `n` items of a JSONL dataset (each has an answer), chat rows rendered with
-    /// `template`, tokenised with `tokenizer`.
+    /// The first `n` items of a dataset (each has an answer) with `cols` naming its columns,
+    /// chat rows rendered with `template`, tokenised with `tokenizer`. Bad rows are skipped
+    /// and reported (a warning).
     pub fn dataset(
         path: &Path,
+        cols: &tasks::Columns,
         tokenizer: Tokenizer,
         template: Option<&crate::model::chat::ChatTemplate>,
         stop_tokens: Vec<u32>,
         n: usize,
     ) -> Result<Self, EvalError> {
-        let mut d = Dataset::load(path).map_err(|e| EvalError::Usage(e.to_string()))?;
+        let mut d = Dataset::load_with(path, cols).map_err(|e| EvalError::Usage(e.to_string()))?;
+        if let Some(report) = d.skipped_report() {
+            tracing::warn!("{}: {report}", path.display());
+        }
         if d.has_chat() {
             let template = template.ok_or_else(|| {
                 EvalError::Usage(format!(
@@ -512,7 +527,8 @@ pub fn run(opts: &EvalOptions, display: DisplayMode) -> Result<EvalResult, EvalE
         (Some(_), Some(_)) => return usage("give --task or --dataset, not both"),
         (None, None) => {
             return usage(
-                "give --task add|reverse|sort|longsort|longer|guess|calc or --dataset FILE",
+                "give --task add|reverse|sort|longsort|longer|guess|calc or --dataset FILE \
+                 (.jsonl or .parquet)",
             );
         }
         (Some(task), None) => {
@@ -532,7 +548,12 @@ pub fn run(opts: &EvalOptions, display: DisplayMode) -> Result<EvalResult, EvalE
             let tok = Tokenizer::load(tok_dir)?;
             let template = crate::model::chat::ChatTemplate::load(tok_dir)?;
             let stops = crate::model::hf::stop_tokens(dir, model.config());
-            EvalSet::dataset(path, tok, template.as_ref(), stops, opts.prompts)?
+            let cols = tasks::Columns {
+                prompt: opts.prompt_column.clone(),
+                answer: opts.answer_column.clone(),
+                messages: opts.messages_column.clone(),
+            };
+            EvalSet::dataset(path, &cols, tok, template.as_ref(), stops, opts.prompts)?
         }
     };
     if opts.max_new_tokens > 0 {

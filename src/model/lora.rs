@@ -442,8 +442,10 @@ pub fn write_adapter(
     Ok(())
 }
 
-/// Reads a PEFT adapter directory: its spec and tensors (f32).
+/// Reads a PEFT adapter directory (or a trainer's `checkpoints/latest`, which names one):
+/// its spec and tensors (f32).
 pub fn read_adapter(dir: &Path) -> Result<(LoraSpec, TensorMap), ModelError> {
+    let dir = &super::model_dir(dir);
     let config = dir.join(ADAPTER_CONFIG);
     let text = std::fs::read_to_string(&config).map_err(|e| ModelError::MissingFile {
         path: config.display().to_string(),

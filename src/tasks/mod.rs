@@ -1,4 +1,4 @@
-//! Built-in tasks (prompt generators with verifiers) and JSONL datasets.
+//! Built-in tasks (prompt generators with verifiers) and datasets (JSONL, Parquet).
 //!
 //! A task turns an index into a prompt with a reference answer, and scores a completion
 //! against the answer with a reward in [0, 1]. Built-in tasks share one character alphabet
@@ -7,7 +7,7 @@
 mod dataset;
 mod verify;
 
-pub use dataset::{Dataset, DatasetError, DatasetItem};
+pub use dataset::{Columns, Dataset, DatasetError, DatasetItem, Unit};
 pub use verify::Verifier;
 
 use crate::model::tokenizer::CharTokenizer;

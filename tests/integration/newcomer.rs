@@ -186,3 +186,96 @@ fn an_empty_replay_says_so_and_fails() {
         "{e}"
     );
 }
+
+fn dataset(name: &str) -> String {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/fixtures/datasets")
+        .join(name)
+        .display()
+        .to_string()
+}
+
+/// A Parquet file as the hubs serve them (pyarrow's, GSM8K's column names) is fed with its
+/// columns named by flags; its bad rows are counted and listed by row number, never fed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn feed_reads_parquet_with_named_columns_and_skips_bad_rows() {
+    let ns = unique_ns("parquet-feed");
+    let url = redis_url();
+    let data = dataset("gsm8k_style.parquet");
+    let args = crate::common::on_bus(&["feed", "--dataset", &data], &url, &ns);
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let e = error_line(&refused(&args));
+    assert!(e.contains("no `prompt` or `messages` column"), "{e}");
+    assert!(e.contains("--prompt-column"), "{e}");
+
+    let mut named = args.clone();
+    named.extend(["--prompt-column", "question"]);
+    let out = rlstream(&named);
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        stdout.starts_with("fed 4 prompts to") && stdout.contains("(2 bad dataset rows skipped"),
+        "{stdout}"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains(
+            "skipped 2 bad rows of 6 (never fed): row 2: empty prompt; row 4: `answer` is null"
+        ),
+        "{stderr}"
+    );
+    let bus = crate::common::redis_bus().await;
+    let prompts: Vec<rlstream::schema::Prompt> =
+        crate::common::messages(&bus, &format!("{ns}:prompts")).await;
+    let fed: Vec<(&str, &str, &str)> = prompts
+        .iter()
+        .map(|p| {
+            (
+                p.prompt_id.as_str(),
+                p.text.as_str(),
+                p.meta["answer"].as_str(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        fed,
+        [
+            ("gsm8k_style-e0-r0", "What is 2+3?", "5"),
+            ("gsm8k_style-e0-r1", "What is 7*6?", "42"),
+            ("gsm8k_style-e0-r3", "What is 9-4?", "5"),
+            ("gsm8k_style-e0-r5", "What is 1+1?", "2"),
+        ]
+    );
+    crate::common::drop_namespace(&ns).await;
+}
+
+/// `eval --dataset` reads a Parquet chat dataset (zstd, a `messages` column of structs) the
+/// same way, rendered with the model's chat template.
+#[test]
+fn eval_reads_a_parquet_chat_dataset() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("qwen3");
+    crate::common::tiny_qwen3(&model);
+    let data = dataset("chat_rows.parquet");
+    let out = rlstream(&[
+        "eval",
+        "--model",
+        model.to_str().unwrap(),
+        "--dataset",
+        &data,
+        "--samples",
+        "1",
+        "--max-new-tokens",
+        "2",
+    ]);
+    assert!(out.status.success(), "{out:?}");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(stdout.contains("eval chat_rows: pass@1"), "{stdout}");
+    assert!(stdout.contains("3 prompts × 1 samples"), "{stdout}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("row 1: the last message is the assistant's")
+            && stderr.contains("row 3: `messages` is null"),
+        "{stderr}"
+    );
+}

@@ -8,10 +8,19 @@ crate::settings! {
     pub struct FeedConfig, flags FeedArgs, section "feed" {
         /// Built-in task to generate prompts from.
         pub task: Option<BuiltinTask> = None,
-        /// JSONL dataset instead of a built-in task: {"prompt": ..., "answer": ..., "verifier": exact|numeric|contains|positional|math}, or "messages": [{"role", "content"}, ...] in place of "prompt".
+        /// Dataset instead of a built-in task, JSONL or Parquet: {"prompt": ..., "answer": ..., "verifier": exact|numeric|contains|positional|math} per line or row, or "messages": [{"role", "content"}, ...] in place of "prompt".
         #[arg(value_name = "FILE")]
         pub dataset: Option<PathBuf> = None,
-        /// Model directory whose chat template (tokenizer_config.json) renders the dataset's `messages` rows: the policy's.
+        /// The dataset's prompt column (Parquet) or field (JSONL).
+        #[arg(value_name = "NAME")]
+        pub prompt_column: String = "prompt".into(),
+        /// The dataset's answer column or field.
+        #[arg(value_name = "NAME")]
+        pub answer_column: String = "answer".into(),
+        /// The dataset's conversation column or field (a list of {role, content}), read when there is no prompt column.
+        #[arg(value_name = "NAME")]
+        pub messages_column: String = "messages".into(),
+        /// Model directory whose chat template (chat_template.jinja or tokenizer_config.json) renders the dataset's `messages` rows: the policy's.
         #[arg(value_name = "DIR")]
         pub chat_template: Option<PathBuf> = None,
         /// Prompts to feed from a built-in task.
@@ -23,5 +32,16 @@ crate::settings! {
         pub shuffle: bool = false,
         /// Seed of the built-in task's prompts and of the shuffle.
         pub seed: u64 = 0,
+    }
+}
+
+impl FeedConfig {
+    /// The dataset's column names.
+    pub fn columns(&self) -> crate::tasks::Columns {
+        crate::tasks::Columns {
+            prompt: self.prompt_column.clone(),
+            answer: self.answer_column.clone(),
+            messages: self.messages_column.clone(),
+        }
     }
 }

@@ -1,4 +1,4 @@
-//! `rlstream feed`: pushes prompts from a built-in task or a JSONL dataset to the prompts
+//! `rlstream feed`: pushes prompts from a built-in task or a dataset (JSONL, Parquet) to the prompts
 //! stream, in pipelined batches.
 
 mod config;
@@ -20,25 +20,41 @@ const FEED_BATCH: usize = 256;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FeedSummary {
     pub fed: u64,
+    /// A dataset's bad rows, skipped (each pass).
+    pub skipped: u64,
+}
+
+/// What a feed config describes: the task name, the prompts with their ids, and how many of
+/// a dataset's rows were bad and skipped.
+pub struct Feed {
+    pub task: String,
+    pub items: Vec<(String, TaskItem)>,
+    pub skipped: u64,
 }
 
 /// The prompts a feed config describes, with their ids.
-pub fn items(cfg: &FeedConfig) -> Result<(String, Vec<(String, TaskItem)>), StageError> {
+/// A dataset's bad rows are skipped and reported (a warning), never fed.
+pub fn items(cfg: &FeedConfig) -> Result<Feed, StageError> {
     match (&cfg.task, &cfg.dataset) {
         (Some(_), Some(_)) => Err(StageError::Other(
             "give --task or --dataset, not both".into(),
         )),
         (None, None) => Err(StageError::Other(
-            "give --task add|reverse|sort|longsort|longer or --dataset FILE".into(),
+            "give --task add|reverse|sort|longsort|longer or --dataset FILE (.jsonl or .parquet)"
+                .into(),
         )),
-        (Some(task), None) => Ok((
-            task.name().to_string(),
-            (0..cfg.count)
+        (Some(task), None) => Ok(Feed {
+            task: task.name().to_string(),
+            items: (0..cfg.count)
                 .map(|i| (task.prompt_id(i), task.item(cfg.seed, i)))
                 .collect(),
-        )),
+            skipped: 0,
+        }),
         (None, Some(path)) => {
-            let mut d = Dataset::load(path)?;
+            let mut d = Dataset::load_with(path, &cfg.columns())?;
+            if let Some(report) = d.skipped_report() {
+                tracing::warn!("{}: {report}", path.display());
+            }
             if d.has_chat() {
                 render_chat(&mut d, path, cfg.chat_template.as_deref())?;
             }
@@ -51,10 +67,14 @@ pub fn items(cfg: &FeedConfig) -> Result<(String, Vec<(String, TaskItem)>), Stag
                 }
                 for i in order {
                     let it = &d.items[i];
-                    out.push((format!("{}-e{epoch}-l{}", d.name, it.line), it.item.clone()));
+                    out.push((d.item_id(epoch, it), it.item.clone()));
                 }
             }
-            Ok((d.name, out))
+            Ok(Feed {
+                skipped: d.skipped.len() as u64,
+                task: d.name,
+                items: out,
+            })
         }
     }
 }
@@ -126,7 +146,11 @@ pub async fn run(
     topo: &Topology,
     shutdown: impl Future<Output = ()>,
 ) -> Result<FeedSummary, StageError> {
-    let (task, items) = items(cfg)?;
+    let Feed {
+        task,
+        items,
+        skipped,
+    } = items(cfg)?;
     tokio::pin!(shutdown);
     let mut fed = 0u64;
     for chunk in items.chunks(FEED_BATCH) {
@@ -137,5 +161,5 @@ pub async fn run(
         }
     }
     tracing::info!(fed, stream = %topo.key(Stream::Prompts), "fed prompts");
-    Ok(FeedSummary { fed })
+    Ok(FeedSummary { fed, skipped })
 }

@@ -95,6 +95,23 @@ def expected_sample(calls, reward):
             "versions": versions, "env": env, "return": reward}
 
 
+def wait_ready(base, key, patience_s):
+    """Waits for the endpoint to answer GET /models: a generator started just before this
+    script may still be loading its model."""
+    deadline = time.time() + patience_s
+    req = urllib.request.Request(base.rstrip("/") + "/models",
+                                 headers={"Authorization": f"Bearer {key}"})
+    while True:
+        try:
+            with urllib.request.urlopen(req, timeout=5):
+                return
+        except OSError as e:
+            if time.time() > deadline:
+                sys.exit(f"no endpoint at {base} after {patience_s:.0f} s ({e}): "
+                         "is `rlstream gen --serve` running?")
+            time.sleep(0.5)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", required=True, help="the endpoint, e.g. http://127.0.0.1:8000/v1")
@@ -107,7 +124,10 @@ def main():
     ap.add_argument("--tool-latency-ms", type=float, default=0.0)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--record", help="write each episode's calls and expected sample here")
+    ap.add_argument("--wait-s", type=float, default=120.0,
+                    help="how long to wait for the endpoint to come up")
     args = ap.parse_args()
+    wait_ready(args.base, args.key, args.wait_s)
     client = openai.OpenAI(base_url=args.base, api_key=args.key, max_retries=0, timeout=300)
     rng = random.Random(args.seed)
     tag = f"{args.seed}-{time.time_ns()}"

@@ -12,7 +12,7 @@ use std::sync::Arc;
 #[derive(clap::Args, Clone, Debug, Default)]
 pub struct StageArgs {
     /// TOML config file (top-level connection keys; sections [feed], [policy], [gen],
-    /// [score], [train], [run]).
+    /// [score], [train], [weights], [run]; every key: docs/settings.md).
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
     #[command(flatten)]

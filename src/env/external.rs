@@ -1,7 +1,7 @@
 //! Environments from outside: one process speaking JSON lines on stdin/stdout serves every
 //! episode of a generator at once.
 //!
-//! The protocol (one JSON object per line, UTF-8; see README "Environments from outside"):
+//! The protocol (one JSON object per line, UTF-8; see docs/episodes.md, "Environments from outside"):
 //!
 //! ```text
 //! → {"op":"reset","episode_id":"add-000042#17","env":"calc","prompt":"37*48=","meta":{…}}

@@ -1,11 +1,11 @@
-//! The crate's structure, as written in the README's "What is here", checked on the source.
+//! The crate's structure, as written in docs/code-map.md, checked on the source.
 //!
 //! Every path a file names (`crate::…`, `super::…`, `self::…`, and the re-exports of a
 //! folder's `mod.rs` followed to where the item is defined) is an edge from that file to the
 //! file that defines its target. Two rules are read off those edges:
 //!
 //! - **Layering**: between top-level modules, an edge may only point to a lower layer of the
-//!   README's layering block (which also rules out a cycle between them).
+//!   code map's layering block (which also rules out a cycle between them).
 //! - **No circle in any folder**: inside every folder, the files and sub-folders directly in
 //!   it form a graph with no cycle. A folder's `mod.rs` counts as the folder itself: its `mod`
 //!   and `pub use` lines are no edges, and a child may use what `mod.rs` defines.
@@ -17,13 +17,14 @@ use std::path::{Path, PathBuf};
 /// `src/model/hf.rs`).
 type ModPath = Vec<String>;
 
-/// The layers from the README block between the two markers, top first.
+/// The layers from docs/code-map.md's block between the two markers, top first.
 fn layers() -> Vec<Vec<String>> {
-    let readme = std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("README.md"))
-        .expect("README.md");
+    let readme =
+        std::fs::read_to_string(Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/code-map.md"))
+            .expect("docs/code-map.md");
     let start = readme
         .find("<!-- layering -->")
-        .expect("README has a <!-- layering --> block");
+        .expect("docs/code-map.md has a <!-- layering --> block");
     let end = readme[start..]
         .find("<!-- /layering -->")
         .expect("the layering block is closed")
@@ -675,7 +676,10 @@ fn src_dir() -> PathBuf {
 #[test]
 fn every_import_points_down_the_written_layering() {
     let layers = layers();
-    assert!(layers.len() >= 3, "the README's layering block: {layers:?}");
+    assert!(
+        layers.len() >= 3,
+        "the code map's layering block: {layers:?}"
+    );
     let rank: BTreeMap<&str, usize> = layers
         .iter()
         .enumerate()
@@ -690,7 +694,7 @@ fn every_import_points_down_the_written_layering() {
     let unplaced: Vec<_> = top.iter().filter(|m| !rank.contains_key(*m)).collect();
     assert!(
         unplaced.is_empty(),
-        "modules missing from the README's layering: {unplaced:?}"
+        "modules missing from the code map's layering: {unplaced:?}"
     );
     let edges = edges(&krate);
     assert!(

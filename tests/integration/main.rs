@@ -16,6 +16,7 @@ mod chat_template;
 mod common;
 mod decode_kernels;
 mod distill;
+mod docs;
 mod episodes;
 mod generate_cli;
 mod grad_parity;

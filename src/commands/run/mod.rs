@@ -295,7 +295,7 @@ fn prepare(opts: &RunOptions, mut cfg: Config) -> Result<(Config, PathBuf, f64),
             token_discount = cfg.train.token_discount,
             "distilling with --token-discount above 0 credits each token with the teacher's \
              signal on every later token, which learns far slower than --token-discount 0 \
-             (README, \"Distillation\")"
+             (docs/distillation.md)"
         );
     }
     Ok((cfg, model_dir, warm_start_s))

@@ -31,7 +31,7 @@ crate::settings! {
         pub env_timeout_ms: u64 = 10_000,
         /// Episodes: delay added before every environment step, to stand in for a slow environment (benchmarks, tests).
         pub env_latency_ms: u64 = 0,
-        /// Episodes: an environment process speaking JSON lines (reset/step by episode_id, see README) that plays every episode prompt; run without a shell. Unset: the built-in environments.
+        /// Episodes: an environment process speaking JSON lines (reset/step by episode_id, see docs/episodes.md) that plays every episode prompt; run without a shell. Unset: the built-in environments.
         #[arg(value_name = "CMD")]
         pub env_cmd: Option<String> = None,
         /// Keep the k most likely tokens when sampling; 0 disables.

@@ -1,5 +1,5 @@
 //! External scorers (`--scorer-cmd`): a program that reads one JSON line per group on its
-//! stdin and answers one JSON line of rewards on its stdout (README, "External scorers").
+//! stdin and answers one JSON line of rewards on its stdout (docs/stages.md, "Scoring").
 //! Each process of the pool is a [`JsonLinesChild`] matched in order, scoring one group at
 //! a time; the answer is checked (a reward per completion, finite, token or step rewards
 //! that land on real tokens) before anything is published.

@@ -167,9 +167,7 @@ impl Body {
             Some((k, _)) => Err(ApiError::param(
                 "unsupported_parameter",
                 k,
-                format!(
-                    "`{k}` is not supported by this endpoint (see the README's endpoint section)"
-                ),
+                format!("`{k}` is not supported by this endpoint (see docs/agents.md)"),
             )),
         }
     }

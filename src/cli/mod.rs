@@ -56,7 +56,7 @@ pub enum Command {
     /// Held-out results of a checkpoint: pass@1 and reward at the training temperature,
     /// greedy accuracy and reward, each with its 95% interval.
     Eval(eval::EvalCommand),
-    /// Sample from a Hugging Face checkpoint (Llama/Qwen2 family).
+    /// Sample from a Hugging Face checkpoint (Llama, Qwen2, Qwen3 and their MoE variants).
     Generate(generate::GenerateCommand),
     /// A running pipeline at a glance, from Redis alone: each stream's length, pending and
     /// lag per group, consumers and their idle time, every process's version and

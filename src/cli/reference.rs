@@ -129,11 +129,13 @@ pub fn cli_markdown() -> String {
          Every command's `--help`. The settings behind the flags, with their config-file keys and \
          environment variables, are in [settings.md](settings.md).\n\n"
     );
-    let subs: Vec<_> = root
+    // In the order `rlstream --help` lists them.
+    let mut subs: Vec<_> = root
         .get_subcommands()
         .filter(|c| !c.is_hide_set() && c.get_name() != "help")
         .cloned()
         .collect();
+    subs.sort_by_key(clap::Command::get_display_order);
     for sub in &subs {
         let about = sub.get_about().map(|a| a.to_string()).unwrap_or_default();
         let _ = writeln!(

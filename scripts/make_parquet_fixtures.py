@@ -96,6 +96,13 @@ def wrong_types():
     }
 
 
+def brotli():
+    """A brotli-compressed file: a codec this build does not read."""
+    table = pa.table({"prompt": pa.array(["2+2="], pa.string()), "answer": pa.array(["4"], pa.string())})
+    pq.write_table(table, OUT / "brotli.parquet", compression="brotli")
+    return {"rows": 1, "codec": "brotli"}
+
+
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
     expected = {
@@ -103,6 +110,7 @@ def main():
         "gsm8k_style.parquet": gsm8k_style(),
         "chat_rows.parquet": chat_rows(),
         "wrong_types.parquet": wrong_types(),
+        "brotli.parquet": brotli(),
     }
     (OUT / "expected.json").write_text(json.dumps(expected, indent=1) + "\n")
     print("wrote", sorted(p.name for p in OUT.iterdir()))

@@ -474,6 +474,14 @@ mod tests {
             ),
             "{e}"
         );
+        // A codec this build does not read: what to do instead.
+        let e = Dataset::load(&fixture("brotli.parquet"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("brotli") && e.contains("rewrite the file with one of those"),
+            "{e}"
+        );
         // A file cut short is not Parquet any more.
         let dir = tempfile::tempdir().unwrap();
         let cut = dir.path().join("cut.parquet");

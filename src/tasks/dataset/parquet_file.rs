@@ -89,6 +89,16 @@ fn projection(fields: &[TypePtr], root: &str, cols: &Columns) -> Result<Type, St
         .map_err(|e| format!("cannot select its columns: {e}"))
 }
 
+/// What to do about a codec this build does not read.
+fn codec_hint(e: &::parquet::errors::ParquetError) -> &'static str {
+    if e.to_string().contains("Disabled feature") {
+        " (rlstream reads uncompressed, snappy, zstd, gzip and lz4 Parquet: rewrite the file \
+         with one of those, e.g. pyarrow's `pq.write_table(table, path, compression=\"zstd\")`)"
+    } else {
+        ""
+    }
+}
+
 pub(super) fn load(
     bytes: bytes::Bytes,
     path: &str,
@@ -115,7 +125,7 @@ pub(super) fn load(
         skipped: Vec::new(),
     };
     for (n, row) in rows.enumerate() {
-        let row = row.map_err(|e| bad(format!("row {n} cannot be read: {e}")))?;
+        let row = row.map_err(|e| bad(format!("row {n} cannot be read: {e}{}", codec_hint(&e))))?;
         d.rows += 1;
         let serde_json::Value::Object(obj) = row.to_json_value() else {
             d.skipped.push((n, "not a record".into()));

@@ -25,6 +25,47 @@ pub const ENV_PREFIX: &str = "RLSTREAM__";
 /// The Redis a stage connects to when none is configured.
 pub const DEFAULT_REDIS: &str = "redis://127.0.0.1:6379";
 
+/// A section of the config file: its name (empty at the top level), its keys, and the
+/// commands whose flags set them.
+pub struct FileSection {
+    pub name: &'static str,
+    pub keys: Vec<crate::settings::Key>,
+    pub commands: &'static [&'static str],
+}
+
+/// Every section of the config file, in the order the reference lists them: the settings
+/// test walks them, and `docs/settings.md` is made from them.
+pub fn file_sections() -> Vec<FileSection> {
+    use crate::settings::Section;
+    let s = |name, keys, commands| FileSection {
+        name,
+        keys,
+        commands,
+    };
+    vec![
+        s(
+            Config::NAME,
+            Config::keys(),
+            &["feed", "gen", "score", "train", "run"],
+        ),
+        s(FeedConfig::NAME, FeedConfig::keys(), &["feed"]),
+        s(
+            PolicySettings::NAME,
+            PolicySettings::keys(),
+            &["gen", "train", "run"],
+        ),
+        s(GenConfig::NAME, GenConfig::keys(), &["gen", "run"]),
+        s(ScoreConfig::NAME, ScoreConfig::keys(), &["score", "run"]),
+        s(TrainConfig::NAME, TrainConfig::keys(), &["train", "run"]),
+        s(
+            WeightsConfig::NAME,
+            WeightsConfig::keys(),
+            &["gen", "train"],
+        ),
+        s(RunConfig::NAME, RunConfig::keys(), &["run"]),
+    ]
+}
+
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     #[error("cannot read config {path}: {source}")]

@@ -89,6 +89,16 @@ pub enum Unit {
     Row,
 }
 
+impl Unit {
+    /// What an item number counts: "line" or "row".
+    pub fn name(self) -> &'static str {
+        match self {
+            Unit::Line => "line",
+            Unit::Row => "row",
+        }
+    }
+}
+
 #[derive(Debug, Clone)]
 pub struct Dataset {
     /// File stem, used as the task name.
@@ -206,18 +216,12 @@ impl Dataset {
 
     /// "line 3" or "row 2": where item number `n` is.
     pub fn at(&self, n: usize) -> String {
-        match self.unit {
-            Unit::Line => format!("line {n}"),
-            Unit::Row => format!("row {n}"),
-        }
+        format!("{} {n}", self.unit.name())
     }
 
     /// The id of `item` in pass `epoch`: `NAME-eEPOCH-lLINE` or `NAME-eEPOCH-rROW`.
     pub fn item_id(&self, epoch: u32, item: &DatasetItem) -> String {
-        let u = match self.unit {
-            Unit::Line => 'l',
-            Unit::Row => 'r',
-        };
+        let u = &self.unit.name()[..1];
         format!("{}-e{epoch}-{u}{}", self.name, item.line)
     }
 
@@ -254,13 +258,7 @@ impl Dataset {
             if let Some(chat) = &it.chat {
                 it.item.prompt = template
                     .render(&chat.messages, true, &chat.kwargs)
-                    .map_err(|e| {
-                        let at = match unit {
-                            Unit::Line => "line",
-                            Unit::Row => "row",
-                        };
-                        format!("{at} {}: {e}", it.line)
-                    })?;
+                    .map_err(|e| format!("{} {}: {e}", unit.name(), it.line))?;
             }
         }
         Ok(())

@@ -3,36 +3,15 @@
 //! section, and `--help` shows its flag with its doc line and default.
 
 use rlstream::cli::Cli;
-use rlstream::config::{
-    Config, FeedConfig, GenConfig, PolicySettings, RunConfig, ScoreConfig, TrainConfig,
-    WeightsConfig,
-};
-use rlstream::settings::{Key, Section, show};
+use rlstream::config::RunConfig;
+use rlstream::settings::{Key, show};
 
 /// Each section with the commands that take its flags.
 fn sections() -> Vec<(&'static str, Vec<Key>, &'static [&'static str])> {
-    vec![
-        (
-            Config::NAME,
-            Config::keys(),
-            &["feed", "gen", "score", "train", "run"],
-        ),
-        (FeedConfig::NAME, FeedConfig::keys(), &["feed"]),
-        (
-            PolicySettings::NAME,
-            PolicySettings::keys(),
-            &["gen", "train", "run"],
-        ),
-        (GenConfig::NAME, GenConfig::keys(), &["gen", "run"]),
-        (ScoreConfig::NAME, ScoreConfig::keys(), &["score", "run"]),
-        (TrainConfig::NAME, TrainConfig::keys(), &["train", "run"]),
-        (RunConfig::NAME, RunConfig::keys(), &["run"]),
-        (
-            WeightsConfig::NAME,
-            WeightsConfig::keys(),
-            &["gen", "train"],
-        ),
-    ]
+    rlstream::config::file_sections()
+        .into_iter()
+        .map(|s| (s.name, s.keys, s.commands))
+        .collect()
 }
 
 /// Settings `run` decides itself (consumer names; checkpoints go under `--out`): hidden

@@ -27,17 +27,6 @@ fn is_text(t: &Type) -> bool {
     )
 }
 
-/// What a column holds, for errors.
-fn kind(t: &Type) -> &'static str {
-    if !t.is_primitive() {
-        "nested values (a list or struct)"
-    } else if t.get_physical_type() == Physical::BYTE_ARRAY {
-        "binary values, not text"
-    } else {
-        "numbers"
-    }
-}
-
 /// The projection an item reads: the prompt column when the file has one (else the
 /// messages column), the answer, `verifier` and every text column, in the file's order.
 fn projection(fields: &[TypePtr], root: &str, cols: &Columns) -> Result<Type, String> {
@@ -71,7 +60,10 @@ fn projection(fields: &[TypePtr], root: &str, cols: &Columns) -> Result<Type, St
     };
     for col in [source, answer] {
         if col.is_primitive() && !is_text(col) && col.get_physical_type() == Physical::BYTE_ARRAY {
-            return Err(format!("column `{}` holds {}", col.name(), kind(col)));
+            return Err(format!(
+                "column `{}` holds binary values, not text",
+                col.name()
+            ));
         }
     }
     let wanted: Vec<TypePtr> = fields

@@ -30,12 +30,10 @@
 //! after training on them, and it takes at most `groups_per_step` it has not trained. The
 //! trainer drops groups older than `max_lag` versions; this bound keeps it from having to.
 
-pub mod calls;
 mod config;
 pub mod decode;
 mod reader;
 pub mod serve;
-mod text;
 mod writer;
 
 pub use config::*;
@@ -51,13 +49,19 @@ use crate::model::{InferBackend, Policy};
 use crate::roles::{Stage, Stream};
 use crate::tasks;
 use crate::weights::{Follower, ModelSlot, Transport, Versioned};
-use decode::{Decoded, Decoder, ToDecoder};
+use crate::env::play::EpisodeLimits;
+use crate::model::sampler::TurnLimits;
+use crate::schema::SamplingParams;
+use decode::calls::{CallSender, CallSource};
+use decode::episodes::{EpisodeRules, EpisodeSource};
+use decode::group::{Decoded, Groups, PromptSender, Sampling};
+use decode::prompts::PromptSource;
+use decode::{Decoder, Doorbell, RowSource};
 use reader::Settled;
 use reader::{PromptReader, Shared};
 use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc;
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
@@ -137,15 +141,24 @@ fn policy_tokenizer(policy: &PolicySettings) -> Result<Tokenizer, StageError> {
     })
 }
 
+/// The ids that end a completion: the model's end-of-sequence ids (its config and
+/// generation config).
+fn stop_tokens(policy: &PolicySettings, model: &crate::model::config::PolicyConfig) -> Vec<u32> {
+    match &policy.model {
+        Some(dir) => crate::model::hf::stop_tokens(dir, model),
+        None => model.eos_token_id.into_iter().collect(),
+    }
+}
+
 /// Starts the OpenAI-compatible endpoint on `addr`, handing its calls to the decode thread
-/// through `admit`.
+/// through `calls`.
 async fn start_endpoint(
     policy: &PolicySettings,
     cfg: &GenConfig,
     (bus, topo): (SharedBus, &Topology),
     addr: &str,
     slot: &ModelSlot<InferBackend>,
-    admit: mpsc::Sender<ToDecoder>,
+    calls: CallSender,
 ) -> Result<JoinHandle<()>, StageError> {
     let addr = crate::metrics::parse_addr(addr)
         .map_err(|e| crate::settings::invalid("gen.serve", e.to_string()))?;
@@ -170,7 +183,7 @@ async fn start_endpoint(
         template,
         vocab: model.vocab_size,
         context: model.max_position,
-        stop_tokens: decode::stop_tokens(policy, &model),
+        stop_tokens: stop_tokens(policy, &model),
         temperature: policy.temperature,
         mask_cap: cfg.mask_cap,
         max_batch: cfg.max_batch,
@@ -183,30 +196,90 @@ async fn start_endpoint(
         topo: topo.clone(),
         gen_id: cfg.name.clone(),
     };
-    let (bound, task) = serve::start(setup, admit).await?;
+    let (bound, task) = serve::start(setup, calls).await?;
     eprintln!("serving the OpenAI-compatible endpoint on http://{bound}/v1");
     Ok(task)
 }
 
-/// The decode thread's state: the model slot, its own tokenizer (an episode's turns to
-/// text, its observations to tokens) and the episodes' environments.
-fn new_decoder(
+/// The decode thread, and where its work comes from: the endpoint's calls and the
+/// reader's prompts.
+struct DecodeThread {
+    handle: std::thread::JoinHandle<Result<DecodeStats, crate::model::ModelError>>,
+    calls: CallSender,
+    prompts: PromptSender,
+}
+
+/// How episodes are played, from the stage's settings.
+fn episode_rules(cfg: &GenConfig, context: usize, stop_tokens: Vec<u32>) -> EpisodeRules {
+    EpisodeRules {
+        limits: EpisodeLimits {
+            turn: TurnLimits {
+                turn_tokens: cfg.max_new_tokens as usize,
+                episode_tokens: match cfg.max_episode_tokens {
+                    0 => context,
+                    n => n as usize,
+                },
+            },
+            turns: cfg.max_turns,
+        },
+        latency: Duration::from_millis(cfg.env_latency_ms),
+        timeout: Duration::from_millis(cfg.env_timeout_ms),
+        stop_tokens,
+    }
+}
+
+/// Starts the decode thread on the model in `slot` with its three row sources (calls
+/// first, then plain prompts, then episodes); finished groups go to `out`.
+fn spawn_decoder(
     policy: &PolicySettings,
     cfg: &GenConfig,
     slot: &ModelSlot<InferBackend>,
-) -> Result<Decoder, StageError> {
+    out: tokio::sync::mpsc::UnboundedSender<Decoded>,
+    stop: Arc<AtomicBool>,
+) -> Result<DecodeThread, StageError> {
     let environments = match &cfg.env_cmd {
         Some(cmd) => Environments::external(cmd, Duration::from_millis(cfg.env_timeout_ms))
             .map_err(|e| crate::settings::invalid("gen.env_cmd", e.to_string()))?,
         None => Environments::builtin(),
     };
-    Ok(Decoder::new(
-        policy.clone(),
-        cfg.clone(),
-        slot.clone(),
-        policy_tokenizer(policy)?,
-        environments,
-    ))
+    let model = slot.load().policy.config().clone();
+    let stops = stop_tokens(policy, &model);
+    let tokenizer = Arc::new(policy_tokenizer(policy)?);
+    let sampling = Sampling {
+        params: SamplingParams {
+            temperature: policy.temperature,
+            top_k: cfg.sampling_top_k(),
+            top_p: cfg.top_p,
+            max_new_tokens: cfg.max_new_tokens,
+            stop_tokens: stops.clone(),
+            seed: policy.seed,
+        },
+        seed: policy.seed,
+        group_size: cfg.group_size,
+    };
+    let groups = || Groups::new(&cfg.name, sampling.clone(), out.clone());
+    let bell = Doorbell::new();
+    let (prompts, plain, played) = PromptSender::new(&bell);
+    let (calls, call_source) = CallSource::new(&bell, tokenizer.clone());
+    let rules = episode_rules(cfg, model.max_position, stops);
+    let episodes = EpisodeSource::new(played, groups(), (rules, environments), tokenizer, &bell);
+    let sources: Vec<Box<dyn RowSource>> = vec![
+        Box::new(call_source),
+        Box::new(PromptSource::new(plain, groups())),
+        Box::new(episodes),
+    ];
+    let decoder = Decoder::new(&cfg.name, cfg.max_batch, slot.clone(), sources, bell);
+    let handle = decoder
+        .spawn(stop)
+        .map_err(|source| StageError::Thread {
+            what: "decode",
+            source,
+        })?;
+    Ok(DecodeThread {
+        handle,
+        calls,
+        prompts,
+    })
 }
 
 /// Runs the generator on the model in `slot` until `shutdown`; new versions arrive through
@@ -223,15 +296,13 @@ pub async fn run(
     let tokenizer = policy_tokenizer(policy)?;
     let stop = Arc::new(AtomicBool::new(false));
     let in_flight = Arc::new(AtomicUsize::new(0));
-    let (admit_tx, admit_rx) = mpsc::channel::<ToDecoder>();
     let (done_tx, done_rx) = tokio::sync::mpsc::unbounded_channel::<Decoded>();
     let (settled_tx, settled_rx) = tokio::sync::mpsc::unbounded_channel::<Settled>();
-    let decoder = new_decoder(policy, cfg, &slot)?;
-    let decode = decoder.spawn(admit_rx, done_tx, stop.clone())?;
+    let decode = spawn_decoder(policy, cfg, &slot, done_tx, stop.clone())?;
     let endpoint = match &cfg.serve {
         Some(addr) => {
             let on = (bus.clone(), topo);
-            Some(start_endpoint(policy, cfg, on, addr, &slot, admit_tx.clone()).await?)
+            Some(start_endpoint(policy, cfg, on, addr, &slot, decode.calls.clone()).await?)
         }
         None => None,
     };
@@ -248,7 +319,7 @@ pub async fn run(
     };
     let reader =
         PromptReader::join(policy, cfg, bus.clone(), topo, tokenizer, &model, shared).await?;
-    let reader = tokio::spawn(reader.run(admit_tx, settled_rx));
+    let reader = tokio::spawn(reader.run(decode.prompts.clone(), settled_rx));
     let mut publisher = RolloutWriter {
         bus: bus.clone(),
         topo,
@@ -275,7 +346,8 @@ pub async fn run(
     // Whatever ended the loop, the decode thread and the reader stop with it.
     stop.store(true, Ordering::Relaxed);
     let mut summary = publisher.summary;
-    summary.decode = tokio::task::spawn_blocking(move || decode.join())
+    let handle = decode.handle;
+    summary.decode = tokio::task::spawn_blocking(move || handle.join())
         .await
         .map_err(|e| StageError::Panic(format!("decode thread: {e}")))?
         .map_err(|_| StageError::Panic("the decode thread panicked".into()))??;

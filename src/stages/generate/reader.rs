@@ -4,7 +4,7 @@
 
 use super::GenConfig;
 use super::config::TruncatePrompt;
-use super::decode::{Admit, Failed, ToDecoder};
+use super::decode::group::{Admit, Failed, PromptSender};
 use crate::bus::{Bus, Consumer, ConsumerOptions, Delivery, EntryId, SharedBus, Topology};
 use crate::model::InferBackend;
 use crate::model::PolicyConfig;
@@ -15,7 +15,6 @@ use crate::stages::StageError;
 use crate::weights::ModelSlot;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
-use std::sync::mpsc;
 use std::time::{Duration, Instant};
 use tokio::sync::Notify;
 
@@ -144,7 +143,7 @@ impl PromptReader {
     /// consumer stops holding them) and those the model failed on (dead-lettered here).
     pub async fn run(
         mut self,
-        admit: mpsc::Sender<ToDecoder>,
+        admit: PromptSender,
         mut settled: tokio::sync::mpsc::UnboundedReceiver<Settled>,
     ) -> Result<(), StageError> {
         let mut backoff = Duration::from_millis(100);
@@ -185,12 +184,12 @@ impl PromptReader {
                 self.shared.in_flight.fetch_add(1, Ordering::Relaxed);
                 self.backlog += 1;
                 handed = true;
-                if admit.send(ToDecoder::Prompt(Box::new(a))).is_err() {
+                if admit.prompt(a).is_err() {
                     return Ok(());
                 }
             }
             // An idle decoder waits for this before its first forward pass.
-            if handed && admit.send(ToDecoder::ReadEnd).is_err() {
+            if handed && admit.read_end().is_err() {
                 return Ok(());
             }
         }

@@ -3,7 +3,7 @@
 //! dead-lettered), freeing its room in the in-flight bound.
 
 use super::GenSummary;
-use super::decode::{Decoded, Finished};
+use super::decode::group::{Decoded, Finished};
 use super::reader::Settled;
 use crate::bus::{EntryId, SharedBus, Topology};
 use crate::roles::Stream;

@@ -27,9 +27,8 @@ pub mod episodes;
 pub mod recorded;
 mod stream;
 
-use super::calls::{Call, CallEvent};
+use super::decode::calls::{Call, CallEvent, CallSender};
 use super::config::capped_top_k;
-use super::decode::ToDecoder;
 use crate::bus::{SharedBus, Topology};
 use crate::model::chat::ChatTemplate;
 use crate::model::sampler::Completion;
@@ -111,7 +110,7 @@ pub fn read_key(file: Option<&std::path::Path>) -> Result<Option<String>, StageE
 
 struct Server {
     setup: Setup,
-    admit: std::sync::mpsc::Sender<ToDecoder>,
+    calls: CallSender,
     permits: Arc<Semaphore>,
     episodes: Arc<Episodes>,
     /// Requests so far (response ids, and the seeds of requests that give none).
@@ -122,7 +121,7 @@ struct Server {
 /// Binds `setup.addr` and serves until the returned task is aborted; the address bound.
 pub async fn start(
     setup: Setup,
-    admit: std::sync::mpsc::Sender<ToDecoder>,
+    calls: CallSender,
 ) -> Result<(SocketAddr, tokio::task::JoinHandle<()>), StageError> {
     if setup.key.is_none() && !setup.addr.ip().is_loopback() {
         return Err(StageError::Other(format!(
@@ -153,7 +152,7 @@ pub async fn start(
         requests: AtomicU64::new(0),
         started: crate::schema::now_us() / 1_000_000,
         setup,
-        admit,
+        calls,
     });
     let app = Router::new()
         .route("/v1/models", get(models))
@@ -714,7 +713,7 @@ async fn serve(s: Arc<Server>, endpoint: Endpoint, headers: HeaderMap, body: Byt
         stop: p.sampling.stop.clone(),
         events: tx,
     };
-    if s.admit.send(ToDecoder::Call(Box::new(call))).is_err() {
+    if s.calls.send(call).is_err() {
         return refuse(&mut timer, stopped());
     }
     let mut gathered = Gathered::new(p.sampling.n);

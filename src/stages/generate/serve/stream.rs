@@ -4,7 +4,7 @@
 use super::api::{self, ApiError, Endpoint, Head, Tokens};
 use super::recorded::finish_reason;
 use super::{Gathered, Prepared, Server, Timer, stopped};
-use crate::stages::generate::calls::CallEvent;
+use crate::stages::generate::decode::calls::CallEvent;
 use axum::response::sse::Event;
 use serde_json::{Value, json};
 use std::collections::VecDeque;

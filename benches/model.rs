@@ -15,7 +15,7 @@ use burn::tensor::backend::AutodiffBackend;
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
 use rlstream::model::sampler::{Generator, Request};
-use rlstream::model::{Architecture, Kernels, Policy, PolicyConfig};
+use rlstream::model::{Architecture, Kernels, ModelConfig, Policy};
 use rlstream::schema::SamplingParams;
 use std::time::Duration;
 
@@ -25,15 +25,15 @@ const NEW_TOKENS: usize = 128;
 const TRAIN_LEN: usize = 64;
 
 /// The documented small config (~0.8M parameters), shared with benches/torch_baseline.py.
-fn bench_config() -> PolicyConfig {
-    PolicyConfig::new(Architecture::Llama, 128, 128, 384, 4, 4, 2, 32)
+fn bench_config() -> ModelConfig {
+    ModelConfig::new(Architecture::Llama, 128, 128, 384, 4, 4, 2, 32)
         .with_tie_embeddings(true)
         .with_max_position(512)
 }
 
 /// ~25M parameters, for the weight blob.
-fn big_config() -> PolicyConfig {
-    PolicyConfig::new(Architecture::Qwen2, 8192, 512, 1408, 7, 8, 8, 64).with_qkv_bias(true)
+fn big_config() -> ModelConfig {
+    ModelConfig::new(Architecture::Qwen2, 8192, 512, 1408, 7, 8, 8, 64).with_qkv_bias(true)
 }
 
 fn requests() -> Vec<Request> {

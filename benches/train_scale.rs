@@ -58,7 +58,7 @@ use rlstream::config::{PolicySettings, TrainConfig};
 use rlstream::model::hf::load_hf;
 use rlstream::model::sampler::{Generator, Request};
 use rlstream::model::tensors::WeightDtype;
-use rlstream::model::{Architecture, InferBackend, Kernels, Policy, PolicyConfig};
+use rlstream::model::{Architecture, InferBackend, Kernels, ModelConfig, Policy};
 use rlstream::schema::{
     self, FinishReason, Sample, SamplingParams, SchemaVersion, ScoredGroup, VersionRun,
 };
@@ -77,10 +77,10 @@ mod device;
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// (config, groups, samples per group, prompt tokens, completion tokens) of a size.
-fn shape(size: &str) -> (PolicyConfig, usize, usize, usize, usize) {
+fn shape(size: &str) -> (ModelConfig, usize, usize, usize, usize) {
     match size {
         "small" => (
-            PolicyConfig::new(Architecture::Llama, 128, 128, 384, 4, 4, 2, 32)
+            ModelConfig::new(Architecture::Llama, 128, 128, 384, 4, 4, 2, 32)
                 .with_tie_embeddings(true)
                 .with_max_position(512),
             4,
@@ -89,7 +89,7 @@ fn shape(size: &str) -> (PolicyConfig, usize, usize, usize, usize) {
             48,
         ),
         "0.5b" => (
-            PolicyConfig::new(Architecture::Qwen2, 151_936, 896, 4864, 24, 14, 2, 64)
+            ModelConfig::new(Architecture::Qwen2, 151_936, 896, 4864, 24, 14, 2, 64)
                 .with_qkv_bias(true)
                 .with_tie_embeddings(true)
                 .with_rope_theta(1_000_000.0)
@@ -462,7 +462,7 @@ fn invariance(rows: usize) {
 
 /// A decode step's products at the 0.5B shape (the attention and MLP layers and the tied
 /// head, `[out, in]` as a generation model holds them) on `rows` rows, with the weights in
-/// f32 and in bf16 ([`Kernels::decode_weight`] keeps bf16 values in 16 bits): best of 5
+/// f32 and in bf16 ([`WeightStorage::decode_weight`] keeps bf16 values in 16 bits): best of 5
 /// seconds, GFLOP/s and the weight bytes streamed per second.
 fn decode_products(rows: usize) {
     use burn::tensor::{Distribution, Tensor};
@@ -594,7 +594,7 @@ fn main() {
 #[cfg(feature = "mpi")]
 mod ranks {
     use super::{ScoredGroup, Trainer, batch, lora_settings, peak_rss_mb, size_of};
-    use rlstream::collective::{self, Collective, Mpi, Solo, WireDtype};
+    use rlstream::collective::{self, Collective, Mpi, ReduceDtype, Solo};
     use std::path::Path;
     use std::time::Instant;
 
@@ -692,7 +692,7 @@ mod ranks {
             c.world(),
             values * 4
         );
-        for dtype in [WireDtype::F32, WireDtype::Bf16] {
+        for dtype in [ReduceDtype::F32, ReduceDtype::Bf16] {
             let mut best = f64::MAX;
             for _ in 0..3 {
                 let mut pieces = vec![vec![mine; values]];

@@ -16,11 +16,11 @@
 use flate2::Compression;
 use flate2::write::DeflateEncoder;
 use rlstream::model::sampler::{Generator, Request};
-use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
+use rlstream::model::{Architecture, InferBackend, ModelConfig, Policy};
 use rlstream::schema::{
     self, CsrMask, RolloutGroup, Sample, SamplingMask, SamplingParams, SchemaVersion,
 };
-use rlstream::stages::generate::GenConfig;
+use rlstream::stages::generator::GenConfig;
 use serde::Serialize;
 use std::io::Write;
 use std::time::Instant;
@@ -294,7 +294,7 @@ fn main() {
         .skip(1)
         .find(|a| !a.starts_with('-'))
         .unwrap_or_else(|| "benches/results/wire_bytes.json".into());
-    let cfg = PolicyConfig::new(Architecture::Qwen2, VOCAB, 64, 192, 2, 4, 2, 16);
+    let cfg = ModelConfig::new(Architecture::Qwen2, VOCAB, 64, 192, 2, 4, 2, 16);
     let model = Policy::<InferBackend>::random(&cfg, 7, &Default::default()).expect("model");
     let mut rows = Vec::new();
     for case in &cases() {

@@ -13,7 +13,7 @@ use crate::tasks::BuiltinTask;
 use std::path::{Path, PathBuf};
 
 pub use crate::stages::feed::{FeedArgs, FeedConfig};
-pub use crate::stages::generate::{GenArgs, GenConfig};
+pub use crate::stages::generator::{GenArgs, GenConfig};
 pub use crate::stages::policy::{PolicyArgs, PolicySettings};
 pub use crate::stages::score::{ScoreArgs, ScoreConfig};
 pub use crate::stages::train::{TrainArgs, TrainConfig};

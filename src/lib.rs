@@ -13,9 +13,10 @@
 //!   tool, environment processes speaking JSON lines) and playing them to the end.
 //! - [`child`]: a child process speaking JSON lines (external scorers, environment
 //!   processes).
-//! - [`stages`]: `feed`, `gen`, `score`, `train`, each `run(config, bus, topology, shutdown)`.
+//! - [`stages`]: `feed`, `gen`, `score`, `train`, each `run(job, ctx)` with a
+//!   [`stages::StageContext`] (bus, topology, role, shutdown).
 //! - [`collective`]: all-reduce, broadcast and all-gather among data-parallel trainer
-//!   ranks (MPI behind the `mpi` feature).
+//!   ranks (MPI behind the `mpi` feature, NCCL behind `cuda`).
 //! - [`weights`]: weight publication and the generator's follower.
 //! - [`config`]: the config file / environment / flag precedence.
 //! - [`metrics`]: every metric name and the Prometheus exporter.

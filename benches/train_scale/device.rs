@@ -82,7 +82,7 @@ pub fn measure(dir: &Path) {
 /// itself, as the trainer's all-reduce does; the time and whether the values came back.
 #[cfg(feature = "cuda")]
 pub fn nccl(values: usize) {
-    use rlstream::collective::{Collective, Nccl, WireDtype};
+    use rlstream::collective::{Collective, Nccl, ReduceDtype};
     use std::time::{Duration, Instant};
     let t = Instant::now();
     let id = Nccl::new_id().expect("an NCCL id");
@@ -90,9 +90,9 @@ pub fn nccl(values: usize) {
     let join_s = t.elapsed().as_secs_f64();
     let mut buf: Vec<f32> = (0..values).map(|i| (i % 1000) as f32 * 0.5).collect();
     let want = buf.clone();
-    c.all_reduce_sum("the check's all-reduce", &mut buf, WireDtype::F32);
+    c.all_reduce_sum("the check's all-reduce", &mut buf, ReduceDtype::F32);
     let t = Instant::now();
-    c.all_reduce_sum("the check's all-reduce", &mut buf, WireDtype::F32);
+    c.all_reduce_sum("the check's all-reduce", &mut buf, ReduceDtype::F32);
     let secs = t.elapsed().as_secs_f64();
     let same = buf == want;
     println!(

@@ -146,13 +146,13 @@ pub async fn plain_connect(
 
 /// Joins the trainer ranks this process is one of (`mpirun -n N`, or NCCL ranks from
 /// `--world`/`--rank` or a launcher's environment; see [`crate::collective::plan`]). Rank 0
-/// gets `false` and runs its command, the ranks installed for its trainer stage; any other
-/// rank follows rank 0's trainer (comparing its settings, `own`, with rank 0's when it has
-/// them) and gets `true` once rank 0 stops. A process alone gets `false`.
+/// gets the ranks its trainer stage leads and runs its command (a process alone gets one
+/// rank, itself); any other rank follows rank 0's trainer (comparing its settings, `own`,
+/// with rank 0's when it has them) and gets `None` once rank 0 stops.
 pub async fn join_ranks(
     cfg: &Config,
     own: Option<&crate::stages::train::TrainerSettings>,
-) -> anyhow::Result<bool> {
+) -> anyhow::Result<Option<Box<dyn crate::collective::Collective>>> {
     // `run` takes its settings from rank 0 (`own` is `None`) and may pick a fresh namespace:
     // its ranks meet only through mpirun.
     let nccl_allowed = own.is_some();
@@ -162,11 +162,16 @@ pub async fn join_ranks(
     let plan = collective::plan(t.collective, t.world, t.rank, rendezvous, |v| {
         std::env::var(v).ok()
     })?;
+    let alone = || {
+        Ok(Some(
+            Box::new(collective::Solo::default()) as Box<dyn collective::Collective>
+        ))
+    };
     let c = match plan {
-        Plan::Alone => return Ok(false),
+        Plan::Alone => return alone(),
         Plan::Mpi => match collective::join_mpi()? {
             Some(c) => c,
-            None => return Ok(false),
+            None => return alone(),
         },
         Plan::Nccl(_) if !nccl_allowed => anyhow::bail!(
             "`rlstream run` runs trainer ranks under mpirun only (a build with --features mpi); \
@@ -192,8 +197,7 @@ pub async fn join_ranks(
         );
     }
     if c.rank() == 0 {
-        crate::collective::install(c);
-        return Ok(false);
+        return Ok(Some(c));
     }
     // rank 0 alone answers signals: it checkpoints and then tells the others to stop.
     tokio::spawn(async {
@@ -203,5 +207,5 @@ pub async fn join_ranks(
         }
     });
     tokio::task::block_in_place(|| crate::stages::train::follow(c, own))?;
-    Ok(true)
+    Ok(None)
 }

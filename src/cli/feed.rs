@@ -3,6 +3,7 @@
 use super::common::{StageArgs, connect, shutdown_signal};
 use crate::config::{Config, FeedArgs};
 use crate::roles::{Stage, Stream};
+use crate::stages::StageContext;
 use anyhow::Result;
 
 #[derive(clap::Args)]
@@ -23,7 +24,11 @@ impl FeedCommand {
         let cfg = self.config(std::env::vars())?;
         cfg.validate()?;
         let (topo, bus) = connect(&cfg, Stage::Feed).await?;
-        let s = crate::stages::feed::run(&cfg.feed, bus, &topo, shutdown_signal()).await?;
+        let s = crate::stages::feed::run(
+            &cfg.feed,
+            StageContext::new((Stage::Feed, "feed"), bus, &topo, shutdown_signal()),
+        )
+        .await?;
         let skipped = match s.skipped {
             0 => String::new(),
             n => format!(" ({n} bad dataset rows skipped: listed above)"),

@@ -99,9 +99,9 @@ impl RunCommand {
         let cfg = self.config(std::env::vars())?;
         cfg.validate()?;
         // Under `mpirun -n N`, rank 0 runs the pipeline and the others are its trainer ranks.
-        if super::common::join_ranks(&cfg, None).await? {
+        let Some(ranks) = super::common::join_ranks(&cfg, None).await? else {
             return Ok(());
-        }
+        };
         serve_metrics(&cfg)?;
         let mut topo = topology(&cfg)?;
         let bus: SharedBus = match &cfg.redis {
@@ -159,7 +159,7 @@ impl RunCommand {
             );
         }
         eprintln!("run directory {}", opts.out.display());
-        let outcome = run::run(&opts, cfg, bus, topo, shutdown_signal()).await?;
+        let outcome = run::run(&opts, cfg, bus, topo, ranks, shutdown_signal()).await?;
         println!("{}", outcome.summary.paragraph());
         println!(
             "learning curve: {}\nper-step metrics: {} and {}\nsummary: {}",

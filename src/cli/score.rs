@@ -3,6 +3,7 @@
 use super::common::{StageArgs, connect, shutdown_signal};
 use crate::config::{Config, ScoreArgs};
 use crate::roles::Stage;
+use crate::stages::StageContext;
 use anyhow::Result;
 
 #[derive(clap::Args)]
@@ -23,7 +24,16 @@ impl ScoreCommand {
         let cfg = self.config(std::env::vars())?;
         cfg.validate()?;
         let (topo, bus) = connect(&cfg, Stage::Score).await?;
-        let s = crate::stages::score::run(&cfg.score, bus, &topo, shutdown_signal()).await?;
+        let s = crate::stages::score::run(
+            &cfg.score,
+            StageContext::new(
+                (Stage::Score, &cfg.score.name),
+                bus,
+                &topo,
+                shutdown_signal(),
+            ),
+        )
+        .await?;
         let mean = if s.samples > 0 {
             s.reward_sum / s.samples as f64
         } else {

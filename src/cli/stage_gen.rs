@@ -3,7 +3,8 @@
 use super::common::{StageArgs, connect, shutdown_signal};
 use crate::config::{Config, GenArgs, PolicyArgs, WeightsArgs};
 use crate::roles::Stage;
-use crate::stages::generate as gen_stage;
+use crate::stages::StageContext;
+use crate::stages::generator as gen_stage;
 use crate::weights::Transport;
 use anyhow::{Result, bail};
 
@@ -46,16 +47,14 @@ impl GenCommand {
         }
         let (topo, bus) = connect(&cfg, Stage::Gen).await?;
         let slot = gen_stage::initial_slot(&dir, cfg.generator.adapter.as_deref())?;
-        let s = gen_stage::run(
-            &cfg.policy,
-            &cfg.generator,
-            bus,
-            &topo,
+        let job = gen_stage::GenJob {
+            policy: &cfg.policy,
+            cfg: &cfg.generator,
             slot,
-            Transport::Store(cfg.weights.clone()),
-            shutdown_signal(),
-        )
-        .await?;
+            transport: Transport::Store(cfg.weights.clone()),
+        };
+        let role = (Stage::Gen, cfg.generator.name.as_str());
+        let s = gen_stage::run(job, StageContext::new(role, bus, &topo, shutdown_signal())).await?;
         println!(
             "generated {} groups, {} tokens; {} weight swaps, final version {}",
             s.groups, s.tokens, s.decode.swaps, s.final_version

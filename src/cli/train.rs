@@ -3,7 +3,8 @@
 use super::common::{StageArgs, connect, join_ranks, shutdown_signal};
 use crate::config::{Config, PolicyArgs, TrainArgs, WeightsArgs};
 use crate::roles::Stage;
-use crate::stages::train::{self, TrainerSettings};
+use crate::stages::StageContext;
+use crate::stages::train::{self, TrainJob, TrainerSettings};
 use crate::weights::Transport;
 use anyhow::Result;
 
@@ -39,19 +40,16 @@ impl TrainCommand {
             policy: cfg.policy.clone(),
             train: cfg.train.clone(),
         };
-        if join_ranks(&cfg, Some(&settings)).await? {
+        let Some(ranks) = join_ranks(&cfg, Some(&settings)).await? else {
             return Ok(());
-        }
+        };
         let (topo, bus) = connect(&cfg, Stage::Train).await?;
-        let s = train::run(
-            &settings,
-            bus,
-            &topo,
-            Transport::Store(cfg.weights.clone()),
-            shutdown_signal(),
-            |_| {},
-        )
-        .await?;
+        let job = TrainJob::new(&settings)
+            .transport(Transport::Store(cfg.weights.clone()))
+            .ranks(ranks);
+        let role = (Stage::Train, cfg.train.name.as_str());
+        let ctx = StageContext::new(role, bus, &topo, shutdown_signal());
+        let s = train::run(job, ctx).await?;
         let first = s.history.first().map_or(0.0, |h| h.reward_mean);
         let last = s.history.last().map_or(0.0, |h| h.reward_mean);
         println!(

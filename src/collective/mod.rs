@@ -5,6 +5,11 @@
 //! - [`Solo`]: one rank, every call a no-op; the trainer without `mpirun`.
 //! - `Mpi` (feature `mpi`): Open MPI or MPICH through the `mpi` crate, ranks taken from the
 //!   MPI world that `mpirun -n N rlstream train …` (or `srun`) starts.
+//! - `Nccl` (feature `cuda`): NCCL through `cudarc` on the GPUs, ranks from `--world` and
+//!   `--rank` or a launcher's environment, meeting through Redis ([`rendezvous`]).
+//!
+//! The command line joins the ranks and hands rank 0's trainer stage its [`Collective`]
+//! (`stages::train::TrainJob::ranks`); the other ranks follow rank 0.
 //!
 //! A collective that misses its deadline cannot be cancelled (MPI has no way to take back
 //! a collective that another rank may be inside): the rank that sees it asks every other
@@ -30,11 +35,11 @@ use std::time::Duration;
 /// the bytes; each partial sum rounded to bf16).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
-pub enum WireDtype {
+pub enum ReduceDtype {
     F32,
     Bf16,
 }
-crate::enum_setting!(WireDtype);
+crate::enum_setting!(ReduceDtype);
 
 /// Which collective library trainer ranks use.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -195,7 +200,7 @@ pub trait Collective: Send + Sync {
     fn set_timeout(&mut self, timeout: Duration);
     /// Replaces `buf` by its sum over the ranks, carried as `dtype`. `what` names the call
     /// in errors ("the all-reduce of step 7's gradients").
-    fn all_reduce_sum(&mut self, what: &str, buf: &mut [f32], dtype: WireDtype);
+    fn all_reduce_sum(&mut self, what: &str, buf: &mut [f32], dtype: ReduceDtype);
     /// Replaces `bytes` on every rank by rank `root`'s.
     fn broadcast(&mut self, what: &str, root: usize, bytes: &mut Vec<u8>);
     /// Every rank's `bytes`, in rank order.
@@ -222,8 +227,8 @@ impl Collective for Solo {
     fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
     }
-    fn all_reduce_sum(&mut self, _: &str, buf: &mut [f32], dtype: WireDtype) {
-        if dtype == WireDtype::Bf16 {
+    fn all_reduce_sum(&mut self, _: &str, buf: &mut [f32], dtype: ReduceDtype) {
+        if dtype == ReduceDtype::Bf16 {
             for x in buf {
                 *x = half::bf16::from_f32(*x).to_f32();
             }
@@ -234,27 +239,6 @@ impl Collective for Solo {
         vec![bytes.to_vec()]
     }
     fn barrier(&mut self, _: &str) {}
-}
-
-/// The ranks the command line joined, for the trainer stage to take: MPI's world is one
-/// per process, as this slot is.
-static INSTALLED: std::sync::Mutex<Option<Box<dyn Collective>>> = std::sync::Mutex::new(None);
-
-/// Hands `c` to the next trainer stage this process runs (rank 0 of `mpirun … rlstream
-/// train` or `run`).
-pub fn install(c: Box<dyn Collective>) {
-    *INSTALLED
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner) = Some(c);
-}
-
-/// The ranks [`install`]ed, or one rank alone.
-pub fn take_installed() -> Box<dyn Collective> {
-    INSTALLED
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .take()
-        .unwrap_or_else(|| Box::new(Solo::default()))
 }
 
 /// Joins the MPI world the launcher started: `None` when it holds one rank.
@@ -325,7 +309,7 @@ pub fn all_reduce_pieces(
     c: &mut dyn Collective,
     what: &str,
     pieces: &mut [Vec<f32>],
-    dtype: WireDtype,
+    dtype: ReduceDtype,
     bucket_values: usize,
 ) {
     let cap = bucket_values.max(1);
@@ -368,7 +352,7 @@ impl Bucket {
         c: &mut dyn Collective,
         what: &str,
         pieces: &mut [Vec<f32>],
-        dtype: WireDtype,
+        dtype: ReduceDtype,
     ) {
         self.sent += 1;
         c.all_reduce_sum(
@@ -474,10 +458,10 @@ mod tests {
         let mut c = Solo::default();
         let mut pieces = vec![vec![1.0, 2.0, 3.0], vec![], vec![4.0; 7], vec![5.0]];
         let before = pieces.clone();
-        all_reduce_pieces(&mut c, "test", &mut pieces, WireDtype::F32, 4);
+        all_reduce_pieces(&mut c, "test", &mut pieces, ReduceDtype::F32, 4);
         assert_eq!(pieces, before);
         let mut pieces = vec![vec![1.0 + 1e-3]];
-        all_reduce_pieces(&mut c, "test", &mut pieces, WireDtype::Bf16, 4);
+        all_reduce_pieces(&mut c, "test", &mut pieces, ReduceDtype::Bf16, 4);
         assert_eq!(pieces, vec![vec![1.0]], "bf16 on the wire rounds");
     }
 }

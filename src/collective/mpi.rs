@@ -11,7 +11,7 @@
 //! do not answer within a few seconds are named, and the job is ended with `MPI_Abort`
 //! (a collective another rank may be inside cannot be cancelled).
 
-use super::{Collective, CollectiveError, WireDtype};
+use super::{Collective, CollectiveError, ReduceDtype};
 use mpi::collective::{SystemOperation, UnsafeUserOperation};
 use mpi::datatype::PartitionMut;
 use mpi::ffi::MPI_Datatype;
@@ -212,9 +212,9 @@ impl Collective for Mpi {
         self.timeout = timeout;
     }
 
-    fn all_reduce_sum(&mut self, what: &str, buf: &mut [f32], dtype: WireDtype) {
+    fn all_reduce_sum(&mut self, what: &str, buf: &mut [f32], dtype: ReduceDtype) {
         match dtype {
-            WireDtype::F32 => {
+            ReduceDtype::F32 => {
                 let send = buf.to_vec();
                 mpi::request::scope(|scope| {
                     let req = self.world.immediate_all_reduce_into(
@@ -226,7 +226,7 @@ impl Collective for Mpi {
                     self.wait(what, req);
                 });
             }
-            WireDtype::Bf16 => {
+            ReduceDtype::Bf16 => {
                 let send: Vec<u16> = buf
                     .iter()
                     .map(|&x| half::bf16::from_f32(x).to_bits())

@@ -8,7 +8,7 @@
 //! lost or stopped and exits (every rank has the same deadline, so all stop); the
 //! launcher's log names a rank that died. Nothing is lost: restart every rank.
 
-use super::{Collective, CollectiveError, WireDtype};
+use super::{Collective, CollectiveError, ReduceDtype};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp};
 use std::sync::Arc;
@@ -212,10 +212,10 @@ impl Collective for Nccl {
         self.timeout = timeout;
     }
 
-    fn all_reduce_sum(&mut self, what: &str, buf: &mut [f32], dtype: WireDtype) {
+    fn all_reduce_sum(&mut self, what: &str, buf: &mut [f32], dtype: ReduceDtype) {
         match dtype {
-            WireDtype::F32 => self.sum(what, buf),
-            WireDtype::Bf16 => {
+            ReduceDtype::F32 => self.sum(what, buf),
+            ReduceDtype::Bf16 => {
                 let mut half: Vec<half::bf16> =
                     buf.iter().map(|&x| half::bf16::from_f32(x)).collect();
                 self.sum(what, &mut half);

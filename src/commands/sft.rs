@@ -6,7 +6,7 @@ use crate::commands::eval::{self, EvalSet};
 use crate::env::{calc, guess};
 use crate::model::logprobs::{ScoredSeq, completion_logprobs};
 use crate::model::tokenizer::{CharTokenizer, Tokenizer};
-use crate::model::{Architecture, InferBackend, ModelError, Policy, PolicyConfig, TrainBackend};
+use crate::model::{Architecture, InferBackend, ModelConfig, ModelError, Policy, TrainBackend};
 use crate::tasks::{self, BuiltinTask};
 use burn::module::AutodiffModule;
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};
@@ -65,14 +65,14 @@ pub const TASK_TOP_K: usize = 2;
 /// `experts` > 0 Qwen3-MoE-shaped, every layer routing each token to [`TASK_TOP_K`]
 /// experts of width `hidden` (so that two of them hold two thirds of the dense MLP's
 /// weights).
-pub fn task_config(hidden: usize, layers: usize, experts: usize) -> PolicyConfig {
+pub fn task_config(hidden: usize, layers: usize, experts: usize) -> ModelConfig {
     let vocab = tasks::char_tokenizer().vocab_size();
     let arch = if experts > 0 {
         Architecture::Qwen3Moe
     } else {
         Architecture::Qwen2
     };
-    PolicyConfig::new(arch, vocab, hidden, hidden * 3, layers, 4, 2, hidden / 4)
+    ModelConfig::new(arch, vocab, hidden, hidden * 3, layers, 4, 2, hidden / 4)
         .with_qkv_bias(experts == 0)
         .with_qk_norm(experts > 0)
         .with_moe((experts > 0).then(|| crate::model::MoeConfig::new(experts, TASK_TOP_K, hidden)))

@@ -164,7 +164,7 @@ impl Llama3Rope {
 
 /// Shape and numerics of the policy decoder.
 #[derive(Config, Debug, PartialEq)]
-pub struct PolicyConfig {
+pub struct ModelConfig {
     pub architecture: Architecture,
     pub vocab_size: usize,
     /// Width of the residual stream.
@@ -207,7 +207,7 @@ pub struct PolicyConfig {
     pub moe: Option<MoeConfig>,
 }
 
-impl PolicyConfig {
+impl ModelConfig {
     /// What messages run on this model must fit: its vocabulary and context.
     pub fn limits(&self) -> crate::schema::Limits {
         crate::schema::Limits {
@@ -219,7 +219,7 @@ impl PolicyConfig {
 
     /// A small config for built-in tasks and tests.
     pub fn tiny(architecture: Architecture, vocab_size: usize) -> Self {
-        PolicyConfig::new(architecture, vocab_size, 64, 128, 2, 4, 2, 16)
+        ModelConfig::new(architecture, vocab_size, 64, 128, 2, 4, 2, 16)
             .with_qkv_bias(architecture == Architecture::Qwen2)
             .with_max_position(512)
     }
@@ -380,7 +380,7 @@ impl PolicyConfig {
         self.to_hf_json_as("float32")
     }
 
-    /// [`PolicyConfig::to_hf_json`] with `torch_dtype` set to `torch_dtype`.
+    /// [`ModelConfig::to_hf_json`] with `torch_dtype` set to `torch_dtype`.
     pub fn to_hf_json_as(&self, torch_dtype: &str) -> String {
         let mut v = serde_json::json!({
             "architectures": [self.architecture.hf_name()],
@@ -515,7 +515,7 @@ fn token_id(v: &Option<serde_json::Value>) -> Option<u32> {
 }
 
 impl HfConfig {
-    fn into_policy(self) -> Result<PolicyConfig, ModelError> {
+    fn into_policy(self) -> Result<ModelConfig, ModelError> {
         let arch = self.architecture()?;
         if !arch.is_moe() && self.num_experts.is_some_and(|n| n > 0) {
             return Err(ModelError::Unsupported(format!(
@@ -541,7 +541,7 @@ impl HfConfig {
         let head_dim = self
             .head_dim
             .unwrap_or(self.hidden_size / self.num_attention_heads);
-        let cfg = PolicyConfig {
+        let cfg = ModelConfig {
             architecture: arch,
             vocab_size: self.vocab_size,
             hidden_size: self.hidden_size,

@@ -5,7 +5,7 @@
 //! written here loads in `transformers` and the other way round. The same named tensors,
 //! serialised as one safetensors buffer, are the weight blob the trainer publishes.
 
-use super::config::{MoeConfig, PolicyConfig};
+use super::config::{ModelConfig, MoeConfig};
 use super::layers::Mlp;
 use super::llama::{Assembler, Attention, Block, Policy};
 use super::moe::Moe;
@@ -20,7 +20,7 @@ use std::collections::HashMap;
 use std::path::Path;
 
 /// Every tensor a policy of this config has, with its HF name and shape.
-pub fn expected_tensors(cfg: &PolicyConfig) -> Vec<(String, Vec<usize>)> {
+pub fn expected_tensors(cfg: &ModelConfig) -> Vec<(String, Vec<usize>)> {
     let (d, hd, ff) = (cfg.hidden_size, cfg.head_dim, cfg.intermediate_size);
     let (q_out, kv_out) = (cfg.num_heads * hd, cfg.num_kv_heads * hd);
     let mut out = vec![(
@@ -74,7 +74,7 @@ impl<B: Kernels> Policy<B> {
     /// Builds the policy from named tensors, checking every name and shape. The tensors
     /// are copied; [`Policy::from_owned_tensors`] moves them instead.
     pub fn from_tensors(
-        cfg: &PolicyConfig,
+        cfg: &ModelConfig,
         tensors: &TensorMap,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
@@ -85,7 +85,7 @@ impl<B: Kernels> Policy<B> {
     /// without a copy (linear weights are transposed one at a time), so building the model
     /// needs no second copy of the weights.
     pub fn from_owned_tensors(
-        cfg: &PolicyConfig,
+        cfg: &ModelConfig,
         tensors: TensorMap,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
@@ -98,7 +98,7 @@ impl<B: Kernels> Policy<B> {
     }
 
     fn assemble<'a>(
-        cfg: &PolicyConfig,
+        cfg: &ModelConfig,
         take: impl Fn(&str) -> Option<Cow<'a, HostTensor>>,
         device: &B::Device,
     ) -> Result<Self, ModelError> {
@@ -132,7 +132,7 @@ impl<B: Kernels> Policy<B> {
 
     /// A randomly initialised policy (normal(0, 0.02) weights, unit norms, zero biases),
     /// reproducible from `seed`.
-    pub fn random(cfg: &PolicyConfig, seed: u64, device: &B::Device) -> Result<Self, ModelError> {
+    pub fn random(cfg: &ModelConfig, seed: u64, device: &B::Device) -> Result<Self, ModelError> {
         use rand::{Rng, SeedableRng};
         let mut rng = rand::rngs::StdRng::seed_from_u64(seed);
         let mut tensors = TensorMap::new();
@@ -158,7 +158,7 @@ impl<B: Kernels> Policy<B> {
 
     /// A fresh policy from a weight blob; the running model is not touched.
     pub fn from_bytes(
-        cfg: &PolicyConfig,
+        cfg: &ModelConfig,
         bytes: &[u8],
         device: &B::Device,
     ) -> Result<Self, ModelError> {
@@ -205,7 +205,7 @@ impl<B: Kernels> Policy<B> {
 struct Loader<'a, 'd, B: Kernels, F> {
     /// Where the tensors `take` hands out live (borrowed from a map, or owned).
     source: std::marker::PhantomData<Cow<'a, HostTensor>>,
-    cfg: &'d PolicyConfig,
+    cfg: &'d ModelConfig,
     shapes: HashMap<String, Vec<usize>>,
     take: F,
     device: &'d B::Device,
@@ -240,7 +240,7 @@ where
     }
 
     /// A linear weight: HF stores `[out, in]`, burn's `Linear` wants `[in, out]`. A model
-    /// built for generation takes the backend's [`Kernels::decode_weight`] (the stored order
+    /// built for generation takes the backend's [`WeightStorage::decode_weight`] (the stored order
     /// read as a transposed view, bf16 values in 16 bits on the CPU); otherwise the weight is
     /// transposed on the host so the parameter is contiguous (the backward's products read
     /// it row-major).
@@ -378,7 +378,7 @@ pub fn load_hf<B: Kernels>(dir: &Path, device: &B::Device) -> Result<Policy<B>, 
         ),
         _ => ModelError::io(&config_path, e),
     })?;
-    let cfg = PolicyConfig::from_hf_json(&text)?;
+    let cfg = ModelConfig::from_hf_json(&text)?;
     let mut tensors = read_hf_tensors(dir)?;
     unfuse_experts(&mut tensors)?;
     Policy::from_owned_tensors(&cfg, tensors, device)
@@ -449,7 +449,7 @@ pub fn unfuse_experts(tensors: &mut TensorMap) -> Result<(), ModelError> {
 /// The ids that end a completion: `config.json`'s `eos_token_id` and every id of
 /// `generation_config.json`'s (a chat model lists its end-of-turn token there, e.g. Qwen3's
 /// `<|im_end|>` and `<|endoftext|>`). A missing or unreadable generation config adds none.
-pub fn stop_tokens(dir: &Path, cfg: &PolicyConfig) -> Vec<u32> {
+pub fn stop_tokens(dir: &Path, cfg: &ModelConfig) -> Vec<u32> {
     let mut ids: Vec<u32> = cfg.eos_token_id.into_iter().collect();
     let generation = std::fs::read_to_string(dir.join("generation_config.json"))
         .ok()
@@ -512,11 +512,11 @@ pub fn read_hf_tensors(dir: &Path) -> Result<TensorMap, ModelError> {
 mod tests {
     use super::*;
     use crate::model::config::Architecture;
-    use crate::model::kernels::HfValues;
+    use crate::model::storage::HfValues;
     use burn::backend::NdArray;
 
     fn tiny() -> Policy<NdArray> {
-        let cfg = PolicyConfig::tiny(Architecture::Qwen2, 50).with_qkv_bias(true);
+        let cfg = ModelConfig::tiny(Architecture::Qwen2, 50).with_qkv_bias(true);
         Policy::random(&cfg, 3, &Default::default()).expect("random policy")
     }
 
@@ -646,7 +646,7 @@ mod tests {
     /// and the few-row and general products of a layer agree.
     #[test]
     fn generation_models_keep_linear_weights_as_checkpoints_store_them() {
-        let cfg = PolicyConfig::tiny(Architecture::Qwen2, 40);
+        let cfg = ModelConfig::tiny(Architecture::Qwen2, 40);
         let generation = Policy::<NdArray>::random(&cfg, 1, &Default::default()).expect("policy");
         let trainer =
             Policy::<burn::backend::Autodiff<NdArray>>::random(&cfg, 1, &Default::default())

@@ -6,7 +6,7 @@
 //! the cache). Each row carries its own positions, so rows of different lengths share a
 //! batch: the cache is left-aligned per row and masked before each row's start.
 
-use super::config::PolicyConfig;
+use super::config::ModelConfig;
 use super::kernels::{Kernels, MASKED};
 use super::layers::{BlockLora, Lora, Mlp, adapted, native_linear, rms_norm};
 use super::moe::{Moe, Routes};
@@ -60,7 +60,7 @@ pub struct Policy<B: Backend> {
     rope_cos: Tensor<B, 2>,
     rope_sin: Tensor<B, 2>,
     #[module(skip)]
-    config: PolicyConfig,
+    config: ModelConfig,
 }
 
 /// Per-layer keys and values of the rows being decoded.
@@ -83,7 +83,7 @@ pub(crate) enum AttnMode<'a, B: Backend> {
     Cached(&'a mut KvCache<B>),
 }
 
-fn rope_tables<B: Backend>(cfg: &PolicyConfig, device: &B::Device) -> (Tensor<B, 2>, Tensor<B, 2>) {
+fn rope_tables<B: Backend>(cfg: &ModelConfig, device: &B::Device) -> (Tensor<B, 2>, Tensor<B, 2>) {
     let (hd, n) = (cfg.head_dim, cfg.max_position);
     let half = hd / 2;
     let mut cos = Vec::with_capacity(n * hd);
@@ -168,7 +168,7 @@ impl<B: Kernels> Attention<B> {
 }
 
 impl<B: Backend> Policy<B> {
-    pub fn config(&self) -> &PolicyConfig {
+    pub fn config(&self) -> &ModelConfig {
         &self.config
     }
 
@@ -531,7 +531,7 @@ impl<'a, B: Backend> Assembler<'a, B> {
 
     pub fn attention(
         &self,
-        cfg: &PolicyConfig,
+        cfg: &ModelConfig,
         [q, k, v, o]: [Linear<B>; 4],
         qk_norm: Option<(RmsNorm<B>, RmsNorm<B>)>,
     ) -> Attention<B> {
@@ -551,7 +551,7 @@ impl<'a, B: Backend> Assembler<'a, B> {
 
     pub fn policy(
         &self,
-        cfg: &PolicyConfig,
+        cfg: &ModelConfig,
         embed: Tensor<B, 2>,
         blocks: Vec<Block<B>>,
         norm: RmsNorm<B>,
@@ -638,7 +638,7 @@ mod tests {
 
     #[test]
     fn cached_decode_matches_full_recompute_as_rows_join_and_leave() {
-        let cfg = PolicyConfig::tiny(Architecture::Llama, 50);
+        let cfg = ModelConfig::tiny(Architecture::Llama, 50);
         assert_eq!(
             (cfg.num_heads, cfg.num_kv_heads),
             (4, 2),

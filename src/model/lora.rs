@@ -166,7 +166,7 @@ impl LoraSpec {
     }
 
     /// The adapter's tensors by PEFT name with their shapes, for a model of `cfg`.
-    pub fn expected_tensors(&self, cfg: &super::PolicyConfig) -> Vec<(String, Vec<usize>)> {
+    pub fn expected_tensors(&self, cfg: &super::ModelConfig) -> Vec<(String, Vec<usize>)> {
         let mut out = Vec::new();
         for layer in 0..cfg.num_layers {
             for &t in &self.targets {
@@ -179,7 +179,7 @@ impl LoraSpec {
     }
 
     /// Adapter parameters of a model of `cfg`.
-    pub fn num_params(&self, cfg: &super::PolicyConfig) -> usize {
+    pub fn num_params(&self, cfg: &super::ModelConfig) -> usize {
         self.expected_tensors(cfg)
             .iter()
             .map(|(_, s)| s.iter().product::<usize>())
@@ -188,7 +188,7 @@ impl LoraSpec {
 }
 
 /// `(in, out)` of target `t` in a model of `cfg`.
-fn dims(cfg: &super::PolicyConfig, t: Target) -> (usize, usize) {
+fn dims(cfg: &super::ModelConfig, t: Target) -> (usize, usize) {
     let (d, ff) = (cfg.hidden_size, cfg.intermediate_size);
     let (q, kv) = (
         cfg.num_heads * cfg.head_dim,
@@ -381,8 +381,8 @@ impl<B: Backend> Policy<B> {
                 let delta = l.a.val().matmul(l.b.val()).mul_scalar(l.scale);
                 // Summed `[out, in]` and read back as the `[in, out]` view, so that a
                 // generation model's merged weight keeps the layout its decode steps
-                // stream (see `Kernels::decode_weight`).
-                let w = super::kernels::widened(linear.weight.val()).transpose();
+                // stream (see `WeightStorage::decode_weight`).
+                let w = super::storage::widened(linear.weight.val()).transpose();
                 let w = (w + delta.transpose()).transpose();
                 linear.weight = Param::initialized(linear.weight.id, w);
             }

@@ -4,9 +4,9 @@
 //! [`Hollow::fill`]), and copies one model's values into another's buffers
 //! ([`Policy::copy_values_into`]).
 
-use super::kernels::HfValues;
 use super::layers::Mlp;
 use super::llama::{Block, Policy};
+use super::storage::HfValues;
 use super::tensors::{HostTensor, TensorMap};
 use super::{Kernels, ModelError};
 use burn::module::{Module, ModuleMapper, Param, ParamId};

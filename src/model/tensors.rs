@@ -329,6 +329,13 @@ pub fn tensors_checksum(tensors: &TensorMap) -> String {
     format!("{:016x}", h.digest())
 }
 
+/// A tensor's values on the host as f32.
+pub fn host_f32(data: burn::tensor::TensorData) -> Result<Vec<f32>, crate::model::ModelError> {
+    data.convert::<f32>()
+        .into_vec::<f32>()
+        .map_err(|e| crate::model::ModelError::HostCopy(format!("{e:?}")))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -30,7 +30,7 @@ impl StoreKind {
 /// The dtype of published weights.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
-pub enum WireDtype {
+pub enum PublishDtype {
     /// The dtype of the starting checkpoint's `config.json` (`torch_dtype` / `dtype`): bf16
     /// for a bfloat16 model, f32 otherwise.
     Auto,
@@ -40,7 +40,7 @@ pub enum WireDtype {
     /// from the rounded values.
     Bf16,
 }
-crate::enum_setting!(WireDtype);
+crate::enum_setting!(PublishDtype);
 
 crate::settings! {
     /// The `[weights]` section, read by `gen`, `train` and `run`.
@@ -51,7 +51,7 @@ crate::settings! {
         #[arg(value_name = "DIR")]
         pub store_dir: Option<PathBuf> = None,
         /// Dtype of published weights: auto (the starting checkpoint's config.json dtype), f32 or bf16; the trainer's master weights stay f32.
-        pub wire_dtype: WireDtype = WireDtype::Auto,
+        pub wire_dtype: PublishDtype = PublishDtype::Auto,
         /// Publish versions as deltas (XOR against the previous version, zstd), with a full keyframe every --keyframe-every versions.
         #[arg(num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
         pub delta: bool = true,
@@ -88,9 +88,9 @@ impl WeightsConfig {
     /// The dtype versions are published in, for a trainer that started from `model_dir`.
     pub fn resolve_dtype(&self, model_dir: Option<&Path>) -> WeightDtype {
         match self.wire_dtype {
-            WireDtype::F32 => WeightDtype::F32,
-            WireDtype::Bf16 => WeightDtype::Bf16,
-            WireDtype::Auto => model_dir
+            PublishDtype::F32 => WeightDtype::F32,
+            PublishDtype::Bf16 => WeightDtype::Bf16,
+            PublishDtype::Auto => model_dir
                 .and_then(checkpoint_dtype)
                 .unwrap_or(WeightDtype::F32),
         }
@@ -133,7 +133,7 @@ mod tests {
             assert_eq!(c.resolve_dtype(Some(dir.path())), want, "{json}");
         }
         let forced = WeightsConfig {
-            wire_dtype: WireDtype::F32,
+            wire_dtype: PublishDtype::F32,
             ..WeightsConfig::default()
         };
         assert_eq!(forced.resolve_dtype(Some(dir.path())), WeightDtype::F32);

@@ -21,7 +21,7 @@ use super::transport::{Transport, announced_spec};
 use super::{BlobStore, DirStore, RedisStore, WeightsConfig, WeightsError, delta};
 use crate::bus::{EntryId, SharedBus, Topology};
 use crate::model::tensors::{TensorMap, safetensors_to_tensors, tensors_checksum};
-use crate::model::{ModelError, Policy, PolicyConfig};
+use crate::model::{ModelConfig, ModelError, Policy};
 use crate::roles::{Stage, Stream};
 use crate::schema::{self, WeightsAnnounce, WeightsKind};
 use burn::tensor::backend::Backend;
@@ -35,7 +35,7 @@ use std::time::{Duration, Instant};
 pub struct Follower<B: Backend> {
     bus: SharedBus,
     topo: Topology,
-    config: PolicyConfig,
+    config: ModelConfig,
     slot: ModelSlot<B>,
     last_id: EntryId,
     transport: Transport,
@@ -89,7 +89,7 @@ impl<B: crate::model::Kernels> Follower<B>
 where
     B::Device: Default,
 {
-    pub fn new(bus: SharedBus, topo: Topology, config: PolicyConfig, slot: ModelSlot<B>) -> Self {
+    pub fn new(bus: SharedBus, topo: Topology, config: ModelConfig, slot: ModelSlot<B>) -> Self {
         let version = slot.load().version;
         let base = slot.take_base().map(Arc::new);
         let redis = Arc::new(RedisStore {
@@ -667,7 +667,7 @@ where
         &mut self,
         version: u64,
         current: u64,
-        make: impl FnOnce(&PolicyConfig, &B::Device) -> Result<Policy<B>, ModelError> + Send + 'static,
+        make: impl FnOnce(&ModelConfig, &B::Device) -> Result<Policy<B>, ModelError> + Send + 'static,
     ) -> Result<Option<u64>, WeightsError> {
         let config = self.config.clone();
         let began = Instant::now();

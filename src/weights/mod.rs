@@ -41,7 +41,7 @@ mod slot;
 pub mod store;
 mod transport;
 
-pub use config::{StoreKind, WeightsArgs, WeightsConfig, WireDtype, checkpoint_dtype};
+pub use config::{PublishDtype, StoreKind, WeightsArgs, WeightsConfig, checkpoint_dtype};
 pub use fetch::{fetch, fetch_object, newest_announce};
 pub use follower::Follower;
 pub use format::{

@@ -11,8 +11,8 @@
 
 use super::delta::{self, DeltaError, Frames};
 use super::layout::{Layout, Placed};
-use crate::model::kernels::HfValues;
 use crate::model::params::HostParam;
+use crate::model::storage::HfValues;
 use crate::model::tensors::WeightDtype;
 use rayon::prelude::*;
 use std::collections::HashMap;

@@ -8,7 +8,7 @@
 
 use crate::common::{free_addr, interrupt, scrape, spawn};
 use bytes::Bytes;
-use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
+use rlstream::model::{Architecture, InferBackend, ModelConfig, Policy};
 use rlstream::schema::{self, RolloutGroup, SchemaVersion, examples};
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
@@ -158,7 +158,7 @@ async fn a_trainer_dead_letters_non_finite_rewards_and_trains_the_rest() {
     let dir = tempfile::tempdir().expect("tmp");
     let d = dir.path();
     let ns = crate::common::unique_ns("badtrain");
-    let cfg = PolicyConfig::tiny(Architecture::Llama, 32);
+    let cfg = ModelConfig::tiny(Architecture::Llama, 32);
     let model = Policy::<InferBackend>::random(&cfg, 4, &Default::default()).expect("model");
     let model_dir = d.join("model");
     model.save_hf(&model_dir).expect("save");

@@ -41,9 +41,16 @@ async fn a_sync_run_has_ratios_of_exactly_one() {
         display: DisplayMode::Quiet,
     };
     let bus: SharedBus = Arc::new(MemoryBus::new());
-    let outcome = run::run(&opts, cfg, bus, Topology::default(), std::future::pending())
-        .await
-        .unwrap();
+    let outcome = run::run(
+        &opts,
+        cfg,
+        bus,
+        Topology::default(),
+        Box::new(rlstream::collective::Solo::default()),
+        std::future::pending(),
+    )
+    .await
+    .unwrap();
     assert_eq!(outcome.rows.len(), 3);
     for row in &outcome.rows {
         let r = &row.record;

@@ -5,7 +5,7 @@ use rlstream::bus::{EntryId, RangeBound, RedisBus, SharedBus};
 use rlstream::config::{PolicySettings, TrainConfig};
 use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
 use rlstream::model::sampler::{Generator, Request};
-use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
+use rlstream::model::{Architecture, InferBackend, ModelConfig, Policy};
 use rlstream::schema::{
     self as schema_mod, Prompt, RolloutGroup, Sample, SamplingParams, SchemaVersion, ScoredGroup,
 };
@@ -635,7 +635,7 @@ pub fn warm_start(task: &str, out: &Path, steps: u32, extra: &[&str]) -> String 
 
 /// A random tiny Llama-shaped policy (vocabulary 32, seed `seed`), saved to `dir/model`.
 pub fn tiny_llama(dir: &Path, seed: u64) -> Policy<InferBackend> {
-    let cfg = PolicyConfig::tiny(Architecture::Llama, 32);
+    let cfg = ModelConfig::tiny(Architecture::Llama, 32);
     let model = Policy::<InferBackend>::random(&cfg, seed, &Default::default()).expect("model");
     model.save_hf(&dir.join("model")).expect("save");
     model
@@ -710,9 +710,9 @@ pub async fn pending(ns: &str, stream: &str, group: &str) -> HashSet<EntryId> {
 
 /// A tiny random Qwen3 in `dir` (2.5M parameters, almost all of them the 151,936-entry
 /// embedding) with the real Qwen3 tokenizer, chat template and generation config.
-pub fn tiny_qwen3(dir: &Path) -> rlstream::model::config::PolicyConfig {
-    use rlstream::model::config::{Architecture, PolicyConfig};
-    let cfg = PolicyConfig::new(Architecture::Qwen3, 151_936, 16, 32, 1, 2, 1, 8)
+pub fn tiny_qwen3(dir: &Path) -> rlstream::model::config::ModelConfig {
+    use rlstream::model::config::{Architecture, ModelConfig};
+    let cfg = ModelConfig::new(Architecture::Qwen3, 151_936, 16, 32, 1, 2, 1, 8)
         .with_qk_norm(true)
         .with_tie_embeddings(true)
         .with_max_position(512)
@@ -819,4 +819,28 @@ pub fn serve_gen(
         addr,
         metrics,
     }
+}
+
+/// The trainer stage alone (one rank) on `bus` until its steps or `shutdown`.
+pub async fn train_alone(
+    tc: &TrainerSettings,
+    (bus, topo): (SharedBus, &rlstream::bus::Topology),
+    transport: rlstream::weights::Transport,
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<rlstream::stages::train::TrainSummary, rlstream::stages::StageError> {
+    use rlstream::stages::{StageContext, train};
+    let job = train::TrainJob::new(tc).transport(transport);
+    let role = (rlstream::roles::Stage::Train, tc.train.name.as_str());
+    train::run(job, StageContext::new(role, bus, topo, shutdown)).await
+}
+
+/// The score stage on `bus` until `shutdown`.
+pub async fn score_until(
+    cfg: &rlstream::stages::score::ScoreConfig,
+    (bus, topo): (SharedBus, &rlstream::bus::Topology),
+    shutdown: impl std::future::Future<Output = ()> + Send,
+) -> Result<rlstream::stages::score::ScoreSummary, rlstream::stages::StageError> {
+    use rlstream::stages::StageContext;
+    let role = (rlstream::roles::Stage::Score, cfg.name.as_str());
+    rlstream::stages::score::run(cfg, StageContext::new(role, bus, topo, shutdown)).await
 }

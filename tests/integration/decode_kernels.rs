@@ -196,7 +196,7 @@ fn bf16_copy_samples_as_in_f32(what: &str, model: &Policy<InferBackend>) -> Poli
 fn a_bf16_checkpoint_generates_from_16_bit_weights_as_in_f32() {
     use burn::tensor::DType;
     use rlstream::model::tensors::WeightDtype;
-    use rlstream::model::{Architecture, PolicyConfig};
+    use rlstream::model::{Architecture, ModelConfig};
     for name in ["qwen2", "qwen3_moe", "llama"] {
         let model: Policy<InferBackend> =
             load_hf(&fixtures().join("models").join(name), &Default::default()).expect("load");
@@ -205,7 +205,7 @@ fn a_bf16_checkpoint_generates_from_16_bit_weights_as_in_f32() {
         assert_eq!(q.dtype(), DType::F32, "{name}: a small q_proj stays f32");
     }
     // 512 × 512 attention and 512 × 1024 MLP weights: at the 16-bit threshold and over it.
-    let cfg = PolicyConfig::new(Architecture::Qwen2, 96, 512, 1024, 2, 8, 2, 64)
+    let cfg = ModelConfig::new(Architecture::Qwen2, 96, 512, 1024, 2, 8, 2, 64)
         .with_qkv_bias(true)
         .with_max_position(256);
     let model = Policy::<InferBackend>::random(&cfg, 5, &Default::default()).expect("policy");

@@ -5,7 +5,7 @@
 use crate::common::{drop_namespace, read_logs, redis_url, run_ok, spawn, unique_ns};
 use burn::tensor::{Int, Tensor, TensorData};
 use rlstream::bus::{RangeBound, RedisBus};
-use rlstream::model::config::{Architecture, PolicyConfig};
+use rlstream::model::config::{Architecture, ModelConfig};
 use rlstream::model::tokenizer::{CharTokenizer, Tokenizer};
 use rlstream::model::{InferBackend, Policy};
 use rlstream::schema::{self, Floats, SchemaVersion, ScoredGroup};
@@ -14,21 +14,21 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 /// A random model over the built-in character vocabulary, saved with its tokenizer.
-fn char_model(dir: &Path, cfg: &PolicyConfig, seed: u64) {
+fn char_model(dir: &Path, cfg: &ModelConfig, seed: u64) {
     let model = Policy::<InferBackend>::random(cfg, seed, &Default::default()).expect("model");
     model.save_hf(dir).expect("save");
     Tokenizer::save_char(&rlstream::tasks::char_tokenizer(), dir).expect("tokenizer");
 }
 
-fn student_config() -> PolicyConfig {
+fn student_config() -> ModelConfig {
     let vocab = rlstream::tasks::char_tokenizer().vocab_size();
-    PolicyConfig::tiny(Architecture::Llama, vocab)
+    ModelConfig::tiny(Architecture::Llama, vocab)
 }
 
 /// Another architecture and shape than the student's: any supported checkpoint teaches.
-fn teacher_config() -> PolicyConfig {
+fn teacher_config() -> ModelConfig {
     let vocab = rlstream::tasks::char_tokenizer().vocab_size();
-    PolicyConfig::new(Architecture::Qwen3, vocab, 96, 192, 3, 4, 2, 24)
+    ModelConfig::new(Architecture::Qwen3, vocab, 96, 192, 3, 4, 2, 24)
         .with_qk_norm(true)
         .with_max_position(512)
 }
@@ -315,7 +315,7 @@ async fn a_group_longer_than_the_teachers_context_is_dead_lettered() {
         ..ScoreConfig::default()
     };
     let (b, t) = (bus.clone(), topo.clone());
-    rlstream::stages::score::run(&cfg, b, &t, tokio::time::sleep(Duration::from_secs(3)))
+    crate::common::score_until(&cfg, (b, &t), tokio::time::sleep(Duration::from_secs(3)))
         .await
         .expect("score");
     let range = |key: String| {

@@ -31,7 +31,7 @@ fn fixtures() -> PathBuf {
 
 /// The fixture adapter of base `name`: rank 4, alpha 8, on every linear module (qwen3) or on
 /// q, v and down only (llama), `A` and `B` drawn from a fixed seed, so `B` is far from zero.
-fn fixture_adapter(name: &str, cfg: &rlstream::model::PolicyConfig) -> (LoraSpec, TensorMap) {
+fn fixture_adapter(name: &str, cfg: &rlstream::model::ModelConfig) -> (LoraSpec, TensorMap) {
     use rand::{Rng, SeedableRng};
     let targets = match name {
         "llama" => vec![Target::Q, Target::V, Target::Down],

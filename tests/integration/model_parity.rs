@@ -10,7 +10,7 @@
 //! from the hub's per-expert tensors and from transformers 5's fused 3-D ones.
 
 use burn::tensor::{Int, Tensor, TensorData};
-use rlstream::model::config::PolicyConfig;
+use rlstream::model::config::ModelConfig;
 use rlstream::model::hf::{self, load_hf};
 use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
 use rlstream::model::moe::Routes;
@@ -149,7 +149,7 @@ fn llama_matches_transformers() {
 #[test]
 fn qwen3_matches_transformers() {
     check("qwen3");
-    let cfg = PolicyConfig::from_hf_json(
+    let cfg = ModelConfig::from_hf_json(
         &std::fs::read_to_string(fixture("qwen3").join("config.json")).unwrap(),
     )
     .unwrap();
@@ -176,7 +176,7 @@ fn check_moe(name: &str, experts: usize, shared: bool) {
     .unwrap();
     // The config rlstream writes reads back the same.
     assert_eq!(
-        &PolicyConfig::from_hf_json(&model.config().to_hf_json()).unwrap(),
+        &ModelConfig::from_hf_json(&model.config().to_hf_json()).unwrap(),
         model.config()
     );
     let layers: Vec<usize> = serde_json::from_value(v["moe_layers"].clone()).unwrap();
@@ -262,7 +262,7 @@ fn llama3_scaling_reads_the_same_from_rope_scaling_and_rope_parameters() {
         .remove("rope_type")
         .unwrap();
     old["rope_scaling"]["type"] = kind;
-    let read = |v: &serde_json::Value| PolicyConfig::from_hf_json(&v.to_string()).unwrap();
+    let read = |v: &serde_json::Value| ModelConfig::from_hf_json(&v.to_string()).unwrap();
     let want = read(&v5);
     let r = want.rope_scaling.expect("llama3 scaling is read");
     assert_eq!((r.factor, r.original_max_position), (8.0, 64));
@@ -270,10 +270,7 @@ fn llama3_scaling_reads_the_same_from_rope_scaling_and_rope_parameters() {
     assert_eq!(read(&v4), want);
     assert_eq!(read(&old), want);
     // And written back in a form transformers reads the same.
-    assert_eq!(
-        PolicyConfig::from_hf_json(&want.to_hf_json()).unwrap(),
-        want
-    );
+    assert_eq!(ModelConfig::from_hf_json(&want.to_hf_json()).unwrap(), want);
 }
 
 #[test]
@@ -281,7 +278,7 @@ fn configurations_rlstream_does_not_run_are_refused_by_name() {
     let refused = |base: &str, edit: &dyn Fn(&mut serde_json::Value), says: &str| {
         let mut v = config_json(base);
         edit(&mut v);
-        let e = PolicyConfig::from_hf_json(&v.to_string())
+        let e = ModelConfig::from_hf_json(&v.to_string())
             .expect_err(says)
             .to_string();
         assert!(e.contains(says), "{says}: {e}");

@@ -8,7 +8,7 @@ use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
 use rlstream::model::sampler::{Completion, Generator, Request};
 use rlstream::model::tensors::{self, HostTensor};
 use rlstream::model::{
-    Architecture, InferBackend, Kernels, ModelError, Policy, PolicyConfig, TrainBackend,
+    Architecture, InferBackend, Kernels, ModelConfig, ModelError, Policy, TrainBackend,
 };
 use rlstream::schema::SamplingParams;
 use std::path::PathBuf;
@@ -16,7 +16,7 @@ use std::path::PathBuf;
 type B = InferBackend;
 
 fn tiny(arch: Architecture) -> Policy<B> {
-    Policy::random(&PolicyConfig::tiny(arch, 40), 11, &Default::default()).unwrap()
+    Policy::random(&ModelConfig::tiny(arch, 40), 11, &Default::default()).unwrap()
 }
 
 fn params(temperature: f32, top_k: u32, top_p: f32, seed: u64) -> SamplingParams {
@@ -115,7 +115,7 @@ fn trainer_logprobs_equal_sampler_logprobs() {
 
 #[test]
 fn trainer_logprobs_have_gradients_on_the_autodiff_backend() {
-    let cfg = PolicyConfig::tiny(Architecture::Qwen2, 40);
+    let cfg = ModelConfig::tiny(Architecture::Qwen2, 40);
     let infer = Policy::<B>::random(&cfg, 3, &Default::default()).unwrap();
     let train =
         Policy::<TrainBackend>::from_bytes(&cfg, &infer.to_bytes().unwrap(), &Default::default())
@@ -234,7 +234,7 @@ fn a_rows_tokens_and_logprobs_do_not_depend_on_its_batch() {
 
 #[test]
 fn a_swap_between_passes_is_tagged_on_later_tokens() {
-    let cfg = PolicyConfig::tiny(Architecture::Qwen2, 40);
+    let cfg = ModelConfig::tiny(Architecture::Qwen2, 40);
     let old = Policy::<B>::random(&cfg, 1, &Default::default()).unwrap();
     let new = Policy::<B>::random(&cfg, 2, &Default::default()).unwrap();
     let mut p = params(1.0, 0, 1.0, 4);
@@ -360,7 +360,7 @@ fn broken_checkpoints_get_clear_errors() {
     .unwrap();
     assert!(load_err(dir.path()).contains("bad safetensors data"));
     let e = Policy::<B>::from_bytes(
-        &PolicyConfig::tiny(Architecture::Qwen2, 40),
+        &ModelConfig::tiny(Architecture::Qwen2, 40),
         b"garbage",
         &Default::default(),
     );

@@ -10,7 +10,7 @@ use bytes::Bytes;
 use rlstream::bus::RangeBound;
 use rlstream::model::fault::FAULT_ENV;
 use rlstream::model::tokenizer::Tokenizer;
-use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
+use rlstream::model::{Architecture, InferBackend, ModelConfig, Policy};
 use rlstream::schema::{self, DeadLetter, FinishReason, Prompt, RolloutGroup, ScoredGroup};
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -23,7 +23,7 @@ const CONTEXT: usize = 16;
 /// and no end-of-sequence token (completions end only by length), saved to `dir`.
 fn small_context_model(dir: &Path) -> Policy<InferBackend> {
     let vocab = rlstream::tasks::char_tokenizer().vocab_size();
-    let mut cfg = PolicyConfig::tiny(Architecture::Llama, vocab);
+    let mut cfg = ModelConfig::tiny(Architecture::Llama, vocab);
     cfg.max_position = CONTEXT;
     cfg.eos_token_id = None;
     let model = Policy::<InferBackend>::random(&cfg, 5, &Default::default()).expect("model");

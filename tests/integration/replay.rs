@@ -9,7 +9,6 @@ use rlstream::bus::{MemoryBus, RangeBound, SharedBus, Topology};
 use rlstream::commands::replay::{self, RetrainOptions, Source};
 use rlstream::model::{InferBackend, Policy};
 use rlstream::schema::{self, ScoredGroup};
-use rlstream::stages::train;
 use rlstream::weights::Transport;
 use std::path::Path;
 use std::sync::Arc;
@@ -66,13 +65,11 @@ async fn archives_round_trip_and_retraining_reproduces_the_run() {
         .expect("publish");
     let mut tc = crate::common::small_trainer(d, 6, 2);
     tc.policy.max_lag = 1000;
-    let original = train::run(
+    let original = crate::common::train_alone(
         &tc,
-        bus.clone(),
-        &topo,
+        (bus.clone(), &topo),
         Transport::Bus,
         std::future::pending::<()>(),
-        |_| {},
     )
     .await
     .expect("train");

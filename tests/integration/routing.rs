@@ -8,16 +8,16 @@ use burn::tensor::{Int, Tensor, TensorData};
 use rlstream::model::logprobs::{Routed, ScoredSeq, completion_logprobs_routed};
 use rlstream::model::moe::{LIVE, Routes};
 use rlstream::model::sampler::{Completion, Generator, Request};
-use rlstream::model::{Architecture, InferBackend, MoeConfig, Policy, PolicyConfig, TrainBackend};
+use rlstream::model::{Architecture, InferBackend, ModelConfig, MoeConfig, Policy, TrainBackend};
 use rlstream::schema::{self, Refusal, RolloutGroup, SamplingParams};
 
 const VOCAB: usize = 40;
 
-fn config() -> PolicyConfig {
+fn config() -> ModelConfig {
     let mut moe = MoeConfig::new(6, 2, 24);
     // A dense layer between the sparse ones: layers 0 and 2 route.
     moe.dense_layers = vec![1];
-    PolicyConfig::new(Architecture::Qwen3Moe, VOCAB, 32, 48, 3, 4, 2, 8)
+    ModelConfig::new(Architecture::Qwen3Moe, VOCAB, 32, 48, 3, 4, 2, 8)
         .with_qk_norm(true)
         .with_moe(Some(moe))
         .with_max_position(64)
@@ -270,7 +270,7 @@ fn routing_that_does_not_fit_the_message_or_the_model_is_refused() {
         );
     }
     // A dense model takes no routing.
-    let dense = PolicyConfig::tiny(Architecture::Llama, VOCAB).limits();
+    let dense = ModelConfig::tiny(Architecture::Llama, VOCAB).limits();
     let refusal = dense.rollout(&good).expect_err("dense");
     assert!(refusal.detail.contains("the model is dense"), "{refusal}");
 }

@@ -41,9 +41,16 @@ async fn run_mode(dir: &Path, model: &Path, sync: bool, steps: u64, bus: SharedB
         seed: 0,
         display: DisplayMode::Quiet,
     };
-    run::run(&opts, cfg, bus, Topology::default(), std::future::pending())
-        .await
-        .unwrap()
+    run::run(
+        &opts,
+        cfg,
+        bus,
+        Topology::default(),
+        Box::new(rlstream::collective::Solo::default()),
+        std::future::pending(),
+    )
+    .await
+    .unwrap()
 }
 
 /// Top-level keys of every message on `stream`, after checking each decodes as `M`.

@@ -50,7 +50,12 @@ async fn score_groups(
     let stage = {
         let (bus, topo) = (bus.clone(), topo.clone());
         tokio::spawn(async move {
-            score::run(&cfg, bus, &topo, tokio::time::sleep(Duration::from_secs(3))).await
+            crate::common::score_until(
+                &cfg,
+                (bus, &topo),
+                tokio::time::sleep(Duration::from_secs(3)),
+            )
+            .await
         })
     };
     stage.await.unwrap().unwrap();

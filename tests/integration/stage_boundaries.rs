@@ -17,7 +17,7 @@ use proptest::strategy::ValueTree;
 use proptest::test_runner::{Config, RngAlgorithm, TestRng, TestRunner};
 use rlstream::bus::{RangeBound, SharedBus};
 use rlstream::model::tokenizer::Tokenizer;
-use rlstream::model::{Architecture, InferBackend, MoeConfig, Policy, PolicyConfig};
+use rlstream::model::{Architecture, InferBackend, ModelConfig, MoeConfig, Policy};
 use rlstream::schema::{
     self, Event, FinishReason, Prompt, RolloutGroup, Routing, RoutingShape, Sample, SamplingMask,
     SchemaVersion, ScoredGroup, VersionRun,
@@ -236,7 +236,7 @@ fn train_takes(g: &RolloutGroup) -> bool {
 }
 
 fn model(dir: &Path) {
-    let mut cfg = PolicyConfig::tiny(Architecture::Qwen3Moe, vocab() as usize)
+    let mut cfg = ModelConfig::tiny(Architecture::Qwen3Moe, vocab() as usize)
         .with_qk_norm(true)
         .with_moe(Some(MoeConfig::new(
             ROUTING.experts as usize,

@@ -62,7 +62,7 @@ async fn resumes_from_checkpoint_without_training_twice() {
 
     let tc = crate::common::small_trainer(dir.path(), 2, 1);
     let never = std::future::pending::<()>();
-    let first = train::run(&tc, bus.clone(), &topo, Transport::Bus, never, |_| {})
+    let first = crate::common::train_alone(&tc, (bus.clone(), &topo), Transport::Bus, never)
         .await
         .unwrap();
     assert_eq!(
@@ -80,13 +80,11 @@ async fn resumes_from_checkpoint_without_training_twice() {
         },
         ..tc.clone()
     };
-    let second = train::run(
+    let second = crate::common::train_alone(
         &again,
-        bus.clone(),
-        &topo,
+        (bus.clone(), &topo),
         Transport::Bus,
         std::future::pending::<()>(),
-        |_| {},
     )
     .await
     .unwrap();
@@ -147,7 +145,7 @@ async fn versions_continue_above_what_a_crashed_trainer_published() {
         },
     };
     let never = || std::future::pending::<()>();
-    train::run(&tc, bus.clone(), &topo, Transport::Bus, never(), |_| {})
+    crate::common::train_alone(&tc, (bus.clone(), &topo), Transport::Bus, never())
         .await
         .unwrap();
     // The crash: step 3 was published, but its checkpoint never happened.
@@ -170,7 +168,7 @@ async fn versions_continue_above_what_a_crashed_trainer_published() {
         },
         ..tc.clone()
     };
-    let resumed = train::run(&again, bus.clone(), &topo, Transport::Bus, never(), |_| {})
+    let resumed = crate::common::train_alone(&again, (bus.clone(), &topo), Transport::Bus, never())
         .await
         .unwrap();
     let announced = announced_versions(&bus, &topo).await;

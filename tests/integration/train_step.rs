@@ -2,7 +2,7 @@
 //! become more likely and those with negative advantage less, for every loss.
 
 use rlstream::config::{PolicySettings, TrainConfig};
-use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
+use rlstream::model::{Architecture, InferBackend, ModelConfig, Policy};
 use rlstream::schema::ScoredGroup;
 use rlstream::stages::train::TrainerSettings;
 use rlstream::stages::train::{LossKind, Trainer};
@@ -33,7 +33,7 @@ fn seq_logprobs(model: &Policy<InferBackend>, g: &ScoredGroup) -> Vec<f32> {
 #[test]
 fn a_step_raises_good_completions_and_lowers_bad_ones() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = PolicyConfig::tiny(Architecture::Qwen2, 32);
+    let cfg = ModelConfig::tiny(Architecture::Qwen2, 32);
     let model = Policy::<InferBackend>::random(&cfg, 8, &Default::default()).unwrap();
     model.save_hf(&dir.path().join("model")).unwrap();
     let g = group(&model);
@@ -83,7 +83,7 @@ fn a_step_raises_good_completions_and_lowers_bad_ones() {
 #[test]
 fn a_nan_loss_skips_the_step_and_keeps_the_weights() {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = PolicyConfig::tiny(Architecture::Llama, 32);
+    let cfg = ModelConfig::tiny(Architecture::Llama, 32);
     let model = Policy::<InferBackend>::random(&cfg, 8, &Default::default()).unwrap();
     model.save_hf(&dir.path().join("model")).unwrap();
     let mut g = group(&model);
@@ -119,7 +119,7 @@ fn bf16_checkpoints_hold_rounded_weights_and_resume_at_f32() {
     use rlstream::model::hf::read_hf_tensors;
     use rlstream::model::tensors::WeightDtype;
     let dir = tempfile::tempdir().unwrap();
-    let cfg = PolicyConfig::tiny(Architecture::Qwen2, 32);
+    let cfg = ModelConfig::tiny(Architecture::Qwen2, 32);
     let model = Policy::<InferBackend>::random(&cfg, 8, &Default::default()).unwrap();
     model.save_hf(&dir.path().join("model")).unwrap();
     let g = group(&model);

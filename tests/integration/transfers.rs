@@ -8,7 +8,7 @@
 use rlstream::config::{PolicySettings, TrainConfig};
 use rlstream::model::counted::{Counted, Transfers, transfers};
 use rlstream::model::sampler::{Generator, Request};
-use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
+use rlstream::model::{Architecture, InferBackend, ModelConfig, Policy};
 use rlstream::schema::{SamplingParams, ScoredGroup};
 use rlstream::stages::train::{TrainerOn, TrainerSettings};
 
@@ -19,12 +19,12 @@ const VOCAB: usize = 48;
 
 /// Two models with the same vocabulary and head size: the second has twice the width, twice
 /// the depth and about eight times the parameters.
-fn models() -> [PolicyConfig; 2] {
+fn models() -> [ModelConfig; 2] {
     [
-        PolicyConfig::new(Architecture::Qwen2, VOCAB, 64, 128, 2, 4, 2, 16)
+        ModelConfig::new(Architecture::Qwen2, VOCAB, 64, 128, 2, 4, 2, 16)
             .with_qkv_bias(true)
             .with_max_position(256),
-        PolicyConfig::new(Architecture::Qwen2, VOCAB, 128, 256, 4, 8, 4, 16)
+        ModelConfig::new(Architecture::Qwen2, VOCAB, 128, 256, 4, 8, 4, 16)
             .with_qkv_bias(true)
             .with_max_position(256),
     ]
@@ -38,7 +38,7 @@ fn group() -> ScoredGroup {
 
 /// The transfers of the second training step on `cfg` (the first makes the optimizer's
 /// state), and the model's parameter bytes.
-fn train_step(cfg: &PolicyConfig, g: &ScoredGroup) -> (Transfers, usize) {
+fn train_step(cfg: &ModelConfig, g: &ScoredGroup) -> (Transfers, usize) {
     let dir = tempfile::tempdir().unwrap();
     let model = Policy::<Device>::random(cfg, 8, &Default::default()).unwrap();
     model.save_hf(&dir.path().join("model")).unwrap();
@@ -99,7 +99,7 @@ fn a_training_step_moves_the_batch_and_its_statistics_not_the_model() {
 
 /// The transfers of one decode step of `rows` rows on `cfg`, after the prompts' prefill
 /// and a first step.
-fn decode_step(cfg: &PolicyConfig, rows: usize) -> Transfers {
+fn decode_step(cfg: &ModelConfig, rows: usize) -> Transfers {
     let model = Policy::<Device>::random(cfg, 8, &Default::default()).unwrap();
     let mut g = Generator::<Device>::new();
     let req = Request {

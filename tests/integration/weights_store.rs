@@ -9,11 +9,11 @@ use bytes::Bytes;
 use rlstream::bus::{RangeBound, RedisBus, SharedBus, Topology};
 use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
 use rlstream::model::tensors::{TensorMap, WeightDtype, tensors_to_safetensors_as};
-use rlstream::model::{Architecture, InferBackend, Policy, PolicyConfig};
+use rlstream::model::{Architecture, InferBackend, ModelConfig, Policy};
 use rlstream::schema::{self, WeightsAnnounce};
 use rlstream::weights::{
-    BlobStore, DirStore, Follower, ModelSlot, Publisher, StoreKind, Transport, Versioned,
-    WeightsConfig, WeightsError, WireDtype,
+    BlobStore, DirStore, Follower, ModelSlot, PublishDtype, Publisher, StoreKind, Transport,
+    Versioned, WeightsConfig, WeightsError,
 };
 use std::path::Path;
 use std::sync::Arc;
@@ -22,8 +22,8 @@ use std::time::Duration;
 
 const WAIT: Duration = Duration::from_millis(100);
 
-fn model_config() -> PolicyConfig {
-    PolicyConfig::tiny(Architecture::Qwen2, 32)
+fn model_config() -> ModelConfig {
+    ModelConfig::tiny(Architecture::Qwen2, 32)
 }
 
 async fn redis(ns: &str) -> (SharedBus, Topology) {
@@ -40,7 +40,7 @@ fn settings(store: StoreKind, dir: &Path) -> WeightsConfig {
     WeightsConfig {
         store,
         store_dir: Some(dir.to_path_buf()),
-        wire_dtype: WireDtype::Bf16,
+        wire_dtype: PublishDtype::Bf16,
         keyframe_every: 3,
         chunk_bytes: 4096,
         ..WeightsConfig::default()
@@ -611,7 +611,7 @@ async fn a_trainer_killed_halfway_through_a_version_leaves_nothing_wrong() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bf16_checkpoint_is_published_in_bf16() {
     use rlstream::config::{PolicySettings, TrainConfig};
-    use rlstream::stages::train::{self, TrainerSettings};
+    use rlstream::stages::train::TrainerSettings;
     let dir = tempfile::tempdir().unwrap();
     let ns = crate::common::unique_ns("wbf16");
     let (bus, topo) = redis(&ns).await;
@@ -651,13 +651,11 @@ async fn a_bf16_checkpoint_is_published_in_bf16() {
         },
     };
     let cfg = WeightsConfig::default();
-    let done = train::run(
+    let done = crate::common::train_alone(
         &settings,
-        bus.clone(),
-        &topo,
+        (bus.clone(), &topo),
         Transport::Store(cfg.clone()),
         std::future::pending::<()>(),
-        |_| {},
     )
     .await
     .unwrap();

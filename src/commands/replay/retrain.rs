@@ -6,7 +6,8 @@ use crate::archive::ArchiveError;
 use crate::bus::{EntryId, MemoryBus, RangeBound, SharedBus, Topology};
 use crate::roles::{Stage, Stream};
 use crate::schema::{self, Event, StepRecord};
-use crate::stages::{StageError, train};
+use crate::stages::train::{self, TrainJob};
+use crate::stages::{StageContext, StageError};
 use crate::weights::{LocalWeights, Transport};
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -194,13 +195,9 @@ pub async fn retrain(
         start_step,
         ..RetrainSummary::default()
     };
-    let outcome = train::run(
-        &cfg,
-        bus,
-        &topo,
-        Transport::InProcess(LocalWeights::default()),
-        done,
-        |s| {
+    let job = TrainJob::new(&cfg)
+        .transport(Transport::InProcess(LocalWeights::default()))
+        .on_step(|s: &StepRecord| {
             let rec = recorded.get(&s.step).copied();
             let identical = rec.map(|(l, g, r)| {
                 l.to_bits() == s.loss.to_bits()
@@ -219,9 +216,9 @@ pub async fn retrain(
             };
             on_step(&step);
             summary.steps.push(step);
-        },
-    )
-    .await?;
+        });
+    let ctx = StageContext::new((Stage::Train, "replay"), bus, &topo, done);
+    let outcome = train::run(job, ctx).await?;
     summary.dropped = outcome.dropped;
     for s in &summary.steps {
         if let Some(same) = s.identical {

@@ -32,7 +32,7 @@ use crate::model::{InferBackend, Policy};
 use crate::report::{self, ReportFiles, StepRow};
 use crate::roles::Stream;
 use crate::schema::StepRecord;
-use crate::stages::generate as gen_stage;
+use crate::stages::generator as gen_stage;
 use crate::stages::{StageError, train, waiting};
 use crate::tasks::{self, BuiltinTask};
 use held_out::{HeldOutEval, held_out_checkpoints};
@@ -176,12 +176,14 @@ fn prepare_model(opts: &RunOptions) -> Result<(PathBuf, f64), StageError> {
 
 /// Runs warm start and the pipeline until `cfg.train.steps` steps or `shutdown`, then writes
 /// the report. `cfg` is the resolved config (over [`defaults`]); its model and checkpoint
-/// paths are set here.
+/// paths are set here. `ranks` are the trainer ranks its trainer leads (one alone without
+/// `mpirun`).
 pub async fn run(
     opts: &RunOptions,
     cfg: Config,
     bus: SharedBus,
     topo: Topology,
+    ranks: Box<dyn crate::collective::Collective>,
     shutdown: impl Future<Output = ()>,
 ) -> Result<RunOutcome, StageError> {
     let (cfg, model_dir, warm_start_s) = prepare(opts, cfg)?;
@@ -194,7 +196,7 @@ pub async fn run(
         .collect();
     let (step_tx, step_rx) = mpsc::unbounded_channel::<StepRecord>();
     let started = Instant::now();
-    let stages = Stages::spawn(opts, &cfg, &bus, &topo, &slot, step_tx);
+    let stages = Stages::spawn(opts, &cfg, &bus, &topo, &slot, ranks, step_tx);
     let monitor = Monitor {
         phase: Phase::new(
             opts.display,

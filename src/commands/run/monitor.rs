@@ -9,7 +9,7 @@ use crate::model::InferBackend;
 use crate::report::{RunProgress, StepRow};
 use crate::schema::StepRecord;
 use crate::stages::StageError;
-use crate::stages::generate::GenSummary;
+use crate::stages::generator::GenSummary;
 use crate::stages::train::TrainSummary;
 use crate::weights::ModelSlot;
 use std::future::Future;

@@ -5,13 +5,14 @@
 use super::RunOptions;
 use super::feeder::{Feeder, Progress};
 use crate::bus::{SharedBus, Topology};
+use crate::collective::Collective;
 use crate::config::Config;
 use crate::model::InferBackend;
 use crate::roles::Stage;
 use crate::schema::StepRecord;
-use crate::stages::generate::{self as gen_stage, GenSummary};
-use crate::stages::train::{self, TrainSummary, TrainerSettings};
-use crate::stages::{StageError, score};
+use crate::stages::generator::{self as gen_stage, GenSummary};
+use crate::stages::train::{self, TrainJob, TrainSummary, TrainerSettings};
+use crate::stages::{StageContext, StageError, score};
 use crate::weights::{LocalWeights, ModelSlot, Transport};
 use std::future::Future;
 use std::sync::Arc;
@@ -59,10 +60,9 @@ fn spawn_stage(
 /// and the monitor each step's record.
 async fn train_stage(
     settings: TrainerSettings,
-    bus: SharedBus,
-    topo: Topology,
-    transport: Transport,
-    until: impl Future<Output = ()>,
+    (bus, topo): (SharedBus, Topology),
+    (transport, ranks): (Transport, Box<dyn Collective>),
+    until: impl Future<Output = ()> + Send,
     progress: watch::Sender<Progress>,
     records: mpsc::UnboundedSender<StepRecord>,
 ) -> Result<StageResult, StageError> {
@@ -75,7 +75,12 @@ async fn train_stage(
         });
         let _ = records.send(s.clone());
     };
-    train::run(&settings, bus, &topo, transport, until, on_step)
+    let job = TrainJob::new(&settings)
+        .transport(transport)
+        .ranks(ranks)
+        .on_step(on_step);
+    let role = (Stage::Train, settings.train.name.as_str());
+    train::run(job, StageContext::new(role, bus, &topo, until))
         .await
         .map(StageResult::Train)
 }
@@ -87,6 +92,7 @@ impl Stages {
         bus: &SharedBus,
         topo: &Topology,
         slot: &ModelSlot<InferBackend>,
+        ranks: Box<dyn Collective>,
         records: mpsc::UnboundedSender<StepRecord>,
     ) -> Self {
         let transport = Transport::InProcess(LocalWeights::default());
@@ -100,9 +106,8 @@ impl Stages {
             &stop,
             train_stage(
                 settings,
-                bus.clone(),
-                topo.clone(),
-                transport.clone(),
+                (bus.clone(), topo.clone()),
+                (transport.clone(), ranks),
                 stopped(stop.subscribe()),
                 progress_tx,
                 records,
@@ -112,7 +117,9 @@ impl Stages {
         let (score_bus, score_topo) = (bus.clone(), topo.clone());
         let until = stopped(stop.subscribe());
         let score = spawn_stage(&stop, async move {
-            score::run(&score_cfg, score_bus, &score_topo, until)
+            let role = (Stage::Score, score_cfg.name.as_str());
+            let ctx = StageContext::new(role, score_bus, &score_topo, until);
+            score::run(&score_cfg, ctx)
                 .await
                 .map(|_| StageResult::Other)
         });
@@ -120,11 +127,16 @@ impl Stages {
         let (gen_bus, gen_topo, gen_slot) = (bus.clone(), topo.clone(), slot.clone());
         let until = stopped(stop.subscribe());
         let generator = spawn_stage(&stop, async move {
-            gen_stage::run(
-                &policy, &gen_cfg, gen_bus, &gen_topo, gen_slot, transport, until,
-            )
-            .await
-            .map(StageResult::Gen)
+            let job = gen_stage::GenJob {
+                policy: &policy,
+                cfg: &gen_cfg,
+                slot: gen_slot,
+                transport,
+            };
+            let role = (Stage::Gen, gen_cfg.name.as_str());
+            gen_stage::run(job, StageContext::new(role, gen_bus, &gen_topo, until))
+                .await
+                .map(StageResult::Gen)
         });
         let feeder = Feeder {
             task: opts.task,

@@ -6,7 +6,7 @@ use super::RunOptions;
 use crate::commands::eval::{Estimate, EvalResult};
 use crate::config::Config;
 use crate::report::StepRow;
-use crate::stages::generate::GenSummary;
+use crate::stages::generator::GenSummary;
 use crate::stages::train::TrainSummary;
 use serde::Serialize;
 use std::collections::BTreeMap;

@@ -5,7 +5,8 @@
 //! the keys it sees: not on left padding, on how many rows share the batch, or on whether
 //! its keys came from a cache (a decode step) or from the same pass (prefill, training).
 
-use super::{MASKED, rows};
+use super::logprob::MASKED;
+use super::rows;
 use rayon::prelude::*;
 
 /// The layout of one attention call: queries `[b, kv_heads, rows, hd]` (a kv head's query

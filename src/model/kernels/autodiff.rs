@@ -215,7 +215,6 @@ impl<B: Kernels> Backward<B, 1> for TokenLogprobsBackward {
 
 impl<B: Kernels, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
     const NATIVE_LINEAR: bool = B::NATIVE_LINEAR;
-    const HOST_MEMORY: bool = B::HOST_MEMORY;
 
     fn linear_rows(
         x: Tensor<Self, 2>,

@@ -2,9 +2,8 @@
 //! cores by rayon, each output written once into a fresh buffer. A tensor of another dtype
 //! takes the composed path.
 
-use super::{
-    HfSlice, HfValues, Kept, Kernels, attend, inv_temperature, reference, rows, token_logprob,
-};
+use super::logprob::{Kept, inv_temperature, token_logprob};
+use super::{Kernels, attend, reference, rows};
 use burn::backend::NdArray;
 use burn::backend::ndarray::NdArrayTensor;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
@@ -88,13 +87,6 @@ fn tensor<const D: usize>(values: Vec<f32>, shape: [usize; D]) -> Tensor<NdArray
     Tensor::from_primitive(TensorPrimitive::Float(NdArrayTensor::from(array)))
 }
 
-/// Row-major `[rows, cols]` values as the `[cols, rows]` view of them.
-fn stored<E: Clone>(values: Vec<E>, [rows, cols]: [usize; 2]) -> ArcArray<E, IxDyn> {
-    ArcArray::from_shape_vec(IxDyn(&[rows, cols]), values)
-        .unwrap_or_else(|e| unreachable!("a weight's values sized to its shape: {e}"))
-        .reversed_axes()
-}
-
 fn matrix_tensor(a: Array2<f32>) -> Tensor<NdArray, 2> {
     Tensor::from_primitive(TensorPrimitive::Float(NdArrayTensor::from(
         a.into_dyn().into_shared(),
@@ -171,37 +163,8 @@ fn native_attention(
     )
 }
 
-/// The fewest values a linear weight of bf16 values needs to be held in 16 bits: 1 MiB in
-/// f32, a core's L2 cache on the CPUs measured. A smaller weight is read from cache on every
-/// pass, where halving its bytes saves nothing and widening each load adds work (at the
-/// small bench size, weights of 49k values, one run gave 6,095 tok/s in 16 bits against
-/// 8,123 in f32, though that size moves by 15% from run to run: BENCHMARKS.md).
-const BF16_MIN_VALUES: usize = 1 << 18;
-
-/// A generation model's bf16 weight ([`Kernels::decode_weight`]): its `[out, in]` bits in
+/// A generation model's bf16 weight ([`WeightStorage::decode_weight`]): its `[out, in]` bits in
 /// memory order, when it is the transposed view that builds.
-/// `a` read in Hugging Face order (a linear weight's `[in, out]` view turned back to `[out,
-/// in]`).
-fn hf_ordered<E>(a: ArcArray<E, IxDyn>, linear: bool) -> ArcArray<E, IxDyn> {
-    if linear { a.reversed_axes() } else { a }
-}
-
-/// The values of `a` in Hugging Face order (for a linear weight, `a` is the `[in, out]` view
-/// of `[out, in]` values): its buffer when that is laid out so and `a` holds it alone, a
-/// copy otherwise.
-fn hf_vec<E: Clone>(a: ArcArray<E, IxDyn>, linear: bool) -> Vec<E> {
-    let a = hf_ordered(a, linear);
-    if a.is_standard_layout() {
-        let n = a.len();
-        let (v, offset) = a.into_owned().into_raw_vec_and_offset();
-        if offset.unwrap_or(0) == 0 && v.len() == n {
-            return v;
-        }
-        return v[offset.unwrap_or(0)..][..n].to_vec();
-    }
-    a.iter().cloned().collect()
-}
-
 fn bf16_stored(weight: &Tensor<NdArray, 2>) -> Option<ArcArray<u16, IxDyn>> {
     match weight.clone().into_primitive().tensor() {
         NdArrayTensor::U16(storage) => {
@@ -214,111 +177,6 @@ fn bf16_stored(weight: &Tensor<NdArray, 2>) -> Option<ArcArray<u16, IxDyn>> {
 
 impl Kernels for NdArray {
     const NATIVE_LINEAR: bool = true;
-    const HOST_MEMORY: bool = true;
-
-    /// `[out, in]` as stored, read as a transposed view; in 16 bits when every value is a
-    /// bf16 (its low 16 bits zero, so narrowing loses nothing) and the weight is too large
-    /// to stay in a core's cache between passes ([`BF16_MIN_VALUES`]).
-    fn decode_weight(
-        values: Vec<f32>,
-        [rows, cols]: [usize; 2],
-        _device: &Self::Device,
-    ) -> Tensor<Self, 2> {
-        let large = values.len() >= BF16_MIN_VALUES;
-        let primitive = if large && values.iter().all(|v| v.to_bits() & 0xffff == 0) {
-            let bits: Vec<u16> = values.iter().map(|v| (v.to_bits() >> 16) as u16).collect();
-            NdArrayTensor::from(stored(bits, [rows, cols]))
-        } else {
-            NdArrayTensor::from(stored(values, [rows, cols]))
-        };
-        Tensor::from_primitive(TensorPrimitive::Float(primitive))
-    }
-
-    /// The buffer itself when it is in Hugging Face order and this tensor holds it alone
-    /// (a generation model's weights: `[out, in]` as stored, or row-major), a copy otherwise.
-    fn into_hf_values<const D: usize>(
-        t: Tensor<Self, D>,
-        linear: bool,
-    ) -> Result<HfValues, crate::model::ModelError> {
-        Ok(match t.into_primitive().tensor() {
-            NdArrayTensor::U16(storage) => HfValues::Bf16(hf_vec(storage.into_shared(), linear)),
-            NdArrayTensor::F32(storage) => {
-                let a = storage.into_shared();
-                match a.as_slice() {
-                    // A trainer's row-major `[in, out]` weight: transposed in cache tiles on
-                    // every core.
-                    Some(v) if linear && a.ndim() == 2 => {
-                        let (rows, cols) = (a.shape()[0], a.shape()[1]);
-                        HfValues::F32(crate::model::tensors::transpose(v, rows, cols))
-                    }
-                    _ => HfValues::F32(hf_vec(a, linear)),
-                }
-            }
-            other => {
-                let t = Tensor::<Self, D>::from_primitive(TensorPrimitive::Float(other));
-                let t = if linear && D == 2 {
-                    t.swap_dims(0, 1)
-                } else {
-                    t
-                };
-                let data = t.into_data().convert::<f32>();
-                HfValues::F32(
-                    data.into_vec::<f32>()
-                        .map_err(|e| crate::model::ModelError::Unsupported(format!("{e:?}")))?,
-                )
-            }
-        })
-    }
-
-    /// The tensor's own buffer when it is laid out in Hugging Face order.
-    fn read_hf_values<const D: usize>(
-        t: &Tensor<Self, D>,
-        linear: bool,
-        f: &mut dyn FnMut(HfSlice<'_>),
-    ) -> Result<(), crate::model::ModelError> {
-        match t.clone().into_primitive().tensor() {
-            NdArrayTensor::U16(s) => {
-                let a = hf_ordered(s.into_shared(), linear);
-                match a.as_slice() {
-                    Some(v) => f(HfSlice::Bf16(v)),
-                    None => f(HfSlice::Bf16(&a.iter().copied().collect::<Vec<_>>())),
-                }
-            }
-            NdArrayTensor::F32(s) => {
-                let a = hf_ordered(s.into_shared(), linear);
-                match a.as_slice() {
-                    Some(v) => f(HfSlice::F32(v)),
-                    None => f(Self::into_hf_values(t.clone(), linear)?.as_slice()),
-                }
-            }
-            _ => f(Self::into_hf_values(t.clone(), linear)?.as_slice()),
-        }
-        Ok(())
-    }
-
-    /// The values become the tensor's buffer without a copy: a linear weight as
-    /// [`Kernels::decode_weight`] holds it (bf16 bits stay 16 bits), anything else row-major.
-    fn from_hf_values<const D: usize>(
-        values: HfValues,
-        hf_shape: &[usize],
-        linear: bool,
-        device: &Self::Device,
-    ) -> Tensor<Self, D> {
-        let primitive = match (values, linear && D == 2) {
-            (HfValues::Bf16(bits), true) => {
-                NdArrayTensor::from(stored(bits, [hf_shape[0], hf_shape[1]]))
-            }
-            (HfValues::F32(v), true) => {
-                let t = Self::decode_weight(v, [hf_shape[0], hf_shape[1]], device);
-                return Tensor::from_primitive(t.into_primitive());
-            }
-            (values, false) => NdArrayTensor::from(
-                ArcArray::from_shape_vec(IxDyn(hf_shape), values.into_f32())
-                    .unwrap_or_else(|e| unreachable!("values sized to their shape: {e}")),
-            ),
-        };
-        Tensor::from_primitive(TensorPrimitive::Float(primitive))
-    }
 
     /// Every output one dot product in a fixed order ([`rows`]), whatever the number of
     /// rows: a weight stored `[out, in]` (a generation model's, in f32 or bf16; a tied
@@ -334,7 +192,7 @@ impl Kernels for NdArray {
         let half = bf16_stored(&weight);
         let weight_f32 = half.is_some() || weight.dtype() == DType::F32;
         if x.dtype() != DType::F32 || !bias_f32 || !weight_f32 {
-            return reference::linear(x, super::widened(weight), bias);
+            return reference::linear(x, crate::model::storage::widened(weight), bias);
         }
         let [n, d_in] = x.dims();
         let out = weight.dims()[1];
@@ -611,7 +469,7 @@ impl Kernels for NdArray {
     ) -> Tensor<Self, 4> {
         match attention_shape(&q, &k, &v, &bias) {
             Some(shape) => native_attention([q, k, v, bias], shape, scale, false).0,
-            None => reference::attn_saved(q, k, v, bias, scale).0,
+            None => reference::attn_saved((q, k, v), bias, scale, Self::attn_softmax).0,
         }
     }
 
@@ -627,7 +485,7 @@ impl Kernels for NdArray {
                 (out, Some(probs)) => (out, probs),
                 (_, None) => unreachable!("the probabilities were asked for"),
             },
-            None => reference::attn_saved(q, k, v, bias, scale),
+            None => reference::attn_saved((q, k, v), bias, scale, Self::attn_softmax),
         }
     }
 

@@ -3,10 +3,14 @@
 //! against. Forward functions are the arithmetic the model used before fused kernels;
 //! backward functions are their derivatives written out.
 
-use super::Kept;
+use super::logprob::Kept;
 use burn::tensor::activation::{sigmoid, silu, softmax};
 use burn::tensor::backend::Backend;
 use burn::tensor::{DType, IndexingUpdateOp, Int, Tensor, TensorData};
+
+/// The gradients of a linear layer on rows: input, weight (when wanted), bias (when it
+/// has one).
+pub type LinearGrads<B> = (Tensor<B, 2>, Option<Tensor<B, 2>>, Option<Tensor<B, 1>>);
 
 /// burn's `Linear::forward` on rows.
 pub fn linear<B: Backend>(
@@ -28,7 +32,7 @@ pub fn linear_backward<B: Backend>(
     weight_grad: bool,
     bias: bool,
     dy: Tensor<B, 2>,
-) -> super::LinearGrads<B> {
+) -> LinearGrads<B> {
     let db = bias.then(|| dy.clone().sum_dim(0).squeeze_dim(0));
     let dx = dy.clone().matmul(weight.transpose());
     let dw = weight_grad.then(|| x.transpose().matmul(dy));
@@ -104,20 +108,20 @@ pub fn attn_softmax<B: Backend>(
     softmax(scores.mul_scalar(scale) + bias, 3)
 }
 
-/// Attention as products and the backend's [`attn_softmax`](super::Kernels::attn_softmax):
-/// the output and the probabilities (see [`super::Kernels::attn_saved`]).
-pub fn attn_saved<B: super::Kernels>(
-    q: Tensor<B, 4>,
-    k: Tensor<B, 4>,
-    v: Tensor<B, 4>,
+/// Attention as products and the backend's masked softmax `softmax` (its
+/// [`attn_softmax`](super::Kernels::attn_softmax)): the output and the probabilities (see
+/// [`super::Kernels::attn_saved`]).
+pub fn attn_saved<B: Backend>(
+    (q, k, v): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>),
     bias: Tensor<B, 4>,
     scale: f64,
+    softmax: impl FnOnce(Tensor<B, 4>, Tensor<B, 4>, f64) -> Tensor<B, 4>,
 ) -> (Tensor<B, 4>, Tensor<B, 4>) {
     let [b, kvh, gl, _] = q.dims();
     let (l, t) = (bias.dims()[2], k.dims()[2]);
     let g = gl / l.max(1);
     let scores = q.matmul(k.swap_dims(2, 3)).reshape([b, kvh * g, l, t]);
-    let probs = B::attn_softmax(scores, bias, scale).reshape([b, kvh, gl, t]);
+    let probs = softmax(scores, bias, scale).reshape([b, kvh, gl, t]);
     (probs.clone().matmul(v), probs)
 }
 
@@ -151,8 +155,8 @@ pub fn swiglu_backward<B: Backend>(
 
 /// The logits times [`inv_temperature`](super::inv_temperature) (the sampler's scaling).
 pub(crate) fn scaled<B: Backend>(logits: Tensor<B, 2>, temperature: f32) -> Tensor<B, 2> {
-    if super::tempered(temperature) {
-        logits.mul_scalar(super::inv_temperature(temperature))
+    if super::logprob::tempered(temperature) {
+        logits.mul_scalar(super::logprob::inv_temperature(temperature))
     } else {
         logits
     }
@@ -211,7 +215,7 @@ fn kept_bias<B: Backend>(
         Tensor::<B, 2>::zeros([n, vocab], device).scatter(1, ids, hit, IndexingUpdateOp::Add)
             + whole.expand([n, vocab]);
     let masked = kept.lower_equal_elem(0.0);
-    Some(Tensor::zeros([n, vocab], device).mask_fill(masked, super::MASKED))
+    Some(Tensor::zeros([n, vocab], device).mask_fill(masked, super::logprob::MASKED))
 }
 
 /// The scaled logits, masked outside each row's kept ids.
@@ -258,7 +262,7 @@ pub fn token_logprobs_backward<B: Backend>(
     kept: &Kept,
     dy: Tensor<B, 2>,
 ) -> Tensor<B, 2> {
-    let k = f64::from(super::inv_temperature(temperature));
+    let k = f64::from(super::logprob::inv_temperature(temperature));
     let ids = target_ids::<B>(targets, &logits.device());
     let probs = (supported(logits, temperature, kept) - lse).exp();
     let dyk = dy.mul_scalar(k);

@@ -6,7 +6,8 @@
 //! both are compared with burn differentiating the composition itself, operation by
 //! operation. A wrong native kernel or a wrong derivative fails here.
 
-use super::{Kept, Kernels, MASKED, reference};
+use super::logprob::{Kept, MASKED};
+use super::{Kernels, reference};
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, Tensor, TensorData};

@@ -4,7 +4,7 @@
 mod config;
 pub use config::*;
 
-use super::StageError;
+use super::{StageContext, StageError};
 use crate::bus::{SharedBus, Topology};
 use crate::roles::Stream;
 use crate::schema::{self, Prompt, SchemaVersion};
@@ -12,7 +12,6 @@ use crate::tasks::{self, Dataset, TaskItem};
 use bytes::Bytes;
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
-use std::future::Future;
 
 /// Prompts per pipelined publish.
 const FEED_BATCH: usize = 256;
@@ -140,23 +139,19 @@ pub async fn publish(
     Ok(payloads.len() as u64)
 }
 
-pub async fn run(
-    cfg: &FeedConfig,
-    bus: SharedBus,
-    topo: &Topology,
-    shutdown: impl Future<Output = ()>,
-) -> Result<FeedSummary, StageError> {
+/// Feeds the prompts `cfg` names until they are all on the prompts stream or shutdown.
+pub async fn run(cfg: &FeedConfig, mut ctx: StageContext<'_>) -> Result<FeedSummary, StageError> {
     let Feed {
         task,
         items,
         skipped,
     } = items(cfg)?;
-    tokio::pin!(shutdown);
+    let (bus, topo) = (ctx.bus.clone(), ctx.topo);
     let mut fed = 0u64;
     for chunk in items.chunks(FEED_BATCH) {
         tokio::select! {
             biased;
-            _ = &mut shutdown => break,
+            _ = ctx.shutdown() => break,
             r = publish(&bus, topo, &task, chunk, cfg.task.is_some()) => fed += r?,
         }
     }

@@ -100,6 +100,12 @@ pub enum ScorerError {
     Unscored,
 }
 
+impl From<ScorerError> for crate::stages::StageError {
+    fn from(e: ScorerError) -> Self {
+        crate::stages::StageError::Own(Box::new(e))
+    }
+}
+
 /// One external scorer process, started at once and restarted if it dies.
 pub(super) struct ScorerProcess {
     child: Arc<JsonLinesChild>,

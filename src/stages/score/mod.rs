@@ -8,22 +8,24 @@
 //! per-token advantages (`stages::train::credit`).
 
 mod config;
+mod error;
 mod external;
+mod scores;
 pub mod steps;
 pub mod teacher;
 pub use config::*;
+pub use error::{DETOKENIZE, NO_ANSWER, ScoreError};
 pub use external::ScorerError;
+pub use scores::{Scores, episode_scores};
 
-use super::StageError;
-use crate::bus::{Consumer, Delivery, SharedBus, Topology};
-use crate::model::ModelError;
+use super::{StageContext, StageError};
+use crate::bus::Delivery;
 use crate::model::tokenizer::Tokenizer;
 use crate::roles::{Stage, Stream};
-use crate::schema::{self, Floats, RolloutGroup, ScoredGroup};
+use crate::schema::{self, RolloutGroup, ScoredGroup};
 use crate::tasks;
 use bytes::Bytes;
 use external::{ExternalRequest, ScorerProcess};
-use std::future::Future;
 use std::time::{Duration, Instant};
 
 /// Tokens of a completion that make its text: all but a final stop token.
@@ -59,95 +61,6 @@ pub fn advantages(rewards: &[f32], kind: AdvantageKind) -> Vec<f32> {
             rewards.iter().map(|r| r - (sum - r) / (n - 1.0)).collect()
         }
         AdvantageKind::Nostd => rewards.iter().map(|r| r - mean).collect(),
-    }
-}
-
-/// What a scorer says about a group: one outcome reward per completion, and rewards placed
-/// on tokens when it gave any.
-#[derive(Debug, Clone, PartialEq)]
-pub struct Scores {
-    pub rewards: Vec<f32>,
-    pub token_rewards: Option<Vec<Floats>>,
-    /// The teacher's log-prob of each token (`score --teacher`).
-    pub teacher: Option<Vec<Floats>>,
-    /// The rewards are an environment's episode returns, already placed on tokens as turn
-    /// rewards: no outcome advantage on top (it would count them twice).
-    pub from_env: bool,
-}
-
-/// The scores of a group of episodes (its prompt names an environment): each episode's
-/// return (the sum of its turn rewards) as its reward, the turn rewards as token rewards.
-pub fn episode_scores(g: &RolloutGroup) -> Scores {
-    let rewards = g
-        .samples
-        .iter()
-        .map(|s| s.turn_rewards.iter().map(|r| r.reward).sum())
-        .collect();
-    let token_rewards = g
-        .samples
-        .iter()
-        .map(|s| {
-            let mut r = vec![0f32; s.tokens.len()];
-            for t in &s.turn_rewards {
-                if let Some(x) = r.get_mut(t.index as usize) {
-                    *x += t.reward;
-                }
-            }
-            r.into()
-        })
-        .collect();
-    Scores {
-        rewards,
-        token_rewards: Some(token_rewards),
-        teacher: None,
-        from_env: true,
-    }
-}
-
-/// Why a group was not scored.
-#[derive(Debug, thiserror::Error)]
-pub enum ScoreError {
-    /// The prompt or a completion cannot be turned into text: its ids are not the
-    /// tokenizer's. Retrying cannot help; the group is dead-lettered with reason
-    /// [`DETOKENIZE`].
-    #[error("{what} cannot be detokenized: {source}")]
-    Detokenize {
-        what: String,
-        #[source]
-        source: ModelError,
-    },
-    /// The built-in scorer has no answer to compare with. Retrying cannot help; the group
-    /// is dead-lettered with reason [`NO_ANSWER`].
-    #[error("group {0} has no `answer` in its meta; use --scorer-cmd for this task")]
-    NoAnswer(String),
-    #[error(transparent)]
-    External(#[from] ScorerError),
-    #[error(transparent)]
-    Encode(#[from] crate::schema::CodecError),
-    /// The teacher cannot run the group (an id past its vocabulary, longer than its
-    /// context). Retrying cannot help; dead-lettered with the refusal's reason.
-    #[error("the teacher cannot score this group: {0}")]
-    TeacherInput(crate::schema::Refusal),
-    /// The teacher's computation failed (worth a retry).
-    #[error("teacher: {0}")]
-    TeacherFailed(String),
-}
-
-/// Dead-letter reason of a group whose text cannot be recovered.
-pub const DETOKENIZE: &str = "detokenize";
-/// Dead-letter reason of a group the built-in scorer has no answer for.
-pub const NO_ANSWER: &str = "no_answer";
-
-impl ScoreError {
-    /// The dead-letter reason of an error retrying cannot help; `None` for one worth a
-    /// retry (a scorer that timed out, crashed or answered badly).
-    pub fn dead_letter_reason(&self) -> Option<&'static str> {
-        match self {
-            ScoreError::Detokenize { .. } => Some(DETOKENIZE),
-            ScoreError::NoAnswer(_) => Some(NO_ANSWER),
-            ScoreError::TeacherInput(r) => Some(r.reason),
-            ScoreError::External(_) | ScoreError::Encode(_) | ScoreError::TeacherFailed(_) => None,
-        }
     }
 }
 
@@ -409,30 +322,17 @@ fn finish(
     Ok(Bytes::from(schema::encode(&scored)?))
 }
 
-pub async fn run(
-    cfg: &ScoreConfig,
-    bus: SharedBus,
-    topo: &Topology,
-    shutdown: impl Future<Output = ()>,
-) -> Result<ScoreSummary, StageError> {
+/// Scores rollouts until shutdown (see the [stage docs](crate::stages)).
+pub async fn run(cfg: &ScoreConfig, mut ctx: StageContext<'_>) -> Result<ScoreSummary, StageError> {
     let mut scorer = Scorer::new(cfg)?;
-    let mut consumer = Consumer::<RolloutGroup>::join(
-        bus.clone(),
-        topo.key(Stream::Rollouts),
-        topo.group(Stream::Rollouts),
-        &cfg.name,
-        topo.dead_key(),
-        topo.consumer_options(),
-    )
-    .await?;
-    let out_stream = topo.key(Stream::Scored);
-    let max_len = topo.max_len(Stream::Scored);
+    let mut consumer = ctx
+        .consumer::<RolloutGroup>(Stream::Rollouts, ctx.topo.consumer_options())
+        .await?;
+    let out_stream = ctx.topo.key(Stream::Scored);
+    let max_len = ctx.topo.max_len(Stream::Scored);
     let mut summary = ScoreSummary::default();
-    crate::metrics::started(Stage::Score);
-    let retention =
-        crate::retention::spawn_standing(bus.clone(), topo, &["rollouts"], Stage::Score);
-    let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, Stage::Score, &cfg.name);
-    tokio::pin!(shutdown);
+    let retention = ctx.start(&[Stream::Rollouts.as_str()]);
+    let mut heartbeat = ctx.heartbeat();
     loop {
         let fields = [
             ("groups", summary.scored as f64),
@@ -442,7 +342,7 @@ pub async fn run(
         heartbeat.beat(0, &fields).await;
         let batch = tokio::select! {
             biased;
-            _ = &mut shutdown => break,
+            _ = ctx.shutdown() => break,
             b = consumer.poll() => b?,
         };
         let mut out = Vec::with_capacity(batch.len());
@@ -469,7 +369,7 @@ pub async fn run(
             }
         }
         if !out.is_empty() {
-            bus.publish(&out_stream, &out, max_len).await?;
+            ctx.bus.publish(&out_stream, &out, max_len).await?;
             consumer.ack(&done).await?;
             summary.scored += done.len() as u64;
         }

@@ -13,7 +13,7 @@
 //! step multiplies every gradient by as it reads it.
 //!
 //! That pass, like [`SquaredNorm`]'s, is for tensors in host memory
-//! ([`Kernels::HOST_MEMORY`]). On a device the same update runs as tensor operations there,
+//! ([`WeightStorage::HOST_MEMORY`](crate::model::WeightStorage::HOST_MEMORY)). On a device the same update runs as tensor operations there,
 //! so a step moves no parameter, gradient or moment across to the host
 //! (`tests/integration/transfers.rs` bounds what does cross).
 
@@ -109,7 +109,7 @@ fn host_sum_squares<B: Backend, const D: usize>(g: Tensor<B, D>) -> (f64, Tensor
 }
 
 /// The squared global L2 norm of a step's gradients, added one gradient at a time: on the
-/// host in f64 and a fixed order ([`Kernels::HOST_MEMORY`]), on a device as one running
+/// host in f64 and a fixed order ([`WeightStorage::HOST_MEMORY`](crate::model::WeightStorage::HOST_MEMORY)), on a device as one running
 /// scalar there, read once by [`SquaredNorm::total`].
 pub struct SquaredNorm<B: Backend> {
     host: f64,

@@ -64,6 +64,12 @@ pub enum CheckpointError {
     Model(#[from] ModelError),
 }
 
+impl From<CheckpointError> for crate::stages::StageError {
+    fn from(e: CheckpointError) -> Self {
+        crate::stages::StageError::Own(Box::new(e))
+    }
+}
+
 impl CheckpointError {
     fn io(dir: &Path, what: impl Into<String>) -> impl FnOnce(std::io::Error) -> Self {
         let (dir, what) = (dir.to_path_buf(), what.into());

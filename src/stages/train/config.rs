@@ -89,7 +89,7 @@ crate::settings! {
         /// Trainer ranks (`mpirun -n N rlstream train`): how long one rank waits for the others in a collective call before it names those that do not answer and ends every rank; start-up waits ten times as long (loading, a warm start in `run`).
         pub collective_timeout_s: f64 = 300.0,
         /// Trainer ranks: the type gradients are summed in across ranks, f32 (exact, as one trainer) or bf16 (half the bytes; each partial sum rounded).
-        pub allreduce_dtype: crate::collective::WireDtype = crate::collective::WireDtype::F32,
+        pub allreduce_dtype: crate::collective::ReduceDtype = crate::collective::ReduceDtype::F32,
         /// Trainer ranks: gradients are summed in buckets of this many MiB, one collective call each.
         pub allreduce_bucket_mb: usize = 64,
         /// Consumer name, unique per trainer process.
@@ -162,4 +162,13 @@ impl TrainConfig {
         spec.validate()?;
         Ok(spec)
     }
+}
+
+/// What a trainer runs with: its own `[train]` section and the shared `[policy]` one. Saved
+/// beside each checkpoint as `train_config.toml`, in the same sections as the config file.
+#[derive(Debug, Clone, Default, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TrainerSettings {
+    pub policy: crate::stages::policy::PolicySettings,
+    pub train: TrainConfig,
 }

@@ -398,7 +398,7 @@ fn surrogate<B: AutodiffBackend>(
 mod tests {
     use super::*;
     use crate::model::TrainBackend;
-    use crate::model::config::{Architecture, PolicyConfig};
+    use crate::model::config::{Architecture, ModelConfig};
     use crate::schema::{RolloutGroup, SchemaVersion, examples};
     use burn::tensor::backend::AutodiffBackend;
 
@@ -438,12 +438,9 @@ mod tests {
     #[test]
     fn per_token_advantages_give_the_hand_computed_gradient() {
         let device = Default::default();
-        let model = Policy::<TrainBackend>::random(
-            &PolicyConfig::tiny(Architecture::Llama, 16),
-            3,
-            &device,
-        )
-        .unwrap();
+        let model =
+            Policy::<TrainBackend>::random(&ModelConfig::tiny(Architecture::Llama, 16), 3, &device)
+                .unwrap();
         let mut rollout = examples::rollout_group(1, 2, 16, 0);
         for s in &mut rollout.samples {
             s.mask = None;
@@ -518,12 +515,9 @@ mod tests {
     #[test]
     fn environment_tokens_do_not_reach_the_loss() {
         let device = Default::default();
-        let model = Policy::<TrainBackend>::random(
-            &PolicyConfig::tiny(Architecture::Llama, 16),
-            4,
-            &device,
-        )
-        .unwrap();
+        let model =
+            Policy::<TrainBackend>::random(&ModelConfig::tiny(Architecture::Llama, 16), 4, &device)
+                .unwrap();
         let clean = examples::scored_episode();
         let mut garbage = clean.clone();
         for (i, s) in garbage.rollout.samples.iter_mut().enumerate() {

@@ -32,8 +32,7 @@ pub use ranks::{Outcome, follow, step as step_over_ranks};
 pub use state::TrainerState;
 pub use trainer::{TrainOn, Trainer, TrainerOn};
 
-use super::StageError;
-use super::policy::PolicySettings;
+use super::{StageContext, StageError};
 use crate::bus::{Consumer, ConsumerOptions, Delivery, EntryId, SharedBus, Topology};
 use crate::collective::{self, Collective};
 use crate::model::fault;
@@ -43,23 +42,13 @@ use crate::weights::{Publisher, Transport, WeightsError};
 
 use bytes::Bytes;
 use intake::{DropReason, Intake, staleness};
-use serde::{Deserialize, Serialize};
+use serde::Serialize;
 use std::collections::BTreeMap;
-use std::future::Future;
 use std::time::{Duration, Instant};
 
 /// How long the trainer retries publishing into a weights store that fails (full,
 /// unmounted) before it stops with the store's error.
 const STORE_PATIENCE: Duration = Duration::from_secs(300);
-
-/// What a trainer runs with: its own `[train]` section and the shared `[policy]` one. Saved
-/// beside each checkpoint as `train_config.toml`, in the same sections as the config file.
-#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct TrainerSettings {
-    pub policy: PolicySettings,
-    pub train: TrainConfig,
-}
 
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct TrainSummary {
@@ -92,37 +81,67 @@ struct Loop<'a> {
     summary: TrainSummary,
 }
 
-/// Runs the trainer until `cfg.train.steps` steps (0: until shutdown). `on_step` sees each
-/// step's record (for progress displays and reports). `transport` says how weights reach
-/// the generators ([`Transport::Bus`] unless they share this process).
-pub async fn run(
-    cfg: &TrainerSettings,
-    bus: SharedBus,
-    topo: &Topology,
-    transport: Transport,
-    shutdown: impl Future<Output = ()>,
-    on_step: impl FnMut(&StepRecord),
+/// What the trainer stage does: its settings, how its weights reach the generators
+/// ([`Transport::Bus`] unless they share this process), the ranks it leads (one alone
+/// without `mpirun`), and what sees each step's record (progress displays and reports).
+pub struct TrainJob<'a, F> {
+    pub settings: &'a TrainerSettings,
+    pub transport: Transport,
+    pub ranks: Box<dyn Collective>,
+    pub on_step: F,
+}
+
+impl<'a> TrainJob<'a, fn(&StepRecord)> {
+    /// One rank alone, weights on the bus, nothing called per step.
+    pub fn new(settings: &'a TrainerSettings) -> Self {
+        TrainJob {
+            settings,
+            transport: Transport::Bus,
+            ranks: Box::new(collective::Solo::default()),
+            on_step: |_| {},
+        }
+    }
+}
+
+impl<'a, F: FnMut(&StepRecord)> TrainJob<'a, F> {
+    pub fn transport(self, transport: Transport) -> Self {
+        TrainJob { transport, ..self }
+    }
+
+    pub fn ranks(self, ranks: Box<dyn Collective>) -> Self {
+        TrainJob { ranks, ..self }
+    }
+
+    pub fn on_step<G: FnMut(&StepRecord)>(self, on_step: G) -> TrainJob<'a, G> {
+        TrainJob {
+            settings: self.settings,
+            transport: self.transport,
+            ranks: self.ranks,
+            on_step,
+        }
+    }
+}
+
+/// Runs the trainer until `settings.train.steps` steps (0: until shutdown).
+pub async fn run<F: FnMut(&StepRecord)>(
+    job: TrainJob<'_, F>,
+    ctx: StageContext<'_>,
 ) -> Result<TrainSummary, StageError> {
-    let mut ranks = collective::take_installed();
-    let trainer = tokio::task::block_in_place(|| ranks::lead(cfg, ranks.as_mut()))?;
-    let result = run_loop(
-        cfg,
-        bus,
-        topo,
+    let TrainJob {
+        settings: cfg,
         transport,
-        trainer,
-        ranks.as_mut(),
-        shutdown,
+        mut ranks,
         on_step,
-    )
-    .await;
+    } = job;
+    let trainer = tokio::task::block_in_place(|| ranks::lead(cfg, ranks.as_mut()))?;
+    let result = run_loop(cfg, ctx, transport, trainer, ranks.as_mut(), on_step).await;
     match &result {
         // Every rank has seen it and stopped.
         Err(StageError::Ranks(_)) => {}
         _ if ranks.world() > 1 => {
             let error = result.as_ref().err().map(ToString::to_string);
             tokio::task::block_in_place(|| {
-                ranks::send(ranks.as_mut(), &ranks::Command::Stop { error })
+                ranks::send(ranks.as_mut(), &ranks::RankCommand::Stop { error })
             })?;
         }
         _ => {}
@@ -131,25 +150,28 @@ pub async fn run(
 }
 
 /// [`run`] once the trainer (and its ranks) started.
-#[allow(clippy::too_many_arguments)]
 async fn run_loop(
     cfg: &TrainerSettings,
-    bus: SharedBus,
-    topo: &Topology,
+    mut ctx: StageContext<'_>,
     transport: Transport,
     trainer: Trainer,
     ranks: &mut dyn Collective,
-    shutdown: impl Future<Output = ()>,
     mut on_step: impl FnMut(&StepRecord),
 ) -> Result<TrainSummary, StageError> {
-    let mut lp = Loop::start(cfg, bus.clone(), topo, transport, trainer, ranks).await?;
-    let mut heartbeat = super::Heartbeat::new(bus.clone(), topo, Stage::Train, &cfg.train.name);
-    crate::metrics::started(Stage::Train);
+    // Read no more than a step's worth: what the trainer has not taken stays visible as lag
+    // to the generators' in-flight bound.
+    let opts = ConsumerOptions {
+        batch: cfg.policy.groups_per_step,
+        ..ctx.topo.consumer_options()
+    };
+    let consumer = ctx.consumer::<ScoredGroup>(Stream::Scored, opts);
+    let on = (ctx.bus.clone(), ctx.topo);
+    let mut lp = Loop::start(cfg, on, transport, trainer, ranks, consumer.await?).await?;
+    let mut heartbeat = ctx.heartbeat();
     let standing = [Stream::Scored, Stream::Weights, Stream::Events].map(Stream::as_str);
-    let standing = [&standing[..], &[topo.dead_letter.as_str()]].concat();
-    let retention = crate::retention::spawn_standing(bus, topo, &standing, Stage::Train);
+    let standing = [&standing[..], &[ctx.topo.dead_letter.as_str()]].concat();
+    let retention = ctx.start(&standing);
     crate::metrics::holds(Stage::Train, lp.trainer.state.version);
-    tokio::pin!(shutdown);
     while !lp.done() {
         let mut fields = vec![
             ("step", lp.trainer.state.step as f64),
@@ -163,7 +185,7 @@ async fn run_loop(
         heartbeat.beat(lp.trainer.state.version, &fields).await;
         let batch = tokio::select! {
             biased;
-            _ = &mut shutdown => break,
+            _ = ctx.shutdown() => break,
             b = lp.consumer.poll() => b?,
         };
         lp.admit(batch).await?;
@@ -188,11 +210,11 @@ impl<'a> Loop<'a> {
     /// version above anything a crashed predecessor published.
     async fn start(
         cfg: &'a TrainerSettings,
-        bus: SharedBus,
-        topo: &'a Topology,
+        (bus, topo): (SharedBus, &'a Topology),
         transport: Transport,
         trainer: Trainer,
         ranks: &'a mut dyn Collective,
+        consumer: Consumer<ScoredGroup>,
     ) -> Result<Loop<'a>, StageError> {
         let mut publisher = Publisher::new(bus.clone(), topo.clone(), cfg.train.keep_versions)
             .with_transport(transport.clone());
@@ -206,21 +228,6 @@ impl<'a> Loop<'a> {
         };
         publisher.check_fits(crate::weights::params_bytes(params, publisher.dtype()))?;
         publisher.adopt().await?;
-        // Read no more than a step's worth: what the trainer has not taken stays visible
-        // as lag to the generators' in-flight bound.
-        let opts = ConsumerOptions {
-            batch: cfg.policy.groups_per_step,
-            ..topo.consumer_options()
-        };
-        let consumer = Consumer::<ScoredGroup>::join(
-            bus.clone(),
-            topo.key(Stream::Scored),
-            topo.group(Stream::Scored),
-            &cfg.train.name,
-            topo.dead_key(),
-            opts,
-        )
-        .await?;
         let mut lp = Loop {
             cfg,
             bus,
@@ -370,7 +377,7 @@ impl<'a> Loop<'a> {
                 .map(|d| schema::encode(&d.message).map(serde_bytes::ByteBuf::from))
                 .collect::<Result<_, _>>()?;
             let state = &self.trainer.state;
-            let cmd = ranks::Command::Step {
+            let cmd = ranks::RankCommand::Step {
                 step: state.step,
                 version: state.version,
                 groups,
@@ -396,7 +403,7 @@ impl<'a> Loop<'a> {
     }
 
     /// Broadcasts `cmd` to the other ranks.
-    fn command(&mut self, cmd: &ranks::Command) -> Result<(), StageError> {
+    fn command(&mut self, cmd: &ranks::RankCommand) -> Result<(), StageError> {
         let c = &mut *self.ranks;
         tokio::task::block_in_place(|| ranks::send(c, cmd))?;
         self.last_command = Instant::now();
@@ -407,7 +414,7 @@ impl<'a> Loop<'a> {
     /// the next command has a deadline.
     fn keep_alive(&mut self) -> Result<(), StageError> {
         if self.ranks.world() > 1 && self.last_command.elapsed() > self.ranks.timeout() / 4 {
-            self.command(&ranks::Command::Idle)?;
+            self.command(&ranks::RankCommand::Idle)?;
         }
         Ok(())
     }
@@ -428,7 +435,7 @@ impl<'a> Loop<'a> {
         tokio::task::block_in_place(|| self.trainer.checkpoint())?;
         if self.ranks.world() > 1 {
             let step = self.trainer.state.step;
-            self.command(&ranks::Command::Verify { step })?;
+            self.command(&ranks::RankCommand::Verify { step })?;
             let (trainer, c) = (&self.trainer, &mut *self.ranks);
             tokio::task::block_in_place(|| ranks::verify(trainer, c))?;
         }

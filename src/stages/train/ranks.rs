@@ -5,7 +5,7 @@
 //! intake, staleness, duplicate detection and dead letters are one trainer's), publishes
 //! weights, writes checkpoints and acks, after each checkpoint, what that checkpoint holds.
 //! The other ranks touch no stream: they hold a replica of the model and the optimizer and
-//! do what rank 0 broadcasts ([`Command`]):
+//! do what rank 0 broadcasts ([`RankCommand`]):
 //!
 //! - **Step**: the step's groups (in group-id order, as one trainer takes them) go to
 //!   every rank; each rank trains its share ([`crate::collective::shares`]: by tokens,
@@ -33,7 +33,7 @@ use std::time::{Duration, Instant};
 
 /// What rank 0 tells the other ranks to do next.
 #[derive(Debug, Serialize, Deserialize)]
-pub(super) enum Command {
+pub(super) enum RankCommand {
     Step {
         step: u64,
         version: u64,
@@ -268,13 +268,13 @@ fn differences(mine: &TrainerSettings, lead: &TrainerSettings) -> Vec<String> {
 }
 
 /// Broadcasts rank 0's next command.
-pub(super) fn send(c: &mut dyn Collective, cmd: &Command) -> Result<(), StageError> {
+pub(super) fn send(c: &mut dyn Collective, cmd: &RankCommand) -> Result<(), StageError> {
     let mut bytes = rmp_serde::to_vec(cmd).map_err(|e| StageError::Other(e.to_string()))?;
     c.broadcast("rank 0's next command", 0, &mut bytes);
     Ok(())
 }
 
-fn receive(c: &mut dyn Collective) -> Result<Command, StageError> {
+fn receive(c: &mut dyn Collective) -> Result<RankCommand, StageError> {
     let mut bytes = Vec::new();
     c.broadcast("rank 0's next command", 0, &mut bytes);
     rmp_serde::from_slice(&bytes).map_err(|e| garbled(0, "command", e))
@@ -480,7 +480,7 @@ pub fn follow(mut c: Box<dyn Collective>, own: Option<&TrainerSettings>) -> Resu
     tracing::info!(rank, ranks = c.world(), "following rank 0");
     loop {
         match receive(c.as_mut())? {
-            Command::Step {
+            RankCommand::Step {
                 step: number,
                 version,
                 groups,
@@ -496,16 +496,16 @@ pub fn follow(mut c: Box<dyn Collective>, own: Option<&TrainerSettings>) -> Resu
                 let o = step(&mut trainer, c.as_mut(), &refs)?;
                 tracing::debug!(rank, step = trainer.state.step, kept = o.kept.len(), "step");
             }
-            Command::Idle => {}
-            Command::Verify { step } => {
+            RankCommand::Idle => {}
+            RankCommand::Verify { step } => {
                 trainer.state.step = step;
                 verify(&trainer, c.as_mut())?;
             }
-            Command::Stop { error: None } => {
+            RankCommand::Stop { error: None } => {
                 tracing::info!(rank, step = trainer.state.step, "rank 0 stopped; stopping");
                 return Ok(());
             }
-            Command::Stop { error: Some(e) } => {
+            RankCommand::Stop { error: Some(e) } => {
                 return Err(StageError::Other(format!(
                     "rank 0 stopped with an error: {e}"
                 )));

@@ -6,7 +6,7 @@ use super::adamw::{FusedAdamW, GradScaleHandle, SquaredNorm};
 use super::checkpoint::{self, CheckpointError, MODEL_RECORD, OPTIM_RECORD};
 use super::loss::{self, Samples, TokenSums};
 use super::state::{REMEMBERED_GROUPS, TrainerState};
-use crate::collective::{self, Collective, WireDtype};
+use crate::collective::{self, Collective, ReduceDtype};
 use crate::model::hf::load_hf;
 use crate::model::layers;
 use crate::model::lora::{self, LoraSpec};
@@ -442,7 +442,7 @@ impl<B: TrainOn> TrainerOn<B> {
         grads: &mut GradientsParams,
         c: &mut dyn Collective,
         what: &str,
-        dtype: WireDtype,
+        dtype: ReduceDtype,
         bucket_values: usize,
     ) -> Result<(), ModelError> {
         if c.world() == 1 {
@@ -457,7 +457,7 @@ impl<B: TrainOn> TrainerOn<B> {
         c.all_reduce_sum(
             &format!("{what}: which gradients exist"),
             &mut has,
-            WireDtype::F32,
+            ReduceDtype::F32,
         );
         let mut take = TakeGrads {
             grads,

@@ -14,9 +14,9 @@ pub mod group;
 pub mod inbox;
 pub mod prompts;
 pub mod source;
-mod text;
 #[cfg(test)]
 mod tests;
+mod text;
 
 pub use inbox::Doorbell;
 pub use source::{DecodeStats, Panicked, RowSource, Rows, Waiting};
@@ -139,7 +139,9 @@ impl Decoder {
     /// loaded, so the first work after a pause starts on the newest weights; then for the
     /// rest of work still arriving ([`READ_WAIT`]). Whether there is anything to do.
     fn wait_for_work(&mut self) -> bool {
-        let quiet = self.generator.active() == 0 && !self.any(Waiting::Arriving) && !self.any(Waiting::Ready);
+        let quiet = self.generator.active() == 0
+            && !self.any(Waiting::Arriving)
+            && !self.any(Waiting::Ready);
         if !quiet {
             self.receive();
             return true;

@@ -3,16 +3,18 @@
 //! prompt with per-token behaviour log-probs, version run-lengths and sampling masks.
 //!
 //! Three parts run at once:
-//! - the **decode thread** owns the [`Generator`]; before every forward pass it loads the
-//!   current model from the [`ModelSlot`] (one atomic load, timed as the swap stall), admits
-//!   waiting prompts while rows are free, and hands finished groups on;
+//! - the **decode thread** ([`decode`]) owns the batch; before every forward pass it loads
+//!   the current model from the [`ModelSlot`] (one atomic load, timed as the swap stall) and
+//!   admits work from its row sources while rows are free: the endpoint's calls
+//!   ([`serve`], `gen --serve`), the stream's plain prompts, and episodes (prompts whose meta
+//!   names an environment); finished groups go on to be published;
 //! - the **weights follower** task fetches, verifies and builds new versions and swaps them
 //!   into the slot, so the decode loop never waits for weights and keeps its KV cache;
 //! - the **reader** task polls prompts while the in-flight bound allows, and the main task
 //!   publishes finished groups and acks their prompts.
 //!
-//! [`decode`] is the decode thread and [`reader`] the prompt reader; this module starts the
-//! three parts, publishes, and stops them together.
+//! [`reader`] is the prompt reader and `writer.rs` the publisher; this module starts the
+//! parts with their row sources, publishes, and stops them together.
 //!
 //! What the model cannot run never reaches it: the reader checks each prompt's ids against
 //! the vocabulary and its length against the context (`--truncate-prompt left` cuts its
@@ -38,43 +40,34 @@ mod writer;
 
 pub use config::*;
 pub use decode::DecodeStats;
+pub use writer::GenSummary;
 
-use super::StageError;
 use super::policy::PolicySettings;
-use crate::bus::{SharedBus, Topology};
+use super::{Shutdown, StageContext, StageError};
+use crate::bus::{Consumer, SharedBus, Topology};
 use crate::env::Environments;
+use crate::env::play::EpisodeLimits;
 use crate::model::hf::load_hf;
+use crate::model::sampler::TurnLimits;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{InferBackend, Policy};
 use crate::roles::{Stage, Stream};
+use crate::schema::{Prompt, SamplingParams};
 use crate::tasks;
 use crate::weights::{Follower, ModelSlot, Transport, Versioned};
-use crate::env::play::EpisodeLimits;
-use crate::model::sampler::TurnLimits;
-use crate::schema::SamplingParams;
 use decode::calls::{CallSender, CallSource};
 use decode::episodes::{EpisodeRules, EpisodeSource};
-use decode::group::{Decoded, Groups, PromptSender, Sampling};
+use decode::group::{Decoded, GroupSampling, Groups, PromptSender};
 use decode::prompts::PromptSource;
 use decode::{Decoder, Doorbell, RowSource};
 use reader::Settled;
 use reader::{PromptReader, Shared};
-use std::future::Future;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::time::Duration;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 use writer::RolloutWriter;
-
-#[derive(Debug, Clone, Default, PartialEq)]
-pub struct GenSummary {
-    pub groups: u64,
-    pub tokens: u64,
-    pub rejected: u64,
-    pub decode: DecodeStats,
-    pub final_version: u64,
-}
 
 /// The model slot of a generator started from `model_dir`, at version 0, with the PEFT
 /// adapter in `adapter` merged in when there is one (adapter versions then still apply to
@@ -143,7 +136,7 @@ fn policy_tokenizer(policy: &PolicySettings) -> Result<Tokenizer, StageError> {
 
 /// The ids that end a completion: the model's end-of-sequence ids (its config and
 /// generation config).
-fn stop_tokens(policy: &PolicySettings, model: &crate::model::config::PolicyConfig) -> Vec<u32> {
+fn stop_tokens(policy: &PolicySettings, model: &crate::model::config::ModelConfig) -> Vec<u32> {
     match &policy.model {
         Some(dir) => crate::model::hf::stop_tokens(dir, model),
         None => model.eos_token_id.into_iter().collect(),
@@ -209,6 +202,31 @@ struct DecodeThread {
     prompts: PromptSender,
 }
 
+impl DecodeThread {
+    /// Waits for the thread to end; what it measured.
+    async fn join(self) -> Result<DecodeStats, StageError> {
+        let handle = self.handle;
+        Ok(tokio::task::spawn_blocking(move || handle.join())
+            .await
+            .map_err(|e| StageError::Panic(format!("decode thread: {e}")))?
+            .map_err(|_| StageError::Panic("the decode thread panicked".into()))??)
+    }
+}
+
+/// Starts the prompt reader on `consumer`, handing prompts to the decode thread.
+fn spawn_reader(
+    (policy, cfg): (&PolicySettings, &GenConfig),
+    consumer: Consumer<Prompt>,
+    on: (SharedBus, &Topology),
+    shared: Shared,
+    (prompts, settled): (PromptSender, tokio::sync::mpsc::UnboundedReceiver<Settled>),
+) -> Result<JoinHandle<Result<(), StageError>>, StageError> {
+    let tokenizer = policy_tokenizer(policy)?;
+    let model = shared.slot.load().policy.config().clone();
+    let reader = PromptReader::new(policy, cfg, consumer, on, tokenizer, &model, shared);
+    Ok(tokio::spawn(reader.run(prompts, settled)))
+}
+
 /// How episodes are played, from the stage's settings.
 fn episode_rules(cfg: &GenConfig, context: usize, stop_tokens: Vec<u32>) -> EpisodeRules {
     EpisodeRules {
@@ -245,7 +263,7 @@ fn spawn_decoder(
     let model = slot.load().policy.config().clone();
     let stops = stop_tokens(policy, &model);
     let tokenizer = Arc::new(policy_tokenizer(policy)?);
-    let sampling = Sampling {
+    let sampling = GroupSampling {
         params: SamplingParams {
             temperature: policy.temperature,
             top_k: cfg.sampling_top_k(),
@@ -269,12 +287,10 @@ fn spawn_decoder(
         Box::new(episodes),
     ];
     let decoder = Decoder::new(&cfg.name, cfg.max_batch, slot.clone(), sources, bell);
-    let handle = decoder
-        .spawn(stop)
-        .map_err(|source| StageError::Thread {
-            what: "decode",
-            source,
-        })?;
+    let handle = decoder.spawn(stop).map_err(|source| StageError::Thread {
+        what: "decode",
+        source,
+    })?;
     Ok(DecodeThread {
         handle,
         calls,
@@ -282,18 +298,24 @@ fn spawn_decoder(
     })
 }
 
-/// Runs the generator on the model in `slot` until `shutdown`; new versions arrive through
-/// `transport` ([`Transport::Bus`] unless the trainer shares this process).
-pub async fn run(
-    policy: &PolicySettings,
-    cfg: &GenConfig,
-    bus: SharedBus,
-    topo: &Topology,
-    slot: ModelSlot<InferBackend>,
-    transport: Transport,
-    shutdown: impl Future<Output = ()>,
-) -> Result<GenSummary, StageError> {
-    let tokenizer = policy_tokenizer(policy)?;
+/// What the generator stage does: its settings, the model it starts from, and how new
+/// versions arrive ([`Transport::Bus`] unless the trainer shares this process).
+pub struct GenJob<'a> {
+    pub policy: &'a PolicySettings,
+    pub cfg: &'a GenConfig,
+    pub slot: ModelSlot<InferBackend>,
+    pub transport: Transport,
+}
+
+/// Runs the generator until shutdown.
+pub async fn run(job: GenJob<'_>, mut ctx: StageContext<'_>) -> Result<GenSummary, StageError> {
+    let GenJob {
+        policy,
+        cfg,
+        slot,
+        transport,
+    } = job;
+    let (bus, topo) = (ctx.bus.clone(), ctx.topo);
     let stop = Arc::new(AtomicBool::new(false));
     let in_flight = Arc::new(AtomicUsize::new(0));
     let (done_tx, done_rx) = tokio::sync::mpsc::unbounded_channel::<Decoded>();
@@ -309,7 +331,6 @@ pub async fn run(
     let (follower, announced) =
         spawn_follower(bus.clone(), topo, slot.clone(), transport, stop.clone());
     let released = Arc::new(Notify::new());
-    let model = slot.load().policy.config().clone();
     let shared = Shared {
         stop: stop.clone(),
         in_flight: in_flight.clone(),
@@ -317,9 +338,14 @@ pub async fn run(
         announced,
         slot: slot.clone(),
     };
-    let reader =
-        PromptReader::join(policy, cfg, bus.clone(), topo, tokenizer, &model, shared).await?;
-    let reader = tokio::spawn(reader.run(decode.prompts.clone(), settled_rx));
+    let consumer = ctx.consumer(Stream::Prompts, reader::consumer_options(cfg, topo));
+    let reader = spawn_reader(
+        (policy, cfg),
+        consumer.await?,
+        (bus.clone(), topo),
+        shared,
+        (decode.prompts.clone(), settled_rx),
+    )?;
     let mut publisher = RolloutWriter {
         bus: bus.clone(),
         topo,
@@ -328,11 +354,9 @@ pub async fn run(
         released,
         summary: GenSummary::default(),
     };
-    crate::metrics::started(Stage::Gen);
-    let standing = [Stream::Prompts.as_str()];
-    let retention = crate::retention::spawn_standing(bus.clone(), topo, &standing, Stage::Gen);
+    let retention = ctx.start(&[Stream::Prompts.as_str()]);
     crate::metrics::holds(Stage::Gen, slot.load().version);
-    let mut heartbeat = super::Heartbeat::new(bus, topo, Stage::Gen, &cfg.name);
+    let mut heartbeat = ctx.heartbeat();
     let (outcome, reader_result) = publish_until_stopped(
         &mut publisher,
         &mut heartbeat,
@@ -340,17 +364,13 @@ pub async fn run(
         done_rx,
         reader,
         &stop,
-        shutdown,
+        ctx.shutdown(),
     )
     .await;
     // Whatever ended the loop, the decode thread and the reader stop with it.
     stop.store(true, Ordering::Relaxed);
     let mut summary = publisher.summary;
-    let handle = decode.handle;
-    summary.decode = tokio::task::spawn_blocking(move || handle.join())
-        .await
-        .map_err(|e| StageError::Panic(format!("decode thread: {e}")))?
-        .map_err(|_| StageError::Panic("the decode thread panicked".into()))??;
+    summary.decode = decode.join().await?;
     if let Some(task) = endpoint {
         task.abort();
     }
@@ -379,15 +399,14 @@ async fn publish_until_stopped(
     mut done_rx: tokio::sync::mpsc::UnboundedReceiver<Decoded>,
     mut reader: JoinHandle<Result<(), StageError>>,
     stop: &AtomicBool,
-    shutdown: impl Future<Output = ()>,
+    shutdown: &mut Shutdown<'_>,
 ) -> (Result<(), StageError>, Result<(), StageError>) {
-    tokio::pin!(shutdown);
     let mut tick = tokio::time::interval(super::HEARTBEAT_EVERY);
     let (mut stopping, mut reader_result) = (false, None);
     let outcome = loop {
         let first = tokio::select! {
             biased;
-            _ = &mut shutdown, if !stopping => {
+            _ = &mut *shutdown, if !stopping => {
                 stopping = true;
                 stop.store(true, Ordering::Relaxed);
                 continue;

@@ -2,7 +2,7 @@
 //! prompts, and tells the reader what became of each prompt (acked, or failed and to be
 //! dead-lettered), freeing its room in the in-flight bound.
 
-use super::GenSummary;
+use super::decode::DecodeStats;
 use super::decode::group::{Decoded, Finished};
 use super::reader::Settled;
 use crate::bus::{EntryId, SharedBus, Topology};
@@ -13,6 +13,16 @@ use bytes::Bytes;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::sync::Notify;
+
+/// What a generator did, at its end.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct GenSummary {
+    pub groups: u64,
+    pub tokens: u64,
+    pub rejected: u64,
+    pub decode: DecodeStats,
+    pub final_version: u64,
+}
 
 /// Publishes finished groups and acks their prompts.
 pub(super) struct RolloutWriter<'a> {

@@ -72,12 +72,15 @@ impl PromptSender {
         } else {
             &self.prompts
         };
-        to.send(FromReader::Prompt(Box::new(a))).map_err(|_| Stopped)
+        to.send(FromReader::Prompt(Box::new(a)))
+            .map_err(|_| Stopped)
     }
 
     /// Says a read's prompts have all been handed over.
     pub fn read_end(&self) -> Result<(), Stopped> {
-        self.prompts.send(FromReader::ReadEnd).map_err(|_| Stopped)?;
+        self.prompts
+            .send(FromReader::ReadEnd)
+            .map_err(|_| Stopped)?;
         self.episodes.send(FromReader::ReadEnd).map_err(|_| Stopped)
     }
 }
@@ -189,7 +192,7 @@ impl Pending {
 
 /// How a stream source samples: the stage's settings, with a seed per prompt.
 #[derive(Clone)]
-pub struct Sampling {
+pub struct GroupSampling {
     /// Everything but the seed.
     pub params: SamplingParams,
     /// The policy's seed, from which each prompt's is derived.
@@ -200,14 +203,14 @@ pub struct Sampling {
 /// The groups a stream source is decoding, and where finished ones go.
 pub struct Groups {
     gen_id: String,
-    sampling: Sampling,
+    sampling: GroupSampling,
     pending: HashMap<u64, Pending>,
     out: UnboundedSender<Decoded>,
     closed: bool,
 }
 
 impl Groups {
-    pub fn new(gen_id: &str, sampling: Sampling, out: UnboundedSender<Decoded>) -> Self {
+    pub fn new(gen_id: &str, sampling: GroupSampling, out: UnboundedSender<Decoded>) -> Self {
         Groups {
             gen_id: gen_id.to_string(),
             sampling,
@@ -238,7 +241,9 @@ impl Groups {
     }
 
     pub fn label(&self, request: u64) -> Option<&str> {
-        self.pending.get(&request).map(|p| p.prompt.prompt_id.as_str())
+        self.pending
+            .get(&request)
+            .map(|p| p.prompt.prompt_id.as_str())
     }
 
     /// Hands `source` back to the reader as failed (it dead-letters it).

@@ -7,7 +7,7 @@ use super::config::TruncatePrompt;
 use super::decode::group::{Admit, Failed, PromptSender};
 use crate::bus::{Bus, Consumer, ConsumerOptions, Delivery, EntryId, SharedBus, Topology};
 use crate::model::InferBackend;
-use crate::model::PolicyConfig;
+use crate::model::ModelConfig;
 use crate::model::tokenizer::Tokenizer;
 use crate::roles::{Stage, Stream};
 use crate::schema::{Limits, Prompt, Refusal};
@@ -95,31 +95,26 @@ pub struct PromptReader {
     shared: Shared,
 }
 
+/// How the reader reads prompts: a batch's worth of groups at a time.
+pub fn consumer_options(cfg: &GenConfig, topo: &Topology) -> ConsumerOptions {
+    ConsumerOptions {
+        batch: (cfg.max_batch / cfg.group_size).max(1),
+        ..topo.consumer_options()
+    }
+}
+
 impl PromptReader {
-    pub async fn join(
+    pub fn new(
         policy: &crate::stages::policy::PolicySettings,
         cfg: &GenConfig,
-        bus: SharedBus,
-        topo: &Topology,
+        consumer: Consumer<Prompt>,
+        (bus, topo): (SharedBus, &Topology),
         tokenizer: Tokenizer,
-        model: &PolicyConfig,
+        model: &ModelConfig,
         shared: Shared,
-    ) -> Result<Self, StageError> {
+    ) -> Self {
         let per_batch = (cfg.max_batch / cfg.group_size).max(1);
-        let opts = ConsumerOptions {
-            batch: per_batch,
-            ..topo.consumer_options()
-        };
-        let consumer = Consumer::<Prompt>::join(
-            bus.clone(),
-            topo.key(Stream::Prompts),
-            topo.group(Stream::Prompts),
-            &cfg.name,
-            topo.dead_key(),
-            opts,
-        )
-        .await?;
-        Ok(PromptReader {
+        PromptReader {
             bus,
             topo: topo.clone(),
             consumer,
@@ -136,7 +131,7 @@ impl PromptReader {
             backlog: 0,
             refreshed: None,
             shared,
-        })
+        }
     }
 
     /// Reads until stopped; `settled` carries the prompt entries the publisher acked (the

@@ -27,15 +27,15 @@ pub mod episodes;
 pub mod recorded;
 mod stream;
 
-use super::decode::calls::{Call, CallEvent, CallSender};
 use super::config::capped_top_k;
+use super::decode::calls::{Call, CallEvent, CallSender};
 use crate::bus::{SharedBus, Topology};
 use crate::model::chat::ChatTemplate;
 use crate::model::sampler::Completion;
 use crate::model::tokenizer::Tokenizer;
 use crate::schema::SamplingParams;
 use crate::stages::StageError;
-use api::{ApiError, Body, Endpoint, Head, Input, Sampling, Tokens};
+use api::{ApiError, Body, CallSampling, ChoiceTokens, Endpoint, Head, Input};
 use axum::Router;
 use axum::body::Bytes;
 use axum::extract::{Path, State};
@@ -43,7 +43,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
-use episodes::{Episodes, Extension, Given, Kind, Start};
+use episodes::{AgentEpisodes, Extension, Given, Kind, Start};
 use recorded::{RecordedCall, finish_reason};
 use serde_json::{Value, json};
 use std::convert::Infallible;
@@ -112,7 +112,7 @@ struct Server {
     setup: Setup,
     calls: CallSender,
     permits: Arc<Semaphore>,
-    episodes: Arc<Episodes>,
+    episodes: Arc<AgentEpisodes>,
     /// Requests so far (response ids, and the seeds of requests that give none).
     requests: AtomicU64,
     started: u64,
@@ -142,7 +142,7 @@ pub async fn start(
         .map_err(|e| StageError::Other(format!("the endpoint's socket: {e}")))?;
     let server = Arc::new(Server {
         permits: Arc::new(Semaphore::new(setup.max_requests)),
-        episodes: Arc::new(Episodes::new(
+        episodes: Arc::new(AgentEpisodes::new(
             setup.episode_ttl,
             setup.group_size,
             setup.group_timeout,
@@ -265,7 +265,7 @@ impl Server {
             Endpoint::Completions => api::completion_input(&mut body)?,
             Endpoint::Chat => api::chat_input(&mut body)?,
         };
-        let mut sampling = Sampling::take(&mut body, self.setup.max_batch)?;
+        let mut sampling = CallSampling::take(&mut body, self.setup.max_batch)?;
         sampling.logprobs = match endpoint {
             Endpoint::Chat => body.take("logprobs")?.unwrap_or(false),
             Endpoint::Completions => match body.take::<u32>("logprobs")? {
@@ -409,7 +409,7 @@ impl Server {
     fn params(
         &self,
         endpoint: Endpoint,
-        s: &Sampling,
+        s: &CallSampling,
         prompt_len: usize,
         recorded: bool,
         number: u64,
@@ -493,7 +493,7 @@ struct Prepared {
     extension: Extension,
     endpoint: Endpoint,
     prompt: Vec<u32>,
-    sampling: Sampling,
+    sampling: CallSampling,
     params: SamplingParams,
     episode: Option<Lease>,
 }
@@ -501,7 +501,7 @@ struct Prepared {
 /// A call's hold on its episode: released (not recorded) when dropped before
 /// [`Server::record`], whatever ended the call.
 struct Lease {
-    episodes: Arc<Episodes>,
+    episodes: Arc<AgentEpisodes>,
     id: String,
     open: bool,
 }
@@ -537,7 +537,7 @@ fn header_id(headers: &HeaderMap, name: &'static str) -> Result<Option<String>, 
 /// One choice as it arrives.
 #[derive(Default)]
 struct Choice {
-    tokens: Tokens,
+    tokens: ChoiceTokens,
     text: String,
     finish: Option<&'static str>,
     completion: Option<Completion>,

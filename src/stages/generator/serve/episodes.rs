@@ -215,7 +215,7 @@ impl Episode {
     }
 
     /// Refuses a closed episode, or one with a call being decoded.
-    fn open(&self, episode: &str) -> Result<(), Refusal> {
+    fn open(&self, episode: &str) -> Result<(), EpisodeRefusal> {
         if self.closed {
             return Err(refuse(
                 409,
@@ -248,15 +248,15 @@ struct Group {
 
 /// Why an episode call or close is refused.
 #[derive(Debug, Clone, PartialEq)]
-pub struct Refusal {
+pub struct EpisodeRefusal {
     /// 400, 404 or 409.
     pub status: u16,
     pub code: &'static str,
     pub message: String,
 }
 
-fn refuse(status: u16, code: &'static str, message: impl Into<String>) -> Refusal {
-    Refusal {
+fn refuse(status: u16, code: &'static str, message: impl Into<String>) -> EpisodeRefusal {
+    EpisodeRefusal {
         status,
         code,
         message: message.into(),
@@ -286,7 +286,7 @@ struct State {
 }
 
 /// The recorded episodes and open groups of one generator.
-pub struct Episodes {
+pub struct AgentEpisodes {
     ttl: Duration,
     group_size: usize,
     group_timeout: Duration,
@@ -306,7 +306,7 @@ pub struct Start<'a> {
     pub sampling: &'a SamplingParams,
 }
 
-impl Episodes {
+impl AgentEpisodes {
     pub fn new(
         ttl: Duration,
         group_size: usize,
@@ -314,7 +314,7 @@ impl Episodes {
         vocab: usize,
         gen_id: &str,
     ) -> Self {
-        Episodes {
+        AgentEpisodes {
             ttl,
             group_size,
             group_timeout,
@@ -342,7 +342,7 @@ impl Episodes {
         &self,
         s: &Start<'_>,
         tokenize: impl Fn(&str) -> Result<Vec<u32>, String>,
-    ) -> Result<Extension, Refusal> {
+    ) -> Result<Extension, EpisodeRefusal> {
         let now = Instant::now();
         let mut state = self.lock();
         let State { episodes, groups } = &mut *state;
@@ -377,7 +377,7 @@ impl Episodes {
         groups: &mut HashMap<String, Group>,
         g: &str,
         s: &Start<'_>,
-    ) -> Result<(), Refusal> {
+    ) -> Result<(), EpisodeRefusal> {
         let group = groups.entry(g.to_string()).or_insert_with(|| Group {
             prompt: s.prompt.to_vec(),
             sampling: s.sampling.clone(),
@@ -489,7 +489,7 @@ impl Episodes {
         episode: &str,
         reward: f32,
         turn_rewards: &[f32],
-    ) -> Result<Closed, Refusal> {
+    ) -> Result<Closed, EpisodeRefusal> {
         let mut state = self.lock();
         let State { episodes, groups } = &mut *state;
         let Some(e) = episodes.get_mut(episode) else {
@@ -613,7 +613,7 @@ fn closing(
     vocab: usize,
     reward: f32,
     turn_rewards: &[f32],
-) -> Result<(String, Option<Sample>), Refusal> {
+) -> Result<(String, Option<Sample>), EpisodeRefusal> {
     e.open(episode)?;
     let Some(g) = e.group.clone() else {
         return Err(refuse(
@@ -652,7 +652,7 @@ fn closing(
 
 /// Refuses a call on a closed or busy episode, or one that names another group than its
 /// episode's.
-fn check_call(e: &Episode, s: &Start<'_>) -> Result<(), Refusal> {
+fn check_call(e: &Episode, s: &Start<'_>) -> Result<(), EpisodeRefusal> {
     let episode = s.episode;
     e.open(episode)?;
     match (s.group, e.group.as_deref()) {
@@ -751,7 +751,7 @@ mod tests {
 
     /// Plays one episode's call: starts it, records `completion` (returned as `text`).
     fn play(
-        eps: &Episodes,
+        eps: &AgentEpisodes,
         episode: &str,
         prompt: &str,
         tokens: Vec<u32>,
@@ -786,7 +786,7 @@ mod tests {
 
     #[test]
     fn calls_that_extend_become_one_sample_and_an_edited_history_is_left_out() {
-        let eps = Episodes::new(
+        let eps = AgentEpisodes::new(
             Duration::from_secs(60),
             2,
             Duration::from_secs(60),
@@ -849,7 +849,7 @@ mod tests {
 
     #[test]
     fn a_group_takes_one_prompt_and_g_episodes_and_an_open_group_expires() {
-        let eps = Episodes::new(Duration::from_secs(60), 1, Duration::ZERO, 300, "gen-0");
+        let eps = AgentEpisodes::new(Duration::from_secs(60), 1, Duration::ZERO, 300, "gen-0");
         play(&eps, "a", "1+1=", vec![50, 0], 0, "2");
         let given = Given::Text(Kind::Text, "1+1=".into());
         let ids = bytes("1+1=").unwrap_or_default();

@@ -1,10 +1,10 @@
 //! A streamed call's server-sent events: each event from the decode thread becomes chunks in
 //! OpenAI's format, then the usage and recorded-call chunk, then `[DONE]`.
 
-use super::api::{self, ApiError, Endpoint, Head, Tokens};
+use super::api::{self, ApiError, ChoiceTokens, Endpoint, Head};
 use super::recorded::finish_reason;
 use super::{Gathered, Prepared, Server, Timer, stopped};
-use crate::stages::generate::decode::calls::CallEvent;
+use crate::stages::generator::decode::calls::CallEvent;
 use axum::response::sse::Event;
 use serde_json::{Value, json};
 use std::collections::VecDeque;
@@ -27,7 +27,13 @@ pub(super) struct Streamed {
 }
 
 impl Streamed {
-    fn chunk(&mut self, index: usize, text: &str, tokens: Tokens, finish: Option<&str>) -> Event {
+    fn chunk(
+        &mut self,
+        index: usize,
+        text: &str,
+        tokens: ChoiceTokens,
+        finish: Option<&str>,
+    ) -> Event {
         let p = &self.prepared;
         if self.sent.len() <= index {
             self.sent.resize(index + 1, false);
@@ -68,7 +74,7 @@ impl Streamed {
                 version,
                 text,
             } => {
-                let mut t = Tokens::default();
+                let mut t = ChoiceTokens::default();
                 t.push(*token, *logprob, *version);
                 (*index, text.clone(), t, None)
             }
@@ -80,10 +86,10 @@ impl Streamed {
             } => (
                 *index,
                 text.clone(),
-                Tokens::default(),
+                ChoiceTokens::default(),
                 Some(finish_reason(*finish)),
             ),
-            _ => (0, String::new(), Tokens::default(), None),
+            _ => (0, String::new(), ChoiceTokens::default(), None),
         };
         self.gathered.file(ev)?;
         let chunk = self.chunk(index, &text, tokens, finish);

@@ -36,10 +36,9 @@ impl RowSource for PromptSource {
 
     fn admit(&mut self, rows: &mut Rows<'_>) -> Result<(), ModelError> {
         while let Some(a) = self.queue.next(rows, self.groups.group_size()) {
-            self.groups
-                .start(rows, a, |g, model, version, req| {
-                    g.admit(model, version, req)
-                })?;
+            self.groups.start(rows, a, |g, model, version, req| {
+                g.admit(model, version, req)
+            })?;
         }
         Ok(())
     }

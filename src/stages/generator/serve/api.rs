@@ -65,8 +65,8 @@ impl ApiError {
     }
 }
 
-impl From<super::episodes::Refusal> for ApiError {
-    fn from(r: super::episodes::Refusal) -> Self {
+impl From<super::episodes::EpisodeRefusal> for ApiError {
+    fn from(r: super::episodes::EpisodeRefusal) -> Self {
         let status = StatusCode::from_u16(r.status).unwrap_or(StatusCode::BAD_REQUEST);
         ApiError::new(status, r.code, r.message)
     }
@@ -175,7 +175,7 @@ impl Body {
 
 /// Sampling as a request asks for it (after defaults).
 #[derive(Debug, Clone, PartialEq)]
-pub struct Sampling {
+pub struct CallSampling {
     pub n: usize,
     /// `None`: the policy's temperature.
     pub temperature: Option<f32>,
@@ -193,7 +193,7 @@ pub struct Sampling {
 /// Most stop strings a request may give.
 const MAX_STOPS: usize = 16;
 
-impl Sampling {
+impl CallSampling {
     /// Takes the sampling fields common to both endpoints; `max_batch` bounds `n`.
     pub fn take(body: &mut Body, max_batch: usize) -> Result<Self, ApiError> {
         let n: u64 = body.take("n")?.unwrap_or(1);
@@ -252,7 +252,7 @@ impl Sampling {
             .and_then(|o| o.get("include_usage"))
             .and_then(Value::as_bool)
             .unwrap_or(false);
-        Ok(Sampling {
+        Ok(CallSampling {
             n: n as usize,
             temperature,
             top_p,
@@ -396,13 +396,13 @@ pub fn chat_input(body: &mut Body) -> Result<Input, ApiError> {
 
 /// What one choice carries besides OpenAI's fields.
 #[derive(Debug, Clone, Default, PartialEq)]
-pub struct Tokens {
+pub struct ChoiceTokens {
     pub token_ids: Vec<u32>,
     pub logprobs: Vec<f32>,
     pub versions: Vec<u64>,
 }
 
-impl Tokens {
+impl ChoiceTokens {
     pub fn push(&mut self, token: u32, logprob: f32, version: u64) {
         self.token_ids.push(token);
         self.logprobs.push(logprob);
@@ -487,7 +487,7 @@ pub fn usage(prompt: usize, completion: usize) -> Value {
 /// Alternatives (`top_logprobs`) are never listed.
 pub fn logprobs_json(
     endpoint: Endpoint,
-    tokens: &Tokens,
+    tokens: &ChoiceTokens,
     texts: &[String],
     offset: usize,
 ) -> Value {
@@ -533,7 +533,7 @@ mod tests {
             "logit_bias": {}, "user": "u1", "stream": true,
             "stream_options": {"include_usage": true},
         }));
-        let s = Sampling::take(&mut b, 8).expect("valid");
+        let s = CallSampling::take(&mut b, 8).expect("valid");
         assert_eq!(
             (s.n, s.temperature, s.stop.clone()),
             (2, Some(0.7), vec!["\n".to_string()])
@@ -542,7 +542,7 @@ mod tests {
         b.finish().expect("defaults and ignored fields pass");
 
         let mut b = body(json!({"presence_penalty": 0.5, "echo": true}));
-        Sampling::take(&mut b, 8).expect("valid");
+        CallSampling::take(&mut b, 8).expect("valid");
         let e = b.finish().expect_err("a real penalty is refused");
         assert_eq!(
             (e.code, e.param.as_deref()),
@@ -554,13 +554,13 @@ mod tests {
             ("top_p", json!(0)),
             ("temperature", json!(-1)),
         ] {
-            let e = Sampling::take(&mut body(json!({field: value})), 8).expect_err(field);
+            let e = CallSampling::take(&mut body(json!({field: value})), 8).expect_err(field);
             assert_eq!(
                 (e.status, e.param.as_deref()),
                 (StatusCode::BAD_REQUEST, Some(field))
             );
         }
-        let e = Sampling::take(&mut body(json!({"max_tokens": "ten"})), 8).expect_err("type");
+        let e = CallSampling::take(&mut body(json!({"max_tokens": "ten"})), 8).expect_err("type");
         assert_eq!(e.code, "invalid_type");
         assert_eq!(
             Body::parse(b"{not json").err().map(|e| e.code),

@@ -5,7 +5,7 @@ use super::inbox::{self, Inbox};
 use super::{Decoder, Doorbell, Panicked, RowSource, Rows, Waiting};
 use crate::model::draw::tests::params;
 use crate::model::sampler::{Completion, Drawn, Request};
-use crate::model::{Architecture, InferBackend, ModelError, Policy, PolicyConfig};
+use crate::model::{Architecture, InferBackend, ModelConfig, ModelError, Policy};
 use crate::weights::{ModelSlot, Versioned};
 use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::AtomicBool;
@@ -118,7 +118,7 @@ impl RowSource for Scripted {
 
 #[test]
 fn a_fourth_row_source_is_batched_woken_and_handed_its_own_rows() {
-    let cfg = PolicyConfig::tiny(Architecture::Llama, 12);
+    let cfg = ModelConfig::tiny(Architecture::Llama, 12);
     let policy = Policy::<InferBackend>::random(&cfg, 3, &Default::default()).expect("model");
     let slot = ModelSlot::new(Versioned { version: 7, policy });
     let bell = Doorbell::new();
@@ -153,12 +153,20 @@ fn a_fourth_row_source_is_batched_woken_and_handed_its_own_rows() {
         Some("vocabulary"),
         "an id past the vocabulary is the source's to hear of"
     );
-    for (id, done) in seen.ended.iter().filter_map(|(id, e)| Some((id, e.as_ref().ok()?))) {
+    for (id, done) in seen
+        .ended
+        .iter()
+        .filter_map(|(id, e)| Some((id, e.as_ref().ok()?)))
+    {
         assert_eq!(done.len(), 2, "request {id}: both rows");
         for c in done {
             assert_eq!(c.request_id, *id);
             assert_eq!(c.tokens.len(), 8);
-            assert!(c.versions.iter().all(|run| run.version == 7), "{:?}", c.versions);
+            assert!(
+                c.versions.iter().all(|run| run.version == 7),
+                "{:?}",
+                c.versions
+            );
             let drawn: Vec<u32> = seen
                 .drawn
                 .iter()
@@ -168,6 +176,10 @@ fn a_fourth_row_source_is_batched_woken_and_handed_its_own_rows() {
             assert_eq!(drawn, c.tokens, "every token reported as drawn, in order");
         }
     }
-    assert_eq!(stats.tokens, 3 * 2 * 8, "three requests of 2 rows of 8 tokens");
+    assert_eq!(
+        stats.tokens,
+        3 * 2 * 8,
+        "three requests of 2 rows of 8 tokens"
+    );
     assert!(stats.steps >= 8 && stats.idle_s > 0.0, "{stats:?}");
 }

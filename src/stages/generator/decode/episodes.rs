@@ -81,7 +81,8 @@ impl EpisodeSource {
 
     /// Runs `env`'s step on `turn` (text `action`) on a thread of its own.
     fn send(&mut self, turn: Turn, mut env: Box<dyn Environment>, action: String) {
-        self.out.insert((turn.request_id, turn.index), Instant::now());
+        self.out
+            .insert((turn.request_id, turn.index), Instant::now());
         let (tx, latency) = (self.replies.0.clone(), self.rules.latency);
         let spawned = std::thread::Builder::new()
             .name("env-step".into())

@@ -1,0 +1,210 @@
+//! [`Kernels`]: the decoder's fused blocks as backend operations, each with the composed
+//! default from [`reference`](super::reference).
+
+use super::logprob::Kept;
+use super::reference::{self, LinearGrads};
+use crate::model::storage::WeightStorage;
+use burn::tensor::Tensor;
+
+/// The decoder's fused blocks. Shapes are fixed by the caller (the model flattens leading
+/// dimensions into rows). Every method has the composed default; a backend overrides the
+/// ones it has native kernels for.
+pub trait Kernels: WeightStorage {
+    /// Whether [`Kernels::linear_rows`] is a native kernel that reads its operands as stored,
+    /// transposed views included. The model then runs every linear layer on rows through
+    /// it, and the tied output head at any number of rows; otherwise it keeps burn's
+    /// `Linear` on the input's own rank (Flex's matrix product parallelises, and rounds,
+    /// by that shape).
+    const NATIVE_LINEAR: bool = false;
+
+    /// `x · weight + bias` for `x` `[n, in]` and `weight` `[in, out]` (burn's layout).
+    fn linear_rows(
+        x: Tensor<Self, 2>,
+        weight: Tensor<Self, 2>,
+        bias: Option<Tensor<Self, 1>>,
+    ) -> Tensor<Self, 2> {
+        reference::linear(x, weight, bias)
+    }
+
+    /// Gradients of `x`, of `weight` (when `weight_grad`: a frozen weight, such as a LoRA
+    /// base, needs none) and of the bias (when `bias`) from the output's gradient `dy`
+    /// `[n, out]`.
+    fn linear_rows_backward(
+        x: Tensor<Self, 2>,
+        weight: Tensor<Self, 2>,
+        weight_grad: bool,
+        bias: bool,
+        dy: Tensor<Self, 2>,
+    ) -> LinearGrads<Self> {
+        reference::linear_backward(x, weight, weight_grad, bias, dy)
+    }
+
+    /// RMSNorm over the rows of `x` `[n, d]`: `x / sqrt(mean(x²) + eps) * gamma`.
+    fn rms_norm(x: Tensor<Self, 2>, gamma: Tensor<Self, 1>, eps: f64) -> Tensor<Self, 2> {
+        reference::rms_norm(x, gamma, eps)
+    }
+
+    /// [`Kernels::rms_norm`] and the inverse RMS of each row `[n, 1]`, for the backward.
+    fn rms_norm_saved(
+        x: Tensor<Self, 2>,
+        gamma: Tensor<Self, 1>,
+        eps: f64,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
+        reference::rms_norm_saved(x, gamma, eps)
+    }
+
+    /// Gradients of `x` and `gamma` from the output's gradient `dy`.
+    fn rms_norm_backward(
+        x: Tensor<Self, 2>,
+        gamma: Tensor<Self, 1>,
+        inv_rms: Tensor<Self, 2>,
+        dy: Tensor<Self, 2>,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 1>) {
+        reference::rms_norm_backward(x, gamma, inv_rms, dy)
+    }
+
+    /// `a` `[r, h, ta, d]` and `b` `[r, h, tb, d]` joined along the third dimension: a layer's
+    /// cached keys or values and a forward pass's new columns.
+    fn cat_columns(a: Tensor<Self, 4>, b: Tensor<Self, 4>) -> Tensor<Self, 4> {
+        // An empty side (a fresh cache before its prefill) is the other side as it is: a
+        // copy kernel over no columns is a launch with no blocks, which CUDA refuses.
+        match (a.dims()[2], b.dims()[2]) {
+            (0, _) => b,
+            (_, 0) => a,
+            _ => Tensor::cat(vec![a, b], 2),
+        }
+    }
+
+    /// Rotary positions in the Hugging Face half-rotation layout, `x · cos + rotate_half(x)
+    /// · sin`, on `x` `[b, l, heads, hd]` with each row's tables `cos`, `sin` `[b, l, hd]`;
+    /// the result is laid out `[b, heads, l, hd]`, as attention reads it.
+    fn rope(x: Tensor<Self, 4>, cos: Tensor<Self, 3>, sin: Tensor<Self, 3>) -> Tensor<Self, 4> {
+        reference::rope(x, cos, sin)
+    }
+
+    /// The gradient `[b, l, heads, hd]` of [`Kernels::rope`]'s input from the output's
+    /// gradient `dy` `[b, heads, l, hd]`.
+    fn rope_backward(
+        dy: Tensor<Self, 4>,
+        cos: Tensor<Self, 3>,
+        sin: Tensor<Self, 3>,
+    ) -> Tensor<Self, 4> {
+        reference::rope_backward(dy, cos, sin)
+    }
+
+    /// Attention probabilities `softmax(scores · scale + bias)` over the last dimension of
+    /// `scores` `[b, heads, l, t]`, with `bias` `[1 or b, 1, l, t]` (0 or
+    /// [`MASKED`]) broadcast over heads.
+    fn attn_softmax(scores: Tensor<Self, 4>, bias: Tensor<Self, 4>, scale: f64) -> Tensor<Self, 4> {
+        reference::attn_softmax(scores, bias, scale)
+    }
+
+    /// The gradient of the scores from the probabilities and their gradient.
+    fn attn_softmax_backward(
+        probs: Tensor<Self, 4>,
+        dprobs: Tensor<Self, 4>,
+        scale: f64,
+    ) -> Tensor<Self, 4> {
+        reference::attn_softmax_backward(probs, dprobs, scale)
+    }
+
+    /// Attention of queries `q` `[b, kv_heads, g·l, hd]` (each kv head's `g` query heads
+    /// grouped, as HF's `repeat_kv` pairs them) over keys and values `k`, `v` `[b,
+    /// kv_heads, t, hd]`: `softmax(q · kᵀ · scale + bias) · v`, `[b, kv_heads, g·l, hd]`,
+    /// with `bias` as [`Kernels::attn_softmax`] takes it.
+    fn attn(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        bias: Tensor<Self, 4>,
+        scale: f64,
+    ) -> Tensor<Self, 4> {
+        Self::attn_saved(q, k, v, bias, scale).0
+    }
+
+    /// [`Kernels::attn`] and its probabilities `[b, kv_heads, g·l, t]`, for the
+    /// backward.
+    fn attn_saved(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        bias: Tensor<Self, 4>,
+        scale: f64,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 4>) {
+        reference::attn_saved((q, k, v), bias, scale, Self::attn_softmax)
+    }
+
+    /// Gradients of `q`, `k` and `v` from the output's gradient `dy`.
+    fn attn_backward(
+        q: Tensor<Self, 4>,
+        k: Tensor<Self, 4>,
+        v: Tensor<Self, 4>,
+        probs: Tensor<Self, 4>,
+        dy: Tensor<Self, 4>,
+        scale: f64,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 4>, Tensor<Self, 4>) {
+        let dprobs = dy.clone().matmul(v.swap_dims(2, 3));
+        let dv = probs.clone().swap_dims(2, 3).matmul(dy);
+        let ds = Self::attn_softmax_backward(probs, dprobs, scale);
+        let dq = ds.clone().matmul(k);
+        let dk = ds.swap_dims(2, 3).matmul(q);
+        (dq, dk, dv)
+    }
+
+    /// SwiGLU's gate: `silu(gate) · up` on `[n, f]`.
+    fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
+        reference::swiglu(gate, up)
+    }
+
+    /// Gradients of `gate` and `up` from the output's gradient `dy`.
+    fn swiglu_backward(
+        gate: Tensor<Self, 2>,
+        up: Tensor<Self, 2>,
+        dy: Tensor<Self, 2>,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
+        reference::swiglu_backward(gate, up, dy)
+    }
+
+    /// The log-prob `[n, 1]` of `targets[i]` for logits `[n, vocab]`, as
+    /// [`token_logprob`] defines it: tempered, renormalised over row `i` of `kept`. Every
+    /// target and kept id is below the vocabulary size (the trainer refuses other messages
+    /// first).
+    fn token_logprobs(
+        logits: Tensor<Self, 2>,
+        targets: &[u32],
+        temperature: f32,
+        kept: &Kept,
+    ) -> Tensor<Self, 2> {
+        reference::token_logprobs(logits, targets, temperature, kept)
+    }
+
+    /// [`Kernels::token_logprobs`] and each row's log-sum-exp `[n, 1]` of the scaled
+    /// logits (over its kept ids), for the backward.
+    fn token_logprobs_saved(
+        logits: Tensor<Self, 2>,
+        targets: &[u32],
+        temperature: f32,
+        kept: &Kept,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
+        reference::token_logprobs_saved(logits, targets, temperature, kept)
+    }
+
+    /// The gradient of the logits from the log-probs' gradient `dy` `[n, 1]`.
+    fn token_logprobs_backward(
+        logits: Tensor<Self, 2>,
+        lse: Tensor<Self, 2>,
+        targets: &[u32],
+        temperature: f32,
+        kept: &Kept,
+        dy: Tensor<Self, 2>,
+    ) -> Tensor<Self, 2> {
+        reference::token_logprobs_backward(logits, lse, targets, temperature, kept, dy)
+    }
+}
+
+impl Kernels for burn::backend::Flex {}
+
+#[cfg(feature = "cuda")]
+impl Kernels for burn::backend::Cuda {}
+#[cfg(feature = "wgpu")]
+impl Kernels for burn::backend::Wgpu {}

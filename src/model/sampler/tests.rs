@@ -1,0 +1,157 @@
+//! The generator's rows, context limits, dropped requests and watched rows.
+
+use super::*;
+use crate::model::draw::tests::params;
+
+#[test]
+fn a_row_writes_whole_vocabulary_kept_sets_only_once_a_token_truncates() {
+    let req = Request {
+        id: 0,
+        prompt: vec![1],
+        n: 1,
+        params: params(1.0, 0, 1.0),
+    };
+    let draw = |token, kept: Option<Vec<u32>>| Draw {
+        token,
+        logprob: -0.5,
+        kept,
+    };
+    let vocab = 4;
+    let mut plain = Row::new(&req, 0, 8);
+    plain.push(draw(2, None), 0, vocab);
+    plain.push(draw(3, None), 0, vocab);
+    assert!(
+        plain.kept_ids.is_empty(),
+        "nothing stored while nothing truncates"
+    );
+    assert_eq!(plain.finish().mask, None);
+
+    let mut mixed = Row::new(&req, 0, 8);
+    mixed.push(draw(2, None), 0, vocab);
+    mixed.push(draw(3, None), 0, vocab);
+    mixed.push(draw(1, Some(vec![1, 3])), 0, vocab);
+    mixed.push(draw(0, None), 0, vocab);
+    let mask = mixed
+        .finish()
+        .mask
+        .expect("a truncated token records the mask");
+    assert_eq!(mask.offsets.as_slice(), [0, 4, 8, 10, 14]);
+    assert_eq!(
+        mask.ids.as_slice(),
+        [0, 1, 2, 3, 0, 1, 2, 3, 1, 3, 0, 1, 2, 3]
+    );
+}
+
+fn short_context_model() -> Policy<burn::backend::NdArray> {
+    let mut cfg = super::super::ModelConfig::tiny(super::super::Architecture::Llama, 12);
+    cfg.max_position = 8;
+    cfg.eos_token_id = None;
+    Policy::random(&cfg, 3, &Default::default()).expect("model")
+}
+
+#[test]
+fn completions_end_where_the_context_ends_and_a_full_prompt_is_refused() {
+    let model = short_context_model();
+    let req = |prompt: Vec<u32>| Request {
+        id: 0,
+        prompt,
+        n: 2,
+        params: SamplingParams {
+            max_new_tokens: 5,
+            ..params(1.0, 0, 1.0)
+        },
+    };
+    for (prompt_len, completion) in [(1, 5), (3, 5), (4, 4), (7, 1)] {
+        let done = Generator::generate(&model, 0, &[req(vec![2; prompt_len])]).expect("ran");
+        for c in &done {
+            assert_eq!(c.tokens.len(), completion, "prompt of {prompt_len}");
+            assert_eq!(c.finish, FinishReason::Length);
+        }
+    }
+    let mut g = Generator::new();
+    match g.admit(&model, 0, &req(vec![2; 8])) {
+        Err(ModelError::Refused(r)) => assert_eq!(r.reason, "context"),
+        other => panic!("a prompt of the whole context: {other:?}"),
+    }
+    match g.admit(&model, 0, &req(vec![2, 12])) {
+        Err(ModelError::Refused(r)) => assert_eq!(r.reason, "vocabulary"),
+        other => panic!("an id past the vocabulary: {other:?}"),
+    }
+    assert!(g.is_idle(), "a refused prompt leaves nothing behind");
+}
+
+#[test]
+fn a_dropped_request_leaves_the_other_rows_decoding() {
+    let model = short_context_model();
+    let mut g = Generator::new();
+    for (id, prompt) in [(0u64, vec![1, 2]), (1, vec![3])] {
+        let r = Request {
+            id,
+            prompt,
+            n: 2,
+            params: params(1.0, 0, 1.0),
+        };
+        g.admit(&model, 0, &r).expect("admit");
+    }
+    let before = g.snapshot();
+    g.forward(&model).expect("pass");
+    g.restore(before);
+    for i in 0..g.active() {
+        g.probe_row(&model, i).expect("each row runs alone");
+    }
+    g.drop_request(0);
+    assert_eq!(g.row_requests(), [1, 1]);
+    let mut done = Vec::new();
+    while !g.is_idle() {
+        done.extend(g.step(&model, 0).expect("step"));
+    }
+    assert!(done.iter().all(|c| c.request_id == 1), "{}", done.len());
+    assert_eq!(done.len(), 2);
+}
+
+#[test]
+fn watched_rows_report_each_draw_and_a_row_ended_early_frees_only_itself() {
+    let model = short_context_model();
+    let mut g = Generator::new();
+    let req = |id, n| Request {
+        id,
+        prompt: vec![1, 2],
+        n,
+        params: SamplingParams {
+            max_new_tokens: 5,
+            ..params(1.0, 0, 1.0)
+        },
+    };
+    g.admit_watched(&model, 3, &req(0, 2)).expect("admit");
+    g.admit(&model, 3, &req(1, 1)).expect("admit");
+    let mut drawn = g.take_drawn();
+    assert_eq!(drawn.len(), 2, "each watched row's first token");
+    g.step(&model, 4).expect("step");
+    drawn.extend(g.take_drawn());
+    let ended = g
+        .finish_row(0, 1, FinishReason::Stop)
+        .expect("row 1 is decoding");
+    assert_eq!(ended.tokens.len(), 2);
+    assert_eq!(ended.finish, FinishReason::Stop);
+    assert_eq!(g.row_requests(), [0, 1]);
+    let mut done = vec![ended];
+    while !g.is_idle() {
+        done.extend(g.step(&model, 4).expect("step"));
+        drawn.extend(g.take_drawn());
+    }
+    for c in done.iter().filter(|c| c.request_id == 0) {
+        let mine: Vec<&Drawn> = drawn.iter().filter(|d| d.index == c.index).collect();
+        let tokens: Vec<u32> = mine.iter().map(|d| d.token).collect();
+        let logprobs: Vec<f32> = mine.iter().map(|d| d.logprob).collect();
+        assert_eq!(tokens, c.tokens, "row {}", c.index);
+        assert_eq!(logprobs, c.logprobs);
+        let versions: Vec<u64> = mine.iter().map(|d| d.version).collect();
+        assert_eq!(versions[0], 3);
+        assert!(versions[1..].iter().all(|&v| v == 4));
+    }
+    assert!(
+        drawn.iter().all(|d| d.request_id == 0),
+        "request 1 is not watched"
+    );
+    assert_eq!(done.len(), 3);
+}

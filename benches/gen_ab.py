@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The generator before and after a change, rlstream alone, side by side in one run.
 
-    python benches/gen_ab.py --before REV [--runs 5] [--groups 16] [--redis URL]
+    python benches/gen_ab.py --before REV [--runs 5] [--groups 16] [--redis URL] [--reuse]
 
 Builds revision REV in a scratch git worktree and this tree (release, default features,
 one shared target directory), writes Qwen2.5-0.5B's shape with random weights, then runs
@@ -11,13 +11,16 @@ both builds interleaved (before, after, before, ...), `--runs` times each:
   tokens after a 128-token prompt, tokens/s including prefill;
 - `gen under load`: one `rlstream gen` process on Redis with `--max-batch 64` (8 groups of
   8 in flight, a new group admitted as one finishes), 32 new tokens, its generated-token
-  counter over the time from the first published group to the `--groups`-th
-  (benches/gen_load.py's measure, without PyTorch).
+  tokens from the first published group to the `--groups`-th, read off the groups' own
+  `finished_us` (see `stream_rate`); benches/gen_load.py's measure, the metrics counter
+  over that window, is shown beside it (under full load a scrape can time out for a whole
+  run, which reads 0).
 
 Prints every run as a JSON line and, per work, the medians and after/before. The machine's
 timings move by 10% and more between runs of one binary (BENCHMARKS.md), which is why the
-runs are interleaved and the medians compared. Needs Redis on 127.0.0.1:6379 and the
-`redis` Python package.
+runs are interleaved and the medians compared. `--reuse` runs the binaries the last
+build left in target/gen-ab/ instead of building. Needs Redis on 127.0.0.1:6379 and the
+`redis` Python package (scripts/setup-python.sh puts it in .venv).
 """
 import argparse
 import json
@@ -53,6 +56,35 @@ def built(tree, target):
     return tuple(paths)
 
 
+def stream_rate(redis_url, ns, groups):
+    """Tokens/s of the first `groups` groups on the run's rollouts stream, from their own
+    `finished_us`: the tokens of every group after the first over the time from the first's
+    finish to the last's. At 0.5B every row runs to the token limit, so the groups finish in
+    waves of 8 and this counts the rest of the first wave too: it reads higher than the
+    counter's rate (which starts after the first wave is published), the same way for both
+    builds, and never reads 0 when a scrape of the counter timed out."""
+    import msgpack
+    import redis
+    entries = redis.Redis.from_url(redis_url).xrange(f"{ns}:rollouts", count=groups)
+    done = []
+    for _, fields in entries:
+        msg = msgpack.unpackb(fields[b"d"], raw=False)
+        tokens = sum(len(s["tokens"]) // 4 for s in msg["samples"])
+        done.append((msg["finished_us"], tokens))
+    done.sort()
+    secs = (done[-1][0] - done[0][0]) / 1e6
+    return round(sum(t for _, t in done[1:]) / secs, 2)
+
+
+def forget(redis_url, ns):
+    """Deletes a run's streams."""
+    import redis
+    r = redis.Redis.from_url(redis_url)
+    keys = list(r.scan_iter(f"{ns}:*"))
+    if keys:
+        r.delete(*keys)
+
+
 def last_json(cmd):
     out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout
     lines = [line for line in out.splitlines() if line.startswith("{")]
@@ -65,14 +97,22 @@ def main():
     ap.add_argument("--runs", type=int, default=5)
     ap.add_argument("--groups", type=int, default=16, help="groups timed under load")
     ap.add_argument("--redis", default="redis://127.0.0.1:6379")
+    ap.add_argument("--reuse", action="store_true",
+                    help="run the binaries of the last build in target/gen-ab/")
     args = ap.parse_args()
     target = os.path.join(ROOT, "target")
     out = tempfile.mkdtemp(prefix="gen-ab-")
     before_tree = os.path.join(out, "before")
-    subprocess.run(["git", "worktree", "add", "--detach", before_tree, args.before],
-                   cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
+    if not args.reuse:
+        subprocess.run(["git", "worktree", "add", "--detach", before_tree, args.before],
+                       cwd=ROOT, check=True, stdout=subprocess.DEVNULL)
     try:
-        builds = {"before": built(before_tree, target), "after": built(ROOT, target)}
+        if args.reuse:
+            side = lambda name: tuple(os.path.join(target, "gen-ab", name, b)
+                                      for b in ("rlstream", "train_scale"))
+            builds = {"before": side("before"), "after": side(os.path.basename(ROOT))}
+        else:
+            builds = {"before": built(before_tree, target), "after": built(ROOT, target)}
         model = model_dir("0.5b", builds["after"][0], builds["after"][1], out)
         results = {(side, work): [] for side in builds for work in ("generate", "gen_load")}
         for run in range(args.runs):
@@ -80,8 +120,10 @@ def main():
                 g = last_json([bench, "generate", model, "128", "128", "8"])
                 results[(side, "generate")].append(g["tokens_per_s"])
                 print(json.dumps({"run": run, "side": side, "work": "generate", **g}), flush=True)
-                load, _ = run_gen(rlstream, model, "0.5b", args.groups, args.redis)
-                results[(side, "gen_load")].append(load["tokens_per_s"])
+                load, ns = run_gen(rlstream, model, "0.5b", args.groups, args.redis)
+                load["stream_tokens_per_s"] = stream_rate(args.redis, ns, args.groups)
+                forget(args.redis, ns)
+                results[(side, "gen_load")].append(load["stream_tokens_per_s"])
                 print(json.dumps({"run": run, "side": side, "work": "gen_load", **load}),
                       flush=True)
         for work in ("generate", "gen_load"):
@@ -92,8 +134,9 @@ def main():
                               "before": results[("before", work)],
                               "after": results[("after", work)]}), flush=True)
     finally:
-        subprocess.run(["git", "worktree", "remove", "--force", before_tree], cwd=ROOT,
-                       check=False)
+        if not args.reuse:
+            subprocess.run(["git", "worktree", "remove", "--force", before_tree], cwd=ROOT,
+                           check=False)
 
 
 if __name__ == "__main__":

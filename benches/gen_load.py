@@ -65,7 +65,7 @@ def generated(addr):
 def run_gen(rlstream, model, size, groups, redis_url):
     """The gen process's tokens/s, peak memory and the namespace its rollouts are in."""
     new = SIZES[size][0]
-    ns = f"genload-{size}-{os.getpid()}"
+    ns = f"genload-{size}-{os.getpid()}-{time.monotonic_ns()}"
     common = ["--redis", redis_url, "--namespace", ns]
     subprocess.run([rlstream, "feed", "--task", "sort", "--count", str(groups + ROWS // GROUP)]
                    + common, check=True, stdout=subprocess.DEVNULL)

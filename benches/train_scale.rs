@@ -58,7 +58,7 @@ use rlstream::config::{PolicySettings, TrainConfig};
 use rlstream::model::hf::load_hf;
 use rlstream::model::sampler::{Generator, Request};
 use rlstream::model::tensors::WeightDtype;
-use rlstream::model::{Architecture, InferBackend, Kernels, ModelConfig, Policy};
+use rlstream::model::{Architecture, InferBackend, Kernels, ModelConfig, Policy, WeightStorage};
 use rlstream::schema::{
     self, FinishReason, Sample, SamplingParams, SchemaVersion, ScoredGroup, VersionRun,
 };

@@ -131,7 +131,7 @@ pub trait WeightStorage: Backend {
     /// A linear weight of a model built for generation (no gradients), `[in, out]`, from
     /// the checkpoint's row-major `[out, in]` values. By default a contiguous `[in, out]`
     /// copy, as every model gets; the native CPU kernels keep the stored order instead, read
-    /// as a transposed view, so that [`WeightStorage::linear_rows`] streams each weight once for a
+    /// as a transposed view, so that [`Kernels::linear_rows`](crate::model::Kernels::linear_rows) streams each weight once for a
     /// few rows (a decode step) instead of packing it, and keep a large weight whose every
     /// value is a bf16 (a bf16 checkpoint, a bf16 weight version) in 16 bits ([`widened`] gives
     /// its f32 tensor back): half the memory and half the bytes a decode step streams, with

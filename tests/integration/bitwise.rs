@@ -4,7 +4,7 @@
 //! micro-batches, top-k masks (kept-set renormalisation), multi-turn episodes (environment
 //! tokens, resumed caches) and an MoE policy (routing replay).
 
-use rlstream::bus::{MemoryBus, SharedBus, Topology};
+use rlstream::bus::{MemoryBus, SharedBus};
 use rlstream::commands::run::{self, RunOptions};
 use rlstream::commands::sft::{self, SftOptions};
 use rlstream::display::DisplayMode;
@@ -41,16 +41,7 @@ async fn a_sync_run_has_ratios_of_exactly_one() {
         display: DisplayMode::Quiet,
     };
     let bus: SharedBus = Arc::new(MemoryBus::new());
-    let outcome = run::run(
-        &opts,
-        cfg,
-        bus,
-        Topology::default(),
-        Box::new(rlstream::collective::Solo::default()),
-        std::future::pending(),
-    )
-    .await
-    .unwrap();
+    let outcome = crate::common::run_alone(&opts, cfg, bus).await;
     assert_eq!(outcome.rows.len(), 3);
     for row in &outcome.rows {
         let r = &row.record;

@@ -844,3 +844,22 @@ pub async fn score_until(
     let role = (rlstream::roles::Stage::Score, cfg.name.as_str());
     rlstream::stages::score::run(cfg, StageContext::new(role, bus, topo, shutdown)).await
 }
+
+/// `rlstream run` in this process, one trainer rank, on `bus` and the default topology,
+/// until its steps.
+pub async fn run_alone(
+    opts: &rlstream::commands::run::RunOptions,
+    cfg: rlstream::config::Config,
+    bus: SharedBus,
+) -> rlstream::commands::run::RunOutcome {
+    rlstream::commands::run::run(
+        opts,
+        cfg,
+        bus,
+        rlstream::bus::Topology::default(),
+        Box::new(rlstream::collective::Solo::default()),
+        std::future::pending(),
+    )
+    .await
+    .expect("the run")
+}

@@ -2,7 +2,7 @@
 //! same messages and trainer metrics; the report files are written and well-formed; the
 //! real binary runs it on the embedded bus and on Redis.
 
-use rlstream::bus::{MemoryBus, RangeBound, SharedBus, Topology};
+use rlstream::bus::{MemoryBus, RangeBound, SharedBus};
 use rlstream::commands::run::{self, RunOptions, RunOutcome};
 use rlstream::commands::sft::{self, SftOptions};
 use rlstream::display::DisplayMode;
@@ -41,16 +41,7 @@ async fn run_mode(dir: &Path, model: &Path, sync: bool, steps: u64, bus: SharedB
         seed: 0,
         display: DisplayMode::Quiet,
     };
-    run::run(
-        &opts,
-        cfg,
-        bus,
-        Topology::default(),
-        Box::new(rlstream::collective::Solo::default()),
-        std::future::pending(),
-    )
-    .await
-    .unwrap()
+    crate::common::run_alone(&opts, cfg, bus).await
 }
 
 /// Top-level keys of every message on `stream`, after checking each decodes as `M`.

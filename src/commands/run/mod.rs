@@ -1,10 +1,11 @@
 //! `rlstream run`: the whole pipeline in one process.
 //!
-//! Warm start (or `--model`), then feed, gen, score and train run as tasks of one runtime
-//! over one bus: the embedded [`MemoryBus`](crate::bus::MemoryBus) unless `--redis` is given.
-//! The stages are the same `stages::*::run` functions the separate processes call; only the
+//! Warm start (or `--model`), then gen, score and train run as tasks of one runtime over one
+//! bus: the embedded [`MemoryBus`](crate::bus::MemoryBus) unless `--redis` is given. Those
+//! three are the same `stages::*::run` functions the separate processes call; only the
 //! weight handoff differs ([`Transport::InProcess`]: host tensors by reference, announced on
-//! the weights stream like any other version).
+//! the weights stream like any other version). Prompts come from the run's own feeder
+//! (`feeder.rs`), not `stages::feed`: it paces them by the trainer's progress.
 //!
 //! Two schedules:
 //! - **async** (default): the feeder keeps a few steps of prompts queued, the generator

@@ -272,7 +272,6 @@ fn spawn_decoder(
             stop_tokens: stops.clone(),
             seed: policy.seed,
         },
-        seed: policy.seed,
         group_size: cfg.group_size,
     };
     let groups = || Groups::new(&cfg.name, sampling.clone(), out.clone());

@@ -193,10 +193,8 @@ impl Pending {
 /// How a stream source samples: the stage's settings, with a seed per prompt.
 #[derive(Clone)]
 pub struct GroupSampling {
-    /// Everything but the seed.
+    /// The stage's sampling, its seed the policy's: each prompt's seed is derived from it.
     pub params: SamplingParams,
-    /// The policy's seed, from which each prompt's is derived.
-    pub seed: u64,
     pub group_size: usize,
 }
 
@@ -273,7 +271,7 @@ impl Groups {
         let params = SamplingParams {
             // From the prompt's identity, not its entry id: a rerun with the same seed
             // samples the same completions (see `crate::seed`).
-            seed: crate::seed::derive(self.sampling.seed, &a.prompt.prompt_id),
+            seed: crate::seed::derive(self.sampling.params.seed, &a.prompt.prompt_id),
             ..self.sampling.params.clone()
         };
         let g = self.sampling.group_size;

@@ -71,11 +71,6 @@ impl Rows<'_> {
         id
     }
 
-    /// The model of this pass and its version.
-    pub fn model(&self) -> (&Policy<InferBackend>, u64) {
-        (&self.model.policy, self.model.version)
-    }
-
     pub fn generator(&mut self) -> &mut Generator<InferBackend> {
         self.generator
     }

@@ -7,7 +7,7 @@
 //! The config is [`bench_config`]; `benches/model_vs_torch.sh` runs the same config in
 //! PyTorch and prints the ratios.
 //!
-//! `cargo bench --bench model`
+//! `cargo bench --features flex --bench model`
 
 use burn::backend::{Autodiff, Flex, NdArray};
 use burn::optim::{AdamWConfig, GradientsParams, Optimizer};

@@ -4,7 +4,7 @@
 #   PYTHON=/path/to/python benches/model_vs_torch.sh
 #
 # PYTHON must have torch, transformers and safetensors (python3 -m pip install torch
-# transformers safetensors). Runs `cargo bench --bench model`, then benches/torch_baseline.py,
+# transformers safetensors). Runs `cargo bench --features flex --bench model`, then benches/torch_baseline.py,
 # and prints rlstream/PyTorch ratios (above 1 means rlstream is faster).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -12,7 +12,7 @@ python=${PYTHON:-python3}
 "$python" -c 'import torch, transformers, safetensors' 2>/dev/null || {
   echo "$python lacks torch/transformers/safetensors; set PYTHON" >&2; exit 1; }
 
-cargo bench --bench model >/tmp/rlstream-model-bench.log 2>&1 || { cat /tmp/rlstream-model-bench.log >&2; exit 1; }
+cargo bench --features flex --bench model >/tmp/rlstream-model-bench.log 2>&1 || { cat /tmp/rlstream-model-bench.log >&2; exit 1; }
 THREADS=$(nproc) "$python" benches/torch_baseline.py 2>/dev/null >/tmp/rlstream-torch.json
 
 "$python" - <<'PY'

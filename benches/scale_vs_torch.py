@@ -95,7 +95,8 @@ def gen_rows(python, size, ckpt, flex):
             ours = rust("generate", path, *shape)
             # Generation runs no BLAS in either build: the first shape of a size is enough.
             other = against("generate", path, *shape) if rows == GEN[size][0][2] else None
-            before = rust("generate-flex", path, *shape) if flex and dtype == "float32" else None
+            before = (rust("generate-flex", path, *shape, features=FEATURES + ["--features", "flex"])
+                      if flex and dtype == "float32" else None)
             theirs = torch_gen_load(python, "generate", path, dtype, *shape)
             out.append((work, dtype, ours, theirs, other))
             if before:

@@ -5,7 +5,7 @@
 //! cargo bench --bench train_scale -- step DIR MICRO STEPS    # time it; prints JSON
 //! cargo bench --bench train_scale -- load DIR                # load time and peak memory
 //! cargo bench --bench train_scale -- generate DIR PROMPT NEW ROWS   # tokens/s, peak memory
-//! cargo bench --bench train_scale -- generate-flex DIR PROMPT NEW ROWS   # on Flex, the sampler before
+//! cargo bench --features flex --bench train_scale -- generate-flex DIR PROMPT NEW ROWS   # on Flex, the sampler before
 //! cargo bench --bench train_scale -- bf16 DIR OUT            # DIR's weights as bf16 in OUT
 //! cargo bench --bench train_scale -- weights DIR LRS STEPS STORE ROWS   # publish-to-swap, a generator decoding
 //! cargo bench --bench train_scale -- step-lora DIR MICRO STEPS RANK    # `step` training a LoRA adapter
@@ -537,6 +537,7 @@ fn main() {
             new.parse().expect("NEW: a token count"),
             rows.parse().expect("ROWS: a count"),
         ),
+        #[cfg(feature = "flex")]
         ["generate-flex", dir, prompt, new, rows] => generate::<burn::backend::Flex>(
             Path::new(dir),
             prompt.parse().expect("PROMPT: a token count"),

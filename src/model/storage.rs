@@ -325,6 +325,7 @@ impl WeightStorage for NdArray {
     }
 }
 
+#[cfg(feature = "flex")]
 impl WeightStorage for burn::backend::Flex {
     const HOST_MEMORY: bool = true;
 }

@@ -1,17 +1,23 @@
 //! Generation on the trainer's kernels (NdArray, linear weights kept `[out, in]` and read
-//! by the few-row kernel) against the sampler it replaced (Flex, burn's composed
-//! operations): the same tokens and finish reasons, the same kept sets and experts, and
+//! by the few-row kernel) against burn's composed operations (the model as it runs on a
+//! backend without native kernels, here `Counted<NdArray>`, as the sampler ran before the
+//! trainer's kernels): the same tokens and finish reasons, the same kept sets and experts, and
 //! log-probs within 1e-5, on every transformers parity fixture (dense and MoE), on a PEFT
 //! adapter, and (in `episodes`) on episodes with weight swaps. Requests join the batch at
 //! different passes, so admission, prefix sharing across a group and the cache's row
 //! bookkeeping all run.
 
-use burn::backend::Flex;
+use burn::backend::NdArray;
+use rlstream::model::counted::Counted;
 use rlstream::model::hf::load_hf;
 use rlstream::model::sampler::{Completion, Generator, Request};
 use rlstream::model::{InferBackend, Kernels, Policy, lora};
 use rlstream::schema::SamplingParams;
 use std::path::PathBuf;
+
+/// The model as burn's composed operations run it: no native kernel, weights in burn's
+/// `[in, out]` layout.
+pub type Composed = Counted<NdArray>;
 
 /// The largest log-prob difference allowed between the two samplers.
 pub const LOGPROB_TOLERANCE: f32 = 1e-5;
@@ -95,7 +101,7 @@ pub fn assert_same_generation(what: &str, new: &[Completion], old: &[Completion]
             let d = (x - y).abs();
             assert!(
                 d <= LOGPROB_TOLERANCE,
-                "{at}, token {t}: log-prob {x} on the trainer's kernels, {y} on Flex"
+                "{at}, token {t}: log-prob {x} on the trainer's kernels, {y} composed"
             );
             worst = worst.max(d);
         }
@@ -104,7 +110,7 @@ pub fn assert_same_generation(what: &str, new: &[Completion], old: &[Completion]
 }
 
 #[test]
-fn every_parity_fixture_generates_as_on_flex() {
+fn every_parity_fixture_generates_as_with_composed_operations() {
     let names = [
         "llama",
         "llama3",
@@ -116,7 +122,7 @@ fn every_parity_fixture_generates_as_on_flex() {
     for name in names {
         let dir = fixtures().join("models").join(name);
         let new: Policy<InferBackend> = load_hf(&dir, &Default::default()).expect("load");
-        let old: Policy<Flex> = load_hf(&dir, &Default::default()).expect("load");
+        let old: Policy<Composed> = load_hf(&dir, &Default::default()).expect("load");
         let (a, b) = (sample(&new), sample(&old));
         assert_eq!(a.len(), 9, "{name}");
         let moe = name.ends_with("moe");
@@ -133,7 +139,7 @@ fn every_parity_fixture_generates_as_on_flex() {
 }
 
 #[test]
-fn an_adapter_generates_as_on_flex() {
+fn an_adapter_generates_as_with_composed_operations() {
     for name in ["qwen3", "llama"] {
         let (base, adapter) = (
             fixtures().join("models").join(name),
@@ -141,7 +147,7 @@ fn an_adapter_generates_as_on_flex() {
         );
         let new: Policy<InferBackend> =
             lora::load_with_adapter(&base, &adapter, &Default::default()).expect("adapter");
-        let old: Policy<Flex> =
+        let old: Policy<Composed> =
             lora::load_with_adapter(&base, &adapter, &Default::default()).expect("adapter");
         assert!(new.has_adapter());
         assert_same_generation(name, &sample(&new), &sample(&old));
@@ -158,7 +164,7 @@ fn an_adapter_generates_as_on_flex() {
 #[cfg(not(feature = "wgpu"))]
 /// `model` written as a bf16 checkpoint and loaded for generation samples exactly what the
 /// same values give in f32: the trainer's model (autodiff, `[in, out]` f32 weights, the same
-/// kernels) draws the same tokens with the same log-prob bits, and Flex within
+/// kernels) draws the same tokens with the same log-prob bits, and composed operations within
 /// [`LOGPROB_TOLERANCE`]; copying the weights back out gives the bf16 values. Returns the
 /// generation model.
 fn bf16_copy_samples_as_in_f32(what: &str, model: &Policy<InferBackend>) -> Policy<InferBackend> {
@@ -182,8 +188,8 @@ fn bf16_copy_samples_as_in_f32(what: &str, model: &Policy<InferBackend>) -> Poli
     for (x, y) in a.iter().zip(&b) {
         assert_eq!(bits(x), bits(y), "{what}: log-prob bits");
     }
-    let flex: Policy<Flex> = load_hf(tmp.path(), &Default::default()).expect("load");
-    assert_same_generation(what, &a, &sample(&flex));
+    let composed: Policy<Composed> = load_hf(tmp.path(), &Default::default()).expect("load");
+    assert_same_generation(what, &a, &sample(&composed));
     half
 }
 
@@ -251,7 +257,7 @@ fn a_bf16_checkpoint_generates_from_16_bit_weights_as_in_f32() {
         .save_hf_as(tmp.path(), WeightDtype::Bf16)
         .expect("save bf16");
     let new = half.with_adapter(&spec, &adapter).expect("adapter");
-    let old = load_hf::<Flex>(tmp.path(), &Default::default())
+    let old = load_hf::<Composed>(tmp.path(), &Default::default())
         .expect("load")
         .with_adapter(&spec, &adapter)
         .expect("adapter");

@@ -15,7 +15,6 @@
 
 mod delegate;
 
-use super::Kernels;
 use burn::tensor::TensorData;
 use burn::tensor::backend::Backend;
 use burn_backend::TensorPrimitive;
@@ -38,9 +37,6 @@ impl<B: Backend> burn::tensor::backend::BackendTypes for Counted<B> {
     type QuantizedTensorPrimitive = B::QuantizedTensorPrimitive;
 }
 
-/// The decoder's blocks as their compositions of tensor operations, as on every backend
-/// without native kernels.
-impl<B: Backend> Kernels for Counted<B> {}
 impl<B: Backend> crate::model::WeightStorage for Counted<B> {}
 
 static READS: AtomicU64 = AtomicU64::new(0);

@@ -202,6 +202,10 @@ pub trait Kernels: WeightStorage {
     }
 }
 
+/// The decoder's blocks as their compositions of tensor operations, as on every backend
+/// without native kernels: what the native kernels are checked against.
+impl<B: burn::tensor::backend::Backend> Kernels for crate::model::counted::Counted<B> {}
+#[cfg(feature = "flex")]
 impl Kernels for burn::backend::Flex {}
 
 #[cfg(feature = "cuda")]

@@ -1,14 +1,17 @@
 //! Each kernel against its composition, forward and backward, on random inputs:
 //!
 //! - `Autodiff<NdArray>` runs the native kernels inside one graph node each;
-//! - `Autodiff<Flex>` runs the composed forward and the written-out backward inside one node;
+//! - `Autodiff<Counted<NdArray>>` runs the composed forward (the trait's provided methods,
+//!   as on every backend without native kernels) and the written-out backward inside one
+//!   node;
 //!
 //! both are compared with burn differentiating the composition itself, operation by
 //! operation. A wrong native kernel or a wrong derivative fails here.
 
 use super::logprob::{Kept, MASKED};
 use super::{Kernels, reference};
-use burn::backend::{Autodiff, Flex, NdArray};
+use crate::model::counted::Counted;
+use burn::backend::{Autodiff, NdArray};
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Distribution, Tensor, TensorData};
 
@@ -274,7 +277,7 @@ fn attention<B: AutodiffBackend + Kernels>() {
 }
 
 type Native = Autodiff<NdArray>;
-type Composed = Autodiff<Flex>;
+type Composed = Autodiff<Counted<NdArray>>;
 
 #[test]
 fn linear_native_and_written_out_backward_match_the_composition() {

@@ -15,11 +15,13 @@ phase "ops configs (python)" .venv/bin/python ops/check.py
 phase "cargo fmt" cargo fmt --all --check
 
 # Lint while building the tests: clippy is the compiler of this crate's targets
-# (RUSTC_WORKSPACE_WRAPPER), so the dependencies are compiled once, for the tests, and
-# every target the tests need (lib, bins, tests, examples) is linted as it is built. The
-# benches are linted by `cargo clippy --all-targets -- -D warnings`, and in CI by the
-# feature check in .ci/run.
-export RUSTC_WORKSPACE_WRAPPER="${RUSTC_WORKSPACE_WRAPPER:-$(rustc --print sysroot)/bin/clippy-driver}"
+# (RUSTC_WORKSPACE_WRAPPER, scripts/lint-compiler.sh), so the dependencies are compiled
+# once, for the tests, and every target the tests need (lib, bins, tests, examples) is
+# linted as it is built; the test harnesses (unit and integration) at opt-level 0, the
+# library they run at the profile's 1. The benches are linted by `cargo clippy
+# --all-targets -- -D warnings`, and in CI by the feature check in .ci/run.
+export CLIPPY_DRIVER="${CLIPPY_DRIVER:-$(rustc --print sysroot)/bin/clippy-driver}"
+export RUSTC_WORKSPACE_WRAPPER="${RUSTC_WORKSPACE_WRAPPER:-$PWD/scripts/lint-compiler.sh}"
 export CLIPPY_ARGS="-Dwarnings"
 # The tests cover the `mpi` feature: trainer ranks under `mpirun` (set up above). With
 # `wgpu-deps`, burn's wgpu backend is compiled too (not used: these tests run on the CPU

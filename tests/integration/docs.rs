@@ -218,6 +218,9 @@ fn run_blocks(md: &str, check: impl FnOnce(&Path)) -> String {
         .current_dir(work.path())
         .env("PATH", path_var)
         .env("RLSTREAM__NAMESPACE", &ns)
+        // The real chat model scripts/test.sh converted: the README's conversion command
+        // links to it in CI (its `ci:` marker) instead of converting it again.
+        .env("RLSTREAM_SMOLLM2", crate::smollm2::model_dir())
         .env("NO_COLOR", "1")
         .env_remove("RUST_LOG")
         .env_remove("RLSTREAM_BACKTRACE")

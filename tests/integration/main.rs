@@ -42,6 +42,7 @@ mod schema_bad_input;
 mod schema_fixtures;
 mod score_stage;
 mod settings;
+mod smollm2;
 mod stage_boundaries;
 mod stream_budget;
 mod train_resume;

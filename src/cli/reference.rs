@@ -2,7 +2,7 @@
 //! definitions, `docs/cli.md` from the clap definitions. `tests/integration/docs.rs`
 //! regenerates both and fails on any difference (`RLSTREAM_BLESS=1` rewrites them).
 
-use super::Cli;
+use super::command::Cli;
 use crate::commands::{eval::EvalOptions, sft::SftOptions};
 use crate::config::{ENV_PREFIX, file_sections};
 use crate::settings::{Key, Section, show};

@@ -11,7 +11,7 @@
 //! do not answer within a few seconds are named, and the job is ended with `MPI_Abort`
 //! (a collective another rank may be inside cannot be cancelled).
 
-use super::{Collective, CollectiveError, ReduceDtype};
+use super::contract::{Collective, CollectiveError, ReduceDtype};
 use mpi::collective::{SystemOperation, UnsafeUserOperation};
 use mpi::datatype::PartitionMut;
 use mpi::ffi::MPI_Datatype;

@@ -8,7 +8,7 @@
 //! lost or stopped and exits (every rank has the same deadline, so all stop); the
 //! launcher's log names a rank that died. Nothing is lost: restart every rank.
 
-use super::{Collective, CollectiveError, ReduceDtype};
+use super::contract::{Collective, CollectiveError, ReduceDtype};
 use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
 use cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp};
 use std::sync::Arc;

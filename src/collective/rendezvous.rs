@@ -4,7 +4,7 @@
 //! ranks. Rank 0 removes the id once every rank has joined, so a later launch under the
 //! same namespace and rendezvous name never reads it.
 
-use super::CollectiveError;
+use super::contract::CollectiveError;
 use crate::bus::Bus;
 use bytes::Bytes;
 use serde::{Deserialize, Serialize};

@@ -4,7 +4,7 @@
 use super::filter::RewardFilter;
 use super::message::{EntryMessage, decode, group_of, mean, rollout_of};
 use super::render::{json_line, table_line, text_block};
-use super::{ReplayError, Source};
+use super::source::{ReplayError, Source};
 use crate::bus::{EntryId, RangeBound};
 use crate::model::tokenizer::Tokenizer;
 use crate::roles::Stream;

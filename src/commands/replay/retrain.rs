@@ -1,7 +1,7 @@
 //! `replay --train`: re-run the trainer from a checkpoint over recorded scored entries, with
 //! the trainer's own code and batching, and compare every step with the recorded run.
 
-use super::{ReplayError, Source};
+use super::source::{ReplayError, Source};
 use crate::archive::ArchiveError;
 use crate::bus::{EntryId, MemoryBus, RangeBound, SharedBus, Topology};
 use crate::roles::{Stage, Stream};

@@ -1,7 +1,7 @@
 //! Gathering a [`Status`] from the bus: each stream's stats (XINFO) and memory, the newest
 //! weights announce and dead letter, and the events of the window, grouped by process.
 
-use super::{
+use super::snapshot::{
     ConsumerStatus, DeadLetterStatus, GroupStatus, ProcessStatus, Status, StreamStatus,
     TrainerStatus, WeightsStatus,
 };

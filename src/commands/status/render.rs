@@ -1,6 +1,6 @@
 //! Drawing a [`Status`] as the terminal table `rlstream status` prints.
 
-use super::{Status, bytes, seconds};
+use super::snapshot::{Status, bytes, seconds};
 use crate::roles::Stage;
 use std::fmt::Write as _;
 

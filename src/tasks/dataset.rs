@@ -16,7 +16,8 @@
 //! null, a wrong type, an empty prompt, an unanswerable conversation) is counted, skipped
 //! and reported with its 0-based row number ([`Dataset::skipped`]), never fed.
 
-use super::{ANSWER, TaskItem, VERIFIER, Verifier};
+use super::item::{ANSWER, TaskItem, VERIFIER};
+use super::verify::Verifier;
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 use std::path::Path;

@@ -5,9 +5,11 @@
 //! ([`ALPHABET`]) so one small character-level policy can learn any of them.
 
 mod dataset;
+mod item;
 mod verify;
 
 pub use dataset::{Columns, Dataset, DatasetError, DatasetItem, Unit};
+pub use item::{ANSWER, TaskItem, VERIFIER};
 pub use verify::Verifier;
 
 use crate::model::tokenizer::CharTokenizer;
@@ -33,20 +35,6 @@ const EVAL_SEED: u64 = 0x0e7a_15e7;
 /// evaluation set.
 pub fn held_out(prompt: &str) -> bool {
     crate::seed::mix(crate::seed::fnv1a(prompt.as_bytes())).is_multiple_of(HELD_OUT_EVERY)
-}
-
-/// Meta key of the reference answer.
-pub const ANSWER: &str = "answer";
-/// Meta key naming the verifier of a dataset item.
-pub const VERIFIER: &str = "verifier";
-
-/// One prompt of a task.
-#[derive(Debug, Clone, PartialEq)]
-pub struct TaskItem {
-    pub prompt: String,
-    pub answer: String,
-    /// Everything the scorer needs (answer, verifier), carried in the messages.
-    pub meta: BTreeMap<String, String>,
 }
 
 /// Built-in tasks.

@@ -2,7 +2,7 @@
 //! about two steps in async mode, or one step at a time in sync mode (released once the
 //! generator holds the weights the previous step made).
 
-use super::queue_depths;
+use super::queues::queue_depths;
 use crate::bus::{SharedBus, Topology};
 use crate::model::InferBackend;
 use crate::stages::{StageError, feed};

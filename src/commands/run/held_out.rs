@@ -1,7 +1,7 @@
 //! The run's held-out evaluations: `rlstream eval`'s set and metrics on the policy before
 //! RL, at the checkpoint nearest halfway and after.
 
-use super::RunOptions;
+use super::options::RunOptions;
 use super::summary::HeldOut;
 use crate::commands::eval::{self, EvalSampling, EvalSet};
 use crate::config::Config;

@@ -19,22 +19,24 @@
 mod feeder;
 mod held_out;
 mod monitor;
+mod options;
+mod queues;
 mod stage_tasks;
 mod summary;
 
+pub use options::RunOptions;
 pub use summary::{HeldOut, RunSummary};
 
 use crate::bus::{SharedBus, Topology};
 use crate::commands::sft::{self, SftOptions};
 use crate::config::Config;
-use crate::display::{DisplayMode, Phase};
+use crate::display::Phase;
 use crate::model::tokenizer::Tokenizer;
 use crate::model::{InferBackend, Policy};
 use crate::report::{self, ReportFiles, StepRow};
-use crate::roles::Stream;
 use crate::schema::StepRecord;
 use crate::stages::generator as gen_stage;
-use crate::stages::{StageError, train, waiting};
+use crate::stages::{StageError, train};
 use crate::tasks::{self, BuiltinTask};
 use held_out::{HeldOutEval, held_out_checkpoints};
 use monitor::Monitor;
@@ -44,39 +46,6 @@ use std::path::{Path, PathBuf};
 use std::time::Instant;
 use summary::{RunFacts, summarize};
 use tokio::sync::mpsc;
-
-/// Most entries read to count a queue whose lag Redis cannot report (see
-/// [`waiting`]); the report's queue columns stop there.
-const QUEUE_SCAN_CAP: u64 = 1000;
-
-/// Work waiting for each stage: prompts and rollouts not yet finished (lag + pending), scored
-/// groups not yet delivered to the trainer (lag; the trainer keeps what it trained pending
-/// until its checkpoint).
-pub(crate) async fn queue_depths(bus: &SharedBus, topo: &Topology) -> [u64; 3] {
-    let bus = bus.as_ref();
-    [
-        waiting(bus, topo, Stream::Prompts, true, QUEUE_SCAN_CAP).await,
-        waiting(bus, topo, Stream::Rollouts, true, QUEUE_SCAN_CAP).await,
-        waiting(bus, topo, Stream::Scored, false, QUEUE_SCAN_CAP).await,
-    ]
-}
-
-#[derive(Debug, Clone)]
-pub struct RunOptions {
-    pub task: BuiltinTask,
-    /// Start from this Hugging Face model (with the rlstream character tokenizer) instead
-    /// of a warm start.
-    pub model: Option<PathBuf>,
-    /// Warm start when no model is given.
-    pub sft: SftOptions,
-    /// Run directory: warm-start model, checkpoints, report.
-    pub out: PathBuf,
-    /// Report directory (default `OUT/report`).
-    pub report: Option<PathBuf>,
-    pub sync: bool,
-    pub seed: u64,
-    pub display: DisplayMode,
-}
 
 /// The result of [`run`].
 pub struct RunOutcome {

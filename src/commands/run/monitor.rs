@@ -1,7 +1,7 @@
 //! The run's view of its steps while it runs: one report row and a display update per
 //! trainer step, until the trainer ends (or a Ctrl-C asks it to checkpoint and stop).
 
-use super::queue_depths;
+use super::queues::queue_depths;
 use super::stage_tasks::Stages;
 use crate::bus::{SharedBus, Topology};
 use crate::display::Phase;

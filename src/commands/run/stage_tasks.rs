@@ -2,8 +2,8 @@
 //! the feeder, each the same code as its own process. Each stops the others when it fails,
 //! so an error anywhere ends the run.
 
-use super::RunOptions;
 use super::feeder::{Feeder, Progress};
+use super::options::RunOptions;
 use crate::bus::{SharedBus, Topology};
 use crate::collective::Collective;
 use crate::config::Config;

@@ -2,7 +2,7 @@
 //! `summary.json`, gathered from the trainer's and the generator's summaries and the report
 //! rows.
 
-use super::RunOptions;
+use super::options::RunOptions;
 use crate::commands::eval::{Estimate, EvalResult};
 use crate::config::Config;
 use crate::report::StepRow;

@@ -4,7 +4,7 @@
 //! what its text does.
 
 use super::{Columns, Dataset, DatasetError, DatasetItem, Unit, row_item};
-use crate::tasks::VERIFIER;
+use crate::tasks::item::VERIFIER;
 use ::parquet::basic::{ConvertedType, LogicalType, Type as Physical};
 use ::parquet::file::reader::{FileReader, SerializedFileReader};
 use ::parquet::schema::types::{Type, TypePtr};

@@ -10,20 +10,13 @@
 //! [`Policy::take_values`]: crate::model::Policy::take_values
 
 use super::delta::{self, DeltaError, Frames};
+pub use super::error::ResidentError;
 use super::layout::{Layout, Placed};
 use crate::model::params::HostParam;
 use crate::model::storage::HfValues;
 use crate::model::tensors::WeightDtype;
 use rayon::prelude::*;
 use std::collections::HashMap;
-
-#[derive(Debug, thiserror::Error)]
-pub enum ResidentError {
-    #[error(transparent)]
-    Delta(#[from] DeltaError),
-    #[error("the model's parameters do not match the version's tensors: {0}")]
-    Mismatch(String),
-}
 
 /// A parameter's values as one tensor of the layout reads them.
 enum Target<'a> {

@@ -808,7 +808,6 @@ const KNOWN_ARROWS_UP: &[&str] = &[
     "src/env",
     "src/schema",
     "src/stages/generator/serve",
-    "src/weights",
 ];
 
 #[test]

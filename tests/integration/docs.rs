@@ -219,8 +219,9 @@ fn run_blocks(md: &str, check: impl FnOnce(&Path)) -> String {
         .env("PATH", path_var)
         .env("RLSTREAM__NAMESPACE", &ns)
         // The real chat model scripts/test.sh converted: the README's conversion command
-        // links to it in CI (its `ci:` marker) instead of converting it again.
-        .env("RLSTREAM_SMOLLM2", crate::smollm2::model_dir())
+        // links to it in CI (its `ci:` marker) instead of converting it again. Only that
+        // block needs it, so a page without it runs where the model was not made.
+        .env("RLSTREAM_SMOLLM2", crate::smollm2::model_path())
         .env("NO_COLOR", "1")
         .env_remove("RUST_LOG")
         .env_remove("RLSTREAM_BACKTRACE")

@@ -30,12 +30,17 @@ fn fixtures() -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/smollm2")
 }
 
-/// The converted model's directory; a clear failure when it was not made.
-pub fn model_dir() -> PathBuf {
-    let dir = std::env::var_os("RLSTREAM_SMOLLM2").map_or_else(
+/// Where the converted model is (`RLSTREAM_SMOLLM2`, else `target/smollm2`), made or not.
+pub fn model_path() -> PathBuf {
+    std::env::var_os("RLSTREAM_SMOLLM2").map_or_else(
         || PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("target/smollm2"),
         PathBuf::from,
-    );
+    )
+}
+
+/// The converted model's directory; a clear failure when it was not made.
+pub fn model_dir() -> PathBuf {
+    let dir = model_path();
     assert!(
         dir.join("model.safetensors").is_file(),
         "{}: no SmolLM2-135M-Instruct here; make it with `.venv/bin/python scripts/smollm2.py` \

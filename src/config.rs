@@ -134,6 +134,24 @@ crate::settings! {
     pub struct RunConfig, flags RunArgs, section "run" {
         /// Built-in task to learn.
         pub task: BuiltinTask = BuiltinTask::Longer,
+        /// Dataset to learn instead of a built-in task, JSONL or Parquet as `feed --dataset` reads it (plain or `messages` rows, their verifiers); needs --model, whose tokenizer and chat template feed it.
+        #[arg(value_name = "FILE")]
+        pub dataset: Option<PathBuf> = None,
+        /// Held-out rows of --dataset's form, evaluated before, halfway and after; when absent, --held-out-share of --dataset is held out of training.
+        #[arg(value_name = "FILE")]
+        pub eval_dataset: Option<PathBuf> = None,
+        /// Share of --dataset's rows held out of training when there is no --eval-dataset, chosen by a hash of each row's prompt or conversation (the same rows whatever the seed or order).
+        #[arg(value_name = "SHARE")]
+        pub held_out_share: f64 = 0.1,
+        /// The dataset's prompt column (Parquet) or field (JSONL).
+        #[arg(value_name = "NAME")]
+        pub prompt_column: String = "prompt".into(),
+        /// The dataset's answer column or field.
+        #[arg(value_name = "NAME")]
+        pub answer_column: String = "answer".into(),
+        /// The dataset's conversation column or field (a list of {role, content}), read when there is no prompt column.
+        #[arg(value_name = "NAME")]
+        pub messages_column: String = "messages".into(),
         /// The synchronous baseline: generate a batch, score it, train on it, publish, repeat.
         #[arg(num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
         pub sync: bool = false,
@@ -230,6 +248,13 @@ impl Config {
         self.score.validate()?;
         self.train.validate()?;
         self.weights.validate()?;
+        let share = self.run.held_out_share;
+        if !(0.0..1.0).contains(&share) {
+            return Err(crate::settings::invalid(
+                "run.held_out_share",
+                format!("{share} is not a share: give at least 0 and less than 1"),
+            ));
+        }
         Ok(())
     }
 }

@@ -2,7 +2,7 @@
 
 use super::common::{StageArgs, connect_redis, serve_metrics, shutdown_signal, topology};
 use crate::bus::{MemoryBus, SharedBus};
-use crate::commands::run::{self, RunOptions};
+use crate::commands::run::{self, DatasetSource, RunOptions, RunPrompts};
 use crate::commands::sft::SftOptions;
 use crate::config::{Config, GenArgs, PolicyArgs, RunArgs, ScoreArgs, TrainArgs};
 use crate::display::DisplayMode;
@@ -42,6 +42,10 @@ pub fn adjust(mut cmd: clap::Command) -> clap::Command {
             let shown = match (section.as_str(), key.as_str()) {
                 ("gen", "max_new_tokens") => toml::Value::String(format!(
                     "{value} for --task {default_task}; the task's longest answer + 2"
+                )),
+                ("train", "lr") => toml::Value::String(format!(
+                    "{value} for a built-in task; {} with --dataset",
+                    run::DATASET_LR
                 )),
                 ("run", "sft_steps") => toml::Value::String(format!(
                     "{value} for --task {default_task}; 100 for the others"
@@ -88,38 +92,54 @@ impl RunCommand {
             env.iter().cloned(),
             self.layers(),
         )?;
-        self.stage.resolve(
-            run::defaults_layer(first.run.task),
-            env.into_iter(),
-            self.layers(),
-        )
+        let defaults = match first.run.dataset {
+            Some(_) => run::dataset_defaults_layer(),
+            None => run::defaults_layer(first.run.task),
+        };
+        self.stage.resolve(defaults, env.into_iter(), self.layers())
     }
 
-    pub async fn exec(self) -> Result<()> {
-        let cfg = self.config(std::env::vars())?;
-        cfg.validate()?;
-        // Under `mpirun -n N`, rank 0 runs the pipeline and the others are its trainer ranks.
-        let Some(ranks) = super::common::join_ranks(&cfg, None).await? else {
-            return Ok(());
-        };
-        serve_metrics(&cfg)?;
-        let mut topo = topology(&cfg)?;
-        let bus: SharedBus = match &cfg.redis {
-            Some(url) => {
-                let ns = cfg.namespace.clone().unwrap_or_else(run::fresh_namespace);
-                topo = topo.with_namespace(&ns)?;
-                eprintln!("using Redis at {url}, namespace {ns}");
-                connect_redis(url, &cfg).await?
-            }
-            None => Arc::new(MemoryBus::new()),
-        };
-        if cfg.metrics_addr.is_some() {
-            crate::bus::watch_streams(bus.clone(), topo.clone(), Stage::Run);
-        }
+    /// What the run is asked to do, from the resolved settings; a refusal for settings
+    /// that cannot make a run.
+    fn options(&self, cfg: &Config) -> Result<RunOptions> {
         let r = &cfg.run;
-        let out = r.out.clone().unwrap_or_else(|| run::default_out(r.task));
-        let opts = RunOptions {
-            task: r.task,
+        if r.dataset.is_some() && self.run.task.is_some() {
+            anyhow::bail!("give --task or --dataset, not both");
+        }
+        if cfg.train.steps == 0 {
+            anyhow::bail!(
+                "run needs --steps of at least 1 (a run ends after its steps; `rlstream train` \
+                 alone runs until stopped with --steps 0)"
+            );
+        }
+        if cfg.generator.group_size < 2
+            && cfg.score.distill == crate::stages::score::DistillKind::None
+        {
+            anyhow::bail!(
+                "--group-size 1 trains nothing: each completion's advantage is its reward less \
+                 its group's mean, which for a group of one is itself, so every advantage is 0; \
+                 use --group-size 2 or more (8 is the default)"
+            );
+        }
+        let prompts = match &r.dataset {
+            None => RunPrompts::Task(r.task),
+            Some(path) => RunPrompts::Dataset(DatasetSource {
+                path: path.clone(),
+                columns: crate::tasks::Columns {
+                    prompt: r.prompt_column.clone(),
+                    answer: r.answer_column.clone(),
+                    messages: r.messages_column.clone(),
+                },
+                eval: r.eval_dataset.clone(),
+                held_out_share: r.held_out_share,
+            }),
+        };
+        let out = r
+            .out
+            .clone()
+            .unwrap_or_else(|| run::default_out(&prompts.name()));
+        Ok(RunOptions {
+            prompts,
             model: cfg.policy.model.clone(),
             sft: SftOptions {
                 task: r.task,
@@ -142,21 +162,30 @@ impl RunCommand {
             } else {
                 DisplayMode::auto()
             },
+        })
+    }
+
+    pub async fn exec(self) -> Result<()> {
+        let cfg = self.config(std::env::vars())?;
+        cfg.validate()?;
+        let opts = self.options(&cfg)?;
+        // Under `mpirun -n N`, rank 0 runs the pipeline and the others are its trainer ranks.
+        let Some(ranks) = super::common::join_ranks(&cfg, None).await? else {
+            return Ok(());
         };
-        if cfg.train.steps == 0 {
-            anyhow::bail!(
-                "run needs --steps of at least 1 (a run ends after its steps; `rlstream train` \
-                 alone runs until stopped with --steps 0)"
-            );
-        }
-        if cfg.generator.group_size < 2
-            && cfg.score.distill == crate::stages::score::DistillKind::None
-        {
-            anyhow::bail!(
-                "--group-size 1 trains nothing: each completion's advantage is its reward less \
-                 its group's mean, which for a group of one is itself, so every advantage is 0; \
-                 use --group-size 2 or more (8 is the default)"
-            );
+        serve_metrics(&cfg)?;
+        let mut topo = topology(&cfg)?;
+        let bus: SharedBus = match &cfg.redis {
+            Some(url) => {
+                let ns = cfg.namespace.clone().unwrap_or_else(run::fresh_namespace);
+                topo = topo.with_namespace(&ns)?;
+                eprintln!("using Redis at {url}, namespace {ns}");
+                connect_redis(url, &cfg).await?
+            }
+            None => Arc::new(MemoryBus::new()),
+        };
+        if cfg.metrics_addr.is_some() {
+            crate::bus::watch_streams(bus.clone(), topo.clone(), Stage::Run);
         }
         eprintln!("run directory {}", opts.out.display());
         let outcome = run::run(&opts, cfg, bus, topo, ranks, shutdown_signal()).await?;

@@ -202,18 +202,50 @@ impl EvalSet {
             d.render(template)
                 .map_err(|e| EvalError::Usage(format!("{}: {e}", path.display())))?;
         }
-        let mut items = Vec::new();
-        for it in d.items.into_iter().take(n) {
-            items.push((tokenizer.encode(&it.item.prompt)?, it.item));
+        let items = d.items.into_iter().map(|it| it.item);
+        Self::of_items(d.name, items, tokenizer, stop_tokens, n)
+    }
+
+    /// The first `n` of `items` (rendered prompts with their answers), tokenised with
+    /// `tokenizer`, at most 64 new tokens each.
+    pub fn of_items(
+        name: String,
+        items: impl IntoIterator<Item = TaskItem>,
+        tokenizer: Tokenizer,
+        stop_tokens: Vec<u32>,
+        n: usize,
+    ) -> Result<Self, EvalError> {
+        let mut encoded = Vec::new();
+        for it in items.into_iter().take(n) {
+            encoded.push((tokenizer.encode(&it.prompt)?, it));
         }
         Ok(EvalSet {
-            name: d.name,
-            items,
+            name,
+            items: encoded,
             tokenizer,
             stop_tokens,
             max_new_tokens: 64,
             max_turns: MAX_TURNS,
         })
+    }
+
+    /// Refuses a prompt the model cannot run (empty, or past its context or vocabulary),
+    /// naming it.
+    pub fn check_fits(&self, limits: &crate::schema::Limits) -> Result<(), EvalError> {
+        for (tokens, it) in &self.items {
+            let fits = match limits.prompt("prompt", tokens) {
+                Ok(()) if tokens.is_empty() => Err("it is empty".to_string()),
+                Ok(()) => Ok(()),
+                Err(r) => Err(r.detail),
+            };
+            if let Err(why) = fits {
+                return Err(EvalError::Usage(format!(
+                    "cannot evaluate the prompt {:?}: {why}",
+                    it.prompt
+                )));
+            }
+        }
+        Ok(())
     }
 }
 
@@ -559,20 +591,7 @@ pub fn run(opts: &EvalOptions, display: DisplayMode) -> Result<EvalResult, EvalE
     if opts.max_new_tokens > 0 {
         set.max_new_tokens = opts.max_new_tokens;
     }
-    let limits = model.config().limits();
-    for (tokens, it) in &set.items {
-        let fits = match limits.prompt("prompt", tokens) {
-            Ok(()) if tokens.is_empty() => Err("it is empty".to_string()),
-            Ok(()) => Ok(()),
-            Err(r) => Err(r.detail),
-        };
-        if let Err(why) = fits {
-            return Err(EvalError::Usage(format!(
-                "cannot evaluate the prompt {:?}: {why}",
-                it.prompt
-            )));
-        }
-    }
+    set.check_fits(&model.config().limits())?;
     let sampling = EvalSampling {
         samples: opts.samples,
         temperature: opts.temperature,

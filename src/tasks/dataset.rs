@@ -206,6 +206,26 @@ fn row_item(obj: &Map<String, Value>, cols: &Columns) -> Result<(TaskItem, Optio
     ))
 }
 
+impl DatasetItem {
+    /// What the held-out split hashes: the prompt, or a chat row's conversation as JSON
+    /// (before the template renders it, so the split does not depend on the model).
+    pub fn split_key(&self) -> String {
+        match &self.chat {
+            Some(chat) => Value::Array(chat.messages.clone()).to_string(),
+            None => self.item.prompt.clone(),
+        }
+    }
+}
+
+/// Whether a dataset row whose prompt (or conversation) is `key` falls in a held-out share
+/// `share` (0 to 1) of its file: a stable hash of `key` alone, as the built-in tasks hold
+/// out theirs, so the split is the same for every seed and run and the file's order does
+/// not matter.
+pub fn held_out_share(key: &str, share: f64) -> bool {
+    let h = crate::seed::mix(crate::seed::fnv1a(key.as_bytes())) >> 11;
+    (h as f64) < share * (1u64 << 53) as f64
+}
+
 /// At most this many skipped rows are listed by [`Dataset::skipped_report`].
 const LISTED: usize = 5;
 
@@ -263,6 +283,23 @@ impl Dataset {
             }
         }
         Ok(())
+    }
+
+    /// Splits off the held-out rows ([`held_out_share`] of `share`): the training
+    /// rows, then the held-out rows, each in file order.
+    pub fn split(self, share: f64) -> (Dataset, Dataset) {
+        let (held, train): (Vec<DatasetItem>, Vec<DatasetItem>) = self
+            .items
+            .into_iter()
+            .partition(|it| held_out_share(&it.split_key(), share));
+        let part = |items| Dataset {
+            name: self.name.clone(),
+            items,
+            unit: self.unit,
+            rows: self.rows,
+            skipped: self.skipped.clone(),
+        };
+        (part(train), part(held))
     }
 
     /// Loads a JSONL or Parquet file (told by its contents) with the default column names.

@@ -8,7 +8,7 @@ mod dataset;
 mod item;
 mod verify;
 
-pub use dataset::{Columns, Dataset, DatasetError, DatasetItem, Unit};
+pub use dataset::{Columns, Dataset, DatasetError, DatasetItem, Unit, held_out_share};
 pub use item::{ANSWER, TaskItem, VERIFIER};
 pub use verify::Verifier;
 
@@ -302,6 +302,25 @@ mod tests {
         assert_eq!(
             score("12", &BuiltinTask::Add.item(0, 0).meta).map(|r| r <= 1.0),
             Some(true)
+        );
+    }
+
+    #[test]
+    fn a_dataset_share_is_held_out_by_its_rows_alone() {
+        let keys: Vec<String> = (0..20_000).map(|i| format!("row {i}")).collect();
+        for share in [0.0, 0.1, 0.25] {
+            let held = keys.iter().filter(|k| held_out_share(k, share)).count();
+            let want = share * keys.len() as f64;
+            assert!(
+                (held as f64 - want).abs() <= 0.01 * keys.len() as f64,
+                "{share}: {held}"
+            );
+        }
+        // A larger share holds out every row a smaller one did.
+        assert!(
+            keys.iter()
+                .filter(|k| held_out_share(k, 0.1))
+                .all(|k| held_out_share(k, 0.25))
         );
     }
 

@@ -31,7 +31,7 @@ async fn a_sync_run_has_ratios_of_exactly_one() {
     cfg.generator.top_k = 6;
     cfg.run.eval_prompts = 0;
     let opts = RunOptions {
-        task: BuiltinTask::Guess,
+        prompts: run::RunPrompts::Task(BuiltinTask::Guess),
         model: Some(model),
         sft: SftOptions::default(),
         out: dir.path().join("run"),

@@ -38,6 +38,7 @@ mod replay;
 mod reproducible;
 mod routing;
 mod run_command;
+mod run_dataset;
 mod schema_bad_input;
 mod schema_fixtures;
 mod score_stage;

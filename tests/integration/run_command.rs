@@ -32,7 +32,7 @@ async fn run_mode(dir: &Path, model: &Path, sync: bool, steps: u64, bus: SharedB
     let mut cfg = run::defaults(TASK);
     cfg.train.steps = steps;
     let opts = RunOptions {
-        task: TASK,
+        prompts: run::RunPrompts::Task(TASK),
         model: Some(model.to_path_buf()),
         sft: SftOptions::default(),
         out: dir.join(if sync { "sync" } else { "async" }),

@@ -1,13 +1,16 @@
-//! The run's feeder: prompts of the task's RL stream onto the prompts stream, a backlog of
-//! about two steps in async mode, or one step at a time in sync mode (released once the
-//! generator holds the weights the previous step made).
+//! The run's feeder: prompts of the task's RL stream (or the dataset's training rows, epoch
+//! after epoch) onto the prompts stream, a backlog of about two steps in async mode, or one
+//! step at a time in sync mode (released once the generator holds the weights the previous
+//! step made).
 
 use super::queues::queue_depths;
 use crate::bus::{SharedBus, Topology};
 use crate::model::InferBackend;
 use crate::stages::{StageError, feed};
-use crate::tasks::{self, BuiltinTask};
+use crate::tasks::{self, BuiltinTask, Dataset};
 use crate::weights::ModelSlot;
+use rand::SeedableRng;
+use rand::seq::SliceRandom;
 use std::time::Duration;
 use tokio::sync::watch;
 
@@ -25,7 +28,7 @@ pub(super) struct Progress {
 /// Keeps prompts flowing: in async mode a backlog of about two steps; in sync mode one
 /// step's worth at a time, released when the previous step's weights are in the generator.
 pub(super) struct Feeder {
-    pub(super) task: BuiltinTask,
+    pub(super) rows: FeedRows,
     pub(super) seed: u64,
     pub(super) per_step: usize,
     pub(super) sync: bool,
@@ -35,18 +38,68 @@ pub(super) struct Feeder {
     pub(super) next: u64,
 }
 
-impl Feeder {
-    /// Prompts `from..from + n` of the RL prompt stream.
-    fn prompts(&self, n: usize) -> Vec<(String, tasks::TaskItem)> {
-        let seed = self.seed ^ RL_PROMPT_SALT;
-        (self.next..self.next + n as u64)
-            .map(|i| (self.task.prompt_id(i), self.task.item(seed, i)))
-            .collect()
+/// What the feeder draws prompts from.
+pub(super) enum FeedRows {
+    /// A built-in task's endless RL stream (its tokens carried in the messages).
+    Task(BuiltinTask),
+    /// A dataset's training rows, in an order shuffled by the seed each epoch (tokenised by
+    /// the generator with the model's tokenizer).
+    Dataset {
+        rows: Dataset,
+        /// The epoch whose order `order` is.
+        epoch: u64,
+        order: Vec<usize>,
+    },
+}
+
+impl FeedRows {
+    /// Dataset rows, in no epoch's order yet.
+    pub(super) fn dataset(rows: Dataset) -> Self {
+        FeedRows::Dataset {
+            rows,
+            epoch: u64::MAX,
+            order: Vec::new(),
+        }
     }
 
+    /// Prompt `i` of the run under `seed`, with its id.
+    fn prompt(&mut self, seed: u64, i: u64) -> (String, tasks::TaskItem) {
+        match self {
+            FeedRows::Task(task) => (task.prompt_id(i), task.item(seed ^ RL_PROMPT_SALT, i)),
+            FeedRows::Dataset { rows, epoch, order } => {
+                let len = rows.items.len() as u64;
+                if *epoch != i / len {
+                    *epoch = i / len;
+                    *order = (0..rows.items.len()).collect();
+                    let mut rng = rand::rngs::StdRng::seed_from_u64(
+                        crate::seed::mix(seed ^ RL_PROMPT_SALT) ^ *epoch,
+                    );
+                    order.shuffle(&mut rng);
+                }
+                let it = &rows.items[order[(i % len) as usize]];
+                let epoch = u32::try_from(*epoch).unwrap_or(u32::MAX);
+                (rows.item_id(epoch, it), it.item.clone())
+            }
+        }
+    }
+
+    /// The task or dataset name the prompts carry.
+    fn name(&self) -> &str {
+        match self {
+            FeedRows::Task(task) => task.name(),
+            FeedRows::Dataset { rows, .. } => &rows.name,
+        }
+    }
+}
+
+impl Feeder {
     async fn publish(&mut self, n: usize) -> Result<(), StageError> {
-        let items = self.prompts(n);
-        self.next += feed::publish(&self.bus, &self.topo, self.task.name(), &items, true).await?;
+        let items: Vec<_> = (self.next..self.next + n as u64)
+            .map(|i| self.rows.prompt(self.seed, i))
+            .collect();
+        let builtin = matches!(self.rows, FeedRows::Task(_));
+        let name = self.rows.name();
+        self.next += feed::publish(&self.bus, &self.topo, name, &items, builtin).await?;
         Ok(())
     }
 
@@ -88,5 +141,64 @@ impl Feeder {
             }
         }
         Ok(self.next)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::tasks::{DatasetItem, TaskItem, Unit};
+    use std::collections::BTreeSet;
+
+    fn rows(n: usize) -> Dataset {
+        let items = (1..=n)
+            .map(|line| DatasetItem {
+                line,
+                item: TaskItem {
+                    prompt: format!("q{line}"),
+                    answer: line.to_string(),
+                    meta: Default::default(),
+                },
+                chat: None,
+            })
+            .collect();
+        Dataset {
+            name: "d".into(),
+            items,
+            unit: Unit::Line,
+            rows: n,
+            skipped: Vec::new(),
+        }
+    }
+
+    /// Each epoch feeds every training row once, in an order of its own drawn from the
+    /// seed; the ids say which epoch and line each prompt is.
+    #[test]
+    fn dataset_rows_are_fed_once_per_epoch_in_a_seeded_order() {
+        let epoch = |f: &mut FeedRows, seed: u64, e: u64| -> Vec<(String, String)> {
+            (e * 7..e * 7 + 7)
+                .map(|i| {
+                    let (id, it) = f.prompt(seed, i);
+                    (id, it.prompt)
+                })
+                .collect()
+        };
+        let mut f = FeedRows::dataset(rows(7));
+        let first = epoch(&mut f, 1, 0);
+        let second = epoch(&mut f, 1, 1);
+        for (e, fed) in [(0, &first), (1, &second)] {
+            let lines: BTreeSet<&str> = fed.iter().map(|(_, p)| p.as_str()).collect();
+            assert_eq!(lines.len(), 7, "epoch {e}: {fed:?}");
+            assert!(
+                fed.iter()
+                    .all(|(id, p)| *id == format!("d-e{e}-l{}", &p[1..]))
+            );
+        }
+        assert_ne!(first, second, "each epoch shuffles again");
+        // The same seed, the same order; read out of order (a sync step's worth at a time).
+        let mut again = FeedRows::dataset(rows(7));
+        assert_eq!(epoch(&mut again, 1, 1), second);
+        assert_eq!(epoch(&mut again, 1, 0), first);
+        assert_ne!(epoch(&mut FeedRows::dataset(rows(7)), 2, 0), first);
     }
 }

@@ -19,20 +19,18 @@ pub(super) struct HeldOutEval {
 }
 
 impl HeldOutEval {
-    pub(super) fn new(opts: &RunOptions, cfg: &Config) -> Self {
-        let r = &cfg.run;
+    /// Evaluations on `set` (none when `None`).
+    pub(super) fn new(set: Option<EvalSet>, opts: &RunOptions, cfg: &Config) -> Self {
         HeldOutEval {
-            set: (r.eval_prompts > 0).then(|| EvalSet::task(opts.task, r.eval_prompts)),
+            set,
             sampling: EvalSampling {
-                samples: r.eval_samples,
+                samples: cfg.run.eval_samples,
                 ..EvalSampling::run(cfg.policy.temperature, opts.seed)
             },
             display: opts.display,
         }
     }
 
-    /// The evaluation of `policy` as the point at `step`; `None` when the run does not
-    /// evaluate.
     /// The evaluation of `policy` after `step` steps, shown as `eval {when}` (`before`,
     /// `halfway`, `after`).
     pub(super) fn of(

@@ -16,6 +16,7 @@
 //!   version, then releases the next. The generator waits for the trainer and the trainer
 //!   for the generator; every batch waits for its longest completion.
 
+mod data;
 mod feeder;
 mod held_out;
 mod monitor;
@@ -24,10 +25,11 @@ mod queues;
 mod stage_tasks;
 mod summary;
 
-pub use options::RunOptions;
+pub use options::{DatasetSource, RunOptions, RunPrompts};
 pub use summary::{HeldOut, RunSummary};
 
 use crate::bus::{SharedBus, Topology};
+use crate::commands::eval::EvalSet;
 use crate::commands::sft::{self, SftOptions};
 use crate::config::Config;
 use crate::display::Phase;
@@ -38,6 +40,8 @@ use crate::schema::StepRecord;
 use crate::stages::generator as gen_stage;
 use crate::stages::{StageError, train};
 use crate::tasks::{self, BuiltinTask};
+use data::DatasetRows;
+use feeder::{FeedRows, Feeder};
 use held_out::{HeldOutEval, held_out_checkpoints};
 use monitor::Monitor;
 use stage_tasks::Stages;
@@ -86,6 +90,23 @@ pub fn defaults_layer(task: BuiltinTask) -> toml::Table {
     layer
 }
 
+/// `run`'s defaults for a dataset (`--dataset`) on a pretrained model: the task-free
+/// [`RUN_DEFAULTS`] at a learning rate for a pretrained model; `gen.max_new_tokens` stays
+/// gen's own.
+pub fn dataset_defaults_layer() -> toml::Table {
+    let mut layer: toml::Table = RUN_DEFAULTS
+        .parse()
+        .expect("the shipped run defaults are valid TOML");
+    if let Some(train) = layer.get_mut("train").and_then(toml::Value::as_table_mut) {
+        train.insert("lr".into(), toml::Value::Float(DATASET_LR));
+    }
+    layer
+}
+
+/// The learning rate of a dataset run by default: a pretrained model moves far less than
+/// the warm-started tiny one before it forgets what it knew.
+pub const DATASET_LR: f64 = 1e-5;
+
 /// Warm-start steps by default: 100 leaves RL most of a task to learn; `longer`'s warm start
 /// imitates `sort` until it sorts well (400 steps, about 94% greedy accuracy on `sort`), so
 /// that what RL adds, longer inputs, is what the demonstrations lack.
@@ -106,8 +127,21 @@ pub fn sft_steps(task: BuiltinTask) -> u64 {
 /// longest answer + 2).
 pub const RUN_DEFAULTS: &str = "[train]\nlr = 5e-4\nsteps = 200\ncheckpoint_every = 50\n";
 
-/// A model for the run: `--model` (checked against the task tokenizer) or a warm start.
+/// A model for the run: `--model` (for a built-in task, checked against its tokenizer) or
+/// a warm start.
 fn prepare_model(opts: &RunOptions) -> Result<(PathBuf, f64), StageError> {
+    let task = match (&opts.prompts, &opts.model) {
+        (RunPrompts::Dataset(_), Some(dir)) => return Ok((dir.clone(), 0.0)),
+        (RunPrompts::Dataset(d), None) => {
+            return Err(StageError::Other(format!(
+                "--dataset {} needs --model DIR: a Hugging Face model directory (config.json, \
+                 model.safetensors, tokenizer.json) whose tokenizer and chat template the \
+                 prompts are fed with",
+                d.path.display()
+            )));
+        }
+        (RunPrompts::Task(task), _) => *task,
+    };
     if let Some(dir) = &opts.model {
         match Tokenizer::load(dir)? {
             Tokenizer::Char(t) if t.vocab_size() == tasks::char_tokenizer().vocab_size() => {}
@@ -123,7 +157,7 @@ fn prepare_model(opts: &RunOptions) -> Result<(PathBuf, f64), StageError> {
     }
     let out = opts.out.join("sft");
     let sft_opts = SftOptions {
-        task: opts.task.demonstrations(),
+        task: task.demonstrations(),
         out: out.clone(),
         seed: opts.seed,
         ..opts.sft.clone()
@@ -158,15 +192,27 @@ pub async fn run(
 ) -> Result<RunOutcome, StageError> {
     let (cfg, model_dir, warm_start_s) = prepare(opts, cfg)?;
     let slot = gen_stage::initial_slot(&model_dir, cfg.generator.adapter.as_deref())?;
-    let params = slot.load().policy.config().num_params();
-    let held = HeldOutEval::new(opts, &cfg);
+    let model_cfg = slot.load().policy.config().clone();
+    let params = model_cfg.num_params();
+    let (rows, set) = run_prompts(opts, &cfg, &model_dir, &model_cfg)?;
+    let held = HeldOutEval::new(set, opts, &cfg);
+    let feeder = Feeder {
+        rows,
+        seed: opts.seed,
+        per_step: cfg.policy.groups_per_step,
+        sync: opts.sync,
+        bus: bus.clone(),
+        topo: topo.clone(),
+        slot: slot.clone(),
+        next: 0,
+    };
     let mut held_out: Vec<HeldOut> = held
         .of(0, "before", &slot.load().policy)?
         .into_iter()
         .collect();
     let (step_tx, step_rx) = mpsc::unbounded_channel::<StepRecord>();
     let started = Instant::now();
-    let stages = Stages::spawn(opts, &cfg, &bus, &topo, &slot, ranks, step_tx);
+    let stages = Stages::spawn(feeder, &cfg, &bus, &topo, &slot, ranks, step_tx);
     let monitor = Monitor {
         phase: Phase::new(
             opts.display,
@@ -205,13 +251,28 @@ pub async fn run(
         held_out,
     };
     let summary = summarize(opts, cfg, &facts);
+    let report = write_report(opts, &rows, &summary)?;
+    Ok(RunOutcome {
+        summary,
+        rows,
+        report,
+    })
+}
+
+/// The run's report: the learning curve with the held-out points, the per-step metrics and
+/// the summary, in `--report` or `OUT/report`.
+fn write_report(
+    opts: &RunOptions,
+    rows: &[StepRow],
+    summary: &RunSummary,
+) -> Result<ReportFiles, StageError> {
     let dir = opts
         .report
         .clone()
         .unwrap_or_else(|| opts.out.join("report"));
     let title = format!(
         "rlstream run: {} ({}), {} steps, {:.0} s",
-        opts.task.name(),
+        opts.prompts.name(),
         summary.mode,
         summary.steps,
         summary.wall_s
@@ -225,12 +286,33 @@ pub async fn run(
             pass_at_1: h.eval.pass_at_1,
         })
         .collect();
-    let report = report::write_report(&dir, &rows, &markers, &summary, &title)
-        .map_err(|e| StageError::Other(e.to_string()))?;
-    Ok(RunOutcome {
-        summary,
-        rows,
-        report,
+    report::write_report(&dir, rows, &markers, summary, &title)
+        .map_err(|e| StageError::Other(e.to_string()))
+}
+
+/// What the feeder draws from, and the held-out set (none with `run.eval_prompts = 0`):
+/// the task's streams, or the dataset's training and held-out rows.
+fn run_prompts(
+    opts: &RunOptions,
+    cfg: &Config,
+    model_dir: &Path,
+    model_cfg: &crate::model::ModelConfig,
+) -> Result<(FeedRows, Option<EvalSet>), StageError> {
+    let n_eval = cfg.run.eval_prompts;
+    Ok(match &opts.prompts {
+        RunPrompts::Task(task) => (
+            FeedRows::Task(*task),
+            (n_eval > 0).then(|| EvalSet::task(*task, n_eval)),
+        ),
+        RunPrompts::Dataset(src) => {
+            let rows = DatasetRows::load(src, model_dir, n_eval > 0)?;
+            let max_new = cfg.generator.max_new_tokens;
+            let set = match n_eval {
+                0 => None,
+                n => Some(rows.eval_set(model_dir, model_cfg, n, max_new)?),
+            };
+            (FeedRows::dataset(rows.train), set)
+        }
     })
 }
 
@@ -253,7 +335,19 @@ fn prepare(opts: &RunOptions, mut cfg: Config) -> Result<(Config, PathBuf, f64),
     cfg.policy.model = Some(model_dir.clone());
     cfg.policy.seed = opts.seed;
     cfg.train.checkpoint_dir = checkpoints;
-    cfg.feed.task = Some(opts.task);
+    match &opts.prompts {
+        RunPrompts::Task(task) => cfg.feed.task = Some(*task),
+        RunPrompts::Dataset(d) => {
+            cfg.feed.task = None;
+            cfg.feed.dataset = Some(d.path.clone());
+            cfg.feed.prompt_column = d.columns.prompt.clone();
+            cfg.feed.answer_column = d.columns.answer.clone();
+            cfg.feed.messages_column = d.columns.messages.clone();
+            cfg.feed.chat_template = Some(model_dir.clone());
+            // The scorer decodes completions with the model's tokenizer, not the tasks'.
+            cfg.score.tokenizer.get_or_insert_with(|| model_dir.clone());
+        }
+    }
     cfg.feed.seed = opts.seed;
     if opts.sync {
         // The sync feeder waits for each step's weights in the generator.
@@ -273,10 +367,10 @@ fn prepare(opts: &RunOptions, mut cfg: Config) -> Result<(Config, PathBuf, f64),
     Ok((cfg, model_dir, warm_start_s))
 }
 
-/// The default run directory: `runs/{task}-{unix seconds}`.
-pub fn default_out(task: BuiltinTask) -> PathBuf {
+/// The default run directory: `runs/{task or dataset}-{unix seconds}`.
+pub fn default_out(name: &str) -> PathBuf {
     let secs = crate::time::now_us() / 1_000_000;
-    Path::new("runs").join(format!("{}-{secs}", task.name()))
+    Path::new("runs").join(format!("{name}-{secs}"))
 }
 
 /// A namespace of its own for a run on Redis, so that a run never mixes with another's

@@ -3,7 +3,6 @@
 //! so an error anywhere ends the run.
 
 use super::feeder::{Feeder, Progress};
-use super::options::RunOptions;
 use crate::bus::{SharedBus, Topology};
 use crate::collective::Collective;
 use crate::config::Config;
@@ -87,7 +86,7 @@ async fn train_stage(
 
 impl Stages {
     pub(super) fn spawn(
-        opts: &RunOptions,
+        feeder: Feeder,
         cfg: &Config,
         bus: &SharedBus,
         topo: &Topology,
@@ -138,16 +137,6 @@ impl Stages {
                 .await
                 .map(StageResult::Gen)
         });
-        let feeder = Feeder {
-            task: opts.task,
-            seed: opts.seed,
-            per_step: cfg.policy.groups_per_step,
-            sync: opts.sync,
-            bus: bus.clone(),
-            topo: topo.clone(),
-            slot: slot.clone(),
-            next: 0,
-        };
         let stop_rx = stop.subscribe();
         let feed = spawn_stage(&stop, async move {
             feeder

@@ -218,7 +218,7 @@ pub(super) fn summarize(opts: &RunOptions, cfg: Config, f: &RunFacts) -> RunSumm
     let trained_tokens: u64 = t.history.iter().map(|h| h.tokens).sum();
     RunSummary {
         mode: if opts.sync { "sync" } else { "async" }.into(),
-        task: opts.task.name().into(),
+        task: opts.prompts.name(),
         bus: bus.into(),
         namespace: namespace.into(),
         model_params: params,

@@ -79,7 +79,7 @@ pub fn items(cfg: &FeedConfig) -> Result<Feed, StageError> {
 }
 
 /// Renders a dataset's chat rows with the chat template of `model`.
-fn render_chat(
+pub fn render_chat(
     d: &mut Dataset,
     path: &std::path::Path,
     model: Option<&std::path::Path>,

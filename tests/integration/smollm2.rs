@@ -203,3 +203,60 @@ fn it_generates_and_scores_as_transformers_and_the_trainer_agrees_bit_for_bit() 
         assert_eq!(bits(&c.logprobs), bits(&t), "request {}", c.request_id);
     }
 }
+
+/// One `--sync` RL step of `rlstream run --dataset` on the real model: prompts rendered
+/// with its ChatML template, sampled, scored with its tokenizer, trained on; every token's
+/// teacher-forced log-prob under the version that sampled it is its behaviour log-prob bit
+/// for bit, so every importance ratio is exactly 1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sync_rl_step_on_it_is_bitwise_on_policy() {
+    use rlstream::commands::run::{self, DatasetSource, RunOptions, RunPrompts};
+    let dir = tempfile::tempdir().expect("tempdir");
+    let data = dir.path().join("sums.jsonl");
+    let rows: String = (1..=8)
+        .map(|a| {
+            let row = serde_json::json!({
+                "messages": [{"role": "user", "content": format!("What is {a} + 3? Answer with the number only.")}],
+                "answer": (a + 3).to_string(),
+                "verifier": "math",
+            });
+            format!("{row}\n")
+        })
+        .collect();
+    std::fs::write(&data, rows).expect("dataset");
+    let mut cfg = rlstream::config::Config::resolve(
+        run::dataset_defaults_layer(),
+        None,
+        std::iter::empty(),
+        toml::Table::new(),
+    )
+    .expect("config");
+    cfg.train.steps = 1;
+    cfg.policy.groups_per_step = 2;
+    cfg.generator.group_size = 2;
+    cfg.generator.max_new_tokens = 6;
+    cfg.run.eval_prompts = 0;
+    let opts = RunOptions {
+        prompts: RunPrompts::Dataset(DatasetSource {
+            path: data,
+            columns: rlstream::tasks::Columns::default(),
+            eval: None,
+            held_out_share: 0.0,
+        }),
+        model: Some(model_dir()),
+        sft: rlstream::commands::sft::SftOptions::default(),
+        out: dir.path().join("run"),
+        report: None,
+        sync: true,
+        seed: 1,
+        display: rlstream::display::DisplayMode::Quiet,
+    };
+    let bus: rlstream::bus::SharedBus = std::sync::Arc::new(rlstream::bus::MemoryBus::new());
+    let outcome = crate::common::run_alone(&opts, cfg, bus).await;
+    assert_eq!(outcome.rows.len(), 1);
+    let r = &outcome.rows[0].record;
+    assert!(r.tokens >= 4, "{} tokens trained", r.tokens);
+    assert_eq!(r.logprob_gap, 0.0);
+    assert_eq!((r.ratio_mean, r.ratio_max), (1.0, 1.0));
+    assert_eq!(r.mismatch_kl, 0.0);
+}

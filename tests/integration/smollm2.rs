@@ -260,3 +260,70 @@ async fn a_sync_rl_step_on_it_is_bitwise_on_policy() {
     assert_eq!((r.ratio_mean, r.ratio_max), (1.0, 1.0));
     assert_eq!(r.mismatch_kl, 0.0);
 }
+
+#[derive(Deserialize)]
+struct LoraSeq {
+    prompt: Vec<u32>,
+    tokens: Vec<u32>,
+    temperature: f32,
+}
+
+#[derive(Deserialize)]
+struct LoraReference {
+    sequences: Vec<LoraSeq>,
+    logprobs: Vec<Vec<f64>>,
+    base_logprobs: Vec<Vec<f64>>,
+}
+
+/// An adapter rlstream trained on the real model (rank 4 on q_proj and v_proj, under
+/// 1 MB; `scripts/make_smollm2_lora.py`): rlstream gives the log-probs `peft` gives with it
+/// within [`LOGPROB_BOUND`], applied unmerged (as the trainer and generator run it) and
+/// merged (as `eval` loads it), while the adapter moves them far beyond that bound.
+#[test]
+fn an_adapter_it_trained_loads_as_peft_loads_it() {
+    let adapter = fixtures().join("lora");
+    let size = std::fs::metadata(adapter.join("adapter_model.safetensors"))
+        .expect("adapter")
+        .len();
+    assert!(size < 1 << 20, "adapter of {size} bytes");
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(adapter.join("adapter_config.json")).expect("config"),
+    )
+    .expect("adapter_config.json");
+    assert!(config["r"].as_u64().is_some_and(|r| r <= 4), "{config}");
+    let mut targets: Vec<&str> = config["target_modules"]
+        .as_array()
+        .expect("target_modules")
+        .iter()
+        .filter_map(|t| t.as_str())
+        .collect();
+    targets.sort_unstable();
+    assert_eq!(targets, ["q_proj", "v_proj"]);
+
+    let text = std::fs::read_to_string(adapter.join("reference.json")).expect("reference");
+    let r: LoraReference = serde_json::from_str(&text).expect("reference.json");
+    let unmerged: Policy<InferBackend> =
+        rlstream::model::lora::load_with_adapter(&model_dir(), &adapter, &Default::default())
+            .expect("load with adapter");
+    let merged = unmerged.merged();
+    let mut moved = 0f64;
+    for (i, s) in r.sequences.iter().enumerate() {
+        for model in [&unmerged, &merged] {
+            let got = scored(model, &[(&s.prompt, &s.tokens)], s.temperature).remove(0);
+            for (t, (x, y)) in got.iter().zip(&r.logprobs[i]).enumerate() {
+                let d = (f64::from(*x) - y).abs() as f32;
+                assert!(
+                    d <= LOGPROB_BOUND,
+                    "sequence {i} token {t}: {x} against peft's {y}"
+                );
+            }
+        }
+        for (a, b) in r.logprobs[i].iter().zip(&r.base_logprobs[i]) {
+            moved = moved.max((a - b).abs());
+        }
+    }
+    assert!(
+        moved > 10.0 * f64::from(LOGPROB_BOUND),
+        "the adapter moves log-probs by only {moved}"
+    );
+}

@@ -94,6 +94,8 @@ def main():
         save_strategy="no",
         report_to=[],
         disable_dropout=True,
+        # TRL turns it on by default; rlstream keeps its activations, and 135M fits.
+        gradient_checkpointing=False,
     )
     rewards = []
 

@@ -187,10 +187,8 @@ impl EvalSet {
         stop_tokens: Vec<u32>,
         n: usize,
     ) -> Result<Self, EvalError> {
-        let mut d = Dataset::load_with(path, cols).map_err(|e| EvalError::Usage(e.to_string()))?;
-        if let Some(report) = d.skipped_report() {
-            tracing::warn!("{}: {report}", path.display());
-        }
+        let mut d =
+            Dataset::load_reported(path, cols).map_err(|e| EvalError::Usage(e.to_string()))?;
         if d.has_chat() {
             let template = template.ok_or_else(|| {
                 EvalError::Usage(format!(

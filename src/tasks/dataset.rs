@@ -302,6 +302,15 @@ impl Dataset {
         (part(train), part(held))
     }
 
+    /// [`Dataset::load_with`], the bad rows it skipped reported as a warning (never fed).
+    pub fn load_reported(path: &Path, cols: &Columns) -> Result<Self, DatasetError> {
+        let d = Self::load_with(path, cols)?;
+        if let Some(report) = d.skipped_report() {
+            tracing::warn!("{}: {report}", path.display());
+        }
+        Ok(d)
+    }
+
     /// Loads a JSONL or Parquet file (told by its contents) with the default column names.
     pub fn load(path: &Path) -> Result<Self, DatasetError> {
         Self::load_with(path, &Columns::default())

@@ -15,15 +15,6 @@ pub(super) struct DatasetRows {
     pub(super) held_out: Dataset,
 }
 
-/// Reads one file of `src`'s columns, its bad rows reported (a warning), never fed.
-fn read(src: &DatasetSource, path: &Path) -> Result<Dataset, StageError> {
-    let d = Dataset::load_with(path, &src.columns)?;
-    if let Some(report) = d.skipped_report() {
-        tracing::warn!("{}: {report}", path.display());
-    }
-    Ok(d)
-}
-
 impl DatasetRows {
     /// Loads `src` for the model in `model_dir` (whose chat template renders chat rows) and
     /// splits off its held-out rows. A split that leaves nothing to train on is refused;
@@ -33,10 +24,10 @@ impl DatasetRows {
         model_dir: &Path,
         evaluate: bool,
     ) -> Result<Self, StageError> {
-        let d = read(src, &src.path)?;
+        let d = Dataset::load_reported(&src.path, &src.columns)?;
         let rows = d.items.len();
         let (mut train, mut held_out) = match &src.eval {
-            Some(eval) => (d, read(src, eval)?),
+            Some(eval) => (d, Dataset::load_reported(eval, &src.columns)?),
             None => d.split(src.held_out_share),
         };
         let file = src.path.display();

@@ -55,12 +55,4 @@ impl RunPrompts {
                 .map_or_else(|| "dataset".into(), |s| s.to_string_lossy().into_owned()),
         }
     }
-
-    /// The built-in task, when the prompts are one's.
-    pub fn task(&self) -> Option<BuiltinTask> {
-        match self {
-            RunPrompts::Task(t) => Some(*t),
-            RunPrompts::Dataset(_) => None,
-        }
-    }
 }

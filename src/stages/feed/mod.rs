@@ -50,10 +50,7 @@ pub fn items(cfg: &FeedConfig) -> Result<Feed, StageError> {
             skipped: 0,
         }),
         (None, Some(path)) => {
-            let mut d = Dataset::load_with(path, &cfg.columns())?;
-            if let Some(report) = d.skipped_report() {
-                tracing::warn!("{}: {report}", path.display());
-            }
+            let mut d = Dataset::load_reported(path, &cfg.columns())?;
             if d.has_chat() {
                 render_chat(&mut d, path, cfg.chat_template.as_deref())?;
             }

@@ -6,7 +6,10 @@ completion tokens, global-norm clipping at 1.0, AdamW), with a log-softmax gathe
 completion positions, in micro-batches of at most MICRO tokens (0: one pass) with
 gradients accumulated.
 
-    python benches/torch_train_step.py DIR MICRO STEPS
+    python benches/torch_train_step.py DIR MICRO STEPS [LEN SAMPLES]
+
+With LEN and SAMPLES, the batch is one group of SAMPLES sequences of LEN tokens (a 32-token
+prompt, the rest completion), as `train_scale -- long` trains it.
 
 Prints one JSON object: the median step time over STEPS timed steps (after one warm-up)
 and the process's peak resident memory.
@@ -72,6 +75,12 @@ def main():
     vocab = model.config.vocab_size
     size = "0.5b" if vocab > 1000 else "small"
     samples = batch(size, vocab)
+    if len(sys.argv) > 5:
+        length, per = int(sys.argv[4]), int(sys.argv[5])
+        uniform = -math.log(vocab)
+        p = [(j * 7) % vocab for j in range(32)]
+        samples = [(p, [(i * 17 + j * 5) % vocab for j in range(length - 32)],
+                    [uniform] * (length - 32), 1.0 if i % 2 == 0 else -1.0) for i in range(per)]
     n_tokens = sum(len(s[1]) for s in samples)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0)
     times = []
@@ -86,7 +95,7 @@ def main():
             torch.cuda.synchronize()
         dt = time.perf_counter() - t
         print(f"step {i}: {dt:.3f} s", file=sys.stderr)
-        if i > 0:
+        if i > 0 or steps == 0:
             times.append(dt)
     times.sort()
     peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -4,6 +4,8 @@
 //! cargo bench --bench train_scale -- write SIZE DIR          # a random checkpoint
 //! cargo bench --bench train_scale -- step DIR MICRO STEPS    # time it; prints JSON
 //! cargo bench --bench train_scale -- load DIR                # load time and peak memory
+//! cargo bench --bench train_scale -- write-vocab SIZE VOCAB DIR   # SIZE's shape at another vocabulary
+//! cargo bench --bench train_scale -- long DIR LEN SAMPLES    # one step on SAMPLES sequences of LEN tokens
 //! cargo bench --bench train_scale -- generate DIR PROMPT NEW ROWS   # tokens/s, peak memory
 //! cargo bench --features flex --bench train_scale -- generate-flex DIR PROMPT NEW ROWS   # on Flex, the sampler before
 //! cargo bench --bench train_scale -- bf16 DIR OUT            # DIR's weights as bf16 in OUT
@@ -103,10 +105,21 @@ fn shape(size: &str) -> (ModelConfig, usize, usize, usize, usize) {
     }
 }
 
-/// The fixed batch: per group one prompt and completions of fixed length, alternating
-/// advantages, behaviour log-probs near a uniform policy's.
+/// The fixed batch of a size.
 fn batch(size: &str, vocab: u32) -> Vec<ScoredGroup> {
     let (_, groups, per, prompt, completion) = shape(size);
+    batch_of(groups, per, prompt, completion, vocab)
+}
+
+/// `groups` groups of `per` completions of `completion` tokens after a `prompt`-token prompt:
+/// alternating advantages, behaviour log-probs near a uniform policy's.
+fn batch_of(
+    groups: usize,
+    per: usize,
+    prompt: usize,
+    completion: usize,
+    vocab: u32,
+) -> Vec<ScoredGroup> {
     let uniform = -(vocab as f32).ln();
     (0..groups)
         .map(|g| {
@@ -170,6 +183,45 @@ fn write(size: &str, dir: &Path) {
         "{{\"size\": \"{size}\", \"params\": {}, \"dir\": \"{}\"}}",
         cfg.num_params(),
         dir.display()
+    );
+}
+
+/// SIZE's shape with a vocabulary of `vocab` ids and room for 8,192 positions, as a random
+/// checkpoint in DIR.
+fn write_vocab(size: &str, vocab: usize, dir: &Path) {
+    let (mut cfg, ..) = shape(size);
+    cfg.vocab_size = vocab;
+    cfg.max_position = cfg.max_position.max(8192);
+    let model = Policy::<InferBackend>::random(&cfg, 7, &Default::default()).expect("model");
+    model.save_hf(dir).expect("save");
+    println!(
+        "{{\"size\": \"{size}\", \"vocab\": {vocab}, \"params\": {}, \"dir\": \"{}\"}}",
+        cfg.num_params(),
+        dir.display()
+    );
+}
+
+/// One trainer step on SAMPLES sequences of LEN tokens each (a 32-token prompt, the rest
+/// completion), one sequence a micro-batch, as a user would train long completions: the
+/// step's time and the process's peak memory.
+fn long(dir: &Path, len: usize, samples: usize) {
+    let config: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(dir.join("config.json")).expect("config.json"),
+    )
+    .expect("json");
+    let vocab = config["vocab_size"].as_u64().expect("vocab_size") as u32;
+    let ckpt = tempfile::tempdir().expect("tmp");
+    let settings = trainer_settings(dir, ckpt.path(), 1e-5, len);
+    let mut trainer = Trainer::start(&settings).expect("trainer");
+    let groups = batch_of(1, samples, 32, len - 32, vocab);
+    let refs: Vec<&ScoredGroup> = groups.iter().collect();
+    let t = Instant::now();
+    let record = trainer.step(&refs).expect("step");
+    assert!(!record.skipped, "a skipped step measures nothing");
+    println!(
+        "{{\"len\": {len}, \"samples\": {samples}, \"vocab\": {vocab}, \"step_s\": {:.3}, \"peak_rss_mb\": {:.0}}}",
+        t.elapsed().as_secs_f64(),
+        peak_rss_mb()
     );
 }
 
@@ -529,6 +581,16 @@ fn main() {
     match args[..] {
         ["write", size, dir] => write(size, Path::new(dir)),
         ["load", dir] => load(Path::new(dir)),
+        ["write-vocab", size, vocab, dir] => write_vocab(
+            size,
+            vocab.parse().expect("VOCAB: a vocabulary size"),
+            Path::new(dir),
+        ),
+        ["long", dir, len, samples] => long(
+            Path::new(dir),
+            len.parse().expect("LEN: a token count"),
+            samples.parse().expect("SAMPLES: a count"),
+        ),
         ["transfers", dir] => device::measure(Path::new(dir)),
         ["nccl", values] => device::nccl(values.parse().expect("VALUES: a count")),
         ["generate", dir, prompt, new, rows] => generate::<InferBackend>(

@@ -197,6 +197,7 @@ impl<B: Kernels> Policy<B> {
     /// Logits `[rows, vocab]` of final hidden states `[rows, hidden]` (the LM head, or the
     /// tied embedding).
     pub(crate) fn project(&self, x: Tensor<B, 2>) -> Tensor<B, 2> {
+        super::kernels::head::note_logits(x.dims()[0]);
         match &self.head {
             Some(head) if B::NATIVE_LINEAR => native_linear(head, x),
             Some(head) => head.forward(x),
@@ -211,6 +212,38 @@ impl<B: Kernels> Policy<B> {
             // view as stored: `x · Eᵀ`. The CPU kernel also writes the embedding's gradient
             // in the embedding's own layout.
             None => B::linear_rows(x, self.embed.weight.val().transpose(), None),
+        }
+    }
+
+    /// The output head as a `[hidden, vocab]` weight: the LM head's, or the tied
+    /// embedding read transposed (a view, not a copy).
+    fn head_weight(&self) -> Tensor<B, 2> {
+        match &self.head {
+            Some(head) => head.weight.val(),
+            None => self.embed.weight.val().transpose(),
+        }
+    }
+
+    /// The log-prob `[rows, 1]` of `targets[i]` after final hidden state `x[i]`
+    /// (`[rows, hidden]`), tempered and renormalised over `kept` as
+    /// [`token_logprob`](super::kernels::token_logprob) defines it: the head and the
+    /// log-prob over [`HEAD_CHUNK_ROWS`](super::kernels::HEAD_CHUNK_ROWS) rows at a time
+    /// ([`Kernels::head_logprobs`]), so the logits never exist for more rows than that.
+    /// Each row's logits are [`Policy::project`]'s on the CPU backend, bit for bit.
+    pub(crate) fn head_logprobs(
+        &self,
+        x: Tensor<B, 2>,
+        targets: &[u32],
+        temperature: f32,
+        kept: &super::kernels::Kept,
+    ) -> Tensor<B, 2> {
+        let chunk = super::kernels::HEAD_CHUNK_ROWS;
+        match &self.head {
+            // A head with a bias (no model family here has one) through the plain path.
+            Some(head) if head.bias.is_some() => {
+                B::token_logprobs(self.project(x), targets, temperature, kept)
+            }
+            _ => B::head_logprobs(x, self.head_weight(), targets, temperature, kept, chunk),
         }
     }
 

@@ -59,9 +59,10 @@ pub struct RoutingStats {
 /// Only the positions that predict a completion token go through the LM head and the
 /// log-softmax: the trunk runs over prompt + completion, then the hidden states of those
 /// positions are gathered (`[batch × max_completion, hidden]`) before the vocabulary-sized
-/// work. Each log-prob is [`token_logprob`](super::kernels::token_logprob) (over the kept
-/// ids when the sampler recorded a mask), without materialising the full log-softmax: one
-/// fused kernel, [`Kernels::token_logprobs`].
+/// work, and that work runs over chunks of rows ([`Policy::head_logprobs`]): the logits
+/// never exist for more than [`HEAD_CHUNK_ROWS`](super::kernels::HEAD_CHUNK_ROWS) rows.
+/// Each log-prob is [`token_logprob`](super::kernels::token_logprob) (over the kept ids
+/// when the sampler recorded a mask), without materialising the full log-softmax.
 pub fn completion_logprobs<B: Kernels>(
     model: &Policy<B>,
     seqs: &[ScoredSeq<'_>],
@@ -196,9 +197,10 @@ pub fn completion_logprobs_routed<B: Kernels>(
     let d = hidden.dims()[2];
     let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [b * cmax]), &device);
     let picked = hidden.reshape([b * lmax, d]).select(0, rows);
-    let logits = model.project(picked);
     let valid = Tensor::<B, 2>::from_data(TensorData::new(valid, [b, cmax]), &device);
     let kept = kept_sets(seqs, cmax);
-    let lp = B::token_logprobs(logits, &target, temperature, &kept).reshape([b, cmax]);
+    let lp = model
+        .head_logprobs(picked, &target, temperature, &kept)
+        .reshape([b, cmax]);
     (lp * valid.clone(), valid, stats)
 }

@@ -20,6 +20,7 @@ mod docs;
 mod episodes;
 mod generate_cli;
 mod grad_parity;
+mod head_memory;
 mod layering;
 mod lora;
 mod model_parity;

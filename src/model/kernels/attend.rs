@@ -4,9 +4,15 @@
 //! skipped, which is exact (their probability is 0), so a query's result depends only on
 //! the keys it sees: not on left padding, on how many rows share the batch, or on whether
 //! its keys came from a cache (a decode step) or from the same pass (prefill, training).
+//!
+//! The forward keeps only each query's log-sum-exp for the backward ([`attend_backward`]),
+//! which recomputes the probabilities a block of queries at a time: the saved state is
+//! linear in the length, and the square of it exists for one block only.
 
 use super::logprob::MASKED;
 use super::rows;
+use ndarray::linalg::general_mat_mul;
+use ndarray::{ArrayView2, ArrayViewMut2};
 use rayon::prelude::*;
 
 /// The layout of one attention call: queries `[b, kv_heads, rows, hd]` (a kv head's query
@@ -23,8 +29,38 @@ pub(super) struct Shape {
     pub bias_b: usize,
 }
 
-/// The output `[b, kv_heads, rows, hd]` and, when `keep`, the probabilities `[b,
-/// kv_heads, rows, t]` (the backward's input).
+impl Shape {
+    fn check(&self, q: &[f32], k: &[f32], v: &[f32], bias: &[f32]) {
+        let s = self;
+        assert_eq!(
+            q.len(),
+            s.b * s.kv_heads * s.rows * s.hd,
+            "q is [b, kv_heads, rows, hd]"
+        );
+        assert_eq!(
+            k.len(),
+            s.b * s.kv_heads * s.t * s.hd,
+            "k is [b, kv_heads, t, hd]"
+        );
+        assert_eq!(v.len(), k.len(), "v is shaped as k");
+        assert_eq!(
+            bias.len(),
+            s.bias_b * s.l * s.t,
+            "bias is [1 or b, 1, l, t]"
+        );
+    }
+
+    /// Query row `i`'s bias row (its batch row's, at its position).
+    fn bias_row<'a>(&self, bias: &'a [f32], i: usize) -> &'a [f32] {
+        let bi = i / (self.kv_heads * self.rows);
+        let qi = i % self.rows;
+        let at = ((if self.bias_b == 1 { 0 } else { bi }) * self.l + qi % self.l) * self.t;
+        &bias[at..at + self.t]
+    }
+}
+
+/// The output `[b, kv_heads, rows, hd]` and each query's log-sum-exp `[b, kv_heads, rows]`
+/// of its scaled, biased scores (the backward's input).
 pub(super) fn attend(
     q: &[f32],
     k: &[f32],
@@ -32,60 +68,36 @@ pub(super) fn attend(
     bias: &[f32],
     s: Shape,
     scale: f32,
-    keep: bool,
-) -> (Vec<f32>, Option<Vec<f32>>) {
+) -> (Vec<f32>, Vec<f32>) {
+    s.check(q, k, v, bias);
     let n = s.b * s.kv_heads * s.rows;
-    assert_eq!(q.len(), n * s.hd, "q is [b, kv_heads, rows, hd]");
-    assert_eq!(
-        k.len(),
-        s.b * s.kv_heads * s.t * s.hd,
-        "k is [b, kv_heads, t, hd]"
-    );
-    assert_eq!(v.len(), k.len(), "v is shaped as k");
-    assert_eq!(
-        bias.len(),
-        s.bias_b * s.l * s.t,
-        "bias is [1 or b, 1, l, t]"
-    );
     let mut out = vec![0f32; n * s.hd];
+    let mut lse = vec![0f32; n];
     if n == 0 || s.hd == 0 {
-        return (out, keep.then(|| vec![0f32; n * s.t]));
+        return (out, lse);
     }
     // About 16k multiply-adds a task: a decode step's few queries stay on one core.
     let min = (16_384 / (s.t * s.hd).max(1)).max(1);
-    let query = |i: usize, o: &mut [f32], p: &mut [f32]| {
-        let (bi, hi, qi) = (
-            i / (s.kv_heads * s.rows),
-            i / s.rows % s.kv_heads,
-            i % s.rows,
+    out.par_chunks_mut(s.hd)
+        .zip(lse.par_iter_mut())
+        .enumerate()
+        .with_min_len(min)
+        .for_each_init(
+            || vec![0f32; s.t],
+            |p, (i, (o, lse))| {
+                let kv = i / s.rows * s.t * s.hd;
+                let row = Query {
+                    q: &q[i * s.hd..(i + 1) * s.hd],
+                    k: &k[kv..kv + s.t * s.hd],
+                    v: &v[kv..kv + s.t * s.hd],
+                    bias: s.bias_row(bias, i),
+                    hd: s.hd,
+                    scale,
+                };
+                *lse = row.run(o, p);
+            },
         );
-        let kv = (bi * s.kv_heads + hi) * s.t * s.hd;
-        let b_at = ((if s.bias_b == 1 { 0 } else { bi }) * s.l + qi % s.l) * s.t;
-        let row = Query {
-            q: &q[i * s.hd..(i + 1) * s.hd],
-            k: &k[kv..kv + s.t * s.hd],
-            v: &v[kv..kv + s.t * s.hd],
-            bias: &bias[b_at..b_at + s.t],
-            hd: s.hd,
-            scale,
-        };
-        row.run(o, p);
-    };
-    if keep {
-        let mut probs = vec![0f32; n * s.t];
-        out.par_chunks_mut(s.hd)
-            .zip(probs.par_chunks_mut(s.t.max(1)))
-            .enumerate()
-            .with_min_len(min)
-            .for_each(|(i, (o, p))| query(i, o, p));
-        (out, Some(probs))
-    } else {
-        out.par_chunks_mut(s.hd)
-            .enumerate()
-            .with_min_len(min)
-            .for_each_init(|| vec![0f32; s.t], |p, (i, o)| query(i, o, p));
-        (out, None)
-    }
+    (out, lse)
 }
 
 /// One query's operands.
@@ -99,25 +111,25 @@ struct Query<'a> {
 }
 
 impl Query<'_> {
-    /// Writes the output `o` `[hd]` and the probabilities `p` `[t]`.
-    fn run(&self, o: &mut [f32], p: &mut [f32]) {
+    /// Writes the output `o` `[hd]` (`p` `[t]` is scratch) and returns the log-sum-exp of
+    /// the scaled, biased scores it saw.
+    fn run(&self, o: &mut [f32], p: &mut [f32]) -> f32 {
         #[cfg(target_arch = "x86_64")]
         if rows::fma_available() {
             // SAFETY: the CPU has AVX2 and FMA (checked above).
-            unsafe { self.run_fma(o, p) };
-            return;
+            return unsafe { self.run_fma(o, p) };
         }
-        self.run_portable(o, p);
+        self.run_portable(o, p)
     }
 
     #[cfg(target_arch = "x86_64")]
     #[target_feature(enable = "avx2,fma")]
-    fn run_fma(&self, o: &mut [f32], p: &mut [f32]) {
+    fn run_fma(&self, o: &mut [f32], p: &mut [f32]) -> f32 {
         self.run_portable(o, p)
     }
 
     #[inline(always)]
-    fn run_portable(&self, o: &mut [f32], p: &mut [f32]) {
+    fn run_portable(&self, o: &mut [f32], p: &mut [f32]) -> f32 {
         let hd = self.hd;
         // A row that sees nothing (never built by the model) attends to every key, as the
         // composed softmax would.
@@ -150,6 +162,143 @@ impl Query<'_> {
                     *od = pj.mul_add(vd, *od);
                 }
             }
+        }
+        max + sum.ln()
+    }
+}
+
+/// Query rows one block of the backward takes: its scores and their gradient are two
+/// `[QUERY_BLOCK, t]` buffers, the only state that grows with the length squared, and
+/// only for one block at a time.
+const QUERY_BLOCK: usize = 64;
+
+/// Saved and incoming values of one attention's backward: the forward's output and
+/// log-sum-exp, and the output's gradient, laid out as [`attend`] returns them.
+pub(super) struct Saved<'a> {
+    pub out: &'a [f32],
+    pub lse: &'a [f32],
+    pub dy: &'a [f32],
+}
+
+/// Gradients `(dq, dk, dv)` of [`attend`], its probabilities recomputed block by block from
+/// the scores and the saved log-sum-exp (flash attention's backward): per query block, the
+/// scores over the keys any of its rows sees, their probabilities, and the products that
+/// add into the gradients, on one task per batch row and kv head.
+pub(super) fn attend_backward(
+    (q, k, v): (&[f32], &[f32], &[f32]),
+    bias: &[f32],
+    saved: Saved<'_>,
+    s: Shape,
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    s.check(q, k, v, bias);
+    let heads = s.b * s.kv_heads;
+    let (qn, kn) = (s.rows * s.hd, s.t * s.hd);
+    let mut dq = vec![0f32; heads * qn];
+    let mut dk = vec![0f32; heads * kn];
+    let mut dv = vec![0f32; heads * kn];
+    if qn == 0 || kn == 0 {
+        return (dq, dk, dv);
+    }
+    dq.par_chunks_mut(qn)
+        .zip(dk.par_chunks_mut(kn))
+        .zip(dv.par_chunks_mut(kn))
+        .enumerate()
+        .for_each(|(h, ((dq, dk), dv))| {
+            let head = Head {
+                q: &q[h * qn..][..qn],
+                k: &k[h * kn..][..kn],
+                v: &v[h * kn..][..kn],
+                out: &saved.out[h * qn..][..qn],
+                dy: &saved.dy[h * qn..][..qn],
+                lse: &saved.lse[h * s.rows..][..s.rows],
+                bias,
+                first: h * s.rows,
+                s,
+                scale,
+            };
+            head.backward(dq, dk, dv);
+        });
+    (dq, dk, dv)
+}
+
+/// One batch row's kv head: its grouped queries `[rows, hd]`, keys and values `[t, hd]`.
+struct Head<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    out: &'a [f32],
+    dy: &'a [f32],
+    lse: &'a [f32],
+    bias: &'a [f32],
+    /// The flat query index of row 0 (for its bias row).
+    first: usize,
+    s: Shape,
+    scale: f32,
+}
+
+/// `rows × cols` values of `data` from `at`, row-major.
+fn view(data: &[f32], at: usize, rows: usize, cols: usize) -> ArrayView2<'_, f32> {
+    ArrayView2::from_shape((rows, cols), &data[at..at + rows * cols])
+        .unwrap_or_else(|e| unreachable!("a block inside its buffer: {e}"))
+}
+
+fn view_mut(data: &mut [f32], at: usize, rows: usize, cols: usize) -> ArrayViewMut2<'_, f32> {
+    ArrayViewMut2::from_shape((rows, cols), &mut data[at..at + rows * cols])
+        .unwrap_or_else(|e| unreachable!("a block inside its buffer: {e}"))
+}
+
+impl Head<'_> {
+    /// The keys `lo..hi` that any of `rows` sees (all of them for a row that sees none,
+    /// as the forward attends then); every key outside has probability 0 for these rows.
+    fn key_range(&self, rows: std::ops::Range<usize>) -> (usize, usize) {
+        let (mut lo, mut hi) = (self.s.t, 0);
+        for i in rows {
+            let b = self.s.bias_row(self.bias, self.first + i);
+            match (
+                b.iter().position(|&x| x != MASKED),
+                b.iter().rposition(|&x| x != MASKED),
+            ) {
+                (Some(first), Some(last)) => (lo, hi) = (lo.min(first), hi.max(last + 1)),
+                _ => return (0, self.s.t),
+            }
+        }
+        (lo.min(hi), hi)
+    }
+
+    fn backward(&self, dq: &mut [f32], dk: &mut [f32], dv: &mut [f32]) {
+        let (hd, t) = (self.s.hd, self.s.t);
+        let mut probs = vec![0f32; QUERY_BLOCK.min(self.s.rows) * t];
+        let mut dscores = vec![0f32; probs.len()];
+        for r0 in (0..self.s.rows).step_by(QUERY_BLOCK) {
+            let r1 = (r0 + QUERY_BLOCK).min(self.s.rows);
+            let (lo, hi) = self.key_range(r0..r1);
+            let (nb, nk) = (r1 - r0, hi - lo);
+            if nk == 0 {
+                continue;
+            }
+            let (qb, dyb) = (
+                view(self.q, r0 * hd, nb, hd),
+                view(self.dy, r0 * hd, nb, hd),
+            );
+            let (kb, vb) = (view(self.k, lo * hd, nk, hd), view(self.v, lo * hd, nk, hd));
+            let mut p = view_mut(&mut probs, 0, nb, nk);
+            let mut ds = view_mut(&mut dscores, 0, nb, nk);
+            general_mat_mul(1.0, &qb, &kb.t(), 0.0, &mut p);
+            general_mat_mul(1.0, &dyb, &vb.t(), 0.0, &mut ds);
+            for (i, (mut pr, mut dr)) in p.rows_mut().into_iter().zip(ds.rows_mut()).enumerate() {
+                let bias = &self.s.bias_row(self.bias, self.first + r0 + i)[lo..hi];
+                let lse = self.lse[r0 + i];
+                let at = (r0 + i) * hd;
+                let d = rows::portable_dot(&self.dy[at..at + hd], &self.out[at..at + hd]);
+                for ((pj, dj), &bj) in pr.iter_mut().zip(dr.iter_mut()).zip(bias) {
+                    *pj = (*pj * self.scale + bj - lse).exp();
+                    *dj = *pj * (*dj - d) * self.scale;
+                }
+            }
+            general_mat_mul(1.0, &p.t(), &dyb, 1.0, &mut view_mut(dv, lo * hd, nk, hd));
+            general_mat_mul(1.0, &ds, &kb, 0.0, &mut view_mut(dq, r0 * hd, nb, hd));
+            general_mat_mul(1.0, &ds.t(), &qb, 1.0, &mut view_mut(dk, lo * hd, nk, hd));
         }
     }
 }

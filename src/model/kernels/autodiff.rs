@@ -147,24 +147,22 @@ impl<B: Kernels> Backward<B, 1> for SoftmaxBackward {
     }
 }
 
+/// What attention's backward reads: q, k, v, the bias, the output, each query's
+/// log-sum-exp (not the probabilities: linear in the length), the scale.
+type AttentionState<B> = ([FloatTensor<B>; 4], FloatTensor<B>, FloatTensor<B>, f64);
+
 #[derive(Debug)]
 struct AttentionBackward;
 
 impl<B: Kernels> Backward<B, 3> for AttentionBackward {
-    /// q, k, v, the probabilities, the scale.
-    type State = (
-        FloatTensor<B>,
-        FloatTensor<B>,
-        FloatTensor<B>,
-        FloatTensor<B>,
-        f64,
-    );
+    type State = AttentionState<B>;
 
     fn backward(self, ops: Ops<Self::State, 3>, grads: &mut Gradients, _: &mut Checkpointer) {
         let [pq, pk, pv] = ops.parents;
         let dy = grads.consume::<B>(&ops.node);
-        let (q, k, v, probs, scale) = ops.state;
-        let (dq, dk, dv) = B::attn_backward(t(q), t(k), t(v), t(probs), t(dy), scale);
+        let ([q, k, v, bias], out, lse, scale) = ops.state;
+        let (dq, dk, dv) =
+            B::attn_backward((t(q), t(k), t(v)), t(bias), t(out), t(lse), t(dy), scale);
         for (node, grad) in [(pq, dq), (pk, dk), (pv, dv)] {
             if let Some(node) = node {
                 grads.register::<B>(node.id, p(grad));
@@ -209,6 +207,70 @@ impl<B: Kernels> Backward<B, 1> for TokenLogprobsBackward {
             let (logits, lse, dy) = (t(logits), t(lse), t(dy));
             let dl = B::token_logprobs_backward(logits, lse, &targets, temperature, &kept, dy);
             grads.register::<B>(node.id, p(dl));
+        }
+    }
+}
+
+/// What the chunked head's backward reads: the rows and the head, each row's
+/// log-sum-exp (not the logits), the targets, the temperature, the kept ids, the chunk.
+struct HeadState<B: Kernels> {
+    x: FloatTensor<B>,
+    weight: FloatTensor<B>,
+    lse: FloatTensor<B>,
+    targets: Arc<[u32]>,
+    temperature: f32,
+    kept: Arc<Kept>,
+    chunk: usize,
+}
+
+impl<B: Kernels> Clone for HeadState<B> {
+    fn clone(&self) -> Self {
+        HeadState {
+            x: self.x.clone(),
+            weight: self.weight.clone(),
+            lse: self.lse.clone(),
+            targets: self.targets.clone(),
+            temperature: self.temperature,
+            kept: self.kept.clone(),
+            chunk: self.chunk,
+        }
+    }
+}
+
+impl<B: Kernels> std::fmt::Debug for HeadState<B> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HeadState")
+            .field("rows", &self.targets.len())
+            .field("chunk", &self.chunk)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug)]
+struct HeadLogprobsBackward;
+
+impl<B: Kernels> Backward<B, 2> for HeadLogprobsBackward {
+    type State = HeadState<B>;
+
+    fn backward(self, ops: Ops<Self::State, 2>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [px, pw] = ops.parents;
+        let dy = grads.consume::<B>(&ops.node);
+        let s = ops.state;
+        let (dx, dw) = B::head_logprobs_backward(
+            (t(s.x), t(s.weight)),
+            pw.is_some(),
+            t(s.lse),
+            &s.targets,
+            s.temperature,
+            &s.kept,
+            s.chunk,
+            t(dy),
+        );
+        if let Some(node) = px {
+            grads.register::<B>(node.id, p(dx));
+        }
+        if let (Some(node), Some(dw)) = (pw, dw) {
+            grads.register::<B>(node.id, p(dw));
         }
     }
 }
@@ -278,21 +340,23 @@ impl<B: Kernels, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
         scale: f64,
     ) -> Tensor<Self, 4> {
         let [q, k, v] = [q, k, v].map(|x| x.into_primitive().tensor());
-        let (y, probs) = B::attn_saved(
+        let bias = p::<B, 4>(bias.inner());
+        let (y, lse) = B::attn_saved(
             t(q.primitive.clone()),
             t(k.primitive.clone()),
             t(v.primitive.clone()),
-            bias.inner(),
+            t(bias.clone()),
             scale,
         );
-        let state = (
+        let y = p(y);
+        let inputs = [
             q.primitive.clone(),
             k.primitive.clone(),
             v.primitive.clone(),
-            p(probs),
-            scale,
-        );
-        record(AttentionBackward, [&q, &k, &v], state, p(y))
+            bias,
+        ];
+        let state = (inputs, y.clone(), p(lse), scale);
+        record(AttentionBackward, [&q, &k, &v], state, y)
     }
 
     fn swiglu(gate: Tensor<Self, 2>, up: Tensor<Self, 2>) -> Tensor<Self, 2> {
@@ -319,5 +383,45 @@ impl<B: Kernels, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
             Arc::new(kept.clone()),
         );
         record(TokenLogprobsBackward, [&logits], state, p(lp))
+    }
+
+    /// Up to one chunk of rows, the head and the log-prob as two nodes, the logits kept
+    /// for the backward (one chunk's, no more); more rows, one node that keeps each row's
+    /// log-sum-exp and recomputes the logits chunk by chunk in the backward.
+    fn head_logprobs(
+        x: Tensor<Self, 2>,
+        weight: Tensor<Self, 2>,
+        targets: &[u32],
+        temperature: f32,
+        kept: &Kept,
+        chunk: usize,
+    ) -> Tensor<Self, 2> {
+        if x.dims()[0] <= chunk {
+            super::head::note_logits(x.dims()[0]);
+            let logits = Self::linear_rows(x, weight, None);
+            return Self::token_logprobs(logits, targets, temperature, kept);
+        }
+        let (x, w) = (
+            x.into_primitive().tensor(),
+            weight.into_primitive().tensor(),
+        );
+        let (lp, lse) = B::head_logprobs_saved(
+            t(x.primitive.clone()),
+            t(w.primitive.clone()),
+            targets,
+            temperature,
+            kept,
+            chunk,
+        );
+        let state = HeadState {
+            x: x.primitive.clone(),
+            weight: w.primitive.clone(),
+            lse: p(lse),
+            targets: Arc::from(targets),
+            temperature,
+            kept: Arc::new(kept.clone()),
+            chunk,
+        };
+        record(HeadLogprobsBackward, [&x, &w], state, p(lp))
     }
 }

@@ -2,8 +2,9 @@
 //! cores by rayon, each output written once into a fresh buffer. A tensor of another dtype
 //! takes the composed path.
 
+use super::fused::head_backward_chunks;
 use super::logprob::{Kept, inv_temperature, token_logprob};
-use super::{Kernels, attend, reference, rows};
+use super::{Kernels, attend, head, reference, rows};
 use burn::backend::NdArray;
 use burn::backend::ndarray::NdArrayTensor;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
@@ -132,34 +133,27 @@ fn attention_shape(q: &Four, k: &Four, v: &Four, bias: &Four) -> Option<attend::
     })
 }
 
-/// [`attend::attend`] on tensors of `shape`: the output, and the probabilities when `keep`.
-fn native_attention(
-    [q, k, v, bias]: [Four; 4],
-    shape: attend::Shape,
-    scale: f64,
-    keep: bool,
-) -> (Four, Option<Four>) {
+/// [`attend::attend`] on tensors of `shape`: the output and each query's log-sum-exp.
+fn native_attention([q, k, v, bias]: [Four; 4], shape: attend::Shape, scale: f64) -> (Four, Four) {
     let [q, k, v, bias] = [q, k, v, bias].map(Host::of);
-    let (out, probs) = attend::attend(
+    let (out, lse) = attend::attend(
         q.slice(),
         k.slice(),
         v.slice(),
         bias.slice(),
         shape,
         scale as f32,
-        keep,
     );
     let attend::Shape {
         b,
         kv_heads,
         rows,
-        t,
         hd,
         ..
     } = shape;
     (
         tensor(out, [b, kv_heads, rows, hd]),
-        probs.map(|p| tensor(p, [b, kv_heads, rows, t])),
+        tensor(lse, [b, kv_heads, rows, 1]),
     )
 }
 
@@ -468,8 +462,8 @@ impl Kernels for NdArray {
         scale: f64,
     ) -> Tensor<Self, 4> {
         match attention_shape(&q, &k, &v, &bias) {
-            Some(shape) => native_attention([q, k, v, bias], shape, scale, false).0,
-            None => reference::attn_saved((q, k, v), bias, scale, Self::attn_softmax).0,
+            Some(shape) => native_attention([q, k, v, bias], shape, scale).0,
+            None => reference::attention((q, k, v), bias, scale, Self::attn_softmax),
         }
     }
 
@@ -481,12 +475,48 @@ impl Kernels for NdArray {
         scale: f64,
     ) -> (Tensor<Self, 4>, Tensor<Self, 4>) {
         match attention_shape(&q, &k, &v, &bias) {
-            Some(shape) => match native_attention([q, k, v, bias], shape, scale, true) {
-                (out, Some(probs)) => (out, probs),
-                (_, None) => unreachable!("the probabilities were asked for"),
-            },
-            None => reference::attn_saved((q, k, v), bias, scale, Self::attn_softmax),
+            Some(shape) => native_attention([q, k, v, bias], shape, scale),
+            None => reference::attn_lse((q, k, v), bias, scale),
         }
+    }
+
+    /// [`attend::attend_backward`]: the probabilities recomputed a block of queries at a
+    /// time.
+    fn attn_backward(
+        (q, k, v): (Tensor<Self, 4>, Tensor<Self, 4>, Tensor<Self, 4>),
+        bias: Tensor<Self, 4>,
+        out: Tensor<Self, 4>,
+        lse: Tensor<Self, 4>,
+        dy: Tensor<Self, 4>,
+        scale: f64,
+    ) -> (Tensor<Self, 4>, Tensor<Self, 4>, Tensor<Self, 4>) {
+        let shape = attention_shape(&q, &k, &v, &bias)
+            .filter(|_| all_f32(&[out.dtype(), lse.dtype(), dy.dtype()]));
+        let Some(shape) = shape else {
+            let probs = reference::attn_probs(&q, &k, bias, lse, scale);
+            return reference::attn_backward_of(
+                (q, k, v),
+                probs,
+                dy,
+                scale,
+                Self::attn_softmax_backward,
+            );
+        };
+        let (qd, kd) = (q.dims(), k.dims());
+        let [q, k, v, bias, out, lse, dy] = [q, k, v, bias, out, lse, dy].map(Host::of);
+        let saved = attend::Saved {
+            out: out.slice(),
+            lse: lse.slice(),
+            dy: dy.slice(),
+        };
+        let (dq, dk, dv) = attend::attend_backward(
+            (q.slice(), k.slice(), v.slice()),
+            bias.slice(),
+            saved,
+            shape,
+            scale as f32,
+        );
+        (tensor(dq, qd), tensor(dk, kd), tensor(dv, kd))
     }
 
     fn attn_softmax_backward(
@@ -637,5 +667,70 @@ impl Kernels for NdArray {
                 out[targets[i] as usize] += dk;
             });
         tensor(dz, [n, v])
+    }
+
+    /// The default's chunks, each chunk's weight gradient added into one buffer in the
+    /// weight's own order (a tied embedding's transposed view gets it row-major, as
+    /// [`Kernels::linear_rows_backward`] gives it).
+    fn head_logprobs_backward(
+        (x, weight): (Tensor<Self, 2>, Tensor<Self, 2>),
+        weight_grad: bool,
+        lse: Tensor<Self, 2>,
+        targets: &[u32],
+        temperature: f32,
+        kept: &Kept,
+        chunk: usize,
+        dy: Tensor<Self, 2>,
+    ) -> (Tensor<Self, 2>, Option<Tensor<Self, 2>>) {
+        let [n, d_in] = x.dims();
+        let d_out = weight.dims()[1];
+        if !all_f32(&[x.dtype(), weight.dtype(), lse.dtype(), dy.dtype()])
+            || !fits_vocabulary(targets, kept, n, d_out)
+        {
+            return head_backward_chunks::<Self>(
+                (x, weight),
+                weight_grad,
+                lse,
+                targets,
+                temperature,
+                kept,
+                chunk,
+                dy,
+            );
+        }
+        let (xh, w) = (Host::matrix_of(x.clone()), Host::matrix_of(weight.clone()));
+        let mut dx = Array2::<f32>::zeros((n, d_in));
+        let mut dw = weight_grad.then(|| match w.is_transposed() {
+            true => Array2::<f32>::zeros((d_out, d_in)),
+            false => Array2::<f32>::zeros((d_in, d_out)),
+        });
+        for rows in head::chunks(n, chunk) {
+            head::note_logits(rows.len());
+            let logits = Self::linear_rows(x.clone().slice(rows.clone()), weight.clone(), None);
+            let dz = Host::matrix_of(Self::token_logprobs_backward(
+                logits,
+                lse.clone().slice(rows.clone()),
+                &targets[rows.clone()],
+                temperature,
+                &kept.range(rows.clone()),
+                dy.clone().slice(rows.clone()),
+            ));
+            let (dz, xc) = (
+                dz.matrix(),
+                xh.matrix().slice_move(ndarray::s![rows.clone(), ..]),
+            );
+            let mut dxc = dx.slice_mut(ndarray::s![rows, ..]);
+            general_mat_mul(1.0, &dz, &w.matrix().t(), 0.0, &mut dxc);
+            match dw.as_mut() {
+                Some(dw) if w.is_transposed() => general_mat_mul(1.0, &dz.t(), &xc, 1.0, dw),
+                Some(dw) => general_mat_mul(1.0, &xc.t(), &dz, 1.0, dw),
+                None => {}
+            }
+        }
+        let dw = dw.map(|dw| match w.is_transposed() {
+            true => matrix_tensor(dw.reversed_axes()),
+            false => matrix_tensor(dw),
+        });
+        (matrix_tensor(dx), dw)
     }
 }

@@ -1,6 +1,7 @@
 //! [`Kernels`]: the decoder's fused blocks as backend operations, each with the composed
 //! default from [`reference`](super::reference).
 
+use super::head;
 use super::logprob::Kept;
 use super::reference::{self, LinearGrads};
 use crate::model::storage::WeightStorage;
@@ -119,11 +120,12 @@ pub trait Kernels: WeightStorage {
         bias: Tensor<Self, 4>,
         scale: f64,
     ) -> Tensor<Self, 4> {
-        Self::attn_saved(q, k, v, bias, scale).0
+        reference::attention((q, k, v), bias, scale, Self::attn_softmax)
     }
 
-    /// [`Kernels::attn`] and its probabilities `[b, kv_heads, g·l, t]`, for the
-    /// backward.
+    /// [`Kernels::attn`] and each query's log-sum-exp `[b, kv_heads, g·l, 1]` of its scaled,
+    /// biased scores: what the backward recomputes the probabilities from, so the state an
+    /// attention keeps for its backward is linear in the length (flash attention's).
     fn attn_saved(
         q: Tensor<Self, 4>,
         k: Tensor<Self, 4>,
@@ -131,24 +133,23 @@ pub trait Kernels: WeightStorage {
         bias: Tensor<Self, 4>,
         scale: f64,
     ) -> (Tensor<Self, 4>, Tensor<Self, 4>) {
-        reference::attn_saved((q, k, v), bias, scale, Self::attn_softmax)
+        reference::attn_lse((q, k, v), bias, scale)
     }
 
-    /// Gradients of `q`, `k` and `v` from the output's gradient `dy`.
+    /// Gradients of `q`, `k` and `v` from the output's gradient `dy`, the probabilities
+    /// recomputed from the scores and the saved log-sum-exp `lse`; `out` is the forward's
+    /// output.
     fn attn_backward(
-        q: Tensor<Self, 4>,
-        k: Tensor<Self, 4>,
-        v: Tensor<Self, 4>,
-        probs: Tensor<Self, 4>,
+        (q, k, v): (Tensor<Self, 4>, Tensor<Self, 4>, Tensor<Self, 4>),
+        bias: Tensor<Self, 4>,
+        out: Tensor<Self, 4>,
+        lse: Tensor<Self, 4>,
         dy: Tensor<Self, 4>,
         scale: f64,
     ) -> (Tensor<Self, 4>, Tensor<Self, 4>, Tensor<Self, 4>) {
-        let dprobs = dy.clone().matmul(v.swap_dims(2, 3));
-        let dv = probs.clone().swap_dims(2, 3).matmul(dy);
-        let ds = Self::attn_softmax_backward(probs, dprobs, scale);
-        let dq = ds.clone().matmul(k);
-        let dk = ds.swap_dims(2, 3).matmul(q);
-        (dq, dk, dv)
+        drop(out);
+        let probs = reference::attn_probs(&q, &k, bias, lse, scale);
+        reference::attn_backward_of((q, k, v), probs, dy, scale, Self::attn_softmax_backward)
     }
 
     /// SwiGLU's gate: `silu(gate) · up` on `[n, f]`.
@@ -200,6 +201,76 @@ pub trait Kernels: WeightStorage {
     ) -> Tensor<Self, 2> {
         reference::token_logprobs_backward(logits, lse, targets, temperature, kept, dy)
     }
+
+    /// The log-prob `[n, 1]` of `targets[i]` under the output head `weight` `[hidden,
+    /// vocab]` applied to `x` `[n, hidden]`, as [`Kernels::token_logprobs`] of
+    /// [`Kernels::linear_rows`] defines it, computed `chunk` rows at a time: logits never
+    /// exist for more rows than that (see [`super::head`]).
+    fn head_logprobs(
+        x: Tensor<Self, 2>,
+        weight: Tensor<Self, 2>,
+        targets: &[u32],
+        temperature: f32,
+        kept: &Kept,
+        chunk: usize,
+    ) -> Tensor<Self, 2> {
+        Self::head_logprobs_saved(x, weight, targets, temperature, kept, chunk).0
+    }
+
+    /// [`Kernels::head_logprobs`] and each row's log-sum-exp `[n, 1]`, for the backward.
+    fn head_logprobs_saved(
+        x: Tensor<Self, 2>,
+        weight: Tensor<Self, 2>,
+        targets: &[u32],
+        temperature: f32,
+        kept: &Kept,
+        chunk: usize,
+    ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
+        let n = x.dims()[0];
+        let (mut lps, mut lses) = (Vec::new(), Vec::new());
+        for rows in head::chunks(n, chunk) {
+            head::note_logits(rows.len());
+            let logits = Self::linear_rows(x.clone().slice(rows.clone()), weight.clone(), None);
+            let (lp, lse) = Self::token_logprobs_saved(
+                logits,
+                &targets[rows.clone()],
+                temperature,
+                &kept.range(rows),
+            );
+            lps.push(lp);
+            lses.push(lse);
+        }
+        if lps.is_empty() {
+            let empty = Tensor::empty([0, 1], &x.device());
+            return (empty.clone(), empty);
+        }
+        (Tensor::cat(lps, 0), Tensor::cat(lses, 0))
+    }
+
+    /// Gradients of `x` and (when `weight_grad`) of `weight` from the log-probs' gradient
+    /// `dy` `[n, 1]`, each chunk's logits recomputed.
+    #[allow(clippy::too_many_arguments)]
+    fn head_logprobs_backward(
+        (x, weight): (Tensor<Self, 2>, Tensor<Self, 2>),
+        weight_grad: bool,
+        lse: Tensor<Self, 2>,
+        targets: &[u32],
+        temperature: f32,
+        kept: &Kept,
+        chunk: usize,
+        dy: Tensor<Self, 2>,
+    ) -> (Tensor<Self, 2>, Option<Tensor<Self, 2>>) {
+        head_backward_chunks::<Self>(
+            (x, weight),
+            weight_grad,
+            lse,
+            targets,
+            temperature,
+            kept,
+            chunk,
+            dy,
+        )
+    }
 }
 
 /// The decoder's blocks as their compositions of tensor operations, as on every backend
@@ -212,3 +283,47 @@ impl Kernels for burn::backend::Flex {}
 impl Kernels for burn::backend::Cuda {}
 #[cfg(feature = "wgpu")]
 impl Kernels for burn::backend::Wgpu {}
+
+/// [`Kernels::head_logprobs_backward`] as `B`'s kernels compose it: per chunk, the logits
+/// recomputed, their gradient, and the linear layer's backward, the weight's gradients
+/// summed.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn head_backward_chunks<B: Kernels>(
+    (x, weight): (Tensor<B, 2>, Tensor<B, 2>),
+    weight_grad: bool,
+    lse: Tensor<B, 2>,
+    targets: &[u32],
+    temperature: f32,
+    kept: &Kept,
+    chunk: usize,
+    dy: Tensor<B, 2>,
+) -> (Tensor<B, 2>, Option<Tensor<B, 2>>) {
+    let n = x.dims()[0];
+    let (mut dxs, mut dw) = (Vec::new(), None::<Tensor<B, 2>>);
+    for rows in head::chunks(n, chunk) {
+        head::note_logits(rows.len());
+        let xc = x.clone().slice(rows.clone());
+        let logits = B::linear_rows(xc.clone(), weight.clone(), None);
+        let dz = B::token_logprobs_backward(
+            logits,
+            lse.clone().slice(rows.clone()),
+            &targets[rows.clone()],
+            temperature,
+            &kept.range(rows.clone()),
+            dy.clone().slice(rows),
+        );
+        let (dx, dwc, _) = B::linear_rows_backward(xc, weight.clone(), weight_grad, false, dz);
+        dxs.push(dx);
+        dw = match (dw, dwc) {
+            (Some(a), Some(b)) => Some(a + b),
+            (a, b) => a.or(b),
+        };
+    }
+    let dx = if dxs.is_empty() {
+        x.zeros_like()
+    } else {
+        Tensor::cat(dxs, 0)
+    };
+    let dw = dw.or_else(|| weight_grad.then(|| weight.zeros_like()));
+    (dx, dw)
+}

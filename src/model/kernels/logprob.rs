@@ -64,6 +64,11 @@ impl Kept {
         &self.ids[self.offsets[i]..self.offsets[i + 1]]
     }
 
+    /// Rows `rows` as a set of their own (row `rows.start` first).
+    pub fn range(&self, rows: std::ops::Range<usize>) -> Kept {
+        Kept::of(rows.map(|i| self.row(i)))
+    }
+
     /// Whether any row is renormalised over fewer ids than the vocabulary.
     pub fn any(&self) -> bool {
         !self.ids.is_empty()

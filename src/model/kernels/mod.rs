@@ -16,6 +16,13 @@
 //!   one node whose backward calls the inner backend's backward kernel ([`autodiff`]), so
 //!   the graph holds one saved tensor per block instead of a dozen.
 //!
+//! Two blocks keep less than their inputs' products for the backward, so that memory
+//! grows with neither the vocabulary nor the square of the length: the output head and
+//! the log-prob run as one block over chunks of rows ([`head`]), recomputing each chunk's
+//! logits in the backward, and attention keeps each query's log-sum-exp instead of its
+//! probabilities, recomputing them block by block in the backward ([`attend`]), as flash
+//! attention does.
+//!
 //! The CPU kernels are also what makes the sampler's and the trainer's log-probs agree bit
 //! for bit: a linear layer's forward ([`rows`]) and attention ([`attend`]) sum every output
 //! in one fixed order whatever the batch, padding or cache, and [`token_logprob`] is the one
@@ -29,11 +36,13 @@ mod attend;
 mod autodiff;
 mod cpu;
 mod fused;
+pub mod head;
 mod logprob;
 pub mod reference;
 mod rows;
 
 pub use fused::Kernels;
+pub use head::{HEAD_CHUNK_ROWS, reset_widest_logits, widest_logits};
 pub use logprob::{Kept, token_logprob};
 pub(crate) use logprob::{MASKED, inv_temperature};
 pub use reference::LinearGrads;

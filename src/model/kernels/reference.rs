@@ -109,20 +109,81 @@ pub fn attn_softmax<B: Backend>(
 }
 
 /// Attention as products and the backend's masked softmax `softmax` (its
-/// [`attn_softmax`](super::Kernels::attn_softmax)): the output and the probabilities (see
-/// [`super::Kernels::attn_saved`]).
-pub fn attn_saved<B: Backend>(
+/// [`attn_softmax`](super::Kernels::attn_softmax)): the output (see
+/// [`super::Kernels::attn`]).
+pub fn attention<B: Backend>(
     (q, k, v): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>),
     bias: Tensor<B, 4>,
     scale: f64,
     softmax: impl FnOnce(Tensor<B, 4>, Tensor<B, 4>, f64) -> Tensor<B, 4>,
-) -> (Tensor<B, 4>, Tensor<B, 4>) {
+) -> Tensor<B, 4> {
     let [b, kvh, gl, _] = q.dims();
     let (l, t) = (bias.dims()[2], k.dims()[2]);
     let g = gl / l.max(1);
     let scores = q.matmul(k.swap_dims(2, 3)).reshape([b, kvh * g, l, t]);
-    let probs = softmax(scores, bias, scale).reshape([b, kvh, gl, t]);
-    (probs.clone().matmul(v), probs)
+    softmax(scores, bias, scale)
+        .reshape([b, kvh, gl, t])
+        .matmul(v)
+}
+
+/// The scaled, biased scores `[b, kv_heads, g·l, t]` of queries `q` `[b, kv_heads, g·l,
+/// hd]` over keys `k`, the bias `[1 or b, 1, l, t]` broadcast over heads.
+fn biased_scores<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    bias: Tensor<B, 4>,
+    scale: f64,
+) -> Tensor<B, 4> {
+    let [b, kvh, gl, _] = q.dims();
+    let (l, t) = (bias.dims()[2], k.dims()[2]);
+    let g = gl / l.max(1);
+    let scores = q
+        .clone()
+        .matmul(k.clone().swap_dims(2, 3))
+        .reshape([b, kvh * g, l, t]);
+    (scores.mul_scalar(scale) + bias).reshape([b, kvh, gl, t])
+}
+
+/// Attention's output and each query's log-sum-exp `[b, kv_heads, g·l, 1]` (see
+/// [`super::Kernels::attn_saved`]).
+pub fn attn_lse<B: Backend>(
+    (q, k, v): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>),
+    bias: Tensor<B, 4>,
+    scale: f64,
+) -> (Tensor<B, 4>, Tensor<B, 4>) {
+    let z = biased_scores(&q, &k, bias, scale);
+    let max = z.clone().max_dim(3);
+    let lse = max.clone() + (z.clone() - max).exp().sum_dim(3).log();
+    ((z - lse.clone()).exp().matmul(v), lse)
+}
+
+/// The attention probabilities recomputed from the scores and the saved log-sum-exp.
+pub fn attn_probs<B: Backend>(
+    q: &Tensor<B, 4>,
+    k: &Tensor<B, 4>,
+    bias: Tensor<B, 4>,
+    lse: Tensor<B, 4>,
+    scale: f64,
+) -> Tensor<B, 4> {
+    (biased_scores(q, k, bias, scale) - lse).exp()
+}
+
+/// Gradients of `q`, `k` and `v` of attention with probabilities `probs` from the
+/// output's gradient `dy`, the softmax's backward `softmax_backward` (the backend's
+/// [`attn_softmax_backward`](super::Kernels::attn_softmax_backward)).
+pub fn attn_backward_of<B: Backend>(
+    (q, k, v): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>),
+    probs: Tensor<B, 4>,
+    dy: Tensor<B, 4>,
+    scale: f64,
+    softmax_backward: impl FnOnce(Tensor<B, 4>, Tensor<B, 4>, f64) -> Tensor<B, 4>,
+) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+    let dprobs = dy.clone().matmul(v.swap_dims(2, 3));
+    let dv = probs.clone().swap_dims(2, 3).matmul(dy);
+    let ds = softmax_backward(probs, dprobs, scale);
+    let dq = ds.clone().matmul(k);
+    let dk = ds.swap_dims(2, 3).matmul(q);
+    (dq, dk, dv)
 }
 
 /// `dscores = scale · p · (dp − Σ dp · p)`.

@@ -243,7 +243,15 @@ fn attention<B: AutodiffBackend + Kernels>() {
     // padding before each row's start, and a causal pass.
     let (b, kvh, g, hd) = (2, 2, 2, 8);
     let dev = Default::default();
-    for (l, t, per_row) in [(6, 6, false), (1, 6, true), (3, 6, true)] {
+    // The longer ones span several query blocks of the backward, a block crossing from one
+    // query head's rows to the next.
+    for (l, t, per_row) in [
+        (6, 6, false),
+        (1, 6, true),
+        (3, 6, true),
+        (150, 150, false),
+        (70, 100, true),
+    ] {
         let bias: Vec<f32> = (0..if per_row { b } else { 1 })
             .flat_map(|r| {
                 (0..l).flat_map(move |i| {
@@ -272,6 +280,39 @@ fn attention<B: AutodiffBackend + Kernels>() {
             },
             1e-5,
             "attention",
+        );
+    }
+}
+
+/// The chunked head against the head and the log-prob composed (one product, one
+/// log-softmax over all rows): 7 rows in chunks of 3, through a row-major head and through
+/// a transposed view (a tied embedding).
+fn head_logprobs<B: AutodiffBackend + Kernels>() {
+    let x = random::<B, 2>([7, 6], 21);
+    let w = random::<B, 2>([6, 50], 22);
+    let targets = [0u32, 49, 3, 17, 17, 25, 8];
+    let sets: [&[u32]; 7] = [&[], &[2, 49, 7], &[], &[], &[40, 17], &[], &[]];
+    let kept = Kept::of(sets);
+    let plain = |x: Tensor<B, 2>, w: Tensor<B, 2>| {
+        B::token_logprobs(reference::linear(x, w, None), &targets, 0.7, &kept)
+    };
+    // A row-major `[hidden, vocab]` head, then a tied embedding `[vocab, hidden]` read
+    // transposed.
+    let tied = random::<B, 2>([50, 6], 23);
+    for (weight, transposed) in [(w, false), (tied, true)] {
+        let head = move |v: &Tensor<B, 2>| {
+            if transposed {
+                v.clone().transpose()
+            } else {
+                v.clone()
+            }
+        };
+        check(
+            vec![x.clone(), weight],
+            |v| B::head_logprobs(v[0].clone(), head(&v[1]), &targets, 0.7, &kept, 3),
+            |v| plain(v[0].clone(), head(&v[1])),
+            1e-5,
+            "head_logprobs",
         );
     }
 }
@@ -319,6 +360,45 @@ fn swiglu_native_and_written_out_backward_match_the_composition() {
 fn token_logprobs_native_and_written_out_backward_match_the_composition() {
     token_logprobs::<Native>();
     token_logprobs::<Composed>();
+}
+
+#[test]
+fn head_logprobs_in_chunks_match_the_composition() {
+    head_logprobs::<Native>();
+    head_logprobs::<Composed>();
+}
+
+/// On the CPU each row's log-prob is the same in any chunking, bit for bit, and equals
+/// [`token_logprob`](super::token_logprob) of that row's logits from the linear kernel
+/// alone: what the sampler records.
+#[test]
+fn head_logprobs_are_bitwise_whatever_the_chunk() {
+    let device = Default::default();
+    let x = Tensor::<NdArray, 2>::random([40, 16], Distribution::Normal(0.0, 1.0), &device);
+    let emb = Tensor::<NdArray, 2>::random([300, 16], Distribution::Normal(0.0, 1.0), &device);
+    let targets: Vec<u32> = (0..40).map(|i| (i * 7) % 300).collect();
+    let kept = Kept::whole(40);
+    let lp = |chunk| {
+        let t = NdArray::head_logprobs(
+            x.clone(),
+            emb.clone().transpose(),
+            &targets,
+            0.8,
+            &kept,
+            chunk,
+        );
+        t.into_data().into_vec::<f32>().unwrap_or_default()
+    };
+    let whole = lp(40);
+    for chunk in [1, 3, 16, 39] {
+        assert_eq!(lp(chunk), whole, "chunk {chunk}");
+    }
+    for i in [0usize, 17, 39] {
+        let row = NdArray::linear_rows(x.clone().slice(i..i + 1), emb.clone().transpose(), None);
+        let row = row.into_data().into_vec::<f32>().unwrap_or_default();
+        let (want, _) = super::token_logprob(&row, targets[i] as usize, 0.8, &[]);
+        assert_eq!(whole[i].to_bits(), want.to_bits(), "row {i}");
+    }
 }
 
 #[test]

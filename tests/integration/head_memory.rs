@@ -1,0 +1,160 @@
+//! What a training pass keeps in memory: the output head's logits never exist for more
+//! rows than one chunk (in the trainer, the teacher, `sft` and `eval`), and attention keeps
+//! state linear in the length for its backward.
+//!
+//! The memory test counts the bytes this process holds through its allocator; nextest
+//! runs each test in a process of its own, so nothing else allocates meanwhile.
+
+use rlstream::commands::eval::{self, EvalSet};
+use rlstream::commands::sft::{self, SftOptions};
+use rlstream::config::{PolicySettings, TrainConfig};
+use rlstream::model::kernels::{HEAD_CHUNK_ROWS, reset_widest_logits, widest_logits};
+use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
+use rlstream::model::tokenizer::Tokenizer;
+use rlstream::model::{Architecture, InferBackend, ModelConfig, Policy, TrainBackend};
+use rlstream::stages::score::teacher::Teacher;
+use rlstream::stages::train::{Trainer, TrainerSettings};
+use rlstream::tasks::BuiltinTask;
+use std::alloc::{GlobalAlloc, Layout, System};
+use std::sync::atomic::{AtomicIsize, Ordering};
+
+/// The system allocator, counting the bytes held.
+struct Counting;
+
+static HELD: AtomicIsize = AtomicIsize::new(0);
+
+// SAFETY: every call is the system allocator's; the counter only observes.
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        HELD.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: the caller's layout, as `GlobalAlloc::alloc` requires.
+        unsafe { System.alloc(layout) }
+    }
+
+    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
+        HELD.fetch_sub(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: `ptr` came from `alloc` with this layout.
+        unsafe { System.dealloc(ptr, layout) }
+    }
+
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        HELD.fetch_add(layout.size() as isize, Ordering::Relaxed);
+        // SAFETY: as `alloc`.
+        unsafe { System.alloc_zeroed(layout) }
+    }
+
+    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        HELD.fetch_add(
+            new_size as isize - layout.size() as isize,
+            Ordering::Relaxed,
+        );
+        // SAFETY: `ptr` came from `alloc` with this layout.
+        unsafe { System.realloc(ptr, layout, new_size) }
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+/// Bytes a teacher-forced pass over one sequence of `len` tokens keeps alive for its
+/// backward, on a model of `layers` layers with many narrow heads (so attention's
+/// probabilities, `heads × len²`, would dwarf everything linear).
+fn kept_for_backward(layers: usize, len: usize) -> isize {
+    let cfg =
+        ModelConfig::new(Architecture::Llama, 64, 32, 32, layers, 8, 8, 4).with_max_position(2048);
+    let model = Policy::<TrainBackend>::random(&cfg, 3, &Default::default()).unwrap();
+    let prompt = [1u32];
+    let completion: Vec<u32> = (0..len - 1).map(|i| (i % 60) as u32 + 2).collect();
+    let seqs = [ScoredSeq::plain(&prompt, &completion)];
+    let before = HELD.load(Ordering::SeqCst);
+    let (lp, valid) = completion_logprobs(&model, &seqs, 1.0);
+    let held = HELD.load(Ordering::SeqCst) - before;
+    drop((lp, valid));
+    held
+}
+
+#[test]
+fn attention_keeps_state_linear_in_the_length_for_its_backward() {
+    // One layer's share: two layers less one, at two lengths four times apart.
+    let per_layer = |len| kept_for_backward(2, len) - kept_for_backward(1, len);
+    let (short, long) = (per_layer(128), per_layer(512));
+    assert!(short > 0, "a layer keeps something: {short} bytes");
+    // Linear state grows 4× from 128 to 512 tokens; the probabilities (8 heads × len² ×
+    // 4 bytes: 0.5 MB then 8.4 MB a layer) would make it about 12×.
+    let growth = long as f64 / short as f64;
+    eprintln!("a layer keeps {short} bytes at 128 tokens, {long} at 512 ({growth:.2}x)");
+    assert!(
+        growth < 5.0,
+        "a layer keeps {short} bytes at 128 tokens and {long} at 512 ({growth:.1}×): more than linear"
+    );
+}
+
+/// The recorder sees a pass that builds every position's logits (the test of the test).
+#[test]
+fn the_widest_logits_record_sees_a_full_forward() {
+    let cfg = ModelConfig::tiny(Architecture::Qwen2, 32);
+    let model = Policy::<InferBackend>::random(&cfg, 1, &Default::default()).unwrap();
+    reset_widest_logits();
+    let ids: Vec<i64> = (0..300).map(|i| i % 30).collect();
+    let tokens = burn::tensor::Tensor::<InferBackend, 2, burn::tensor::Int>::from_data(
+        burn::tensor::TensorData::new(ids, [1, 300]),
+        &Default::default(),
+    );
+    let _ = model.forward(tokens);
+    assert_eq!(widest_logits(), 300);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_scoring_pass_builds_logits_for_more_than_one_chunk() {
+    let dir = tempfile::tempdir().unwrap();
+    reset_widest_logits();
+    // sft: 160 prompts a step, each answer several tokens: more rows than a chunk.
+    let opts = SftOptions {
+        out: dir.path().join("sft"),
+        steps: 1,
+        batch: 160,
+        eval: 8,
+        ..SftOptions::default()
+    };
+    sft::run(&opts, |_, _| {}).expect("sft");
+    let model = eval::load_model(&dir.path().join("sft"), None).expect("sft's model");
+    // eval: greedy decoding over a few prompts.
+    let set = EvalSet::task(BuiltinTask::Add, 8);
+    eval::greedy(&model, &set, 8, |_| {}).expect("eval");
+    // The trainer: one group of 8 completions of 48 tokens, 384 rows in one pass.
+    let g = crate::common::sampled_group(
+        &model,
+        "g",
+        vec![4, 9, 2],
+        48,
+        3,
+        vec![1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0],
+    );
+    let rows: usize = g.rollout.samples.iter().map(|s| s.tokens.len()).sum();
+    assert!(rows > HEAD_CHUNK_ROWS, "{rows} completion tokens");
+    let settings = TrainerSettings {
+        policy: PolicySettings {
+            model: Some(dir.path().join("sft")),
+            ..PolicySettings::default()
+        },
+        train: TrainConfig {
+            checkpoint_dir: dir.path().join("ckpt"),
+            ..TrainConfig::default()
+        },
+    };
+    let mut trainer = Trainer::start(&settings).expect("trainer");
+    trainer.step(&[&g]).expect("step");
+    // The teacher (the same model) on the same completions.
+    let tokenizer = Tokenizer::load(&dir.path().join("sft")).expect("tokenizer");
+    let teacher = Teacher::load(&dir.path().join("sft"), &tokenizer).expect("teacher");
+    let scored = teacher.logprobs(&[&g.rollout]).await;
+    assert!(
+        scored.iter().all(Result::is_ok),
+        "teacher refused the group"
+    );
+    let widest = widest_logits();
+    assert!(
+        widest <= HEAD_CHUNK_ROWS,
+        "logits were built for {widest} rows at once (a chunk is {HEAD_CHUNK_ROWS})"
+    );
+}

@@ -4,6 +4,7 @@
 //! cargo bench --bench train_scale -- write SIZE DIR          # a random checkpoint
 //! cargo bench --bench train_scale -- step DIR MICRO STEPS    # time it; prints JSON
 //! cargo bench --bench train_scale -- load DIR                # load time and peak memory
+//! cargo bench --bench train_scale -- peak                    # the cores' measured f32 FMA rate
 //! cargo bench --bench train_scale -- write-vocab SIZE VOCAB DIR   # SIZE's shape at another vocabulary
 //! cargo bench --bench train_scale -- long DIR LEN SAMPLES    # one step on SAMPLES sequences of LEN tokens
 //! cargo bench --bench train_scale -- generate DIR PROMPT NEW ROWS   # tokens/s, peak memory
@@ -223,6 +224,84 @@ fn long(dir: &Path, len: usize, samples: usize) {
         t.elapsed().as_secs_f64(),
         peak_rss_mb()
     );
+}
+
+/// The machine's f32 fused multiply-add peak, measured: every core runs independent chains
+/// of vector FMAs (12 accumulators, the widest vectors the CPU has) for a fixed count, and
+/// the best of three rounds is reported in GFLOP/s (an FMA is two).
+fn peak() {
+    let cores = rayon::current_num_threads();
+    const ITERS: u64 = 20_000_000;
+    let mut best = 0f64;
+    let mut width = 0;
+    for _ in 0..3 {
+        let t = Instant::now();
+        let lanes: Vec<usize> = {
+            use rayon::prelude::*;
+            (0..cores)
+                .into_par_iter()
+                .map(|_| fma_chains(ITERS))
+                .collect()
+        };
+        let secs = t.elapsed().as_secs_f64();
+        width = lanes.first().copied().unwrap_or(0);
+        let flops = 2.0 * 12.0 * ITERS as f64 * width as f64 * cores as f64;
+        best = best.max(flops / secs / 1e9);
+    }
+    println!("{{\"peak_gflops\": {best:.1}, \"cores\": {cores}, \"lanes\": {width}}}");
+}
+
+/// Runs `iters` rounds of 12 independent vector FMAs; returns the vector's f32 lanes.
+fn fma_chains(iters: u64) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::arch::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the CPU has AVX-512F (checked above).
+            unsafe { fma512(iters) };
+            return 16;
+        }
+        if std::arch::is_x86_feature_detected!("fma") {
+            // SAFETY: the CPU has AVX2 and FMA (checked above).
+            unsafe { fma256(iters) };
+            return 8;
+        }
+    }
+    let mut acc = [1f32; 12];
+    for _ in 0..iters {
+        for a in &mut acc {
+            *a = a.mul_add(0.999_999, 1e-7);
+        }
+    }
+    std::hint::black_box(acc);
+    1
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+fn fma512(iters: u64) {
+    use std::arch::x86_64::*;
+    let (m, a) = (_mm512_set1_ps(0.999_999), _mm512_set1_ps(1e-7));
+    let mut acc = [_mm512_set1_ps(1.0); 12];
+    for _ in 0..iters {
+        for x in &mut acc {
+            *x = _mm512_fmadd_ps(*x, m, a);
+        }
+    }
+    std::hint::black_box(acc);
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn fma256(iters: u64) {
+    use std::arch::x86_64::*;
+    let (m, a) = (_mm256_set1_ps(0.999_999), _mm256_set1_ps(1e-7));
+    let mut acc = [_mm256_set1_ps(1.0); 12];
+    for _ in 0..iters {
+        for x in &mut acc {
+            *x = _mm256_fmadd_ps(*x, m, a);
+        }
+    }
+    std::hint::black_box(acc);
 }
 
 /// The size DIR's checkpoint has (by its vocabulary) and that vocabulary.
@@ -581,6 +660,7 @@ fn main() {
     match args[..] {
         ["write", size, dir] => write(size, Path::new(dir)),
         ["load", dir] => load(Path::new(dir)),
+        ["peak"] => peak(),
         ["write-vocab", size, vocab, dir] => write_vocab(
             size,
             vocab.parse().expect("VOCAB: a vocabulary size"),

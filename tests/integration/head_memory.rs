@@ -108,11 +108,11 @@ fn the_widest_logits_record_sees_a_full_forward() {
 async fn no_scoring_pass_builds_logits_for_more_than_one_chunk() {
     let dir = tempfile::tempdir().unwrap();
     reset_widest_logits();
-    // sft: 160 prompts a step, each answer several tokens: more rows than a chunk.
+    // sft: 256 prompts a step, each answer several tokens: more rows than a chunk.
     let opts = SftOptions {
         out: dir.path().join("sft"),
         steps: 1,
-        batch: 160,
+        batch: 256,
         eval: 8,
         ..SftOptions::default()
     };
@@ -121,12 +121,12 @@ async fn no_scoring_pass_builds_logits_for_more_than_one_chunk() {
     // eval: greedy decoding over a few prompts.
     let set = EvalSet::task(BuiltinTask::Add, 8);
     eval::greedy(&model, &set, 8, |_| {}).expect("eval");
-    // The trainer: one group of 8 completions of 48 tokens, 384 rows in one pass.
+    // The trainer: one group of 8 completions of 80 tokens, 640 rows in one pass.
     let g = crate::common::sampled_group(
         &model,
         "g",
         vec![4, 9, 2],
-        48,
+        80,
         3,
         vec![1.0, 0.0, 0.0, 1.0, 0.0, 0.0, 1.0, 0.0],
     );

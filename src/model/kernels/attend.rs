@@ -50,6 +50,24 @@ impl Shape {
         );
     }
 
+    /// The keys `lo..hi` that any of the flat query rows `rows` sees (all of them for a row
+    /// that sees none, as attention attends then); every key outside has probability 0 for
+    /// these rows.
+    fn key_range(&self, bias: &[f32], rows: std::ops::Range<usize>) -> (usize, usize) {
+        let (mut lo, mut hi) = (self.t, 0);
+        for i in rows {
+            let b = self.bias_row(bias, i);
+            match (
+                b.iter().position(|&x| x != MASKED),
+                b.iter().rposition(|&x| x != MASKED),
+            ) {
+                (Some(first), Some(last)) => (lo, hi) = (lo.min(first), hi.max(last + 1)),
+                _ => return (0, self.t),
+            }
+        }
+        (lo.min(hi), hi)
+    }
+
     /// Query row `i`'s bias row (its batch row's, at its position).
     fn bias_row<'a>(&self, bias: &'a [f32], i: usize) -> &'a [f32] {
         let bi = i / (self.kv_heads * self.rows);
@@ -61,6 +79,11 @@ impl Shape {
 
 /// The output `[b, kv_heads, rows, hd]` and each query's log-sum-exp `[b, kv_heads, rows]`
 /// of its scaled, biased scores (the backward's input).
+///
+/// A block of up to [`QUERY_BLOCK`] queries of one kv head at a time: the block's scores
+/// over the keys any of its rows sees are one product by [`rows::rows_by_transposed`]
+/// (each score [`rows::portable_dot`]'s bits, whatever the block), then each row's softmax
+/// and output run over its visible keys in key order.
 pub(super) fn attend(
     q: &[f32],
     k: &[f32],
@@ -70,106 +93,149 @@ pub(super) fn attend(
     scale: f32,
 ) -> (Vec<f32>, Vec<f32>) {
     s.check(q, k, v, bias);
-    let n = s.b * s.kv_heads * s.rows;
-    let mut out = vec![0f32; n * s.hd];
-    let mut lse = vec![0f32; n];
-    if n == 0 || s.hd == 0 {
+    let heads = s.b * s.kv_heads;
+    let mut out = vec![0f32; heads * s.rows * s.hd];
+    let mut lse = vec![0f32; heads * s.rows];
+    if out.is_empty() {
         return (out, lse);
     }
-    // About 16k multiply-adds a task: a decode step's few queries stay on one core.
-    let min = (16_384 / (s.t * s.hd).max(1)).max(1);
-    out.par_chunks_mut(s.hd)
-        .zip(lse.par_iter_mut())
+    let (qn, kn) = (s.rows * s.hd, s.t * s.hd);
+    out.par_chunks_mut(qn)
+        .zip(lse.par_chunks_mut(s.rows))
         .enumerate()
-        .with_min_len(min)
-        .for_each_init(
-            || vec![0f32; s.t],
-            |p, (i, (o, lse))| {
-                let kv = i / s.rows * s.t * s.hd;
-                let row = Query {
-                    q: &q[i * s.hd..(i + 1) * s.hd],
-                    k: &k[kv..kv + s.t * s.hd],
-                    v: &v[kv..kv + s.t * s.hd],
-                    bias: s.bias_row(bias, i),
-                    hd: s.hd,
-                    scale,
-                };
-                *lse = row.run(o, p);
-            },
-        );
+        .for_each(|(h, (out, lse))| {
+            let first = h * s.rows;
+            out.par_chunks_mut(QUERY_BLOCK * s.hd)
+                .zip(lse.par_chunks_mut(QUERY_BLOCK))
+                .enumerate()
+                .for_each(|(blk, (o, l))| {
+                    let r0 = blk * QUERY_BLOCK;
+                    let block = Block {
+                        q: &q[(first + r0) * s.hd..][..l.len() * s.hd],
+                        k: &k[h * kn..][..kn],
+                        v: &v[h * kn..][..kn],
+                        bias,
+                        first: first + r0,
+                        s,
+                        scale,
+                    };
+                    block.run(o, l);
+                });
+        });
     (out, lse)
 }
 
-/// One query's operands.
-struct Query<'a> {
+/// One block of queries of one kv head, with that head's keys and values `[t, hd]`.
+struct Block<'a> {
     q: &'a [f32],
     k: &'a [f32],
     v: &'a [f32],
     bias: &'a [f32],
-    hd: usize,
+    /// The flat query index of the block's first row.
+    first: usize,
+    s: Shape,
     scale: f32,
 }
 
-impl Query<'_> {
-    /// Writes the output `o` `[hd]` (`p` `[t]` is scratch) and returns the log-sum-exp of
-    /// the scaled, biased scores it saw.
-    fn run(&self, o: &mut [f32], p: &mut [f32]) -> f32 {
-        #[cfg(target_arch = "x86_64")]
-        if rows::fma_available() {
-            // SAFETY: the CPU has AVX2 and FMA (checked above).
-            return unsafe { self.run_fma(o, p) };
+impl Block<'_> {
+    /// Writes the block's outputs `o` `[rows, hd]` and log-sum-exps `lse` `[rows]`.
+    fn run(&self, o: &mut [f32], lse: &mut [f32]) {
+        let (hd, nb) = (self.s.hd, lse.len());
+        let (lo, hi) = self.s.key_range(self.bias, self.first..self.first + nb);
+        if hi == lo {
+            return;
         }
-        self.run_portable(o, p)
-    }
-
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    fn run_fma(&self, o: &mut [f32], p: &mut [f32]) -> f32 {
-        self.run_portable(o, p)
-    }
-
-    #[inline(always)]
-    fn run_portable(&self, o: &mut [f32], p: &mut [f32]) -> f32 {
-        let hd = self.hd;
-        // A row that sees nothing (never built by the model) attends to every key, as the
-        // composed softmax would.
-        let none = self.bias.iter().all(|&b| b == MASKED);
-        let visible = |j: usize| none || self.bias[j] != MASKED;
-        let mut max = f32::NEG_INFINITY;
-        for (j, pj) in p.iter_mut().enumerate() {
-            if visible(j) {
-                let kj = &self.k[j * hd..(j + 1) * hd];
-                *pj = rows::portable_dot(self.q, kj) * self.scale + self.bias[j];
-                max = max.max(*pj);
-            }
+        let nk = hi - lo;
+        let mut scores = rows::rows_by_transposed(self.q, nb, &self.k[lo * hd..hi * hd], nk, hd);
+        let v = &self.v[lo * hd..hi * hd];
+        for (i, (p, (o, lse))) in scores
+            .chunks_exact_mut(nk)
+            .zip(o.chunks_exact_mut(hd).zip(lse.iter_mut()))
+            .enumerate()
+        {
+            let bias = &self.s.bias_row(self.bias, self.first + i)[lo..hi];
+            *lse = softmax_out(p, bias, v, hd, self.scale, o);
         }
-        let mut sum = 0f32;
-        for (j, pj) in p.iter_mut().enumerate() {
-            if visible(j) {
-                *pj = (*pj - max).exp();
-                sum += *pj;
-            } else {
-                *pj = 0.0;
-            }
-        }
-        let inv = 1.0 / sum;
-        o.fill(0.0);
-        for (j, pj) in p.iter_mut().enumerate() {
-            *pj *= inv;
-            if visible(j) {
-                let vj = &self.v[j * hd..(j + 1) * hd];
-                for (od, &vd) in o.iter_mut().zip(vj) {
-                    *od = pj.mul_add(vd, *od);
-                }
-            }
-        }
-        max + sum.ln()
     }
 }
 
-/// Query rows one block of the backward takes: its scores and their gradient are two
-/// `[QUERY_BLOCK, t]` buffers, the only state that grows with the length squared, and
-/// only for one block at a time.
+/// One query's softmax over its dot products `p` (the keys `lo..hi`, in key order) with
+/// their `bias`, and its output `o` `[hd]` over the values `v` `[hi - lo, hd]`: the
+/// log-sum-exp of the scaled, biased scores it saw. A row that sees nothing (never built by
+/// the model) attends to every key, as the composed softmax would.
+fn softmax_out(
+    p: &mut [f32],
+    bias: &[f32],
+    v: &[f32],
+    hd: usize,
+    scale: f32,
+    o: &mut [f32],
+) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if rows::fma_available() {
+        // SAFETY: the CPU has AVX2 and FMA (checked above).
+        return unsafe { softmax_out_fma(p, bias, v, hd, scale, o) };
+    }
+    softmax_out_portable(p, bias, v, hd, scale, o)
+}
+
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+fn softmax_out_fma(
+    p: &mut [f32],
+    bias: &[f32],
+    v: &[f32],
+    hd: usize,
+    scale: f32,
+    o: &mut [f32],
+) -> f32 {
+    softmax_out_portable(p, bias, v, hd, scale, o)
+}
+
+#[inline(always)]
+fn softmax_out_portable(
+    p: &mut [f32],
+    bias: &[f32],
+    v: &[f32],
+    hd: usize,
+    scale: f32,
+    o: &mut [f32],
+) -> f32 {
+    let none = bias.iter().all(|&b| b == MASKED);
+    let visible = |j: usize| none || bias[j] != MASKED;
+    let mut max = f32::NEG_INFINITY;
+    for (j, pj) in p.iter_mut().enumerate() {
+        if visible(j) {
+            *pj = *pj * scale + bias[j];
+            max = max.max(*pj);
+        }
+    }
+    let mut sum = 0f32;
+    for (j, pj) in p.iter_mut().enumerate() {
+        if visible(j) {
+            *pj = (*pj - max).exp();
+            sum += *pj;
+        } else {
+            *pj = 0.0;
+        }
+    }
+    let inv = 1.0 / sum;
+    o.fill(0.0);
+    for (j, pj) in p.iter_mut().enumerate() {
+        *pj *= inv;
+        if visible(j) {
+            let vj = &v[j * hd..(j + 1) * hd];
+            for (od, &vd) in o.iter_mut().zip(vj) {
+                *od = pj.mul_add(vd, *od);
+            }
+        }
+    }
+    max + sum.ln()
+}
+
+/// Query rows one block takes, forward and backward: its scores (and in the backward their
+/// gradient) are `[QUERY_BLOCK, t]` buffers, the only state that grows with the length
+/// squared, and only for one block at a time.
 const QUERY_BLOCK: usize = 64;
 
 /// Saved and incoming values of one attention's backward: the forward's output and
@@ -249,30 +315,15 @@ fn view_mut(data: &mut [f32], at: usize, rows: usize, cols: usize) -> ArrayViewM
 }
 
 impl Head<'_> {
-    /// The keys `lo..hi` that any of `rows` sees (all of them for a row that sees none,
-    /// as the forward attends then); every key outside has probability 0 for these rows.
-    fn key_range(&self, rows: std::ops::Range<usize>) -> (usize, usize) {
-        let (mut lo, mut hi) = (self.s.t, 0);
-        for i in rows {
-            let b = self.s.bias_row(self.bias, self.first + i);
-            match (
-                b.iter().position(|&x| x != MASKED),
-                b.iter().rposition(|&x| x != MASKED),
-            ) {
-                (Some(first), Some(last)) => (lo, hi) = (lo.min(first), hi.max(last + 1)),
-                _ => return (0, self.s.t),
-            }
-        }
-        (lo.min(hi), hi)
-    }
-
     fn backward(&self, dq: &mut [f32], dk: &mut [f32], dv: &mut [f32]) {
         let (hd, t) = (self.s.hd, self.s.t);
         let mut probs = vec![0f32; QUERY_BLOCK.min(self.s.rows) * t];
         let mut dscores = vec![0f32; probs.len()];
         for r0 in (0..self.s.rows).step_by(QUERY_BLOCK) {
             let r1 = (r0 + QUERY_BLOCK).min(self.s.rows);
-            let (lo, hi) = self.key_range(r0..r1);
+            let (lo, hi) = self
+                .s
+                .key_range(self.bias, self.first + r0..self.first + r1);
             let (nb, nk) = (r1 - r0, hi - lo);
             if nk == 0 {
                 continue;

@@ -6,8 +6,9 @@ peak memory of loading the checkpoint, f32 and bf16, and generation tokens/s fro
 (0.5b: prompt 128, 8 and 64 rows x 128 new tokens; small: prompt 16, 32 x 128): rlstream
 holds a bf16 file's linear weights in 16 bits, PyTorch computes in bf16.
 
-    python benches/scale_vs_torch.py [--sizes small,0.5b] [--steps 3] [--features blas]
-                                     [--parts train,gen] [--flex] [--against blas]
+    python benches/scale_vs_torch.py [--sizes small,smollm2,0.5b] [--steps 3] [--runs 5]
+                                     [--features blas] [--parts train,gen] [--flex]
+                                     [--against blas]
 
 `--against FEATURES` also runs the training steps and each size's first generation shape
 with those cargo features and prints the ratio of the build given by `--features` (default:
@@ -15,10 +16,20 @@ the default build) to that one.
 Each process is stopped after `--limit` seconds (default 1800); its row says so.
 
 PYTHON (default: this interpreter) must have torch and transformers. Sizes: `small` (0.8M
-parameters, 32 x 64 tokens; micro-batches of 512 tokens) and `0.5b` (Qwen2.5-0.5B's shape,
-494M parameters, 8 x 96 tokens; micro-batches of 192 tokens). The 0.5b run needs about
-16 GB of memory and several minutes. Each measurement runs in its own process, one after
-another. Ratios above 1 mean rlstream is faster (time) or smaller (memory).
+parameters, 32 x 64 tokens; micro-batches of 512 tokens), `smollm2` (the real
+SmolLM2-135M-Instruct that `scripts/smollm2.py` converts into target/smollm2, 8 x 96
+tokens; micro-batches of 192) and `0.5b` (Qwen2.5-0.5B's shape, 494M parameters, 8 x 96
+tokens; micro-batches of 192 tokens). The 0.5b run needs about 16 GB of memory and several
+minutes. Each measurement runs in its own process, one after another; the training step
+runs `--runs` times on each side, alternating (rlstream, PyTorch, rlstream, ...), and each
+side's row is the median of its runs' step times (each run's own median over `--steps`).
+Ratios above 1 mean rlstream is faster (time) or smaller (memory).
+
+The training rows also give each step's achieved FLOP rate (the step's multiply-adds counted
+from the model's shape: every linear layer and attention's products forward, twice that
+backward, the head only at completion positions for rlstream and at every position for
+PyTorch) as a share of the cores' f32 FMA peak, which `train_scale -- peak` measures with a
+short loop on all cores first.
 """
 import argparse
 import json
@@ -29,7 +40,7 @@ import sys
 import tempfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-MICRO = {"small": 512, "0.5b": 192}
+MICRO = {"small": 512, "smollm2": 192, "0.5b": 192}
 
 
 FEATURES = []
@@ -70,7 +81,40 @@ def torch_step(python, ckpt, micro, steps):
 
 # (prompt, new tokens, rows) per size: 0.5b at 8 rows (one group) and 64 (eight groups in
 # flight, the RL load).
-GEN = {"small": [(16, 128, 32)], "0.5b": [(128, 128, 8), (128, 128, 64)]}
+GEN = {"small": [(16, 128, 32)], "smollm2": [(128, 128, 8), (128, 128, 64)],
+       "0.5b": [(128, 128, 8), (128, 128, 64)]}
+# (groups, samples per group, prompt, completion) of the fixed training batch, as
+# train_scale and torch_train_step.py build it (by vocabulary: small below 1,000 ids).
+BATCH = {"small": (4, 8, 16, 48), "smollm2": (1, 8, 32, 64), "0.5b": (1, 8, 32, 64)}
+
+
+def config_params(ckpt):
+    """Parameters of a tied-embedding Llama checkpoint without biases, from its config."""
+    c = json.loads((pathlib.Path(ckpt) / "config.json").read_text())
+    d, f, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+    hd = c.get("head_dim") or d // heads
+    block = d * heads * hd + 2 * d * kv * hd + heads * hd * d + 3 * d * f + 2 * d
+    return c["vocab_size"] * d + layers * block + d
+
+
+def step_flops(ckpt, size, torch_side):
+    """Multiply-adds x 2 of one training step on `size`'s batch: forward products (every
+    linear layer, attention's two products over the causal half, the head at completion
+    positions, or at every position for `torch_side`), the backward twice the forward."""
+    c = json.loads((pathlib.Path(ckpt) / "config.json").read_text())
+    d, f, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+    hd = c.get("head_dim") or d // heads
+    vocab = c["vocab_size"]
+    groups, per, prompt, completion = BATCH[size]
+    seqs, length = groups * per, prompt + completion
+    tokens = seqs * length
+    linear = layers * (d * heads * hd + 2 * d * kv * hd + heads * hd * d + 3 * d * f)
+    attention = layers * seqs * heads * hd * length * (length + 1)  # q.k and p.v, causal
+    head_rows = tokens if torch_side else seqs * completion
+    forward = 2 * (linear * tokens + attention + d * vocab * head_rows)
+    return 3 * forward
 
 
 def torch_gen_load(python, *args):
@@ -106,6 +150,12 @@ def gen_rows(python, size, ckpt, flex):
     return out
 
 
+def median_run(runs):
+    """The run whose step time is the median of `runs` (the lower middle for an even count)."""
+    done = sorted((r for r in runs if "step_s" in r), key=lambda r: r["step_s"])
+    return done[(len(done) - 1) // 2] if done else runs[0]
+
+
 def speed(o, t, key, fmt, higher):
     """`| ours | theirs | ratio ` of one measure (`higher`: tokens/s, else seconds)."""
     cell = lambda m: f"stopped after {m['stopped_s'] // 60} min" if "stopped_s" in m else fmt(m[key])
@@ -125,6 +175,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="small,0.5b")
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--runs", type=int, default=5,
+                    help="training: alternating runs of each side; each row is their median")
     ap.add_argument("--features", default="", help="cargo features for rlstream (e.g. blas)")
     ap.add_argument("--no-micro", action="store_true", help="one pass only")
     ap.add_argument("--parts", default="train", help="train, gen or train,gen")
@@ -140,19 +192,29 @@ def main():
     python = os.environ.get("PYTHON", sys.executable)
     parts = args.parts.split(",")
     rows, gens = [], []
+    peak = rust("peak")["peak_gflops"] if "train" in parts else None
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
-            ckpt = str(pathlib.Path(tmp) / size)
-            info = rust("write", size, ckpt)
+            if size == "smollm2":
+                ckpt = os.environ.get("RLSTREAM_SMOLLM2", str(ROOT / "target" / "smollm2"))
+                info = {"params": config_params(ckpt)}
+            else:
+                ckpt = str(pathlib.Path(tmp) / size)
+                info = rust("write", size, ckpt)
             if "gen" in parts:
                 gens += [(size, *g) for g in gen_rows(python, size, ckpt, args.flex)]
             for micro in ((0,) if args.no_micro else (0, MICRO[size])) if "train" in parts else ():
-                ours = rust("step", ckpt, str(micro), str(args.steps))
+                runs = []
+                for _ in range(args.runs):
+                    ours = rust("step", ckpt, str(micro), str(args.steps))
+                    theirs = torch_step(python, ckpt, micro, args.steps)
+                    runs.append((ours, theirs))
+                    print(json.dumps({"size": size, "rlstream": ours, "torch": theirs}),
+                          file=sys.stderr, flush=True)
                 other = against("step", ckpt, str(micro), str(args.steps))
-                theirs = torch_step(python, ckpt, micro, args.steps)
-                rows.append((size, info["params"], micro, ours, theirs, other))
-                print(json.dumps({"rlstream": ours, "against": other, "torch": theirs}),
-                      file=sys.stderr)
+                ours, theirs = median_run([r[0] for r in runs]), median_run([r[1] for r in runs])
+                flops = (step_flops(ckpt, size, False), step_flops(ckpt, size, True))
+                rows.append((size, info["params"], micro, ours, theirs, other, runs, flops))
     print(f"rlstream features: {args.features or 'default'}")
     if gens:
         print("| size | work | weights | rlstream | PyTorch | ratio | rlstream peak RSS "
@@ -176,20 +238,27 @@ def main():
             if other:
                 cells = speed(o, other, "tokens_per_s", lambda v: f"{v:.1f} tok/s", True)
                 print(f"| {size} | {work} | {dtype} {cells}|")
-        for size, _, micro, o, _, other in rows:
+        for size, _, micro, o, _, other, *_ in rows:
             cells = speed(o, other, "step_s", lambda v: f"{v:.3f} s", False)
             print(f"| {size} | train step, {micro or 'one pass'} | float32 {cells}|")
     if not rows:
         return
-    print(f"PyTorch {rows[0][4]['torch']} on {rows[0][4]['threads']} threads")
-    print("| size | params | micro-batch tokens | rlstream step | PyTorch step | speed ratio "
-          "| rlstream peak RSS | PyTorch peak RSS | memory ratio |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for size, params, micro, o, t, _ in rows:
+    print(f"PyTorch {rows[0][4]['torch']} on {rows[0][4]['threads']} threads; "
+          f"f32 FMA peak {peak:.1f} GFLOP/s (train_scale peak)")
+    print("| size | params | micro-batch tokens | rlstream step (median) | PyTorch step (median) "
+          "| speed ratio | rlstream FLOP rate | PyTorch FLOP rate | rlstream peak RSS "
+          "| PyTorch peak RSS | memory ratio |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for size, params, micro, o, t, _, runs, (fo, ft) in rows:
+        rate = lambda flops, m: f"{flops / m['step_s'] / 1e9:.0f} GFLOP/s ({flops / m['step_s'] / 1e9 / peak:.0%})"
         print(f"| {size} | {params / 1e6:.1f}M | {micro or 'one pass'} | {o['step_s']:.3f} s "
-              f"| {t['step_s']:.3f} s | {t['step_s'] / o['step_s']:.2f}x "
-              f"| {o['peak_rss_mb'] / 1024:.2f} GB | {t['peak_rss_mb'] / 1024:.2f} GB "
-              f"| {t['peak_rss_mb'] / o['peak_rss_mb']:.2f}x |")
+              f"| {t['step_s']:.3f} s | {t['step_s'] / o['step_s']:.2f}x | {rate(fo, o)} "
+              f"| {rate(ft, t)} | {o['peak_rss_mb'] / 1024:.2f} GB "
+              f"| {t['peak_rss_mb'] / 1024:.2f} GB | {t['peak_rss_mb'] / o['peak_rss_mb']:.2f}x |")
+    print("\nEach run's step time (rlstream / PyTorch), in the order they ran:")
+    for size, _, micro, _, _, _, runs, _ in rows:
+        cells = ", ".join(f"{o.get('step_s', '-')} / {t.get('step_s', '-')}" for o, t in runs)
+        print(f"- {size}, {micro or 'one pass'}: {cells}")
 
 
 if __name__ == "__main__":

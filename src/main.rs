@@ -8,7 +8,8 @@ use std::process::ExitCode;
 
 /// Tensor buffers are allocated and freed by the thousand per training step; glibc's
 /// allocator hands large ones back to the kernel each time, and the page faults cost about
-/// a fifth of a small model's step (BENCHMARKS.md).
+/// a fifth of a small model's step (BENCHMARKS.md). mimalloc is told to keep what it frees
+/// too ([`rlstream::cpu::keep_freed_memory`]): by default it purges memory free for a second.
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -16,6 +17,7 @@ fn main() -> ExitCode {
     // SAFETY: the first thing the process does; no other thread runs yet.
     unsafe { rlstream::collective::divide_cores() };
     rlstream::cpu::select_blas_kernels();
+    rlstream::cpu::keep_freed_memory();
     let cli = Cli::try_parse_args(std::env::args_os()).unwrap_or_else(|e| e.exit());
     tracing_subscriber::fmt()
         .with_env_filter(

@@ -645,7 +645,6 @@ const USAGE: &str = "write SIZE DIR | step DIR MICRO STEPS | load DIR | \
 
 fn main() {
     rlstream::cpu::select_blas_kernels();
-    rlstream::cpu::keep_freed_memory();
     let args: Vec<String> = std::env::args()
         .skip(1)
         .filter(|a| a != "--bench")

@@ -1,11 +1,4 @@
-//! The process's CPU set-up: the allocator's handling of freed memory, and kernel
-//! selection for the `blas` feature.
-//!
-//! The binaries allocate through mimalloc. By default it hands memory that stays free for a
-//! second back to the OS, and the next tensor of that size faults it in again, one zeroed
-//! page at a time: a training step frees and allocates gigabytes of activations, so on the
-//! 135M chat model a fifth to a third of the step went to the kernel zeroing pages
-//! (BENCHMARKS.md). [`keep_freed_memory`] tells mimalloc to keep what it freed for reuse.
+//! CPU kernel selection for the `blas` feature.
 //!
 //! OpenBLAS built with `DYNAMIC_ARCH` (Debian's, among others) picks its kernels from the
 //! CPU model number when the library loads. A model it was released before (Emerald Rapids,
@@ -16,26 +9,6 @@
 //! again: [`select_blas_kernels`] does so, once, when the library fell back although the CPU
 //! has the instructions of a better kernel set. A `OPENBLAS_CORETYPE` the user set is never
 //! overridden.
-
-/// mimalloc's `purge_delay` option (its index in `mi_option_t`, the same in mimalloc 2 and 3).
-const MI_OPTION_PURGE_DELAY: std::ffi::c_int = 15;
-
-unsafe extern "C" {
-    /// mimalloc's option setter (`libmimalloc-sys`, which the `mimalloc` crate links).
-    fn mi_option_set(option: std::ffi::c_int, value: std::ffi::c_long);
-}
-
-/// Tells mimalloc never to hand freed memory back to the OS (its `purge_delay` of -1), so a
-/// training step reuses the pages of the one before instead of faulting in fresh zeroed
-/// ones; a process's resident memory then stays at its peak instead of shrinking between
-/// steps. A `MIMALLOC_PURGE_DELAY` the user set is never overridden. Call early in `main`.
-pub fn keep_freed_memory() {
-    if std::env::var_os("MIMALLOC_PURGE_DELAY").is_none() {
-        // SAFETY: mimalloc's own setter with one of its option indices; it only stores the
-        // value, which mimalloc reads when it decides whether to purge.
-        unsafe { mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
-    }
-}
 
 /// Call first in `main`, before any thread starts. On a misdetected CPU this replaces the
 /// process (same pid, arguments and environment, plus `OPENBLAS_CORETYPE`); otherwise, and

@@ -8,8 +8,9 @@ use std::process::ExitCode;
 
 /// Tensor buffers are allocated and freed by the thousand per training step; glibc's
 /// allocator hands large ones back to the kernel each time, and the page faults cost about
-/// a fifth of a small model's step (BENCHMARKS.md). mimalloc is told to keep what it frees
-/// too ([`rlstream::cpu::keep_freed_memory`]): by default it purges memory free for a second.
+/// a fifth of a small model's step (BENCHMARKS.md). mimalloc itself hands back memory that
+/// stays free for a second; `MIMALLOC_PURGE_DELAY=-1` keeps it, trading resident memory for
+/// fewer page faults (BENCHMARKS.md, "The trainer at real vocabularies and lengths").
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -17,7 +18,6 @@ fn main() -> ExitCode {
     // SAFETY: the first thing the process does; no other thread runs yet.
     unsafe { rlstream::collective::divide_cores() };
     rlstream::cpu::select_blas_kernels();
-    rlstream::cpu::keep_freed_memory();
     let cli = Cli::try_parse_args(std::env::args_os()).unwrap_or_else(|e| e.exit());
     tracing_subscriber::fmt()
         .with_env_filter(

@@ -641,7 +641,27 @@ const USAGE: &str = "write SIZE DIR | step DIR MICRO STEPS | load DIR | \
              step-lora DIR MICRO STEPS RANK | generate-lora DIR PROMPT NEW ROWS RANK | \
              teacher SIZE DIR GROUPS | invariance ROWS | decode-products ROWS | \
              (feature mpi, under mpirun) step-ranks DIR MICRO STEPS PARTS | \
-             allreduce VALUES BUCKET_MB | transfers DIR | nccl VALUES";
+             allreduce VALUES BUCKET_MB | transfers DIR | nccl VALUES | peak | \
+             write-vocab SIZE VOCAB DIR | long DIR LEN SAMPLES";
+
+/// The memory and FLOP-rate commands (`peak`, `write-vocab`, `long`); false for others.
+fn memory(args: &[&str]) -> bool {
+    match args[..] {
+        ["peak"] => peak(),
+        ["write-vocab", size, vocab, dir] => write_vocab(
+            size,
+            vocab.parse().expect("VOCAB: a vocabulary size"),
+            Path::new(dir),
+        ),
+        ["long", dir, len, samples] => long(
+            Path::new(dir),
+            len.parse().expect("LEN: a token count"),
+            samples.parse().expect("SAMPLES: a count"),
+        ),
+        _ => return false,
+    }
+    true
+}
 
 fn main() {
     rlstream::cpu::select_blas_kernels();
@@ -654,23 +674,12 @@ fn main() {
     if ranks::dispatch(&args) {
         return;
     }
-    if weights::dispatch(&args) {
+    if weights::dispatch(&args) || memory(&args) {
         return;
     }
     match args[..] {
         ["write", size, dir] => write(size, Path::new(dir)),
         ["load", dir] => load(Path::new(dir)),
-        ["peak"] => peak(),
-        ["write-vocab", size, vocab, dir] => write_vocab(
-            size,
-            vocab.parse().expect("VOCAB: a vocabulary size"),
-            Path::new(dir),
-        ),
-        ["long", dir, len, samples] => long(
-            Path::new(dir),
-            len.parse().expect("LEN: a token count"),
-            samples.parse().expect("SAMPLES: a count"),
-        ),
         ["transfers", dir] => device::measure(Path::new(dir)),
         ["nccl", values] => device::nccl(values.parse().expect("VALUES: a count")),
         ["generate", dir, prompt, new, rows] => generate::<InferBackend>(

@@ -243,7 +243,15 @@ impl<B: Kernels> Policy<B> {
             Some(head) if head.bias.is_some() => {
                 B::token_logprobs(self.project(x), targets, temperature, kept)
             }
-            _ => B::head_logprobs(x, self.head_weight(), targets, temperature, kept, chunk),
+            _ => {
+                let t = super::kernels::HeadTargets {
+                    targets,
+                    temperature,
+                    kept,
+                    chunk,
+                };
+                B::head_logprobs(x, self.head_weight(), t)
+            }
         }
     }
 

@@ -3,7 +3,7 @@
 //! where there is one); the backward runs the inner backend's backward kernel and hands
 //! each tracked parent its gradient.
 
-use super::{Kept, Kernels};
+use super::{HeadTargets, Kept, Kernels};
 use burn::backend::Autodiff;
 use burn::backend::autodiff::checkpoint::base::Checkpointer;
 use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
@@ -256,14 +256,17 @@ impl<B: Kernels> Backward<B, 2> for HeadLogprobsBackward {
         let [px, pw] = ops.parents;
         let dy = grads.consume::<B>(&ops.node);
         let s = ops.state;
+        let targets = HeadTargets {
+            targets: &s.targets,
+            temperature: s.temperature,
+            kept: &s.kept,
+            chunk: s.chunk,
+        };
         let (dx, dw) = B::head_logprobs_backward(
             (t(s.x), t(s.weight)),
             pw.is_some(),
             t(s.lse),
-            &s.targets,
-            s.temperature,
-            &s.kept,
-            s.chunk,
+            targets,
             t(dy),
         );
         if let Some(node) = px {
@@ -391,36 +394,26 @@ impl<B: Kernels, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
     fn head_logprobs(
         x: Tensor<Self, 2>,
         weight: Tensor<Self, 2>,
-        targets: &[u32],
-        temperature: f32,
-        kept: &Kept,
-        chunk: usize,
+        h: HeadTargets<'_>,
     ) -> Tensor<Self, 2> {
-        if x.dims()[0] <= chunk {
+        if x.dims()[0] <= h.chunk {
             super::head::note_logits(x.dims()[0]);
             let logits = Self::linear_rows(x, weight, None);
-            return Self::token_logprobs(logits, targets, temperature, kept);
+            return Self::token_logprobs(logits, h.targets, h.temperature, h.kept);
         }
         let (x, w) = (
             x.into_primitive().tensor(),
             weight.into_primitive().tensor(),
         );
-        let (lp, lse) = B::head_logprobs_saved(
-            t(x.primitive.clone()),
-            t(w.primitive.clone()),
-            targets,
-            temperature,
-            kept,
-            chunk,
-        );
+        let (lp, lse) = B::head_logprobs_saved(t(x.primitive.clone()), t(w.primitive.clone()), h);
         let state = HeadState {
             x: x.primitive.clone(),
             weight: w.primitive.clone(),
             lse: p(lse),
-            targets: Arc::from(targets),
-            temperature,
-            kept: Arc::new(kept.clone()),
-            chunk,
+            targets: Arc::from(h.targets),
+            temperature: h.temperature,
+            kept: Arc::new(h.kept.clone()),
+            chunk: h.chunk,
         };
         record(HeadLogprobsBackward, [&x, &w], state, p(lp))
     }

@@ -3,7 +3,7 @@
 //! takes the composed path.
 
 use super::fused::head_backward_chunks;
-use super::logprob::{Kept, inv_temperature, token_logprob};
+use super::logprob::{HeadTargets, Kept, inv_temperature, token_logprob};
 use super::{Kernels, attend, head, reference, rows};
 use burn::backend::NdArray;
 use burn::backend::ndarray::NdArrayTensor;
@@ -676,27 +676,15 @@ impl Kernels for NdArray {
         (x, weight): (Tensor<Self, 2>, Tensor<Self, 2>),
         weight_grad: bool,
         lse: Tensor<Self, 2>,
-        targets: &[u32],
-        temperature: f32,
-        kept: &Kept,
-        chunk: usize,
+        t: HeadTargets<'_>,
         dy: Tensor<Self, 2>,
     ) -> (Tensor<Self, 2>, Option<Tensor<Self, 2>>) {
         let [n, d_in] = x.dims();
         let d_out = weight.dims()[1];
         if !all_f32(&[x.dtype(), weight.dtype(), lse.dtype(), dy.dtype()])
-            || !fits_vocabulary(targets, kept, n, d_out)
+            || !fits_vocabulary(t.targets, t.kept, n, d_out)
         {
-            return head_backward_chunks::<Self>(
-                (x, weight),
-                weight_grad,
-                lse,
-                targets,
-                temperature,
-                kept,
-                chunk,
-                dy,
-            );
+            return head_backward_chunks::<Self>((x, weight), weight_grad, lse, t, dy);
         }
         let (xh, w) = (Host::matrix_of(x.clone()), Host::matrix_of(weight.clone()));
         let mut dx = Array2::<f32>::zeros((n, d_in));
@@ -704,15 +692,15 @@ impl Kernels for NdArray {
             true => Array2::<f32>::zeros((d_out, d_in)),
             false => Array2::<f32>::zeros((d_in, d_out)),
         });
-        for rows in head::chunks(n, chunk) {
+        for rows in head::chunks(n, t.chunk) {
             head::note_logits(rows.len());
             let logits = Self::linear_rows(x.clone().slice(rows.clone()), weight.clone(), None);
             let dz = Host::matrix_of(Self::token_logprobs_backward(
                 logits,
                 lse.clone().slice(rows.clone()),
-                &targets[rows.clone()],
-                temperature,
-                &kept.range(rows.clone()),
+                &t.targets[rows.clone()],
+                t.temperature,
+                &t.kept.range(rows.clone()),
                 dy.clone().slice(rows.clone()),
             ));
             let (dz, xc) = (

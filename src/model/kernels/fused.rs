@@ -2,7 +2,7 @@
 //! default from [`reference`](super::reference).
 
 use super::head;
-use super::logprob::Kept;
+use super::logprob::{HeadTargets, Kept};
 use super::reference::{self, LinearGrads};
 use crate::model::storage::WeightStorage;
 use burn::tensor::Tensor;
@@ -202,41 +202,32 @@ pub trait Kernels: WeightStorage {
         reference::token_logprobs_backward(logits, lse, targets, temperature, kept, dy)
     }
 
-    /// The log-prob `[n, 1]` of `targets[i]` under the output head `weight` `[hidden,
+    /// The log-prob `[n, 1]` of `t.targets[i]` under the output head `weight` `[hidden,
     /// vocab]` applied to `x` `[n, hidden]`, as [`Kernels::token_logprobs`] of
-    /// [`Kernels::linear_rows`] defines it, computed `chunk` rows at a time: logits never
+    /// [`Kernels::linear_rows`] defines it, computed `t.chunk` rows at a time: logits never
     /// exist for more rows than that (see [`super::head`]).
     fn head_logprobs(
         x: Tensor<Self, 2>,
         weight: Tensor<Self, 2>,
-        targets: &[u32],
-        temperature: f32,
-        kept: &Kept,
-        chunk: usize,
+        t: HeadTargets<'_>,
     ) -> Tensor<Self, 2> {
-        Self::head_logprobs_saved(x, weight, targets, temperature, kept, chunk).0
+        Self::head_logprobs_saved(x, weight, t).0
     }
 
     /// [`Kernels::head_logprobs`] and each row's log-sum-exp `[n, 1]`, for the backward.
     fn head_logprobs_saved(
         x: Tensor<Self, 2>,
         weight: Tensor<Self, 2>,
-        targets: &[u32],
-        temperature: f32,
-        kept: &Kept,
-        chunk: usize,
+        t: HeadTargets<'_>,
     ) -> (Tensor<Self, 2>, Tensor<Self, 2>) {
         let n = x.dims()[0];
         let (mut lps, mut lses) = (Vec::new(), Vec::new());
-        for rows in head::chunks(n, chunk) {
+        for rows in head::chunks(n, t.chunk) {
             head::note_logits(rows.len());
             let logits = Self::linear_rows(x.clone().slice(rows.clone()), weight.clone(), None);
-            let (lp, lse) = Self::token_logprobs_saved(
-                logits,
-                &targets[rows.clone()],
-                temperature,
-                &kept.range(rows),
-            );
+            let targets = &t.targets[rows.clone()];
+            let (lp, lse) =
+                Self::token_logprobs_saved(logits, targets, t.temperature, &t.kept.range(rows));
             lps.push(lp);
             lses.push(lse);
         }
@@ -248,28 +239,15 @@ pub trait Kernels: WeightStorage {
     }
 
     /// Gradients of `x` and (when `weight_grad`) of `weight` from the log-probs' gradient
-    /// `dy` `[n, 1]`, each chunk's logits recomputed.
-    #[allow(clippy::too_many_arguments)]
+    /// `dy` `[n, 1]`, each chunk's logits recomputed from `x` and the saved `lse`.
     fn head_logprobs_backward(
         (x, weight): (Tensor<Self, 2>, Tensor<Self, 2>),
         weight_grad: bool,
         lse: Tensor<Self, 2>,
-        targets: &[u32],
-        temperature: f32,
-        kept: &Kept,
-        chunk: usize,
+        t: HeadTargets<'_>,
         dy: Tensor<Self, 2>,
     ) -> (Tensor<Self, 2>, Option<Tensor<Self, 2>>) {
-        head_backward_chunks::<Self>(
-            (x, weight),
-            weight_grad,
-            lse,
-            targets,
-            temperature,
-            kept,
-            chunk,
-            dy,
-        )
+        head_backward_chunks::<Self>((x, weight), weight_grad, lse, t, dy)
     }
 }
 
@@ -287,29 +265,24 @@ impl Kernels for burn::backend::Wgpu {}
 /// [`Kernels::head_logprobs_backward`] as `B`'s kernels compose it: per chunk, the logits
 /// recomputed, their gradient, and the linear layer's backward, the weight's gradients
 /// summed.
-#[allow(clippy::too_many_arguments)]
 pub(super) fn head_backward_chunks<B: Kernels>(
     (x, weight): (Tensor<B, 2>, Tensor<B, 2>),
     weight_grad: bool,
     lse: Tensor<B, 2>,
-    targets: &[u32],
-    temperature: f32,
-    kept: &Kept,
-    chunk: usize,
+    t: HeadTargets<'_>,
     dy: Tensor<B, 2>,
 ) -> (Tensor<B, 2>, Option<Tensor<B, 2>>) {
-    let n = x.dims()[0];
     let (mut dxs, mut dw) = (Vec::new(), None::<Tensor<B, 2>>);
-    for rows in head::chunks(n, chunk) {
+    for rows in head::chunks(x.dims()[0], t.chunk) {
         head::note_logits(rows.len());
         let xc = x.clone().slice(rows.clone());
         let logits = B::linear_rows(xc.clone(), weight.clone(), None);
         let dz = B::token_logprobs_backward(
             logits,
             lse.clone().slice(rows.clone()),
-            &targets[rows.clone()],
-            temperature,
-            &kept.range(rows.clone()),
+            &t.targets[rows.clone()],
+            t.temperature,
+            &t.kept.range(rows.clone()),
             dy.clone().slice(rows),
         );
         let (dx, dwc, _) = B::linear_rows_backward(xc, weight.clone(), weight_grad, false, dz);

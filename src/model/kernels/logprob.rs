@@ -75,6 +75,16 @@ impl Kept {
     }
 }
 
+/// What the chunked output head ([`Kernels::head_logprobs`](super::Kernels)) scores each
+/// row against: its target id, the temperature, its kept ids, and the rows one chunk holds.
+#[derive(Debug, Clone, Copy)]
+pub struct HeadTargets<'a> {
+    pub targets: &'a [u32],
+    pub temperature: f32,
+    pub kept: &'a Kept,
+    pub chunk: usize,
+}
+
 /// The log-prob of `target` under `softmax(row · k)` renormalised over `kept` (ascending
 /// ids; empty: the whole vocabulary), with `k` = [`inv_temperature`], and that log-sum-exp.
 ///

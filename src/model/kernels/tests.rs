@@ -8,7 +8,7 @@
 //! both are compared with burn differentiating the composition itself, operation by
 //! operation. A wrong native kernel or a wrong derivative fails here.
 
-use super::logprob::{Kept, MASKED};
+use super::logprob::{HeadTargets, Kept, MASKED};
 use super::{Kernels, reference};
 use crate::model::counted::Counted;
 use burn::backend::{Autodiff, NdArray};
@@ -309,7 +309,15 @@ fn head_logprobs<B: AutodiffBackend + Kernels>() {
         };
         check(
             vec![x.clone(), weight],
-            |v| B::head_logprobs(v[0].clone(), head(&v[1]), &targets, 0.7, &kept, 3),
+            |v| {
+                let t = HeadTargets {
+                    targets: &targets,
+                    temperature: 0.7,
+                    kept: &kept,
+                    chunk: 3,
+                };
+                B::head_logprobs(v[0].clone(), head(&v[1]), t)
+            },
             |v| plain(v[0].clone(), head(&v[1])),
             1e-5,
             "head_logprobs",
@@ -379,14 +387,13 @@ fn head_logprobs_are_bitwise_whatever_the_chunk() {
     let targets: Vec<u32> = (0..40).map(|i| (i * 7) % 300).collect();
     let kept = Kept::whole(40);
     let lp = |chunk| {
-        let t = NdArray::head_logprobs(
-            x.clone(),
-            emb.clone().transpose(),
-            &targets,
-            0.8,
-            &kept,
+        let h = HeadTargets {
+            targets: &targets,
+            temperature: 0.8,
+            kept: &kept,
             chunk,
-        );
+        };
+        let t = NdArray::head_logprobs(x.clone(), emb.clone().transpose(), h);
         t.into_data().into_vec::<f32>().unwrap_or_default()
     };
     let whole = lp(40);

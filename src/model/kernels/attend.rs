@@ -99,61 +99,71 @@ pub(super) fn attend(
     if out.is_empty() {
         return (out, lse);
     }
-    let (qn, kn) = (s.rows * s.hd, s.t * s.hd);
-    out.par_chunks_mut(qn)
+    out.par_chunks_mut(s.rows * s.hd)
         .zip(lse.par_chunks_mut(s.rows))
         .enumerate()
         .for_each(|(h, (out, lse))| {
-            let first = h * s.rows;
+            let head = Head::of((q, k, v), bias, s, h, scale);
             out.par_chunks_mut(QUERY_BLOCK * s.hd)
                 .zip(lse.par_chunks_mut(QUERY_BLOCK))
                 .enumerate()
-                .for_each(|(blk, (o, l))| {
-                    let r0 = blk * QUERY_BLOCK;
-                    let block = Block {
-                        q: &q[(first + r0) * s.hd..][..l.len() * s.hd],
-                        k: &k[h * kn..][..kn],
-                        v: &v[h * kn..][..kn],
-                        bias,
-                        first: first + r0,
-                        s,
-                        scale,
-                    };
-                    block.run(o, l);
-                });
+                .for_each(|(blk, (o, l))| head.forward(blk * QUERY_BLOCK, o, l));
         });
     (out, lse)
 }
 
-/// One block of queries of one kv head, with that head's keys and values `[t, hd]`.
-struct Block<'a> {
+/// One batch row's kv head: its grouped queries `[rows, hd]`, keys and values `[t, hd]`.
+struct Head<'a> {
     q: &'a [f32],
     k: &'a [f32],
     v: &'a [f32],
     bias: &'a [f32],
-    /// The flat query index of the block's first row.
+    /// The flat query index of row 0 (for its bias row).
     first: usize,
     s: Shape,
     scale: f32,
 }
 
-impl Block<'_> {
-    /// Writes the block's outputs `o` `[rows, hd]` and log-sum-exps `lse` `[rows]`.
-    fn run(&self, o: &mut [f32], lse: &mut [f32]) {
+impl<'a> Head<'a> {
+    /// Head `h` (batch row × kv heads + kv head) of the operands laid out as `s` says.
+    fn of(
+        (q, k, v): (&'a [f32], &'a [f32], &'a [f32]),
+        bias: &'a [f32],
+        s: Shape,
+        h: usize,
+        scale: f32,
+    ) -> Self {
+        let (qn, kn) = (s.rows * s.hd, s.t * s.hd);
+        Head {
+            q: &q[h * qn..][..qn],
+            k: &k[h * kn..][..kn],
+            v: &v[h * kn..][..kn],
+            bias,
+            first: h * s.rows,
+            s,
+            scale,
+        }
+    }
+
+    /// Writes the outputs `o` `[rows, hd]` and log-sum-exps `lse` `[rows]` of the block of
+    /// query rows from `r0`.
+    fn forward(&self, r0: usize, o: &mut [f32], lse: &mut [f32]) {
         let (hd, nb) = (self.s.hd, lse.len());
-        let (lo, hi) = self.s.key_range(self.bias, self.first..self.first + nb);
+        let first = self.first + r0;
+        let (lo, hi) = self.s.key_range(self.bias, first..first + nb);
         if hi == lo {
             return;
         }
         let nk = hi - lo;
-        let mut scores = rows::rows_by_transposed(self.q, nb, &self.k[lo * hd..hi * hd], nk, hd);
+        let q = &self.q[r0 * hd..(r0 + nb) * hd];
+        let mut scores = rows::rows_by_transposed(q, nb, &self.k[lo * hd..hi * hd], nk, hd);
         let v = &self.v[lo * hd..hi * hd];
         for (i, (p, (o, lse))) in scores
             .chunks_exact_mut(nk)
             .zip(o.chunks_exact_mut(hd).zip(lse.iter_mut()))
             .enumerate()
         {
-            let bias = &self.s.bias_row(self.bias, self.first + i)[lo..hi];
+            let bias = &self.s.bias_row(self.bias, first + i)[lo..hi];
             *lse = softmax_out(p, bias, v, hd, self.scale, o);
         }
     }
@@ -271,36 +281,14 @@ pub(super) fn attend_backward(
         .zip(dv.par_chunks_mut(kn))
         .enumerate()
         .for_each(|(h, ((dq, dk), dv))| {
-            let head = Head {
-                q: &q[h * qn..][..qn],
-                k: &k[h * kn..][..kn],
-                v: &v[h * kn..][..kn],
+            let own = Saved {
                 out: &saved.out[h * qn..][..qn],
                 dy: &saved.dy[h * qn..][..qn],
                 lse: &saved.lse[h * s.rows..][..s.rows],
-                bias,
-                first: h * s.rows,
-                s,
-                scale,
             };
-            head.backward(dq, dk, dv);
+            Head::of((q, k, v), bias, s, h, scale).backward(&own, dq, dk, dv);
         });
     (dq, dk, dv)
-}
-
-/// One batch row's kv head: its grouped queries `[rows, hd]`, keys and values `[t, hd]`.
-struct Head<'a> {
-    q: &'a [f32],
-    k: &'a [f32],
-    v: &'a [f32],
-    out: &'a [f32],
-    dy: &'a [f32],
-    lse: &'a [f32],
-    bias: &'a [f32],
-    /// The flat query index of row 0 (for its bias row).
-    first: usize,
-    s: Shape,
-    scale: f32,
 }
 
 /// `rows × cols` values of `data` from `at`, row-major.
@@ -315,7 +303,9 @@ fn view_mut(data: &mut [f32], at: usize, rows: usize, cols: usize) -> ArrayViewM
 }
 
 impl Head<'_> {
-    fn backward(&self, dq: &mut [f32], dk: &mut [f32], dv: &mut [f32]) {
+    /// Adds this head's gradients into `dq` `[rows, hd]`, `dk` and `dv` `[t, hd]`, from its
+    /// saved output and log-sum-exps and its output's gradient.
+    fn backward(&self, saved: &Saved<'_>, dq: &mut [f32], dk: &mut [f32], dv: &mut [f32]) {
         let (hd, t) = (self.s.hd, self.s.t);
         let mut probs = vec![0f32; QUERY_BLOCK.min(self.s.rows) * t];
         let mut dscores = vec![0f32; probs.len()];
@@ -330,7 +320,7 @@ impl Head<'_> {
             }
             let (qb, dyb) = (
                 view(self.q, r0 * hd, nb, hd),
-                view(self.dy, r0 * hd, nb, hd),
+                view(saved.dy, r0 * hd, nb, hd),
             );
             let (kb, vb) = (view(self.k, lo * hd, nk, hd), view(self.v, lo * hd, nk, hd));
             let mut p = view_mut(&mut probs, 0, nb, nk);
@@ -339,9 +329,9 @@ impl Head<'_> {
             general_mat_mul(1.0, &dyb, &vb.t(), 0.0, &mut ds);
             for (i, (mut pr, mut dr)) in p.rows_mut().into_iter().zip(ds.rows_mut()).enumerate() {
                 let bias = &self.s.bias_row(self.bias, self.first + r0 + i)[lo..hi];
-                let lse = self.lse[r0 + i];
+                let lse = saved.lse[r0 + i];
                 let at = (r0 + i) * hd;
-                let d = rows::portable_dot(&self.dy[at..at + hd], &self.out[at..at + hd]);
+                let d = rows::portable_dot(&saved.dy[at..at + hd], &saved.out[at..at + hd]);
                 for ((pj, dj), &bj) in pr.iter_mut().zip(dr.iter_mut()).zip(bias) {
                     *pj = (*pj * self.scale + bj - lse).exp();
                     *dj = *pj * (*dj - d) * self.scale;

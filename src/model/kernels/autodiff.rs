@@ -213,6 +213,7 @@ impl<B: Kernels> Backward<B, 1> for TokenLogprobsBackward {
 
 /// What the chunked head's backward reads: the rows and the head, each row's
 /// log-sum-exp (not the logits), the targets, the temperature, the kept ids, the chunk.
+#[derive(Clone, Debug)]
 struct HeadState<B: Kernels> {
     x: FloatTensor<B>,
     weight: FloatTensor<B>,
@@ -221,29 +222,6 @@ struct HeadState<B: Kernels> {
     temperature: f32,
     kept: Arc<Kept>,
     chunk: usize,
-}
-
-impl<B: Kernels> Clone for HeadState<B> {
-    fn clone(&self) -> Self {
-        HeadState {
-            x: self.x.clone(),
-            weight: self.weight.clone(),
-            lse: self.lse.clone(),
-            targets: self.targets.clone(),
-            temperature: self.temperature,
-            kept: self.kept.clone(),
-            chunk: self.chunk,
-        }
-    }
-}
-
-impl<B: Kernels> std::fmt::Debug for HeadState<B> {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HeadState")
-            .field("rows", &self.targets.len())
-            .field("chunk", &self.chunk)
-            .finish_non_exhaustive()
-    }
 }
 
 #[derive(Debug)]

@@ -493,13 +493,13 @@ impl Kernels for NdArray {
         let shape = attention_shape(&q, &k, &v, &bias)
             .filter(|_| all_f32(&[out.dtype(), lse.dtype(), dy.dtype()]));
         let Some(shape) = shape else {
-            let probs = reference::attn_probs(&q, &k, bias, lse, scale);
-            return reference::attn_backward_of(
+            let softmax_backward = Self::attn_softmax_backward;
+            return reference::attn_backward_lse(
                 (q, k, v),
-                probs,
+                (bias, lse),
                 dy,
                 scale,
-                Self::attn_softmax_backward,
+                softmax_backward,
             );
         };
         let (qd, kd) = (q.dims(), k.dims());

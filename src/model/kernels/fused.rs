@@ -148,8 +148,8 @@ pub trait Kernels: WeightStorage {
         scale: f64,
     ) -> (Tensor<Self, 4>, Tensor<Self, 4>, Tensor<Self, 4>) {
         drop(out);
-        let probs = reference::attn_probs(&q, &k, bias, lse, scale);
-        reference::attn_backward_of((q, k, v), probs, dy, scale, Self::attn_softmax_backward)
+        let softmax_backward = Self::attn_softmax_backward;
+        reference::attn_backward_lse((q, k, v), (bias, lse), dy, scale, softmax_backward)
     }
 
     /// SwiGLU's gate: `silu(gate) · up` on `[n, f]`.

@@ -186,6 +186,19 @@ pub fn attn_backward_of<B: Backend>(
     (dq, dk, dv)
 }
 
+/// [`attn_backward_of`] with the probabilities recomputed from the scores and the saved
+/// log-sum-exp `lse` (see [`super::Kernels::attn_backward`]).
+pub fn attn_backward_lse<B: Backend>(
+    (q, k, v): (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>),
+    (bias, lse): (Tensor<B, 4>, Tensor<B, 4>),
+    dy: Tensor<B, 4>,
+    scale: f64,
+    softmax_backward: impl FnOnce(Tensor<B, 4>, Tensor<B, 4>, f64) -> Tensor<B, 4>,
+) -> (Tensor<B, 4>, Tensor<B, 4>, Tensor<B, 4>) {
+    let probs = attn_probs(&q, &k, bias, lse, scale);
+    attn_backward_of((q, k, v), probs, dy, scale, softmax_backward)
+}
+
 /// `dscores = scale · p · (dp − Σ dp · p)`.
 pub fn attn_softmax_backward<B: Backend>(
     probs: Tensor<B, 4>,

@@ -10,8 +10,8 @@
 //! linear in the length, and the square of it exists for one block only.
 
 use super::logprob::MASKED;
+use super::products::mat_mul;
 use super::rows;
-use ndarray::linalg::general_mat_mul;
 use ndarray::{ArrayView2, ArrayViewMut2};
 use rayon::prelude::*;
 
@@ -325,8 +325,8 @@ impl Head<'_> {
             let (kb, vb) = (view(self.k, lo * hd, nk, hd), view(self.v, lo * hd, nk, hd));
             let mut p = view_mut(&mut probs, 0, nb, nk);
             let mut ds = view_mut(&mut dscores, 0, nb, nk);
-            general_mat_mul(1.0, &qb, &kb.t(), 0.0, &mut p);
-            general_mat_mul(1.0, &dyb, &vb.t(), 0.0, &mut ds);
+            mat_mul(&qb, &kb.t(), false, &mut p);
+            mat_mul(&dyb, &vb.t(), false, &mut ds);
             for (i, (mut pr, mut dr)) in p.rows_mut().into_iter().zip(ds.rows_mut()).enumerate() {
                 let bias = &self.s.bias_row(self.bias, self.first + r0 + i)[lo..hi];
                 let lse = saved.lse[r0 + i];
@@ -337,9 +337,9 @@ impl Head<'_> {
                     *dj = *pj * (*dj - d) * self.scale;
                 }
             }
-            general_mat_mul(1.0, &p.t(), &dyb, 1.0, &mut view_mut(dv, lo * hd, nk, hd));
-            general_mat_mul(1.0, &ds, &kb, 0.0, &mut view_mut(dq, r0 * hd, nb, hd));
-            general_mat_mul(1.0, &ds.t(), &qb, 1.0, &mut view_mut(dk, lo * hd, nk, hd));
+            mat_mul(&p.t(), &dyb, true, &mut view_mut(dv, lo * hd, nk, hd));
+            mat_mul(&ds.view(), &kb, false, &mut view_mut(dq, r0 * hd, nb, hd));
+            mat_mul(&ds.t(), &qb, true, &mut view_mut(dk, lo * hd, nk, hd));
         }
     }
 }

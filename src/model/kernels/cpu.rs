@@ -4,13 +4,15 @@
 
 use super::fused::head_backward_chunks;
 use super::logprob::{HeadTargets, Kept, inv_temperature, token_logprob};
-use super::{Kernels, attend, head, reference, rows};
+use super::products::mat_mul;
+use super::rows::PackedWeight;
+use super::{Kernels, attend, head, pack_once, reference, rows};
 use burn::backend::NdArray;
 use burn::backend::ndarray::NdArrayTensor;
 use burn::tensor::{DType, Tensor, TensorPrimitive};
-use ndarray::linalg::general_mat_mul;
 use ndarray::{ArcArray, Array2, ArrayView2, Ix2, IxDyn};
 use rayon::prelude::*;
+use std::borrow::Cow;
 
 /// Rows handed to one rayon task: about 16k values, so small tensors stay on one core.
 fn min_rows(row_len: usize) -> usize {
@@ -200,11 +202,20 @@ impl Kernels for NdArray {
             }
             None => {
                 let w = Host::matrix_of(weight);
-                if w.is_transposed() {
-                    rows::rows_by_transposed(x.slice(), n, w.memory(), out, d_in)
-                } else {
-                    let wt = crate::model::tensors::transpose(w.memory(), d_in, out);
-                    rows::rows_by_transposed(x.slice(), n, &wt, out, d_in)
+                let transposed = || match w.is_transposed() {
+                    true => Cow::Borrowed(w.memory()),
+                    false => Cow::Owned(crate::model::tensors::transpose(w.memory(), d_in, out)),
+                };
+                // A weight the model holds (not a copy made for this call) is packed once
+                // while a step keeps packings open.
+                let kept = (!w.0.is_unique())
+                    .then(|| {
+                        pack_once::packed(&w.0, || PackedWeight::new(&transposed(), out, d_in))
+                    })
+                    .flatten();
+                match kept {
+                    Some(p) => rows::rows_by_packed(x.slice(), n, &p),
+                    None => rows::rows_by_transposed(x.slice(), n, &transposed(), out, d_in),
                 }
             }
         };
@@ -235,7 +246,7 @@ impl Kernels for NdArray {
             Host::matrix_of(dy),
         );
         let mut dx = Array2::zeros((n, d_in));
-        general_mat_mul(1.0, &dy.matrix(), &w.matrix().t(), 0.0, &mut dx);
+        mat_mul(&dy.matrix(), &w.matrix().t(), false, &mut dx.view_mut());
         // The weight's gradient in the weight's own order: a transposed view (a tied
         // embedding read as the output head) gets `(dyᵀ · x)ᵀ`, so the gradient reaches the
         // embedding row-major, without a transposing copy.
@@ -243,11 +254,11 @@ impl Kernels for NdArray {
             None
         } else if w.is_transposed() {
             let mut dwt = Array2::zeros((d_out, d_in));
-            general_mat_mul(1.0, &dy.matrix().t(), &x.matrix(), 0.0, &mut dwt);
+            mat_mul(&dy.matrix().t(), &x.matrix(), false, &mut dwt.view_mut());
             Some(dwt.reversed_axes())
         } else {
             let mut dw = Array2::zeros((d_in, d_out));
-            general_mat_mul(1.0, &x.matrix().t(), &dy.matrix(), 0.0, &mut dw);
+            mat_mul(&x.matrix().t(), &dy.matrix(), false, &mut dw.view_mut());
             Some(dw)
         };
         let db = bias.then(|| tensor(dy.matrix().sum_axis(ndarray::Axis(0)).to_vec(), [d_out]));
@@ -708,10 +719,10 @@ impl Kernels for NdArray {
                 xh.matrix().slice_move(ndarray::s![rows.clone(), ..]),
             );
             let mut dxc = dx.slice_mut(ndarray::s![rows, ..]);
-            general_mat_mul(1.0, &dz, &w.matrix().t(), 0.0, &mut dxc);
+            mat_mul(&dz, &w.matrix().t(), false, &mut dxc);
             match dw.as_mut() {
-                Some(dw) if w.is_transposed() => general_mat_mul(1.0, &dz.t(), &xc, 1.0, dw),
-                Some(dw) => general_mat_mul(1.0, &xc.t(), &dz, 1.0, dw),
+                Some(dw) if w.is_transposed() => mat_mul(&dz.t(), &xc, true, &mut dw.view_mut()),
+                Some(dw) => mat_mul(&xc.t(), &dz, true, &mut dw.view_mut()),
                 None => {}
             }
         }

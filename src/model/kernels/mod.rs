@@ -38,6 +38,8 @@ mod cpu;
 mod fused;
 pub mod head;
 mod logprob;
+mod pack_once;
+mod products;
 pub mod reference;
 mod rows;
 
@@ -45,6 +47,7 @@ pub use fused::Kernels;
 pub use head::{HEAD_CHUNK_ROWS, reset_widest_logits, widest_logits};
 pub use logprob::{HeadTargets, Kept, token_logprob};
 pub(crate) use logprob::{MASKED, inv_temperature};
+pub use pack_once::PackOnce;
 pub use reference::LinearGrads;
 
 #[cfg(test)]

@@ -104,42 +104,115 @@ pub(super) fn rows_by_transposed<E: Elem>(
 
 /// [`rows_by_transposed`] for more than [`FEW_ROWS`] rows.
 fn many_rows(x: &[f32], rows: usize, wt: &[f32], n: usize, k: usize) -> Vec<f32> {
-    // Blocks of input rows, a multiple of three (the tile's height), each writing its own
-    // rows of `y`.
-    let per_block = (BLOCK_VALUES / k).clamp(3, 96) / 3 * 3;
-    let mut y = vec![0f32; rows * n];
-    // Both operands packed so that each tile reads one contiguous run of each; with
-    // AVX-512, two outputs per 512-bit register, each in its own eight lanes: the same sums.
-    #[cfg(target_arch = "x86_64")]
-    if k >= 8 {
-        let tiles: Option<(usize, usize, PackedTiles)> = if avx512_available() {
-            Some((avx512::ROWS, avx512::COLS, avx512::packed))
-        } else if fma_available() {
-            Some((avx2::ROWS, avx2::COLS, avx2::packed))
-        } else {
-            None
-        };
-        if let Some((tile_rows, tile_cols, tiles)) = tiles {
-            let wp = pack(wt, n, k, tile_cols);
-            y.par_chunks_mut(per_block * n)
-                .zip(x.par_chunks(per_block * k))
-                .for_each(|(out, xb)| {
-                    let nr = xb.len() / k;
-                    let xp = pack(xb, nr, k, tile_rows);
-                    // SAFETY: the CPU has the tiles' instructions (checked above); `xp` and
-                    // `wp` are `pack`'s layouts of `xb` `[nr, k]` and `wt` `[n, k]` in the
-                    // tiles' shape, `out` `[nr, n]`.
-                    unsafe { tiles(&xp, xb, nr, &wp, wt, n, k, out) };
-                });
-            return y;
-        }
+    if let Some(packed) = PackedWeight::new(wt, n, k) {
+        return rows_by_packed(x, rows, &packed);
     }
-    y.par_chunks_mut(per_block * n)
-        .zip(x.par_chunks(per_block * k))
+    let mut y = vec![0f32; rows * n];
+    y.par_chunks_mut(rows_per_block(k) * n)
+        .zip(x.par_chunks(rows_per_block(k) * k))
         .for_each(|(out, xb)| {
             let strides = Strides { col: 1, row: n };
             block(xb, xb.len() / k, k, wt, out, strides);
         });
+    y
+}
+
+/// Input rows per block of the many-rows path, a multiple of three (the AVX2 tile's
+/// height) and of four (the AVX-512 one's) where they fit.
+fn rows_per_block(k: usize) -> usize {
+    (BLOCK_VALUES / k.max(1)).clamp(3, 96) / 3 * 3
+}
+
+/// A weight `[n, k]` as the many-rows tiles read it: packed in their groups of rows
+/// ([`pack`]), each row's last `k % 8` values apart. Packing is a copy of the weight; a
+/// trainer step keeps each weight's packing for all its passes ([`super::PackOnce`]).
+pub(super) struct PackedWeight {
+    n: usize,
+    k: usize,
+    packed: Vec<f32>,
+    tails: Vec<f32>,
+    #[cfg(target_arch = "x86_64")]
+    tiles: Tiles,
+}
+
+/// The tile kernel this CPU runs, with its height and width.
+#[cfg(target_arch = "x86_64")]
+#[derive(Clone, Copy)]
+struct Tiles {
+    rows: usize,
+    cols: usize,
+    product: PackedTiles,
+}
+
+#[cfg(target_arch = "x86_64")]
+fn tiles() -> Option<Tiles> {
+    if avx512_available() {
+        Some(Tiles {
+            rows: avx512::ROWS,
+            cols: avx512::COLS,
+            product: avx512::packed,
+        })
+    } else if fma_available() {
+        Some(Tiles {
+            rows: avx2::ROWS,
+            cols: avx2::COLS,
+            product: avx2::packed,
+        })
+    } else {
+        None
+    }
+}
+
+impl PackedWeight {
+    /// `wt` `[n, k]` packed, or `None` where the CPU has no tiles (no AVX2, not x86-64) or
+    /// `k < 8`: the portable blocks read the weight as it is.
+    pub(super) fn new(wt: &[f32], n: usize, k: usize) -> Option<PackedWeight> {
+        assert_eq!(wt.len(), n * k, "wt is [n, k]");
+        #[cfg(target_arch = "x86_64")]
+        if k >= 8 && n > 0 {
+            let tiles = tiles()?;
+            let k8 = k - k % 8;
+            let tails = wt.chunks_exact(k).flat_map(|r| &r[k8..]).copied().collect();
+            let packed = pack(wt, n, k, tiles.cols);
+            return Some(PackedWeight {
+                n,
+                k,
+                packed,
+                tails,
+                tiles,
+            });
+        }
+        None
+    }
+}
+
+/// `y = x · wtᵀ` for `x` `[rows, k]` and a packed `wt` `[n, k]`: the bits of
+/// [`rows_by_transposed`].
+pub(super) fn rows_by_packed(x: &[f32], rows: usize, w: &PackedWeight) -> Vec<f32> {
+    let (n, k) = (w.n, w.k);
+    assert_eq!(x.len(), rows * k, "x is [rows, k]");
+    let mut y = vec![0f32; rows * n];
+    if rows == 0 {
+        return y;
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        let t = w.tiles;
+        let per_block = rows_per_block(k);
+        // Both operands packed so that each tile reads one contiguous run of each; with
+        // AVX-512, two outputs per 512-bit register, each in its own eight lanes: the same
+        // sums.
+        y.par_chunks_mut(per_block * n)
+            .zip(x.par_chunks(per_block * k))
+            .for_each(|(out, xb)| {
+                let nr = xb.len() / k;
+                let xp = pack(xb, nr, k, t.rows);
+                // SAFETY: `PackedWeight::new` chose tiles this CPU has; `xp` and `w.packed`
+                // are `pack`'s layouts of `xb` `[nr, k]` and the weight `[n, k]` in the
+                // tiles' shape, `w.tails` `[n, k % 8]`, `out` `[nr, n]`, `k >= 8`.
+                unsafe { (t.product)(&xp, xb, nr, &w.packed, &w.tails, n, k, out) };
+            });
+    }
     y
 }
 
@@ -265,11 +338,13 @@ mod avx2 {
 
     /// The many-rows product on packed operands (see [`super::pack`]): `out[r * n + c] =
     /// x[r] · w[c]` for the `rows` input rows of `x` and the `n` weight rows of `w`, summed
-    /// as [`block`] sums them (the tails from the unpacked rows).
+    /// as [`block`] sums them (the tails from `x`'s rows and from `tails`, each weight row's
+    /// last `k % 8` values).
     ///
     /// # Safety
     /// The CPU has AVX2 and FMA; `xp`, `wp` are `pack(x, rows, k, 3)`, `pack(w, n, k, 4)`
-    /// with `x` `[rows, k]`, `w` `[n, k]`, `out` `[rows, n]`, `rows, n > 0`, `k >= 8`.
+    /// with `x` `[rows, k]`, `w` `[n, k]`, `tails` `[n, k % 8]`, `out` `[rows, n]`,
+    /// `rows, n > 0`, `k >= 8`.
     #[target_feature(enable = "avx2,fma")]
     #[allow(clippy::too_many_arguments)]
     pub(super) unsafe fn packed(
@@ -277,12 +352,12 @@ mod avx2 {
         x: &[f32],
         rows: usize,
         wp: &[f32],
-        w: &[f32],
+        tails: &[f32],
         n: usize,
         k: usize,
         out: &mut [f32],
     ) {
-        let k8 = k - k % 8;
+        let (k8, kt) = (k - k % 8, k % 8);
         let (xs, ws) = (ROWS * k8, COLS * k8);
         for c in (0..n).step_by(COLS) {
             let nc = (n - c).min(COLS);
@@ -318,9 +393,9 @@ mod avx2 {
                 for a in 0..nr {
                     for cc in 0..nc {
                         let mut s = fold(acc[a * COLS + cc]);
-                        let (xr, wr) = (&x[(r + a) * k..][..k], &w[(c + cc) * k..][..k]);
+                        let (xr, wr) = (&x[(r + a) * k..][..k], &tails[(c + cc) * kt..][..kt]);
                         for t in k8..k {
-                            s = xr[t].mul_add(wr[t], s);
+                            s = xr[t].mul_add(wr[t - k8], s);
                         }
                         out[(r + a) * n + c + cc] = s;
                     }
@@ -414,7 +489,7 @@ mod avx512 {
     pub(super) const COLS: usize = 8;
 
     /// See [`super::avx2::packed`]; `xp`, `wp` are `pack(x, rows, k, 4)` and
-    /// `pack(w, n, k, 8)`.
+    /// `pack(w, n, k, 8)`, `tails` `[n, k % 8]`.
     ///
     /// # Safety
     /// The CPU has AVX-512 F and DQ, AVX2 and FMA; the operands as in `avx2::packed`.
@@ -425,13 +500,13 @@ mod avx512 {
         x: &[f32],
         rows: usize,
         wp: &[f32],
-        w: &[f32],
+        tails: &[f32],
         n: usize,
         k: usize,
         out: &mut [f32],
     ) {
         const PAIRS: usize = COLS / 2;
-        let k8 = k - k % 8;
+        let (k8, kt) = (k - k % 8, k % 8);
         let (xs, ws) = (ROWS * k8, COLS * k8);
         for c in (0..n).step_by(COLS) {
             let nc = (n - c).min(COLS);
@@ -468,9 +543,9 @@ mod avx512 {
                             _mm512_extractf32x8_ps::<1>(v)
                         };
                         let mut s = super::avx2::fold(half);
-                        let (xr, wr) = (&x[(r + a) * k..][..k], &w[(c + cc) * k..][..k]);
+                        let (xr, wr) = (&x[(r + a) * k..][..k], &tails[(c + cc) * kt..][..kt]);
                         for t in k8..k {
-                            s = xr[t].mul_add(wr[t], s);
+                            s = xr[t].mul_add(wr[t - k8], s);
                         }
                         out[(r + a) * n + c + cc] = s;
                     }
@@ -517,6 +592,29 @@ mod tests {
                         "{rows}x{n}x{k} [{r},{j}]: {got} vs {want}"
                     );
                 }
+            }
+        }
+    }
+
+    /// A weight packed once gives every row count the bits of the unpacked product, `k`
+    /// with and without a tail.
+    #[test]
+    fn a_packed_weight_gives_the_unpacked_bits() {
+        for (n, k) in [(67, 37), (9, 64), (130, 8)] {
+            let wt = values(n * k, 3);
+            let Some(packed) = PackedWeight::new(&wt, n, k) else {
+                return; // no tiles on this CPU: nothing is packed
+            };
+            for rows in [1, 3, 65, 200] {
+                let x = values(rows * k, 4);
+                let (a, b) = (
+                    rows_by_packed(&x, rows, &packed),
+                    rows_by_transposed(&x, rows, &wt, n, k),
+                );
+                assert!(
+                    a.iter().zip(&b).all(|(a, b)| a.to_bits() == b.to_bits()),
+                    "{rows}x{n}x{k}"
+                );
             }
         }
     }

@@ -412,6 +412,9 @@ impl<B: TrainOn> TrainerOn<B> {
         }
         let samples = Samples::of(groups, self.cfg.train.token_discount);
         let n_tokens = n_tokens.max(1) as f32;
+        // Each weight packed for the CPU's product once for all the micro-batches and the
+        // head's chunks, forward and backward.
+        let _packed = crate::model::kernels::PackOnce::open();
         let mut sum = GradientsAccumulator::<Policy<B>>::new();
         let mut parts = Vec::new();
         for range in samples.micro_batches(self.cfg.train.micro_batch_tokens) {

@@ -1,0 +1,133 @@
+//! The matrix products of the CPU backward passes (a linear layer's input and weight
+//! gradients, the head's chunks, attention's blocks), through the `gemm` crate, which picks
+//! its AVX-512, AVX2 or portable kernels when it runs.
+//!
+//! These products are free to sum in any order: nothing compares their bits with the
+//! sampler's. The forward products are not, and go through [`super::rows`]. On a CPU with
+//! AVX-512 the backward's products run about twice as fast here as through ndarray's
+//! `general_mat_mul` (`matrixmultiply`, AVX2 at most); BENCHMARKS.md has the step.
+
+use ndarray::{ArrayView2, ArrayViewMut2};
+
+/// Fused multiply-adds under which a product stays on the calling thread: splitting it
+/// costs more than it gains, and attention's blocks already run one head per core.
+const SERIAL_FMAS: usize = 1 << 22;
+
+/// `c = a · b`, or `c += a · b` when `accumulate`; any strides (a transposed view is read
+/// in place). Products smaller than [`SERIAL_FMAS`] run on the calling thread, larger ones
+/// over rayon's pool.
+pub(super) fn mat_mul(
+    a: &ArrayView2<'_, f32>,
+    b: &ArrayView2<'_, f32>,
+    accumulate: bool,
+    c: &mut ArrayViewMut2<'_, f32>,
+) {
+    let ((m, k), (kb, n)) = (a.dim(), b.dim());
+    assert_eq!(k, kb, "a is [m, k] and b [k, n]");
+    assert_eq!(c.dim(), (m, n), "c is [m, n]");
+    if m == 0 || n == 0 {
+        return;
+    }
+    if k == 0 {
+        if !accumulate {
+            c.fill(0.0);
+        }
+        return;
+    }
+    let parallelism = if m * n * k < SERIAL_FMAS {
+        gemm::Parallelism::None
+    } else {
+        gemm::Parallelism::Rayon(0)
+    };
+    let (sa, sb, sc) = (a.strides(), b.strides(), c.strides());
+    let (sa, sb, sc) = ([sa[0], sa[1]], [sb[0], sb[1]], [sc[0], sc[1]]);
+    let dst = c.as_mut_ptr();
+    // SAFETY: each view's pointer and strides address its own `m × k`, `k × n` and `m × n`
+    // elements (ndarray's invariant); `c` is borrowed mutably, so it overlaps neither input.
+    // `gemm`'s `alpha` scales the destination (read only when `accumulate`) and `beta` the
+    // product.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            dst,
+            sc[1],
+            sc[0],
+            accumulate,
+            a.as_ptr(),
+            sa[1],
+            sa[0],
+            b.as_ptr(),
+            sb[1],
+            sb[0],
+            1.0f32,
+            1.0f32,
+            false,
+            false,
+            false,
+            parallelism,
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::mat_mul;
+    use ndarray::{Array2, linalg::general_mat_mul};
+
+    fn values(rows: usize, cols: usize, seed: u32) -> Array2<f32> {
+        Array2::from_shape_fn((rows, cols), |(i, j)| {
+            let v = (i as u32 * 31 + j as u32 * 17 + seed).wrapping_mul(2_654_435_761);
+            (v >> 8) as f32 / (1u32 << 24) as f32 - 0.5
+        })
+    }
+
+    /// Against ndarray's product, every layout the backward uses: plain, a transposed left
+    /// or right operand, a transposed destination, serial and split sizes, accumulating.
+    #[test]
+    fn matches_general_mat_mul_in_every_layout() {
+        for (m, k, n) in [(3, 5, 7), (64, 64, 96), (300, 170, 260), (1, 9, 1)] {
+            let (a, at) = (values(m, k, 1), values(k, m, 2));
+            let (b, bt) = (values(k, n, 3), values(n, k, 4));
+            for (lhs, rhs) in [
+                (a.view(), b.view()),
+                (at.t(), b.view()),
+                (a.view(), bt.t()),
+                (at.t(), bt.t()),
+            ] {
+                for accumulate in [false, true] {
+                    let start = values(m, n, 5);
+                    let mut want = start.clone();
+                    let beta = if accumulate { 1.0 } else { 0.0 };
+                    general_mat_mul(1.0, &lhs, &rhs, beta, &mut want);
+                    let mut got = start.clone();
+                    mat_mul(&lhs, &rhs, accumulate, &mut got.view_mut());
+                    let mut got_t = start.t().as_standard_layout().into_owned();
+                    mat_mul(
+                        &lhs,
+                        &rhs,
+                        accumulate,
+                        &mut got_t.view_mut().reversed_axes(),
+                    );
+                    for (g, w) in got.iter().zip(&want).chain(got_t.t().iter().zip(&want)) {
+                        assert!(
+                            (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                            "{m}x{k}x{n}: {g} vs {w}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn an_empty_inner_dimension_gives_zeros_or_leaves_the_sum() {
+        let (a, b) = (Array2::<f32>::zeros((3, 0)), Array2::<f32>::zeros((0, 2)));
+        let mut c = Array2::from_elem((3, 2), 7.0f32);
+        mat_mul(&a.view(), &b.view(), true, &mut c.view_mut());
+        assert!(c.iter().all(|&v| v == 7.0));
+        mat_mul(&a.view(), &b.view(), false, &mut c.view_mut());
+        assert!(c.iter().all(|&v| v == 0.0));
+    }
+}

@@ -8,7 +8,7 @@
 use rlstream::commands::eval::{self, EvalSet};
 use rlstream::commands::sft::{self, SftOptions};
 use rlstream::config::{PolicySettings, TrainConfig};
-use rlstream::model::kernels::{HEAD_CHUNK_ROWS, reset_widest_logits, widest_logits};
+use rlstream::model::kernels::{HEAD_CHUNK_ROWS, PackOnce, reset_widest_logits, widest_logits};
 use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
 use rlstream::model::tokenizer::Tokenizer;
 use rlstream::model::{Architecture, InferBackend, ModelConfig, Policy, TrainBackend};
@@ -158,5 +158,45 @@ async fn no_scoring_pass_builds_logits_for_more_than_one_chunk() {
     assert_eq!(
         widest, HEAD_CHUNK_ROWS,
         "the widest logits were built for {widest} rows at once (a chunk is {HEAD_CHUNK_ROWS})"
+    );
+}
+
+/// A step in micro-batches packs each weight once for all of them (forward, backward and
+/// the head's recomputation): the same packings as a step of two micro-batches, one per
+/// linear weight and one for the tied head.
+#[test]
+fn a_micro_batched_step_packs_each_weight_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ModelConfig::tiny(Architecture::Llama, 64).with_tie_embeddings(true);
+    let model = Policy::<InferBackend>::random(&cfg, 4, &Default::default()).expect("model");
+    model.save_hf(&dir.path().join("model")).expect("save");
+    let g =
+        crate::common::sampled_group(&model, "g", vec![5, 3, 9], 24, 1, vec![1.0, 0.0, 0.5, 0.25]);
+    let packings = |micro_batch_tokens: usize| {
+        let settings = TrainerSettings {
+            policy: PolicySettings {
+                model: Some(dir.path().join("model")),
+                ..PolicySettings::default()
+            },
+            train: TrainConfig {
+                checkpoint_dir: dir.path().join(format!("ckpt{micro_batch_tokens}")),
+                micro_batch_tokens,
+                ..TrainConfig::default()
+            },
+        };
+        let mut trainer = Trainer::start(&settings).expect("trainer");
+        let before = PackOnce::packings_kept();
+        trainer.step(&[&g]).expect("step");
+        PackOnce::packings_kept() - before
+    };
+    // One sample a micro-batch (four), then two samples each (two).
+    let (four, two) = (packings(1), packings(54));
+    let linear = cfg.num_layers * 7;
+    assert_eq!(four, linear + 1, "four micro-batches kept {four} packings");
+    assert_eq!(two, four, "two micro-batches kept {two} packings");
+    assert_eq!(
+        PackOnce::packed_weights(),
+        0,
+        "the step let its packings go"
     );
 }

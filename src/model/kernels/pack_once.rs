@@ -12,6 +12,7 @@
 use super::rows::PackedWeight;
 use ndarray::{ArcArray, IxDyn};
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// A buffer by address, shape and strides: the same buffer read as another view is another
@@ -25,6 +26,9 @@ struct Cache {
 }
 
 static CACHE: Mutex<Option<Cache>> = Mutex::new(None);
+
+/// Packings kept since the process started.
+static KEPT: AtomicUsize = AtomicUsize::new(0);
 
 fn cache() -> MutexGuard<'static, Option<Cache>> {
     // A panic while the lock was held leaves a map that is still consistent.
@@ -42,9 +46,15 @@ impl PackOnce {
         PackOnce(())
     }
 
-    /// How many weights are packed now (for tests).
+    /// How many weights are packed now.
     pub fn packed_weights() -> usize {
         cache().as_ref().map_or(0, |c| c.entries.len())
+    }
+
+    /// How many packings have been kept since the process started (each weight of each
+    /// step once, when the scopes work).
+    pub fn packings_kept() -> usize {
+        KEPT.load(Ordering::Relaxed)
     }
 }
 
@@ -82,7 +92,10 @@ pub(super) fn packed(
     let p = Arc::new(make()?);
     let mut guard = cache();
     let c = guard.as_mut()?;
-    let (_, kept) = c.entries.entry(key).or_insert_with(|| (weight.clone(), p));
+    let (_, kept) = c.entries.entry(key).or_insert_with(|| {
+        KEPT.fetch_add(1, Ordering::Relaxed);
+        (weight.clone(), p)
+    });
     Some(kept.clone())
 }
 

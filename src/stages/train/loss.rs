@@ -91,6 +91,11 @@ impl<'a> Samples<'a> {
         out
     }
 
+    /// The completion tokens of all the samples (the rows of the output head's pass).
+    pub fn completion_tokens(&self) -> usize {
+        self.seqs.iter().map(|s| s.completion.len()).sum()
+    }
+
     /// Consecutive runs of samples of at most `max_tokens` prompt + completion tokens each
     /// (a longer sample runs alone); `0` puts every sample in one run.
     pub fn micro_batches(&self, max_tokens: usize) -> Vec<Range<usize>> {

@@ -8,6 +8,7 @@ use super::loss::{self, Samples, TokenSums};
 use super::state::{REMEMBERED_GROUPS, TrainerState};
 use crate::collective::{self, Collective, ReduceDtype};
 use crate::model::hf::load_hf;
+use crate::model::kernels::{HEAD_CHUNK_ROWS, PackOnce};
 use crate::model::layers;
 use crate::model::lora::{self, LoraSpec};
 use crate::model::tensors::WeightDtype;
@@ -412,12 +413,15 @@ impl<B: TrainOn> TrainerOn<B> {
         }
         let samples = Samples::of(groups, self.cfg.train.token_discount);
         let n_tokens = n_tokens.max(1) as f32;
-        // Each weight packed for the CPU's product once for all the micro-batches and the
-        // head's chunks, forward and backward.
-        let _packed = crate::model::kernels::PackOnce::open();
+        let batches = samples.micro_batches(self.cfg.train.micro_batch_tokens);
+        // Each weight packed for the CPU's products once for all the micro-batches and the
+        // head's chunks, forward and backward, where it is used more than once (the kept
+        // packings cost about the model's size until the gradients are taken).
+        let reused = batches.len() > 1 || samples.completion_tokens() > HEAD_CHUNK_ROWS;
+        let _packed = reused.then(PackOnce::open);
         let mut sum = GradientsAccumulator::<Policy<B>>::new();
         let mut parts = Vec::new();
-        for range in samples.micro_batches(self.cfg.train.micro_batch_tokens) {
+        for range in batches {
             let reference = self.reference.as_ref();
             let (l, part) = loss::part(
                 self.model(),

@@ -11,11 +11,12 @@ use ndarray::{ArrayView2, ArrayViewMut2};
 
 /// Fused multiply-adds under which a product stays on the calling thread: splitting it
 /// costs more than it gains, and attention's blocks already run one head per core.
+#[cfg(not(feature = "blas"))]
 const SERIAL_FMAS: usize = 1 << 22;
 
 /// `c = a · b`, or `c += a · b` when `accumulate`; any strides (a transposed view is read
 /// in place). Products smaller than [`SERIAL_FMAS`] run on the calling thread, larger ones
-/// over rayon's pool.
+/// over rayon's pool; in a `--features blas` build, on the system BLAS.
 pub(super) fn mat_mul(
     a: &ArrayView2<'_, f32>,
     b: &ArrayView2<'_, f32>,
@@ -34,6 +35,25 @@ pub(super) fn mat_mul(
         }
         return;
     }
+    #[cfg(feature = "blas")]
+    {
+        // `--features blas`: ndarray hands the product to the system BLAS.
+        let beta = if accumulate { 1.0 } else { 0.0 };
+        ndarray::linalg::general_mat_mul(1.0, a, b, beta, c);
+    }
+    #[cfg(not(feature = "blas"))]
+    gemm_crate(a, b, accumulate, c);
+}
+
+/// [`mat_mul`] through the `gemm` crate.
+#[cfg(not(feature = "blas"))]
+fn gemm_crate(
+    a: &ArrayView2<'_, f32>,
+    b: &ArrayView2<'_, f32>,
+    accumulate: bool,
+    c: &mut ArrayViewMut2<'_, f32>,
+) {
+    let ((m, k), n) = (a.dim(), b.dim().1);
     let parallelism = if m * n * k < SERIAL_FMAS {
         gemm::Parallelism::None
     } else {

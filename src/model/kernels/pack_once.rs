@@ -2,18 +2,21 @@
 //! the same weights through every micro-batch's forward, and the output head through every
 //! chunk of rows ([`super::head`]) forward and again in its backward, and packing a weight
 //! for the many-rows tiles ([`PackedWeight`]) copies all of it (at Qwen's vocabulary the
-//! head alone is 545 MB). While a [`PackOnce`] is open, the NdArray kernels keep each f32
-//! weight's packing, keyed by the weight's buffer, which the entry holds so that no other
-//! tensor can take its address; the last `PackOnce` to close drops them all.
+//! head alone is 545 MB). While a [`PackOnce`] is open on a thread, the NdArray kernels
+//! called from that thread keep each f32 weight's packing, keyed by the weight's buffer,
+//! which the entry holds so that no other tensor can take its address; the last `PackOnce`
+//! of the thread to close drops them all. Other threads (a generator in the same process)
+//! keep packing per call.
 //!
 //! What it costs: one packed copy of every weight the open passes multiply by (the
 //! model's linear weights, about its size), until the step's gradients are taken.
 
 use super::rows::PackedWeight;
 use ndarray::{ArcArray, IxDyn};
+use std::cell::RefCell;
 use std::collections::HashMap;
+use std::rc::Rc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
 
 /// A buffer by address, shape and strides: the same buffer read as another view is another
 /// packing.
@@ -22,33 +25,31 @@ type Key = (usize, Vec<usize>, Vec<isize>);
 #[derive(Default)]
 struct Cache {
     open: usize,
-    entries: HashMap<Key, (ArcArray<f32, IxDyn>, Arc<PackedWeight>)>,
+    entries: HashMap<Key, (ArcArray<f32, IxDyn>, Rc<PackedWeight>)>,
 }
 
-static CACHE: Mutex<Option<Cache>> = Mutex::new(None);
+thread_local! {
+    static CACHE: RefCell<Cache> = RefCell::default();
+}
 
-/// Packings kept since the process started.
+/// Packings kept since the process started, on every thread.
 static KEPT: AtomicUsize = AtomicUsize::new(0);
 
-fn cache() -> MutexGuard<'static, Option<Cache>> {
-    // A panic while the lock was held leaves a map that is still consistent.
-    CACHE.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// While open, each f32 weight is packed for the CPU's tiles once (see the module).
+/// While open, each f32 weight that this thread multiplies by is packed for the CPU's tiles
+/// once (see the module).
 #[must_use = "weights stay packed only while the guard lives"]
-pub struct PackOnce(());
+pub struct PackOnce(std::marker::PhantomData<Rc<()>>);
 
 impl PackOnce {
-    /// Opens a scope (they nest, and may overlap across threads).
+    /// Opens a scope on this thread (they nest).
     pub fn open() -> PackOnce {
-        cache().get_or_insert_with(Cache::default).open += 1;
-        PackOnce(())
+        CACHE.with_borrow_mut(|c| c.open += 1);
+        PackOnce(std::marker::PhantomData)
     }
 
-    /// How many weights are packed now.
+    /// How many weights this thread holds packed now.
     pub fn packed_weights() -> usize {
-        cache().as_ref().map_or(0, |c| c.entries.len())
+        CACHE.with_borrow(|c| c.entries.len())
     }
 
     /// How many packings have been kept since the process started (each weight of each
@@ -60,43 +61,41 @@ impl PackOnce {
 
 impl Drop for PackOnce {
     fn drop(&mut self) {
-        let mut guard = cache();
-        if let Some(c) = guard.as_mut() {
+        let dropped = CACHE.with_borrow_mut(|c| {
             c.open -= 1;
-            if c.open == 0 {
-                *guard = None;
-            }
-        }
+            (c.open == 0).then(|| std::mem::take(&mut c.entries))
+        });
+        // Freed outside the borrow.
+        drop(dropped);
     }
 }
 
-/// `weight`'s packing while a [`PackOnce`] is open: the kept one, or `make`'s, kept;
-/// `None` when none is open or `make` gives none. `make` runs outside the lock (it may use
-/// rayon), so two threads may both pack a weight; one packing is kept.
+/// `weight`'s packing while a [`PackOnce`] is open on this thread: the kept one, or
+/// `make`'s, kept; `None` when none is open or `make` gives none.
 pub(super) fn packed(
     weight: &ArcArray<f32, IxDyn>,
     make: impl FnOnce() -> Option<PackedWeight>,
-) -> Option<Arc<PackedWeight>> {
+) -> Option<Rc<PackedWeight>> {
     let key = (
         weight.as_ptr() as usize,
         weight.shape().to_vec(),
         weight.strides().to_vec(),
     );
-    if let Some(c) = cache().as_ref() {
-        if let Some((_, p)) = c.entries.get(&key) {
-            return Some(p.clone());
-        }
-    } else {
-        return None;
-    }
-    let p = Arc::new(make()?);
-    let mut guard = cache();
-    let c = guard.as_mut()?;
-    let (_, kept) = c.entries.entry(key).or_insert_with(|| {
-        KEPT.fetch_add(1, Ordering::Relaxed);
-        (weight.clone(), p)
+    let found = CACHE.with_borrow(|c| match c.open {
+        0 => Err(()),
+        _ => Ok(c.entries.get(&key).map(|(_, p)| p.clone())),
     });
-    Some(kept.clone())
+    match found {
+        Err(()) => None,
+        Ok(Some(p)) => Some(p),
+        Ok(None) => {
+            // Packed outside the borrow (it runs on rayon's pool).
+            let p = Rc::new(make()?);
+            CACHE.with_borrow_mut(|c| c.entries.insert(key, (weight.clone(), p.clone())));
+            KEPT.fetch_add(1, Ordering::Relaxed);
+            Some(p)
+        }
+    }
 }
 
 #[cfg(test)]

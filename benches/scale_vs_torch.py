@@ -6,7 +6,7 @@ peak memory of loading the checkpoint, f32 and bf16, and generation tokens/s fro
 (0.5b: prompt 128, 8 and 64 rows x 128 new tokens; small: prompt 16, 32 x 128): rlstream
 holds a bf16 file's linear weights in 16 bits, PyTorch computes in bf16.
 
-    python benches/scale_vs_torch.py [--sizes small,smollm2,0.5b] [--steps 3] [--runs 5]
+    python benches/scale_vs_torch.py [--sizes small,smollm2,0.5b] [--steps 4] [--runs 5]
                                      [--features blas] [--parts train,gen] [--flex]
                                      [--against blas]
 
@@ -22,7 +22,9 @@ tokens; micro-batches of 192) and `0.5b` (Qwen2.5-0.5B's shape, 494M parameters,
 tokens; micro-batches of 192 tokens). The 0.5b run needs about 16 GB of memory and several
 minutes. Each measurement runs in its own process, one after another; the training step
 runs `--runs` times on each side, alternating (rlstream, PyTorch, rlstream, ...), and each
-side's row is the median of its runs' step times (each run's own median over `--steps`).
+side's row is the median of its runs' step times (each run's own median over `--steps`;
+four by default, since rlstream's first step after the warm-up runs slower while its
+allocator grows to the step's peak).
 Ratios above 1 mean rlstream is faster (time) or smaller (memory).
 
 The training rows also give each step's achieved FLOP rate (the step's multiply-adds counted
@@ -174,7 +176,7 @@ def main():
     global AGAINST, LIMIT_S
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="small,0.5b")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--runs", type=int, default=5,
                     help="training: alternating runs of each side; each row is their median")
     ap.add_argument("--features", default="", help="cargo features for rlstream (e.g. blas)")

@@ -208,7 +208,7 @@ impl Kernels for NdArray {
                 };
                 // A weight the model holds (not a copy made for this call) is packed once
                 // while a step keeps packings open.
-                let kept = (!w.0.is_unique())
+                let kept = (!w.0.is_unique() && rows::packs(d_in))
                     .then(|| {
                         pack_once::packed(&w.0, || PackedWeight::new(&transposed(), out, d_in))
                     })

@@ -76,26 +76,22 @@ pub(super) fn packed(
     weight: &ArcArray<f32, IxDyn>,
     make: impl FnOnce() -> Option<PackedWeight>,
 ) -> Option<Rc<PackedWeight>> {
+    if CACHE.with_borrow(|c| c.open == 0) {
+        return None;
+    }
     let key = (
         weight.as_ptr() as usize,
         weight.shape().to_vec(),
         weight.strides().to_vec(),
     );
-    let found = CACHE.with_borrow(|c| match c.open {
-        0 => Err(()),
-        _ => Ok(c.entries.get(&key).map(|(_, p)| p.clone())),
-    });
-    match found {
-        Err(()) => None,
-        Ok(Some(p)) => Some(p),
-        Ok(None) => {
-            // Packed outside the borrow (it runs on rayon's pool).
-            let p = Rc::new(make()?);
-            CACHE.with_borrow_mut(|c| c.entries.insert(key, (weight.clone(), p.clone())));
-            KEPT.fetch_add(1, Ordering::Relaxed);
-            Some(p)
-        }
+    if let Some(p) = CACHE.with_borrow(|c| c.entries.get(&key).map(|(_, p)| p.clone())) {
+        return Some(p);
     }
+    // Packed outside the borrow (it runs on rayon's pool).
+    let p = Rc::new(make()?);
+    CACHE.with_borrow_mut(|c| c.entries.insert(key, (weight.clone(), p.clone())));
+    KEPT.fetch_add(1, Ordering::Relaxed);
+    Some(p)
 }
 
 #[cfg(test)]

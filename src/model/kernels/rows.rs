@@ -107,9 +107,9 @@ fn many_rows(x: &[f32], rows: usize, wt: &[f32], n: usize, k: usize) -> Vec<f32>
     if let Some(packed) = PackedWeight::new(wt, n, k) {
         return rows_by_packed(x, rows, &packed);
     }
-    let mut y = vec![0f32; rows * n];
-    y.par_chunks_mut(rows_per_block(k) * n)
-        .zip(x.par_chunks(rows_per_block(k) * k))
+    let (mut y, per_block) = (vec![0f32; rows * n], rows_per_block(k));
+    y.par_chunks_mut(per_block * n)
+        .zip(x.par_chunks(per_block * k))
         .for_each(|(out, xb)| {
             let strides = Strides { col: 1, row: n };
             block(xb, xb.len() / k, k, wt, out, strides);
@@ -117,8 +117,8 @@ fn many_rows(x: &[f32], rows: usize, wt: &[f32], n: usize, k: usize) -> Vec<f32>
     y
 }
 
-/// Input rows per block of the many-rows path, a multiple of three (the AVX2 tile's
-/// height) and of four (the AVX-512 one's) where they fit.
+/// Input rows per block of the many-rows path (about [`BLOCK_VALUES`] values), a multiple
+/// of three, each block writing its own rows of `y`.
 fn rows_per_block(k: usize) -> usize {
     (BLOCK_VALUES / k.max(1)).clamp(3, 96) / 3 * 3
 }
@@ -161,6 +161,14 @@ fn tiles() -> Option<Tiles> {
     } else {
         None
     }
+}
+
+/// Whether [`PackedWeight::new`] packs weights of rows of `k` values on this CPU.
+pub(super) fn packs(k: usize) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return k >= 8 && tiles().is_some();
+    #[cfg(not(target_arch = "x86_64"))]
+    return false;
 }
 
 impl PackedWeight {

@@ -326,6 +326,99 @@ fn prefill<B: Kernels>(
     Ok((host, routes.record.then_some(routes.used)))
 }
 
+/// Most prompt tokens (padding included) one pass of [`Generator::admit_all`] prefills.
+pub const PREFILL_TOKENS: usize = 8192;
+
+/// A prompt prefilled: the host logits of its last position, its cache (one row), and
+/// for an MoE model the experts of each of its tokens.
+struct Prefilled<B: Backend> {
+    last: Vec<f32>,
+    cache: KvCache<B>,
+    routes: Option<Vec<u16>>,
+}
+
+/// `req`'s prompt as the model will read it (its BOS when empty), or the refusal when
+/// the model cannot take it.
+fn checked_prompt<B: Kernels>(model: &Policy<B>, req: &Request) -> Result<Vec<u32>, ModelError> {
+    model
+        .config()
+        .limits()
+        .prompt("prompt", &req.prompt)
+        .map_err(ModelError::Refused)?;
+    Ok(if req.prompt.is_empty() {
+        vec![model.config().bos_token_id.unwrap_or(0)]
+    } else {
+        req.prompt.clone()
+    })
+}
+
+/// `order` (indices by ascending length) cut into passes: each pass at most
+/// [`PREFILL_TOKENS`] tokens once padded to its longest prompt, and padding at most a
+/// quarter of its real tokens (a lone prompt longer than the budget is a pass alone).
+fn passes(order: &[usize], len: impl Fn(usize) -> usize) -> Vec<Vec<usize>> {
+    let mut out: Vec<Vec<usize>> = Vec::new();
+    let mut real = 0;
+    for &i in order {
+        let l = len(i);
+        let fits = out.last().is_some_and(|p| {
+            // Ascending lengths: `l` is the pass's longest once added.
+            let padded = (p.len() + 1) * l;
+            padded <= PREFILL_TOKENS && 4 * padded <= 5 * (real + l)
+        });
+        if fits {
+            if let Some(p) = out.last_mut() {
+                p.push(i);
+            }
+            real += l;
+        } else {
+            out.push(vec![i]);
+            real = l;
+        }
+    }
+    out
+}
+
+/// Feeds every prompt of `feeds` from position 0 in one pass, each row left-padded to the
+/// longest (the padding's columns masked out of every row's attention, as a cache's rows
+/// of different lengths are): each prompt's [`Prefilled`], in order. Only the last
+/// position of each row goes through the LM head.
+fn prefill_together<B: Kernels>(
+    model: &Policy<B>,
+    feeds: &[&[u32]],
+) -> Result<Vec<Prefilled<B>>, ModelError> {
+    let (b, l) = (feeds.len(), feeds.iter().map(|f| f.len()).max().unwrap_or(0));
+    let pads: Vec<usize> = feeds.iter().map(|f| l - f.len()).collect();
+    let (mut ids, mut positions) = (Vec::with_capacity(b * l), Vec::with_capacity(b * l));
+    for (f, &pad) in feeds.iter().zip(&pads) {
+        ids.extend(std::iter::repeat_n(0i64, pad));
+        ids.extend(f.iter().map(|&t| i64::from(t)));
+        positions.extend(std::iter::repeat_n(0, pad).chain(0..f.len()));
+    }
+    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, l]), &model.device());
+    let mut cache = model.empty_cache(b);
+    cache.starts.clone_from(&pads);
+    let mut routes = recording(model);
+    let hidden = model.trunk_routed(tokens, &positions, AttnMode::Cached(&mut cache), &mut routes);
+    let (d, vocab) = (model.config().hidden_size, model.config().vocab_size);
+    let last = model.project(hidden.slice([0..b, l - 1..l]).reshape([b, d]));
+    let host = logits_rows(last.reshape([b, vocab]))?;
+    // The experts of each row's own tokens, `[tokens, layers, k]` row-major per token.
+    let per_token = routes.used.len() / (b * l).max(1);
+    let mut out = Vec::with_capacity(b);
+    for (r, &pad) in pads.iter().enumerate() {
+        let mut own = cache.clone();
+        own.keep_rows(&[r]);
+        out.push(Prefilled {
+            last: host[r * vocab..(r + 1) * vocab].to_vec(),
+            cache: own,
+            routes: routes
+                .record
+                .then(|| routes.used[(r * l + pad) * per_token..(r + 1) * l * per_token].to_vec()),
+        });
+    }
+    Ok(out)
+}
+
 /// Routes that record the experts used when `model` has MoE layers.
 fn recording<B: Backend>(model: &Policy<B>) -> Routes {
     if model.config().moe.is_some() {
@@ -443,6 +536,37 @@ impl<B: Kernels> Generator<B> {
         self.start(model, version, req, Some(limits), false)
     }
 
+    /// Admits every request of `reqs` as [`Generator::admit`] does, their prompts prefilled
+    /// together: prompts of similar lengths share one pass (shorter ones left-padded, the
+    /// padding masked out; at most [`PREFILL_TOKENS`] tokens a pass), so each weight is read
+    /// once for all of them. Each completion is the bits it would be admitted alone: every
+    /// row's products, norms and attention are its own. Nothing changes unless every
+    /// request is admitted; a prompt the model cannot take refuses the whole call before any
+    /// tensor is built.
+    pub fn admit_all(
+        &mut self,
+        model: &Policy<B>,
+        version: u64,
+        reqs: &[Request],
+    ) -> Result<(), ModelError> {
+        let prompts = reqs
+            .iter()
+            .map(|r| checked_prompt(model, r))
+            .collect::<Result<Vec<_>, _>>()?;
+        let mut order: Vec<usize> = (0..reqs.len()).collect();
+        order.sort_by_key(|&i| prompts[i].len());
+        let mut prefilled = Vec::with_capacity(reqs.len());
+        for pass in passes(&order, |i| prompts[i].len()) {
+            let feeds: Vec<&[u32]> = pass.iter().map(|&i| prompts[i].as_slice()).collect();
+            prefilled.extend(pass.iter().copied().zip(prefill_together(model, &feeds)?));
+        }
+        prefilled.sort_by_key(|(i, _)| *i);
+        for (i, p) in prefilled {
+            self.spread(model, version, &reqs[i], &prompts[i], p, None, false);
+        }
+        Ok(())
+    }
+
     fn start(
         &mut self,
         model: &Policy<B>,
@@ -451,25 +575,37 @@ impl<B: Kernels> Generator<B> {
         episode: Option<TurnLimits>,
         watched: bool,
     ) -> Result<(), ModelError> {
+        let prompt = checked_prompt(model, req)?;
+        for p in prefill_together(model, &[prompt.as_slice()])? {
+            self.spread(model, version, req, &prompt, p, episode, watched);
+        }
+        Ok(())
+    }
+
+    /// Starts `req.n` rows from a prefilled prompt: samples their first tokens and adds
+    /// the rows that go on to the batch (parks or finishes the others).
+    #[allow(clippy::too_many_arguments)]
+    fn spread(
+        &mut self,
+        model: &Policy<B>,
+        version: u64,
+        req: &Request,
+        prompt_ids: &[u32],
+        prefilled: Prefilled<B>,
+        episode: Option<TurnLimits>,
+        watched: bool,
+    ) {
         let vocab = model.config().vocab_size;
-        model
-            .config()
-            .limits()
-            .prompt("prompt", &req.prompt)
-            .map_err(ModelError::Refused)?;
-        let l = req.prompt.len().max(1);
-        let room = model.config().max_position.saturating_sub(l);
+        let room = model.config().max_position.saturating_sub(prompt_ids.len());
         let budget = match episode {
             None => (req.params.max_new_tokens as usize).min(room),
             Some(t) => t.episode_tokens.min(room),
         };
-        let prompt_ids: Vec<u32> = if req.prompt.is_empty() {
-            vec![model.config().bos_token_id.unwrap_or(0)]
-        } else {
-            req.prompt.clone()
-        };
-        let mut cache = model.empty_cache(1);
-        let (last, routes) = prefill(model, &mut cache, &prompt_ids, 0)?;
+        let Prefilled {
+            last,
+            mut cache,
+            routes,
+        } = prefilled;
         let shape = model.config().routing_shape();
         let prompt_routing = shape
             .zip(routes)
@@ -483,7 +619,7 @@ impl<B: Kernels> Generator<B> {
             row.turn_tokens = episode.map(|t| t.turn_tokens.max(1));
             row.watched = watched;
             if episode.is_some() {
-                row.prompt = prompt_ids.clone();
+                row.prompt = prompt_ids.to_vec();
                 row.cache_version = Some(version);
             }
             let draw = sample_token(&last, &row.params, &mut row.rng);
@@ -499,11 +635,10 @@ impl<B: Kernels> Generator<B> {
             }
         }
         if keep.is_empty() {
-            return Ok(());
+            return;
         }
         cache.keep_rows(&keep);
         self.join(rows, cache);
-        Ok(())
     }
 
     /// Adds `rows` (with their cache) to the batch.
@@ -775,9 +910,7 @@ impl<B: Kernels> Generator<B> {
         requests: &[Request],
     ) -> Result<Vec<Completion>, ModelError> {
         let mut g = Generator::new();
-        for r in requests {
-            g.admit(model, version, r)?;
-        }
+        g.admit_all(model, version, requests)?;
         let mut out = Vec::new();
         while !g.is_idle() {
             out.extend(g.step(model, version)?);

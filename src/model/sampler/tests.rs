@@ -155,3 +155,67 @@ fn watched_rows_report_each_draw_and_a_row_ended_early_frees_only_itself() {
     );
     assert_eq!(done.len(), 3);
 }
+
+/// Prompts admitted together (several lengths, so some rows are padded; more than one
+/// pass) give every completion the tokens, log-prob bits and experts it gets admitted
+/// alone, on a dense model and on a mixture of experts.
+#[test]
+fn prompts_prefilled_together_give_the_bits_of_each_alone() {
+    use super::super::{Architecture, ModelConfig, MoeConfig};
+    let dense = ModelConfig::tiny(Architecture::Llama, 40);
+    let moe = ModelConfig::tiny(Architecture::Qwen3Moe, 40)
+        .with_qk_norm(true)
+        .with_moe(Some(MoeConfig::new(4, 2, 32)));
+    for cfg in [dense, moe] {
+        let model: Policy<burn::backend::NdArray> =
+            Policy::random(&cfg, 5, &Default::default()).expect("model");
+        let lens = [7usize, 3, 12, 7, 1, 0, 300, 9];
+        let reqs: Vec<Request> = lens
+            .iter()
+            .enumerate()
+            .map(|(i, &l)| Request {
+                id: i as u64,
+                prompt: (0..l).map(|j| ((i * 7 + j * 3) % 40) as u32).collect(),
+                n: 1 + i % 3,
+                params: SamplingParams {
+                    max_new_tokens: 6,
+                    seed: i as u64,
+                    ..params(1.0, 0, 1.0)
+                },
+            })
+            .collect();
+        let together = Generator::generate(&model, 0, &reqs).expect("together");
+        let mut alone = Vec::new();
+        for r in &reqs {
+            alone.extend(Generator::generate(&model, 0, std::slice::from_ref(r)).expect("alone"));
+        }
+        alone.sort_by_key(|c| (c.request_id, c.index));
+        assert_eq!(together.len(), alone.len());
+        for (a, b) in together.iter().zip(&alone) {
+            assert_eq!(a.tokens, b.tokens, "request {}", a.request_id);
+            let bits = |c: &Completion| c.logprobs.iter().map(|l| l.to_bits()).collect::<Vec<_>>();
+            assert_eq!(bits(a), bits(b), "request {}", a.request_id);
+            assert_eq!(
+                format!("{:?} {:?}", a.routing, a.prompt_routing),
+                format!("{:?} {:?}", b.routing, b.prompt_routing),
+                "request {}",
+                a.request_id
+            );
+        }
+    }
+}
+
+/// Passes hold at most the token budget once padded and pad at most a quarter.
+#[test]
+fn prefill_passes_bound_their_padding_and_tokens() {
+    let lens = [1usize, 2, 2, 3, 100, 100, 101, 5000, 5000, 9000];
+    let order: Vec<usize> = (0..lens.len()).collect();
+    let passes = passes(&order, |i| lens[i]);
+    assert_eq!(passes.concat(), order, "every prompt once, in order");
+    for p in &passes {
+        let (longest, real) = (lens[p[p.len() - 1]], p.iter().map(|&i| lens[i]).sum::<usize>());
+        assert!(p.len() == 1 || p.len() * longest <= PREFILL_TOKENS, "{p:?}");
+        assert!(4 * p.len() * longest <= 5 * real, "{p:?}");
+    }
+    assert_eq!(passes.len(), 7, "{passes:?}");
+}

@@ -98,7 +98,12 @@ pub(super) fn rows_by_transposed<E: Elem>(
     let strides = Strides { col: rows, row: 1 };
     #[cfg(target_arch = "x86_64")]
     if rows >= avx512::FEW_MIN_ROWS && k >= 8 && avx512_available() {
-        let cols = (TASK_WEIGHTS / k).max(1).next_multiple_of(avx512::FEW_COLS);
+        // At least four tasks a core, so that a small layer (the 896 x 896 of a 0.5B
+        // model is 3.06 tasks of `TASK_WEIGHTS`) does not leave a core idle.
+        let tasks = (n * k)
+            .div_ceil(TASK_WEIGHTS)
+            .max(4 * rayon::current_num_threads());
+        let cols = n.div_ceil(tasks).next_multiple_of(avx512::FEW_COLS);
         // The input rows packed once, in pairs, for every task.
         let xp = pack(x, rows, k, avx512::FEW_GROUP);
         yt.par_chunks_mut(cols * rows)

@@ -40,6 +40,7 @@ use burn::tensor::backend::Backend;
 use burn::tensor::{Int, Tensor, TensorData};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
+use rayon::prelude::*;
 use std::sync::Arc;
 /// Per-row state of a completion in progress.
 struct Row {
@@ -386,7 +387,10 @@ fn prefill_together<B: Kernels>(
     model: &Policy<B>,
     feeds: &[&[u32]],
 ) -> Result<Vec<Prefilled<B>>, ModelError> {
-    let (b, l) = (feeds.len(), feeds.iter().map(|f| f.len()).max().unwrap_or(0));
+    let (b, l) = (
+        feeds.len(),
+        feeds.iter().map(|f| f.len()).max().unwrap_or(0),
+    );
     let pads: Vec<usize> = feeds.iter().map(|f| l - f.len()).collect();
     let (mut ids, mut positions) = (Vec::with_capacity(b * l), Vec::with_capacity(b * l));
     for (f, &pad) in feeds.iter().zip(&pads) {
@@ -398,7 +402,12 @@ fn prefill_together<B: Kernels>(
     let mut cache = model.empty_cache(b);
     cache.starts.clone_from(&pads);
     let mut routes = recording(model);
-    let hidden = model.trunk_routed(tokens, &positions, AttnMode::Cached(&mut cache), &mut routes);
+    let hidden = model.trunk_routed(
+        tokens,
+        &positions,
+        AttnMode::Cached(&mut cache),
+        &mut routes,
+    );
     let (d, vocab) = (model.config().hidden_size, model.config().vocab_size);
     let last = model.project(hidden.slice([0..b, l - 1..l]).reshape([b, d]));
     let host = logits_rows(last.reshape([b, vocab]))?;
@@ -857,13 +866,19 @@ impl<B: Kernels> Generator<B> {
         let mut ended = Vec::new();
         let routes = self.pass_routes.take();
         let per = routes.as_ref().map_or(0, |r| r.len() / b.max(1));
-        for (i, mut row) in std::mem::take(&mut self.rows).into_iter().enumerate() {
+        let mut rows = std::mem::take(&mut self.rows);
+        // Each row draws from its own logits with its own generator: the rows in parallel.
+        let draws: Vec<Draw> = rows
+            .par_iter_mut()
+            .zip(host.par_chunks(vocab.max(1)))
+            .map(|(row, logits)| sample_token(logits, &row.params, &mut row.rng))
+            .collect();
+        for (i, (mut row, draw)) in rows.into_iter().zip(draws).enumerate() {
             if let Some(r) = &routes {
                 row.routing.extend_from_slice(&r[i * per..(i + 1) * per]);
             }
             // This pass fed the row's last token with the weights of `version`.
             row.cache_version = row.cache_version.filter(|&v| v == version);
-            let draw = sample_token(&host[i * vocab..(i + 1) * vocab], &row.params, &mut row.rng);
             let next = row.next(draw, version, vocab);
             self.note(&row, version);
             match next {

@@ -213,7 +213,10 @@ fn prefill_passes_bound_their_padding_and_tokens() {
     let passes = passes(&order, |i| lens[i]);
     assert_eq!(passes.concat(), order, "every prompt once, in order");
     for p in &passes {
-        let (longest, real) = (lens[p[p.len() - 1]], p.iter().map(|&i| lens[i]).sum::<usize>());
+        let (longest, real) = (
+            lens[p[p.len() - 1]],
+            p.iter().map(|&i| lens[i]).sum::<usize>(),
+        );
         assert!(p.len() == 1 || p.len() * longest <= PREFILL_TOKENS, "{p:?}");
         assert!(4 * p.len() * longest <= 5 * real, "{p:?}");
     }

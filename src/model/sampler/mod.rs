@@ -558,6 +558,26 @@ impl<B: Kernels> Generator<B> {
         version: u64,
         reqs: &[Request],
     ) -> Result<(), ModelError> {
+        self.start_all(model, version, reqs, false)
+    }
+
+    /// [`Generator::admit_all`] with every row watched, as [`Generator::admit_watched`].
+    pub fn admit_all_watched(
+        &mut self,
+        model: &Policy<B>,
+        version: u64,
+        reqs: &[Request],
+    ) -> Result<(), ModelError> {
+        self.start_all(model, version, reqs, true)
+    }
+
+    fn start_all(
+        &mut self,
+        model: &Policy<B>,
+        version: u64,
+        reqs: &[Request],
+        watched: bool,
+    ) -> Result<(), ModelError> {
         let prompts = reqs
             .iter()
             .map(|r| checked_prompt(model, r))
@@ -571,7 +591,7 @@ impl<B: Kernels> Generator<B> {
         }
         prefilled.sort_by_key(|(i, _)| *i);
         for (i, p) in prefilled {
-            self.spread(model, version, &reqs[i], &prompts[i], p, None, false);
+            self.spread(model, version, &reqs[i], &prompts[i], p, None, watched);
         }
         Ok(())
     }

@@ -94,6 +94,17 @@ impl CallSource {
         (tx, source)
     }
 
+    /// Notes `call`, admitted as request `id`, as being served.
+    fn serve(&mut self, id: u64, call: Call) {
+        let texts = (0..call.n).map(|_| TextStream::new(call.stop.clone()));
+        let serving = Serving {
+            events: call.events,
+            texts: texts.collect(),
+            open: call.n,
+        };
+        self.calls.insert(id, serving);
+    }
+
     /// Starts decoding a call (its prefill runs now); the call hears why when the model
     /// refuses it.
     fn start(&mut self, rows: &mut Rows<'_>, call: Call) -> Result<(), ModelError> {
@@ -102,19 +113,13 @@ impl CallSource {
         }
         let req = Request {
             id: rows.new_request(),
-            prompt: call.prompt,
+            prompt: call.prompt.clone(),
             n: call.n,
-            params: call.params,
+            params: call.params.clone(),
         };
         let refused = match rows.prefill(|g, model, v| g.admit_watched(model, v, &req)) {
             Ok(Ok(())) => {
-                let texts = (0..call.n).map(|_| TextStream::new(call.stop.clone()));
-                let serving = Serving {
-                    events: call.events,
-                    texts: texts.collect(),
-                    open: call.n,
-                };
-                self.calls.insert(req.id, serving);
+                self.serve(req.id, call);
                 return Ok(());
             }
             Ok(Err(ModelError::Refused(r))) => CallEvent::Refused {
@@ -163,13 +168,38 @@ impl RowSource for CallSource {
         Ok(())
     }
 
+    /// Admits the calls that fit, first come first, their prompts prefilled together
+    /// ([`crate::model::sampler::Generator::admit_all`]); when that fails (a prompt refused,
+    /// a panic), each is started alone, so that only the call at fault hears why.
     fn admit(&mut self, rows: &mut Rows<'_>) -> Result<(), ModelError> {
+        let mut calls = Vec::new();
+        let mut taking = 0;
         while let Some(c) = self.queued.front()
-            && rows.fit(c.n)
+            && rows.fit(taking + c.n)
         {
-            if let Some(c) = self.queued.pop_front() {
-                self.start(rows, c)?;
+            taking += c.n;
+            calls.extend(self.queued.pop_front());
+        }
+        calls.retain(|c| !c.events.is_closed());
+        if calls.len() > 1 {
+            let reqs: Vec<Request> = calls
+                .iter()
+                .map(|c| Request {
+                    id: rows.new_request(),
+                    prompt: c.prompt.clone(),
+                    n: c.n,
+                    params: c.params.clone(),
+                })
+                .collect();
+            if let Ok(Ok(())) = rows.prefill(|g, model, v| g.admit_all_watched(model, v, &reqs)) {
+                for (call, req) in calls.into_iter().zip(&reqs) {
+                    self.serve(req.id, call);
+                }
+                return Ok(());
             }
+        }
+        for c in calls {
+            self.start(rows, c)?;
         }
         Ok(())
     }

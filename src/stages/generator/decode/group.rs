@@ -129,6 +129,16 @@ impl Queue {
             None
         }
     }
+
+    /// The prompts waiting, first come first, while their `n` rows each fit beside the
+    /// batch (to be admitted together).
+    pub fn all_that_fit(&mut self, rows: &Rows<'_>, n: usize) -> Vec<Admit> {
+        let mut out = Vec::new();
+        while !self.waiting.is_empty() && rows.fit((out.len() + 1) * n) {
+            out.extend(self.waiting.pop_front());
+        }
+        out
+    }
 }
 
 /// What became of one of a prompt's G rows.
@@ -268,30 +278,10 @@ impl Groups {
             &Request,
         ) -> Result<(), ModelError>,
     ) -> Result<Option<u64>, ModelError> {
-        let params = SamplingParams {
-            // From the prompt's identity, not its entry id: a rerun with the same seed
-            // samples the same completions (see `crate::seed`).
-            seed: crate::seed::derive(self.sampling.params.seed, &a.prompt.prompt_id),
-            ..self.sampling.params.clone()
-        };
-        let g = self.sampling.group_size;
-        let req = Request {
-            id: rows.new_request(),
-            prompt: a.tokens.clone(),
-            n: g,
-            params: params.clone(),
-        };
+        let req = self.request(rows, &a);
         let (reason, detail) = match rows.prefill(|g, model, v| prefill(g, model, v, &req)) {
             Ok(Ok(())) => {
-                let pending = Pending {
-                    source: a.source,
-                    prompt: a.prompt,
-                    tokens: a.tokens,
-                    params,
-                    started_us: schema::now_us(),
-                    done: (0..g).map(|_| None).collect(),
-                };
-                self.pending.insert(req.id, pending);
+                self.admitted(a, &req);
                 return Ok(Some(req.id));
             }
             Ok(Err(ModelError::Refused(r))) => (r.reason, r.detail),
@@ -300,6 +290,53 @@ impl Groups {
         };
         self.refuse(a.source, &a.prompt.prompt_id, reason, detail);
         Ok(None)
+    }
+
+    /// Starts G rows of each of `admits`, their prompts prefilled together
+    /// ([`Generator::admit_all`]); when that fails (a prompt refused, a panic), each is
+    /// started alone, so that only the prompt at fault is handed back.
+    pub fn start_all(&mut self, rows: &mut Rows<'_>, admits: Vec<Admit>) -> Result<(), ModelError> {
+        if admits.len() > 1 {
+            let reqs: Vec<Request> = admits.iter().map(|a| self.request(rows, a)).collect();
+            if let Ok(Ok(())) = rows.prefill(|g, model, v| g.admit_all(model, v, &reqs)) {
+                for (a, req) in admits.into_iter().zip(&reqs) {
+                    self.admitted(a, req);
+                }
+                return Ok(());
+            }
+        }
+        for a in admits {
+            self.start(rows, a, |g, model, version, req| g.admit(model, version, req))?;
+        }
+        Ok(())
+    }
+
+    /// The request for G rows of `a`, with a new id.
+    fn request(&self, rows: &mut Rows<'_>, a: &Admit) -> Request {
+        Request {
+            id: rows.new_request(),
+            prompt: a.tokens.clone(),
+            n: self.sampling.group_size,
+            params: SamplingParams {
+                // From the prompt's identity, not its entry id: a rerun with the same seed
+                // samples the same completions (see `crate::seed`).
+                seed: crate::seed::derive(self.sampling.params.seed, &a.prompt.prompt_id),
+                ..self.sampling.params.clone()
+            },
+        }
+    }
+
+    /// Notes `a`, admitted as `req`, as pending.
+    fn admitted(&mut self, a: Admit, req: &Request) {
+        let pending = Pending {
+            source: a.source,
+            prompt: a.prompt,
+            tokens: a.tokens,
+            params: req.params.clone(),
+            started_us: schema::now_us(),
+            done: (0..req.n).map(|_| None).collect(),
+        };
+        self.pending.insert(req.id, pending);
     }
 
     /// Records what became of row `index` of `request`; the group goes out once every row

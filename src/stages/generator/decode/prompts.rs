@@ -35,12 +35,8 @@ impl RowSource for PromptSource {
     }
 
     fn admit(&mut self, rows: &mut Rows<'_>) -> Result<(), ModelError> {
-        while let Some(a) = self.queue.next(rows, self.groups.group_size()) {
-            self.groups.start(rows, a, |g, model, version, req| {
-                g.admit(model, version, req)
-            })?;
-        }
-        Ok(())
+        let admits = self.queue.all_that_fit(rows, self.groups.group_size());
+        self.groups.start_all(rows, admits)
     }
 
     fn owns(&self, request: u64) -> bool {

@@ -30,6 +30,7 @@ mod tests;
 pub use request::{Completion, Drawn, Request, Resumed, Turn, TurnLimits};
 
 use super::draw::{Draw, sample_token};
+use super::kernels::PackOnce;
 use super::llama::{AttnMode, KvCache, Policy};
 use super::moe::Routes;
 use super::{Kernels, ModelError};
@@ -548,7 +549,8 @@ impl<B: Kernels> Generator<B> {
     /// Admits every request of `reqs` as [`Generator::admit`] does, their prompts prefilled
     /// together: prompts of similar lengths share one pass (shorter ones left-padded, the
     /// padding masked out; at most [`PREFILL_TOKENS`] tokens a pass), so each weight is read
-    /// once for all of them. Each completion is the bits it would be admitted alone: every
+    /// once for all of them (and packed once, when they take several passes). Each
+    /// completion is the bits it would be admitted alone: every
     /// row's products, norms and attention are its own. Nothing changes unless every
     /// request is admitted; a prompt the model cannot take refuses the whole call before any
     /// tensor is built.
@@ -585,10 +587,21 @@ impl<B: Kernels> Generator<B> {
         let mut order: Vec<usize> = (0..reqs.len()).collect();
         order.sort_by_key(|&i| prompts[i].len());
         let mut prefilled = Vec::with_capacity(reqs.len());
-        for pass in passes(&order, |i| prompts[i].len()) {
+        let passes = passes(&order, |i| prompts[i].len());
+        // Several passes read the same weights: each is packed once for all of them (the
+        // packings are dropped with the guard, after the last pass).
+        let _packed = (passes.len() > 1).then(PackOnce::open);
+        let passes_run = passes.len();
+        for pass in passes {
             let feeds: Vec<&[u32]> = pass.iter().map(|&i| prompts[i].as_slice()).collect();
             prefilled.extend(pass.iter().copied().zip(prefill_together(model, &feeds)?));
         }
+        tracing::debug!(
+            prompts = reqs.len(),
+            passes = passes_run,
+            tokens = prompts.iter().map(Vec::len).sum::<usize>(),
+            "prompts prefilled together"
+        );
         prefilled.sort_by_key(|(i, _)| *i);
         for (i, p) in prefilled {
             self.spread(model, version, &reqs[i], &prompts[i], p, None, watched);

@@ -306,7 +306,9 @@ impl Groups {
             }
         }
         for a in admits {
-            self.start(rows, a, |g, model, version, req| g.admit(model, version, req))?;
+            self.start(rows, a, |g, model, version, req| {
+                g.admit(model, version, req)
+            })?;
         }
         Ok(())
     }

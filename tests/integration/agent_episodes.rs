@@ -188,9 +188,13 @@ async fn openai_agents_play_episodes_that_are_recorded_token_exactly_grouped_and
     );
     let groups = messages::<RolloutGroup>(&bus, &format!("{ns}:rollouts")).await;
     assert_eq!(groups.len(), 8);
-    assert_eq!(
-        check_recorded(&read_jsonl(&dir.path().join("first.jsonl")), &groups),
-        0
+    // Generation never waits for the trainer: its first step (after two of the first
+    // round's four groups) may land while the round's last episodes still play, but the
+    // second step needs the round's last group, so the first round sees version 1 at most.
+    let first_newest = check_recorded(&read_jsonl(&dir.path().join("first.jsonl")), &groups);
+    assert!(
+        first_newest <= 1,
+        "the first agents saw version {first_newest}"
     );
     let newest = check_recorded(&read_jsonl(&dir.path().join("second.jsonl")), &groups);
     assert!(

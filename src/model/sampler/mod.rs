@@ -23,22 +23,23 @@
 //! under the current ones, so each later turn is sampled exactly as the trainer's teacher
 //! forcing with its version recomputes it.
 
+mod forward;
 mod request;
 #[cfg(test)]
 mod tests;
 
+pub use forward::PREFILL_TOKENS;
+use forward::{Prefilled, checked_prompt, decode_pass, passes, prefill, prefill_together};
 pub use request::{Completion, Drawn, Request, Resumed, Turn, TurnLimits};
 
 use super::draw::{Draw, sample_token};
 use super::kernels::PackOnce;
-use super::llama::{AttnMode, KvCache, Policy};
-use super::moe::Routes;
+use super::llama::{KvCache, Policy};
 use super::{Kernels, ModelError};
 use crate::schema::{
     FinishReason, Routing, RoutingShape, SamplingMask, SamplingParams, Span, TurnReward, VersionRun,
 };
 use burn::tensor::backend::Backend;
-use burn::tensor::{Int, Tensor, TensorData};
 use rand::SeedableRng;
 use rand::rngs::StdRng;
 use rayon::prelude::*;
@@ -87,6 +88,11 @@ enum Next {
 }
 
 impl Row {
+    /// The token the next pass feeds: the row's last.
+    fn last_token(&self) -> i64 {
+        i64::from(*self.tokens.last().unwrap_or(&0))
+    }
+
     fn new(req: &Request, index: usize, budget: usize) -> Self {
         // Each sample has its own stream, so results do not depend on batch composition.
         let seed = req.params.seed ^ (index as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15);
@@ -278,163 +284,6 @@ impl<B: Backend> Default for Generator<B> {
             pass_routes: None,
             drawn: Vec::new(),
         }
-    }
-}
-
-/// Host copy of logits `[rows, vocab]`.
-fn logits_rows<B: Backend>(logits: Tensor<B, 2>) -> Result<Vec<f32>, ModelError> {
-    super::host_f32(logits.into_data())
-}
-
-/// One decode step of `rows` (each feeding its last token) over `cache`, which it extends:
-/// the host logits `[rows, vocab]`, and for an MoE model the experts each row's token ran
-/// through (`[rows, layers, k]`).
-fn decode_pass<'a, B: Kernels>(
-    model: &Policy<B>,
-    cache: &mut KvCache<B>,
-    rows: impl ExactSizeIterator<Item = &'a Row>,
-) -> Result<(Vec<f32>, Option<Vec<u16>>), ModelError> {
-    let b = rows.len();
-    let last: Vec<i64> = rows
-        .map(|r| i64::from(*r.tokens.last().unwrap_or(&0)))
-        .collect();
-    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(last, [b, 1]), &model.device());
-    let positions = cache.next_positions();
-    let mut routes = recording(model);
-    let logits = model.forward_routed(tokens, &positions, AttnMode::Cached(cache), &mut routes);
-    let host = logits_rows(logits.reshape([b, model.config().vocab_size]))?;
-    Ok((host, routes.record.then_some(routes.used)))
-}
-
-/// Feeds `feed` (one row, from position `start`) onto `cache`: the host logits of its last
-/// position, and for an MoE model the experts of every fed token (`[feed, layers, k]`).
-/// Only the last position goes through the LM head, not the whole feed (at a 151,936-id
-/// vocabulary, 35 GFLOP saved per 128-token prompt).
-fn prefill<B: Kernels>(
-    model: &Policy<B>,
-    cache: &mut KvCache<B>,
-    feed: &[u32],
-    start: usize,
-) -> Result<(Vec<f32>, Option<Vec<u16>>), ModelError> {
-    let l = feed.len();
-    let ids: Vec<i64> = feed.iter().map(|&t| i64::from(t)).collect();
-    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [1, l]), &model.device());
-    let positions: Vec<usize> = (start..start + l).collect();
-    let mut routes = recording(model);
-    let hidden = model.trunk_routed(tokens, &positions, AttnMode::Cached(cache), &mut routes);
-    let d = model.config().hidden_size;
-    let last = model.project(hidden.slice([0..1, l - 1..l]).reshape([1, d]));
-    let host = logits_rows(last.reshape([1, model.config().vocab_size]))?;
-    Ok((host, routes.record.then_some(routes.used)))
-}
-
-/// Most prompt tokens (padding included) one pass of [`Generator::admit_all`] prefills.
-pub const PREFILL_TOKENS: usize = 8192;
-
-/// A prompt prefilled: the host logits of its last position, its cache (one row), and
-/// for an MoE model the experts of each of its tokens.
-struct Prefilled<B: Backend> {
-    last: Vec<f32>,
-    cache: KvCache<B>,
-    routes: Option<Vec<u16>>,
-}
-
-/// `req`'s prompt as the model will read it (its BOS when empty), or the refusal when
-/// the model cannot take it.
-fn checked_prompt<B: Kernels>(model: &Policy<B>, req: &Request) -> Result<Vec<u32>, ModelError> {
-    model
-        .config()
-        .limits()
-        .prompt("prompt", &req.prompt)
-        .map_err(ModelError::Refused)?;
-    Ok(if req.prompt.is_empty() {
-        vec![model.config().bos_token_id.unwrap_or(0)]
-    } else {
-        req.prompt.clone()
-    })
-}
-
-/// `order` (indices by ascending length) cut into passes: each pass at most
-/// [`PREFILL_TOKENS`] tokens once padded to its longest prompt, and padding at most a
-/// quarter of its real tokens (a lone prompt longer than the budget is a pass alone).
-fn passes(order: &[usize], len: impl Fn(usize) -> usize) -> Vec<Vec<usize>> {
-    let mut out: Vec<Vec<usize>> = Vec::new();
-    let mut real = 0;
-    for &i in order {
-        let l = len(i);
-        let fits = out.last().is_some_and(|p| {
-            // Ascending lengths: `l` is the pass's longest once added.
-            let padded = (p.len() + 1) * l;
-            padded <= PREFILL_TOKENS && 4 * padded <= 5 * (real + l)
-        });
-        if fits {
-            if let Some(p) = out.last_mut() {
-                p.push(i);
-            }
-            real += l;
-        } else {
-            out.push(vec![i]);
-            real = l;
-        }
-    }
-    out
-}
-
-/// Feeds every prompt of `feeds` from position 0 in one pass, each row left-padded to the
-/// longest (the padding's columns masked out of every row's attention, as a cache's rows
-/// of different lengths are): each prompt's [`Prefilled`], in order. Only the last
-/// position of each row goes through the LM head.
-fn prefill_together<B: Kernels>(
-    model: &Policy<B>,
-    feeds: &[&[u32]],
-) -> Result<Vec<Prefilled<B>>, ModelError> {
-    let (b, l) = (
-        feeds.len(),
-        feeds.iter().map(|f| f.len()).max().unwrap_or(0),
-    );
-    let pads: Vec<usize> = feeds.iter().map(|f| l - f.len()).collect();
-    let (mut ids, mut positions) = (Vec::with_capacity(b * l), Vec::with_capacity(b * l));
-    for (f, &pad) in feeds.iter().zip(&pads) {
-        ids.extend(std::iter::repeat_n(0i64, pad));
-        ids.extend(f.iter().map(|&t| i64::from(t)));
-        positions.extend(std::iter::repeat_n(0, pad).chain(0..f.len()));
-    }
-    let tokens = Tensor::<B, 2, Int>::from_data(TensorData::new(ids, [b, l]), &model.device());
-    let mut cache = model.empty_cache(b);
-    cache.starts.clone_from(&pads);
-    let mut routes = recording(model);
-    let hidden = model.trunk_routed(
-        tokens,
-        &positions,
-        AttnMode::Cached(&mut cache),
-        &mut routes,
-    );
-    let (d, vocab) = (model.config().hidden_size, model.config().vocab_size);
-    let last = model.project(hidden.slice([0..b, l - 1..l]).reshape([b, d]));
-    let host = logits_rows(last.reshape([b, vocab]))?;
-    // The experts of each row's own tokens, `[tokens, layers, k]` row-major per token.
-    let per_token = routes.used.len() / (b * l).max(1);
-    let mut out = Vec::with_capacity(b);
-    for (r, &pad) in pads.iter().enumerate() {
-        let mut own = cache.clone();
-        own.keep_rows(&[r]);
-        out.push(Prefilled {
-            last: host[r * vocab..(r + 1) * vocab].to_vec(),
-            cache: own,
-            routes: routes
-                .record
-                .then(|| routes.used[(r * l + pad) * per_token..(r + 1) * l * per_token].to_vec()),
-        });
-    }
-    Ok(out)
-}
-
-/// Routes that record the experts used when `model` has MoE layers.
-fn recording<B: Backend>(model: &Policy<B>) -> Routes {
-    if model.config().moe.is_some() {
-        Routes::recording()
-    } else {
-        Routes::default()
     }
 }
 
@@ -838,7 +687,8 @@ impl<B: Kernels> Generator<B> {
         let Some(cache) = self.cache.as_mut().filter(|_| !self.rows.is_empty()) else {
             return Ok(None);
         };
-        let (host, routes) = decode_pass(model, cache, self.rows.iter())?;
+        let last = self.rows.iter().map(Row::last_token).collect();
+        let (host, routes) = decode_pass(model, cache, last)?;
         self.pass_routes = routes;
         Ok(Some(host))
     }
@@ -862,7 +712,7 @@ impl<B: Kernels> Generator<B> {
         };
         let mut one = cache.clone();
         one.keep_rows(&[i]);
-        decode_pass(model, &mut one, std::iter::once(row)).map(|_| ())
+        decode_pass(model, &mut one, vec![row.last_token()]).map(|_| ())
     }
 
     /// Drops every row of `request` (a failed prompt), with its cache rows.

@@ -8,6 +8,15 @@ demonstrations (`rlstream sft --init OUT/sft`, as many steps as the warm start m
 time), evaluated by `rlstream eval` on the same held-out prompts.
 
     python3 benches/learning.py --seeds 1,2,3,4,5 [--task longer] [--steps 200] [--async|--sync]
+    python3 benches/learning.py --repeat 10 [--beside "CMD"] [--sync]
+
+`--repeat N` runs the README's first command itself (`rlstream run`, every setting at its
+default, seed included) N times in a row, each with its control, and reports the
+distribution: each run's held-out pass@1 gain with the standard error `summary.json` gives
+it, whether it reached +5 points and 3 standard errors, and whether it ended above the
+control. `--beside CMD` keeps CMD (a shell command, say the test suite) running the whole
+time, started again whenever it ends, as a busy machine would: it changes the async
+schedule. `--sync` adds `--sync` to the command.
 
 For an episode task (`--task guess`, `--task calc`) pass@1 is the success rate, reward the
 episode's return, and a second table gives the turns per episode; a tool-use task (`calc`)
@@ -48,8 +57,15 @@ def mean_se(xs):
 def one_seed(args, out, seed, demonstrations):
     run_dir = os.path.join(out, f"seed-{seed}")
     extra = ["--sync"] if args.sync else []
-    rlstream("run", "--task", args.task, "--seed", str(seed), "--steps", str(args.steps),
-             "--out", run_dir, "--plain", *extra)
+    return run_and_control(
+        ["--task", args.task, "--seed", str(seed), "--steps", str(args.steps), "--plain", *extra],
+        run_dir, seed, args.task, demonstrations)
+
+
+def run_and_control(run_args, run_dir, seed, task, demonstrations):
+    """`rlstream run RUN_ARGS` into RUN_DIR, then its control: the warm start given the RL
+    phase's wall-clock as more supervised training, evaluated on the same held-out prompts."""
+    rlstream("run", *run_args, "--out", run_dir)
     with open(os.path.join(run_dir, "report", "summary.json")) as f:
         s = json.load(f)
     before, after = s["held_out"][0], s["held_out"][-1]
@@ -60,12 +76,15 @@ def one_seed(args, out, seed, demonstrations):
     rlstream("sft", "--task", demonstrations, "--init", os.path.join(run_dir, "sft"),
              "--steps", str(control_steps), "--seed", str(seed), "--out", control)
     ctl_json = os.path.join(run_dir, "control-eval.json")
-    rlstream("eval", "--model", control, "--task", args.task, "--seed", str(seed),
+    rlstream("eval", "--model", control, "--task", task, "--seed", str(seed),
              "--temperature", str(s["config"]["policy"]["temperature"]), "--json", ctl_json)
     with open(ctl_json) as f:
         ctl = json.load(f)
     return {
         "seed": seed,
+        "gain": s["pass_at_1_gain"],
+        "swaps": s["swaps"],
+        "gen_idle_fraction": s["gen_idle_fraction"],
         "warm_start_s": s["warm_start_s"],
         "rl_wall_s": s["wall_s"],
         "control_steps": control_steps,
@@ -73,6 +92,56 @@ def one_seed(args, out, seed, demonstrations):
         "after": after,
         "control": ctl,
     }
+
+
+def repeat(args, out):
+    """The README's first command, `args.repeat` times, optionally beside a busy command."""
+    beside = None
+    if args.beside:
+        # Restarted whenever it ends, so the machine stays busy for every run.
+        beside = subprocess.Popen(["bash", "-c", f"while true; do {args.beside}; done"],
+                                  stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                  start_new_session=True)
+    rows = []
+    try:
+        for i in range(args.repeat):
+            extra = ["--sync"] if args.sync else []
+            r = run_and_control(extra, os.path.join(out, f"run-{i}"), 0, "longer", "sort")
+            rows.append(r)
+            print(f"run {i}: gain {100 * r['gain']['mean']:+.1f} points "
+                  f"(se {100 * r['gain']['se']:.1f}), control "
+                  f"{100 * r['control']['pass_at_1']['mean']:.1f}%", file=sys.stderr)
+    finally:
+        if beside:
+            os.killpg(beside.pid, 15)
+    command = "rlstream run" + (" --sync" if args.sync else "")
+    lines = [
+        f"`{command}` {len(rows)} times in a row{' beside `' + args.beside + '`' if args.beside else ''}; "
+        f"held-out pass@1 at the training temperature on {rows[0]['after']['prompts']} prompts "
+        f"× {rows[0]['after']['samples']} samples:",
+        "",
+        "| run | before RL | after RL | gain (points) | gain / its standard error | control (more SFT) "
+        "| above the control | weight swaps | generator idle | RL wall-clock |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    passed = 0
+    for i, r in enumerate(rows):
+        b, a, c, g = r["before"], r["after"], r["control"], r["gain"]
+        z = g["mean"] / g["se"] if g["se"] > 0 else float("inf")
+        above = a["pass_at_1"]["mean"] > c["pass_at_1"]["mean"]
+        passed += g["mean"] >= 0.05 and z >= 3 and above
+        lines.append(
+            f"| {i + 1} | {100 * b['pass_at_1']['mean']:.1f}% | {100 * a['pass_at_1']['mean']:.1f}% "
+            f"| {100 * g['mean']:+.1f} | {z:.1f} | {100 * c['pass_at_1']['mean']:.1f}% "
+            f"| {'yes' if above else 'no'} | {r['swaps']} | {100 * r['gen_idle_fraction']:.0f}% "
+            f"| {r['rl_wall_s']:.1f} s |")
+    gains = [r["gain"]["mean"] for r in rows]
+    m, se = mean_se(gains)
+    lines += ["", f"{passed} of {len(rows)} runs gained at least 5 points and 3 standard errors "
+                  f"and ended above the control; gains {100 * min(gains):+.1f} to "
+                  f"{100 * max(gains):+.1f} points, mean {100 * m:+.1f} (standard error over runs "
+                  f"{100 * se:.1f})."]
+    return rows, "\n".join(lines)
 
 
 def main():
@@ -84,11 +153,22 @@ def main():
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--sync", action="store_true")
     p.add_argument("--out", default=None)
+    p.add_argument("--repeat", type=int, default=0,
+                   help="run the README's first command this many times (every setting at its default)")
+    p.add_argument("--beside", default=None,
+                   help="with --repeat: a shell command kept running beside the runs")
     args = p.parse_args()
     demonstrations = args.demonstrations or ("sort" if args.task == "longer" else args.task)
     if not os.path.exists(BIN):
         subprocess.run(["cargo", "build", "--release"], cwd=ROOT, check=True)
     out = args.out or tempfile.mkdtemp(prefix="rlstream-learning-")
+    if args.repeat:
+        rows, text = repeat(args, out)
+        print(text)
+        with open(os.path.join(out, "repeat.json"), "w") as f:
+            json.dump({"rows": rows, "table": text}, f, indent=2)
+        print(f"\nwrote {os.path.join(out, 'repeat.json')}", file=sys.stderr)
+        return
     seeds = [int(s) for s in args.seeds.split(",")]
     rows = []
     for seed in seeds:

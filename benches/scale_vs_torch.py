@@ -4,11 +4,16 @@ peak resident memory of one PPO step (forward, backward, AdamW), with and withou
 micro-batching, on the same checkpoint and the same batch; and (`--parts gen`) the time and
 peak memory of loading the checkpoint, f32 and bf16, and generation tokens/s from each file
 (0.5b: prompt 128, 8 and 64 rows x 128 new tokens; small: prompt 16, 32 x 128): rlstream
-holds a bf16 file's linear weights in 16 bits, PyTorch computes in bf16.
+holds a bf16 file's linear weights in 16 bits, PyTorch computes in bf16. The generation rows
+also run llama.cpp (benches/llama_cpp.py: built once from the llama-cpp-python sdist, the
+same weights converted to GGUF F32 and BF16 by its own converter, `llama-batched-bench`;
+`--no-llama-cpp` leaves it out), and give rlstream's achieved FLOP rate as a share of the
+measured FMA peak and the bytes its decode steps must read (every weight once a step, each
+row's KV cache) per second as a share of the measured read bandwidth.
 
     python benches/scale_vs_torch.py [--sizes small,smollm2,0.5b] [--steps 4] [--runs 5]
                                      [--features blas] [--parts train,gen] [--flex]
-                                     [--against blas]
+                                     [--against blas] [--no-llama-cpp]
 
 `--against FEATURES` also runs the training steps and each size's first generation shape
 with those cargo features and prints the ratio of the build given by `--features` (default:
@@ -119,20 +124,56 @@ def step_flops(ckpt, size, torch_side):
     return 3 * forward
 
 
+def gen_work(ckpt, prompt, new, rows, dtype):
+    """(FLOPs, bytes read) of generating `rows` x `new` tokens after `prompt`: every linear
+    layer at each prompt and generated position, the head at each row's last prompt
+    position and every generated one, attention's two products over the positions before;
+    a decode step reads every weight once (2 bytes each from a bf16 file) and each row's
+    f32 KV cache, the prefill reads the weights once."""
+    c = json.loads((pathlib.Path(ckpt) / "config.json").read_text())
+    d, f, layers = c["hidden_size"], c["intermediate_size"], c["num_hidden_layers"]
+    heads, kv = c["num_attention_heads"], c.get("num_key_value_heads", c["num_attention_heads"])
+    hd = c.get("head_dim") or d // heads
+    linear = layers * (d * heads * hd + 2 * d * kv * hd + heads * hd * d + 3 * d * f)
+    head = d * c["vocab_size"]
+    positions = prompt + new - 1
+    attention = layers * heads * hd * positions * (positions + 1)
+    flops = 2 * rows * (linear * positions + head * new + attention)
+    width = 2 if dtype == "bfloat16" else 4
+    cache = sum(2 * layers * kv * hd * 4 * p for p in range(prompt, positions))
+    return flops, new * (linear + head) * width + rows * cache
+
+
 def torch_gen_load(python, *args):
     return last_json([python, str(ROOT / "benches" / "torch_gen_load.py"), *args])
 
 
-def gen_rows(python, size, ckpt, flex):
-    """Load (f32 and bf16 files) and generation, rlstream and PyTorch, one process each; with
+def llama_cpp(python, *args):
+    """A row from benches/llama_cpp.py, or {"skipped": why} when llama.cpp could not run."""
+    try:
+        return last_json([python, str(ROOT / "benches" / "llama_cpp.py"), *args])
+    except subprocess.CalledProcessError as e:
+        return {"skipped": f"llama.cpp {args[0]} failed (its error is on stderr)"}
+
+
+def gen_rows(python, size, ckpt, flex, llama):
+    """Load (f32 and bf16 files) and generation, rlstream and PyTorch (and with `llama`,
+    llama.cpp on the same weights converted to GGUF F32 and BF16), one process each; with
     `flex`, also rlstream's generation on Flex (the sampler before the trainer's kernels)."""
     bf16 = ckpt + "-bf16"
     rust("bf16", ckpt, bf16)
+    ggufs = {}
+    if llama:
+        for dtype, outtype in (("float32", "f32"), ("bfloat16", "bf16")):
+            ggufs[dtype] = f"{ckpt}-{outtype}.gguf"
+            done = llama_cpp(python, "convert", ckpt, outtype, ggufs[dtype])
+            if "skipped" in done:
+                ggufs[dtype] = done
     out = []
     for dtype, path in (("float32", ckpt), ("bfloat16", bf16)):
         ours = rust("load", path)
         theirs = torch_gen_load(python, "load", path, dtype)
-        out.append(("load", dtype, ours, theirs))
+        out.append(("load", dtype, ours, theirs, None, None, None))
         print(json.dumps({"rlstream": ours, "torch": theirs}), file=sys.stderr)
     for prompt, new, rows in GEN[size]:
         shape = (str(prompt), str(new), str(rows))
@@ -144,11 +185,16 @@ def gen_rows(python, size, ckpt, flex):
             before = (rust("generate-flex", path, *shape, features=FEATURES + ["--features", "flex"])
                       if flex and dtype == "float32" else None)
             theirs = torch_gen_load(python, "generate", path, dtype, *shape)
-            out.append((work, dtype, ours, theirs, other))
+            gguf = ggufs.get(dtype)
+            lcpp = (gguf if isinstance(gguf, dict) else llama_cpp(python, "generate", gguf, *shape)
+                    if gguf else None)
+            out.append((work, dtype, ours, theirs, other, lcpp,
+                        gen_work(ckpt, *map(int, shape), dtype)))
             if before:
-                out.append((work + " (Flex, the sampler before)", dtype, before, theirs, None))
+                out.append((work + " (Flex, the sampler before)", dtype, before, theirs, None,
+                            None, None))
             print(json.dumps({"rlstream": ours, "against": other, "flex": before,
-                              "torch": theirs}), file=sys.stderr)
+                              "torch": theirs, "llama.cpp": lcpp}), file=sys.stderr)
     return out
 
 
@@ -186,6 +232,8 @@ def main():
                     help="gen: also generate on Flex, the sampler before the trainer's kernels")
     ap.add_argument("--against", default=None,
                     help="also run rlstream with these cargo features, and print the ratio")
+    ap.add_argument("--no-llama-cpp", action="store_true",
+                    help="gen: leave llama.cpp out (it is built once into target/llama.cpp)")
     ap.add_argument("--limit", type=int, default=LIMIT_S, help="seconds per process")
     args = ap.parse_args()
     AGAINST, LIMIT_S = args.against, args.limit
@@ -194,7 +242,8 @@ def main():
     python = os.environ.get("PYTHON", sys.executable)
     parts = args.parts.split(",")
     rows, gens = [], []
-    peak = rust("peak")["peak_gflops"] if "train" in parts else None
+    machine = rust("peak")
+    peak = machine["peak_gflops"]
     for size in args.sizes.split(","):
         with tempfile.TemporaryDirectory() as tmp:
             if size == "smollm2":
@@ -204,7 +253,8 @@ def main():
                 ckpt = str(pathlib.Path(tmp) / size)
                 info = rust("write", size, ckpt)
             if "gen" in parts:
-                gens += [(size, *g) for g in gen_rows(python, size, ckpt, args.flex)]
+                gens += [(size, *g) for g in gen_rows(python, size, ckpt, args.flex,
+                                                      not args.no_llama_cpp)]
             for micro in ((0,) if args.no_micro else (0, MICRO[size])) if "train" in parts else ():
                 runs = []
                 for _ in range(args.runs):
@@ -219,18 +269,36 @@ def main():
                 rows.append((size, info["params"], micro, ours, theirs, other, runs, flops))
     print(f"rlstream features: {args.features or 'default'}")
     if gens:
-        print("| size | work | weights | rlstream | PyTorch | ratio | rlstream peak RSS "
-              "| PyTorch peak RSS (before loading) |")
-        print("|---|---|---|---|---|---|---|---|")
-        for size, work, dtype, o, t, *_ in gens:
+        print(f"f32 FMA peak {machine['peak_gflops']:.1f} GFLOP/s, read bandwidth "
+              f"{machine['read_gbs']:.1f} GB/s (train_scale peak)")
+        print("| size | work | weights | rlstream | PyTorch | ratio | llama.cpp | ratio "
+              "| rlstream FLOP rate | rlstream bytes read | rlstream peak RSS "
+              "| PyTorch peak RSS (before loading) | llama.cpp peak RSS |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for size, work, dtype, o, t, _, lcpp, done in gens:
+            base = f" ({t['base_rss_mb'] / 1024:.2f} GB)" if "base_rss_mb" in t else ""
             if work == "load":
                 cells = speed(o, t, "load_s", lambda v: f"{v:.2f} s", False)
-                weights = f"{dtype} file"
+                print(f"| {size} | {work} | {dtype} file {cells}| | | | | {gb(o)} "
+                      f"| {gb(t)}{base} | |")
+                continue
+            tok = lambda v: f"{v:.1f} tok/s"
+            cells = speed(o, t, "tokens_per_s", tok, True)
+            if lcpp and "skipped" not in lcpp:
+                # speed() gives `| ours | theirs | ratio `: llama.cpp's cells are the last two.
+                theirs = "| " + speed(o, lcpp, "tokens_per_s", tok, True).split("| ", 2)[2]
             else:
-                cells = speed(o, t, "tokens_per_s", lambda v: f"{v:.1f} tok/s", True)
-                weights = f"{dtype} file, computed in {dtype} by PyTorch"
-            base = f" ({t['base_rss_mb'] / 1024:.2f} GB)" if "base_rss_mb" in t else ""
-            print(f"| {size} | {work} | {weights} {cells}| {gb(o)} | {gb(t)}{base} |")
+                theirs = f"| {lcpp['skipped'] if lcpp else ''} | "
+            rate = read = ""
+            if done and "seconds" in o:
+                flops, nbytes = done
+                rate = (f"{flops / o['seconds'] / 1e9:.0f} GFLOP/s "
+                        f"({flops / o['seconds'] / 1e9 / machine['peak_gflops']:.0%})")
+                read = (f"{nbytes / o['seconds'] / 1e9:.1f} GB/s "
+                        f"({nbytes / o['seconds'] / 1e9 / machine['read_gbs']:.0%})")
+            weights = f"{dtype} file, computed in {dtype} by PyTorch"
+            print(f"| {size} | {work} | {weights} {cells}{theirs}| {rate} | {read} | {gb(o)} "
+                  f"| {gb(t)}{base} | {gb(lcpp) if lcpp else ''} |")
     if AGAINST:
         print(f"\n{args.features or 'default'} build against `--features {AGAINST}`, "
               "same rows (ratio above 1: the first is faster):")

@@ -4,7 +4,7 @@
 //! cargo bench --bench train_scale -- write SIZE DIR          # a random checkpoint
 //! cargo bench --bench train_scale -- step DIR MICRO STEPS    # time it; prints JSON
 //! cargo bench --bench train_scale -- load DIR                # load time and peak memory
-//! cargo bench --bench train_scale -- peak                    # the cores' measured f32 FMA rate
+//! cargo bench --bench train_scale -- peak                    # measured f32 FMA peak and read GB/s
 //! cargo bench --bench train_scale -- write-vocab SIZE VOCAB DIR   # SIZE's shape at another vocabulary
 //! cargo bench --bench train_scale -- long DIR LEN SAMPLES    # one step on SAMPLES sequences of LEN tokens
 //! cargo bench --bench train_scale -- generate DIR PROMPT NEW ROWS   # tokens/s, peak memory
@@ -248,7 +248,39 @@ fn peak() {
         let flops = 2.0 * 12.0 * ITERS as f64 * width as f64 * cores as f64;
         best = best.max(flops / secs / 1e9);
     }
-    println!("{{\"peak_gflops\": {best:.1}, \"cores\": {cores}, \"lanes\": {width}}}");
+    println!(
+        "{{\"peak_gflops\": {best:.1}, \"cores\": {cores}, \"lanes\": {width}, \
+         \"read_gbs\": {:.1}}}",
+        read_bandwidth()
+    );
+}
+
+/// The cores' measured rate of reading memory, in GB/s: the best of 5 passes summing a
+/// 1 GiB buffer (far past every cache) split evenly over the cores.
+fn read_bandwidth() -> f64 {
+    use rayon::prelude::*;
+    let buffer: Vec<f32> = (0..1usize << 28).map(|i| (i % 7) as f32).collect();
+    let part = buffer.len().div_ceil(rayon::current_num_threads());
+    let mut best = 0f64;
+    for _ in 0..5 {
+        let t = Instant::now();
+        let sum: f32 = buffer
+            .par_chunks(part)
+            .map(|chunk| {
+                // 64 independent lanes: the compiler keeps them in vector registers.
+                let mut acc = [0f32; 64];
+                for block in chunk.chunks_exact(64) {
+                    for (a, x) in acc.iter_mut().zip(block) {
+                        *a += x;
+                    }
+                }
+                acc.iter().sum::<f32>()
+            })
+            .sum();
+        std::hint::black_box(sum);
+        best = best.max((buffer.len() * 4) as f64 / t.elapsed().as_secs_f64() / 1e9);
+    }
+    best
 }
 
 /// Runs `iters` rounds of 12 independent vector FMAs; returns the vector's f32 lanes.

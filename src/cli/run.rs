@@ -48,7 +48,11 @@ pub fn adjust(mut cmd: clap::Command) -> clap::Command {
                     run::DATASET_LR
                 )),
                 ("run", "sft_steps") => toml::Value::String(format!(
-                    "{value} for --task {default_task}; 100 for the others"
+                    "{value} for --task {default_task}; 300 for guess, 1500 for calc, 100 for \
+                     the others"
+                )),
+                ("train", "steps") => toml::Value::String(format!(
+                    "{value} for --task {default_task}; 200 for the others and --dataset"
                 )),
                 _ => value.clone(),
             };

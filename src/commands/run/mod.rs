@@ -87,7 +87,22 @@ pub fn defaults_layer(task: BuiltinTask) -> toml::Table {
         toml::Value::Integer(sft_steps(task) as i64),
     )]);
     layer.insert("run".into(), toml::Value::Table(run_section));
+    if let Some(train) = layer.get_mut("train").and_then(toml::Value::as_table_mut) {
+        train.insert("steps".into(), toml::Value::Integer(rl_steps(task) as i64));
+    }
     layer
+}
+
+/// RL steps by default: [`RUN_DEFAULTS`]' 200, and 400 for `longer`, the default task, so
+/// that the first run a newcomer makes learns every time. At 200 its held-out gain hung on
+/// the async schedule (+3.0 to +10.4 points in three runs of the same command on two
+/// cores, 0.0 to +7.2 on a slower machine); at 400 it gained +17.3 to +21.7 in ten, about
+/// 12 s more on two cores (`benches/learning.py --repeat`, docs/run.md).
+pub fn rl_steps(task: BuiltinTask) -> u64 {
+    match task {
+        BuiltinTask::Longer => 400,
+        _ => 200,
+    }
 }
 
 /// `run`'s defaults for a dataset (`--dataset`) on a pretrained model: the task-free

@@ -152,7 +152,7 @@ def llama_cpp(python, *args):
     """A row from benches/llama_cpp.py, or {"skipped": why} when llama.cpp could not run."""
     try:
         return last_json([python, str(ROOT / "benches" / "llama_cpp.py"), *args])
-    except subprocess.CalledProcessError as e:
+    except subprocess.CalledProcessError:
         return {"skipped": f"llama.cpp {args[0]} failed (its error is on stderr)"}
 
 

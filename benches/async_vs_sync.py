@@ -19,15 +19,23 @@ seed, one after the other on this machine. Printed per task:
   the slower of the two as measured in the async run, where they share the cores. The
   achieved ratio is compared with it.
 
+- with `--eval-every N`, the held-out learning curve: pass@1 (`rlstream eval`'s set, at the
+  training temperature) at every N steps against the wall time the step finished at, and
+  how much sooner async reaches the sync run's final held-out pass@1 than sync does (both
+  at the first evaluated point at or above it); the finals are equal within intervals when
+  their 95% intervals overlap.
+
 Usage: python3 benches/async_vs_sync.py [--steps 200] [--tasks sort,longsort] [--out DIR]
-                                        [--scorer-latency-ms MS] [--env-latency-ms MS]
+                                        [--scorer-latency-ms MS] [--scorer-in-flight N]
+                                        [--env-latency-ms MS] [--eval-every N] [--seeds 0,1,2]
 Needs nothing but Python 3 and the release binary (built here with cargo).
 
 `--scorer-latency-ms MS` is the latency-bound scenario, the balance of production RL where
 decoding is on GPUs and scoring waits on sandboxes or tools: rewards come from the external
 scorer `examples/verifier.py`, which waits MS milliseconds per group before answering; a pool
 of `--scorers` (default 8) such processes scores that many groups at once, as a sandbox pool
-would.
+would. `--scorer-in-flight N` lets each process hold N groups at once (answers come back
+by `request_id`), as a sandbox service serves several requests at a time.
 
 `--env-latency-ms MS` is the episode scenario (use it with an episode task, e.g.
 `--tasks guess`): every environment step takes MS milliseconds before it answers, and
@@ -93,6 +101,20 @@ def held_out(summary):
     return {k: (b[k]["mean"], a[k]["mean"]) for k in ("pass_at_1", "reward", "greedy_accuracy", "greedy_reward")}
 
 
+def curve(summary):
+    """The held-out pass@1 points of a run: (step, time_s, mean, lo, hi), before RL first."""
+    return [(p["step"], p.get("time_s", 0.0), p["pass_at_1"]["mean"], p["pass_at_1"]["lo"], p["pass_at_1"]["hi"])
+            for p in summary.get("held_out") or []]
+
+
+def time_to_pass(points, target):
+    """Wall time of the first evaluated point after RL started at or above `target`."""
+    for step, t, mean, _, _ in points:
+        if step > 0 and mean >= target:
+            return t
+    return float("nan")
+
+
 def tail_mean(rows, key):
     t = rows[-WINDOW:]
     return sum(r[key] for r in t) / max(1, len(t))
@@ -111,13 +133,15 @@ def staleness_text(s):
     return ", ".join(f"{k}: {100 * v / total:.0f}%" for k, v in sorted(s["staleness"].items(), key=lambda kv: int(kv[0])))
 
 
-def bench(binary, task, steps, out, extra, sft_steps):
+def bench(binary, task, steps, out, extra, sft_steps, seed):
     model = os.path.join(out, f"sft-{task}")
-    sh([binary, "sft", "--task", task, "--steps", str(sft_steps), "--out", model], os.path.join(out, f"sft-{task}.log"))
+    if not os.path.exists(model):
+        sh([binary, "sft", "--task", task, "--steps", str(sft_steps), "--out", model], os.path.join(out, f"sft-{task}.log"))
     runs = {}
     for mode in ["async", "sync"]:
-        d = os.path.join(out, f"{task}-{mode}")
-        cmd = [binary, "run", "--task", task, "--model", model, "--steps", str(steps), "--out", d, "--plain"] + extra
+        d = os.path.join(out, f"{task}-seed{seed}-{mode}")
+        cmd = [binary, "run", "--task", task, "--model", model, "--steps", str(steps), "--out", d, "--plain",
+               "--seed", str(seed)] + extra
         if mode == "sync":
             cmd.append("--sync")
         sh(cmd, d + ".log")
@@ -132,9 +156,18 @@ def bench(binary, task, steps, out, extra, sft_steps):
     g_async, t_async = stage_times(sa)
     ceiling = (g_sync + t_sync) / max(g_async, t_async)
     achieved = sa["trained_tokens_per_s"] / ss["trained_tokens_per_s"]
+    ca, cs = curve(sa), curve(ss)
+    sync_final = cs[-1][2] if cs else float("nan")
+    ha, hs = time_to_pass(ca, sync_final), time_to_pass(cs, sync_final)
     res = {
         "task": task,
         "steps": steps,
+        "seed": seed,
+        "held_out_curve": {"async": ca, "sync": cs},
+        "sync_final_pass_at_1": sync_final,
+        "time_to_sync_final_s": {"async": ha, "sync": hs},
+        "time_to_sync_final_ratio": hs / ha if ha == ha and ha > 0 else float("nan"),
+        "finals_overlap": bool(ca and cs and ca[-1][3] <= cs[-1][4] and cs[-1][3] <= ca[-1][4]),
         "trained_tokens_per_s": {"async": sa["trained_tokens_per_s"], "sync": ss["trained_tokens_per_s"]},
         "throughput_ratio": achieved,
         "ceiling_ratio": ceiling,
@@ -159,9 +192,9 @@ def bench(binary, task, steps, out, extra, sft_steps):
 def report(r):
     a, s = "async", "sync"
     lines = [
-        f"### `{r['task']}`, {r['steps']} steps"
+        f"### `{r['task']}`, {r['steps']} steps, seed {r['seed']}"
         + (f", scorer latency {r['scorer_latency_ms']:g} ms per group, {r['scorers']} scorers"
-           if r.get("scorer_latency_ms") else "")
+           f" holding {r['scorer_in_flight']} group(s) each" if r.get("scorer_latency_ms") else "")
         + (f", environment latency {r['env_latency_ms']:g} ms per step" if r.get("env_latency_ms") else ""),
         "",
         "| | async | sync | async/sync |",
@@ -179,6 +212,19 @@ def report(r):
         f"| generation / training busy time per token (µs) | {r['stage_us_per_token'][a]['gen']:.0f} / {r['stage_us_per_token'][a]['train']:.0f} | {r['stage_us_per_token'][s]['gen']:.0f} / {r['stage_us_per_token'][s]['train']:.0f} | |",
         f"| swap stall p50 / p99 (µs), swaps | {r['swap_stall_us'][a]['p50']:.1f} / {r['swap_stall_us'][a]['p99']:.1f}, {r['swap_stall_us'][a]['swaps']} | {r['swap_stall_us'][s]['p50']:.1f} / {r['swap_stall_us'][s]['p99']:.1f}, {r['swap_stall_us'][s]['swaps']} | |",
         f"| staleness of trained groups | {r['staleness'][a]} | {r['staleness'][s]} | |",
+    ]
+    if len(r["held_out_curve"][s]) > 2:
+        fmt = lambda pts: ", ".join(f"{t:.1f} s {100 * m:.1f}%" for step, t, m, _, _ in pts if step > 0)
+        final = lambda pts: f"{100 * pts[-1][2]:.1f}% [{100 * pts[-1][3]:.1f}, {100 * pts[-1][4]:.1f}]"
+        lines += [
+            f"| held-out pass@1 along the run | {fmt(r['held_out_curve'][a])} | {fmt(r['held_out_curve'][s])} | |",
+            f"| final held-out pass@1 [95% interval] | {final(r['held_out_curve'][a])} | {final(r['held_out_curve'][s])} | "
+            + ("equal within intervals |" if r["finals_overlap"] else "**intervals apart** |"),
+            f"| time to sync's final held-out pass@1 ({100 * r['sync_final_pass_at_1']:.1f}%) (s) | "
+            f"{r['time_to_sync_final_s'][a]:.1f} | {r['time_to_sync_final_s'][s]:.1f} | "
+            f"**{r['time_to_sync_final_ratio']:.2f}× sooner** |",
+        ]
+    lines += [
         "",
         f"Ceiling for async/sync throughput on this machine: **{r['ceiling_ratio']:.2f}×** "
         f"(sync generation + training time per token / the slower async stage's time per token); achieved "
@@ -198,6 +244,11 @@ def main():
                    help="score with examples/verifier.py waiting this long per group")
     p.add_argument("--scorers", type=int, default=8,
                    help="with --scorer-latency-ms: external scorer processes (groups scored at once)")
+    p.add_argument("--scorer-in-flight", type=int, default=1,
+                   help="with --scorer-latency-ms: groups each scorer process holds at once")
+    p.add_argument("--eval-every", type=int, default=0,
+                   help="held-out pass@1 every this many steps (checkpoints as often), for the curve")
+    p.add_argument("--seeds", default="0", help="comma-separated RL seeds, each run in both modes")
     p.add_argument("--env-latency-ms", type=float, default=0.0,
                    help="episode tasks: every environment step waits this long before answering")
     p.add_argument("--sft-steps", type=int, default=100, help="warm-start steps before both runs")
@@ -206,7 +257,9 @@ def main():
     if args.scorer_latency_ms > 0:
         verifier = os.path.join(ROOT, "examples", "verifier.py")
         args.extra += ["--scorer-cmd", f"{sys.executable} {verifier} --latency-ms {args.scorer_latency_ms:g}",
-                       "--scorers", str(args.scorers)]
+                       "--scorers", str(args.scorers), "--scorer-in-flight", str(args.scorer_in_flight)]
+    if args.eval_every > 0:
+        args.extra += ["--eval-every", str(args.eval_every), "--checkpoint-every", str(args.eval_every)]
     if args.env_latency_ms > 0:
         args.extra += ["--env-latency-ms", f"{args.env_latency_ms:g}"]
     binary = args.bin
@@ -216,15 +269,26 @@ def main():
     out = args.out or tempfile.mkdtemp(prefix="rlstream-bench-")
     os.makedirs(out, exist_ok=True)
     print(f"runs in {out}; {os.cpu_count()} CPUs", file=sys.stderr)
-    results = [bench(binary, t, args.steps, out, args.extra, args.sft_steps) for t in args.tasks.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    results = [bench(binary, t, args.steps, out, args.extra, args.sft_steps, seed)
+               for t in args.tasks.split(",") for seed in seeds]
     for r in results:
         r["scorer_latency_ms"] = args.scorer_latency_ms
         r["scorers"] = args.scorers
+        r["scorer_in_flight"] = args.scorer_in_flight
         r["env_latency_ms"] = args.env_latency_ms
     with open(os.path.join(out, "results.json"), "w") as f:
         json.dump(results, f, indent=2)
     for r in results:
         print(report(r))
+    if len(seeds) > 1:
+        print("| task | seed | async/sync trained tokens/s | sooner to sync's final held-out pass@1 | final held-out pass@1 async / sync |")
+        print("|---|---|---|---|---|")
+        for r in results:
+            ca, cs = r["held_out_curve"]["async"], r["held_out_curve"]["sync"]
+            finals = f"{100 * ca[-1][2]:.1f}% / {100 * cs[-1][2]:.1f}%" if ca and cs else "-"
+            print(f"| {r['task']} | {r['seed']} | {r['throughput_ratio']:.2f}× | {r['time_to_sync_final_ratio']:.2f}× | {finals}"
+                  + ("" if r["finals_overlap"] else " (intervals apart)") + " |")
     print(f"results: {os.path.join(out, 'results.json')}")
 
 

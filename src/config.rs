@@ -176,6 +176,9 @@ crate::settings! {
         pub eval_prompts: usize = 1000,
         /// Samples per held-out prompt for pass@1 at the training temperature.
         pub eval_samples: usize = 4,
+        /// Held-out evaluation at every checkpoint whose step is a multiple of this, instead of halfway only: the held-out learning curve, each point with the wall time its step finished at (evaluated after training, off the clock); a multiple of train.checkpoint_every; 0: before, halfway and after.
+        #[arg(value_name = "STEPS")]
+        pub eval_every: u64 = 0,
     }
 }
 
@@ -253,6 +256,15 @@ impl Config {
             return Err(crate::settings::invalid(
                 "run.held_out_share",
                 format!("{share} is not a share: give at least 0 and less than 1"),
+            ));
+        }
+        let (every, ckpt) = (self.run.eval_every, self.train.checkpoint_every);
+        if every % ckpt != 0 {
+            return Err(crate::settings::invalid(
+                "run.eval_every",
+                format!(
+                    "{every} is not a multiple of train.checkpoint_every ({ckpt}): checkpoints are what is evaluated; give a multiple, or a --checkpoint-every that divides it"
+                ),
             ));
         }
         Ok(())

@@ -103,7 +103,13 @@ async fn a_pool_of_scorers_answers_each_group_with_its_own_rewards() {
         scorers: 3,
         ..ScoreConfig::default()
     };
-    let groups: Vec<RolloutGroup> = (0..7)
+    let (_, out) = score_groups(cfg, Topology::default(), &seven_groups()).await;
+    assert_eq!(rewards_by_group(&out), verifier_rewards());
+}
+
+/// Seven groups `g0`..`g6`, every other one with the answer `abc`.
+fn seven_groups() -> Vec<RolloutGroup> {
+    (0..7)
         .map(|i| {
             let mut g = group();
             g.group_id = format!("g{i}");
@@ -112,13 +118,12 @@ async fn a_pool_of_scorers_answers_each_group_with_its_own_rewards() {
             }
             g
         })
-        .collect();
-    let (_, out) = score_groups(cfg, Topology::default(), &groups).await;
-    let got: Vec<(String, Vec<f32>)> = out
-        .iter()
-        .map(|g| (g.rollout.group_id.clone(), g.rewards.clone()))
-        .collect();
-    let want: Vec<(String, Vec<f32>)> = (0..7)
+        .collect()
+}
+
+/// What the example verifier gives [`seven_groups`], in order.
+fn verifier_rewards() -> Vec<(String, Vec<f32>)> {
+    (0..7)
         .map(|i| {
             let r = if i % 2 == 1 {
                 vec![0.0, 0.0, 1.0]
@@ -127,8 +132,62 @@ async fn a_pool_of_scorers_answers_each_group_with_its_own_rewards() {
             };
             (format!("g{i}"), r)
         })
+        .collect()
+}
+
+/// Each scored group's id and rewards, in the order published.
+fn rewards_by_group(out: &[ScoredGroup]) -> Vec<(String, Vec<f32>)> {
+    out.iter()
+        .map(|g| (g.rollout.group_id.clone(), g.rewards.clone()))
+        .collect()
+}
+
+/// Scorer processes that hold several groups each (`scorer_in_flight`): the example
+/// verifier echoes each `request_id`, and every group gets its own rewards.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scorers_holding_several_groups_each_answer_each_group() {
+    let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/verifier.py");
+    let cfg = ScoreConfig {
+        scorer_cmd: Some(format!("python3 {script} --latency-ms 50")),
+        scorers: 2,
+        scorer_in_flight: 3,
+        ..ScoreConfig::default()
+    };
+    let (_, out) = score_groups(cfg, Topology::default(), &seven_groups()).await;
+    assert_eq!(rewards_by_group(&out), verifier_rewards());
+}
+
+/// A scorer that answers the groups it holds in reverse order (the later a group, the
+/// sooner its answer): answers are matched by `request_id`, not by order.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn answers_out_of_order_reach_their_own_groups() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("reverse.py");
+    std::fs::write(
+        &script,
+        r#"import json, sys, threading, time
+lock = threading.Lock()
+def answer(req):
+    i = int(req["group_id"][1:])
+    time.sleep(0.5 - 0.06 * i)
+    with lock:
+        print(json.dumps({"request_id": req["request_id"], "rewards": [float(i)] * len(req["completions"])}), flush=True)
+for line in sys.stdin:
+    threading.Thread(target=answer, args=(json.loads(line),)).start()
+"#,
+    )
+    .unwrap();
+    let cfg = ScoreConfig {
+        scorer_cmd: Some(format!("python3 {}", script.display())),
+        scorer_in_flight: 7,
+        ..ScoreConfig::default()
+    };
+    let (bus, out) = score_groups(cfg, Topology::default(), &seven_groups()).await;
+    let want: Vec<(String, Vec<f32>)> = (0..7)
+        .map(|i| (format!("g{i}"), vec![i as f32; 3]))
         .collect();
-    assert_eq!(got, want);
+    assert_eq!(rewards_by_group(&out), want);
+    assert!(dead_letters(&bus, &Topology::default().dead_key()).await.is_empty());
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

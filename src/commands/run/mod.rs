@@ -222,7 +222,7 @@ pub async fn run(
         next: 0,
     };
     let mut held_out: Vec<HeldOut> = held
-        .of(0, "before", &slot.load().policy)?
+        .of(0, 0.0, "before", &slot.load().policy)?
         .into_iter()
         .collect();
     let (step_tx, step_rx) = mpsc::unbounded_channel::<StepRecord>();
@@ -243,16 +243,22 @@ pub async fn run(
         .watch(stages, step_rx, &bus, &topo, &slot, shutdown)
         .await?;
 
-    // The checkpoint nearest halfway, then the trainer's final weights (its last checkpoint).
-    let after = held_out_checkpoints(&cfg.train.checkpoint_dir);
+    // The checkpoint nearest halfway (or every `eval_every` steps), then the trainer's final
+    // weights (its last checkpoint).
+    let every = cfg.run.eval_every;
+    let after = held_out_checkpoints(&cfg.train.checkpoint_dir, every);
     for (i, (step, dir)) in after.iter().enumerate() {
         let policy: Policy<InferBackend> = train::checkpoint::load_policy(dir, &model_dir)?;
-        let when = if i + 1 == after.len() {
-            "after"
-        } else {
-            "halfway"
+        let when = match (i + 1 == after.len(), every) {
+            (true, _) => "after".to_string(),
+            (false, 0) => "halfway".to_string(),
+            (false, _) => format!("step {step}"),
         };
-        held_out.extend(held.of(*step, when, &policy)?);
+        let time_s = rows
+            .iter()
+            .find(|r| r.record.step >= *step)
+            .map_or(wall_s, |r| r.run.time_s);
+        held_out.extend(held.of(*step, time_s, &when, &policy)?);
     }
     let facts = RunFacts {
         bus: bus.backend(),

@@ -112,6 +112,10 @@ impl RunSummary {
 pub struct HeldOut {
     /// Trainer steps taken by the evaluated weights (0: before RL).
     pub step: u64,
+    /// Seconds into RL when that step finished (0 before RL): where the point sits on the
+    /// wall-clock learning curve.
+    #[serde(default)]
+    pub time_s: f64,
     #[serde(flatten)]
     pub eval: EvalResult,
 }

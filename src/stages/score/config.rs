@@ -37,8 +37,10 @@ crate::settings! {
         pub scorer_cmd: Option<String> = None,
         /// Seconds an external scorer may take per group.
         pub scorer_timeout_s: f64 = 30.0,
-        /// External scorer processes, each scoring one group at a time: a polled batch is scored this many groups at once.
+        /// External scorer processes: a polled batch is scored scorers × scorer-in-flight groups at once, each group on the process holding the fewest.
         pub scorers: usize = 1,
+        /// Groups each external scorer process holds at once; above 1, each request's `request_id` must come back in its answer (answers may then come in any order).
+        pub scorer_in_flight: usize = 1,
         /// Split each completion into steps after every occurrence of this string and send them to --scorer-cmd, which may answer one reward per step (`step_rewards`); a step's reward sits on its last token.
         #[arg(value_name = "TEXT")]
         pub step_separator: Option<String> = None,
@@ -65,6 +67,12 @@ impl ScoreConfig {
         if self.scorers == 0 {
             return Err(crate::settings::invalid(
                 "score.scorers",
+                "must be at least 1",
+            ));
+        }
+        if self.scorer_in_flight == 0 {
+            return Err(crate::settings::invalid(
+                "score.scorer_in_flight",
                 "must be at least 1",
             ));
         }

@@ -1,19 +1,29 @@
 //! External scorers (`--scorer-cmd`): a program that reads one JSON line per group on its
 //! stdin and answers one JSON line of rewards on its stdout (docs/stages.md, "Scoring").
-//! Each process of the pool is a [`JsonLinesChild`] matched in order, scoring one group at
-//! a time; the answer is checked (a reward per completion, finite, token or step rewards
-//! that land on real tokens) before anything is published.
+//! Each process of the [`Pool`] is a [`JsonLinesChild`] holding up to `scorer_in_flight`
+//! groups at once: one, matched in order, or several, matched by the `request_id` each
+//! answer echoes (a sandbox service answers in any order). The answer is checked (a reward
+//! per completion, finite, token or step rewards that land on real tokens) before anything
+//! is published.
 
 use super::{Scores, steps};
 use crate::child::{ChildError, ChildSpec, JsonLinesChild, Matching};
 use crate::schema::RolloutGroup;
 use serde::{Deserialize, Serialize};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
+use tokio::sync::Semaphore;
+
+/// The field that names a request, and that each answer echoes when a process holds
+/// several groups at once.
+pub const REQUEST_ID: &str = "request_id";
 
 /// One request to an external scorer (a JSON line on its stdin).
 #[derive(Debug, Serialize)]
 pub(super) struct ExternalRequest<'a> {
+    /// Unique per request of this stage; echoed in the answer when a process holds several
+    /// groups at once.
+    request_id: String,
     group_id: &'a str,
     task: &'a str,
     prompt: String,
@@ -28,9 +38,10 @@ pub(super) struct ExternalRequest<'a> {
 }
 
 impl<'a> ExternalRequest<'a> {
-    /// The request for `g`, with its prompt and completions as text and, with a step
-    /// separator, each completion's steps; and the last token of each step.
+    /// The request `request_id` for `g`, with its prompt and completions as text and, with
+    /// a step separator, each completion's steps; and the last token of each step.
     pub(super) fn new(
+        request_id: String,
         g: &'a RolloutGroup,
         prompt: String,
         completions: Vec<String>,
@@ -45,6 +56,7 @@ impl<'a> ExternalRequest<'a> {
             None => (None, None),
         };
         let req = ExternalRequest {
+            request_id,
             group_id: &g.group_id,
             task: &g.task,
             prompt,
@@ -106,18 +118,92 @@ impl From<ScorerError> for crate::stages::StageError {
     }
 }
 
+/// The external scorer processes, each holding up to `in_flight` groups at once. A group
+/// waits for a free place anywhere in the pool and goes to the process holding the fewest.
+pub(super) struct Pool {
+    procs: Vec<ScorerProcess>,
+    /// Groups each process holds now.
+    held: Mutex<Vec<usize>>,
+    /// Free places in the whole pool.
+    places: Semaphore,
+}
+
+impl Pool {
+    /// Starts `processes` scorers running `cmd`, each holding up to `in_flight` groups;
+    /// answers are awaited for `timeout` each.
+    pub(super) fn start(
+        cmd: &str,
+        processes: usize,
+        in_flight: usize,
+        timeout: Duration,
+    ) -> Result<Self, ScorerError> {
+        let procs = (0..processes.max(1))
+            .map(|_| ScorerProcess::start(cmd, in_flight.max(1), timeout))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Pool {
+            held: Mutex::new(vec![0; procs.len()]),
+            places: Semaphore::new(procs.len() * in_flight.max(1)),
+            procs,
+        })
+    }
+
+    /// Scores one group once a place is free (see [`ScorerProcess::score`]).
+    pub(super) async fn score(
+        &self,
+        req: &ExternalRequest<'_>,
+        step_ends: Option<&[Vec<usize>]>,
+    ) -> Result<Scores, ScorerError> {
+        let Ok(_place) = self.places.acquire().await else {
+            return Err(ScorerError::Unscored);
+        };
+        let taken = Taken::least_held(&self.held);
+        self.procs[taken.0].score(req, step_ends).await
+    }
+}
+
+/// A place taken on one process of the pool, given back when dropped (also when the
+/// scoring future is dropped).
+struct Taken<'a>(usize, &'a Mutex<Vec<usize>>);
+
+impl<'a> Taken<'a> {
+    /// A place on the process holding the fewest groups (the pool's semaphore guarantees
+    /// one is below its limit).
+    fn least_held(held: &'a Mutex<Vec<usize>>) -> Self {
+        let mut h = held.lock().unwrap_or_else(|p| p.into_inner());
+        let k = (0..h.len()).min_by_key(|&k| h[k]).unwrap_or(0);
+        if let Some(n) = h.get_mut(k) {
+            *n += 1;
+        }
+        Taken(k, held)
+    }
+}
+
+impl Drop for Taken<'_> {
+    fn drop(&mut self) {
+        let mut h = self.1.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(n) = h.get_mut(self.0) {
+            *n = n.saturating_sub(1);
+        }
+    }
+}
+
 /// One external scorer process, started at once and restarted if it dies.
-pub(super) struct ScorerProcess {
+struct ScorerProcess {
     child: Arc<JsonLinesChild>,
 }
 
 impl ScorerProcess {
-    /// Starts `cmd`; its answers are awaited for `timeout` each.
-    pub(super) fn start(cmd: &str, timeout: Duration) -> Result<Self, ScorerError> {
+    /// Starts `cmd` holding up to `in_flight` groups at once (several are matched by
+    /// [`REQUEST_ID`]); its answers are awaited for `timeout` each.
+    fn start(cmd: &str, in_flight: usize, timeout: Duration) -> Result<Self, ScorerError> {
         let spec = ChildSpec {
             what: "scorer",
             command: cmd.to_string(),
-            matching: Matching::InOrder,
+            matching: if in_flight > 1 {
+                Matching::ByKey(REQUEST_ID)
+            } else {
+                Matching::InOrder
+            },
             timeout,
         };
         Ok(ScorerProcess {
@@ -127,14 +213,15 @@ impl ScorerProcess {
 
     /// Scores one group. `step_ends[i][k]`: the last token of completion `i`'s step `k`
     /// (with a separator).
-    pub(super) async fn score(
+    async fn score(
         &self,
         req: &ExternalRequest<'_>,
         step_ends: Option<&[Vec<usize>]>,
     ) -> Result<Scores, ScorerError> {
         let msg = serde_json::to_value(req).map_err(|e| ScorerError::Request(e.to_string()))?;
         let child = self.child.clone();
-        let answer = tokio::task::spawn_blocking(move || child.request("", None, &msg))
+        let key = req.request_id.clone();
+        let answer = tokio::task::spawn_blocking(move || child.request(&key, None, &msg))
             .await
             .map_err(|e| ScorerError::Request(format!("the request's thread failed: {e}")))??;
         let fields = serde_json::Value::Object(answer.fields);

@@ -25,7 +25,7 @@ use crate::roles::{Stage, Stream};
 use crate::schema::{self, RolloutGroup, ScoredGroup};
 use crate::tasks;
 use bytes::Bytes;
-use external::{ExternalRequest, ScorerProcess};
+use external::{ExternalRequest, Pool};
 use std::time::{Duration, Instant};
 
 /// Tokens of a completion that make its text: all but a final stop token.
@@ -78,12 +78,14 @@ fn builtin_scores(g: &RolloutGroup, texts: &[String]) -> Result<Scores, ScoreErr
     })
 }
 
-/// Rewards groups: built-in verifiers, or a pool of external programs each scoring one
-/// group at a time.
+/// Rewards groups: built-in verifiers, or a pool of external programs each scoring up to
+/// `scorer_in_flight` groups at a time.
 pub struct Scorer {
     tokenizer: Tokenizer,
-    /// Empty for the built-in verifiers.
-    pool: Vec<ScorerProcess>,
+    /// None for the built-in verifiers.
+    pool: Option<Pool>,
+    /// Requests sent to the pool so far (each one's `request_id`).
+    requests: u64,
     step_separator: Option<String>,
     teacher: Option<teacher::Teacher>,
     distill: DistillKind,
@@ -98,10 +100,13 @@ impl Scorer {
         };
         let timeout = Duration::from_secs_f64(cfg.scorer_timeout_s);
         let pool = match &cfg.scorer_cmd {
-            Some(cmd) => (0..cfg.scorers.max(1))
-                .map(|_| ScorerProcess::start(cmd, timeout))
-                .collect::<Result<Vec<_>, _>>()?,
-            None => Vec::new(),
+            Some(cmd) => Some(Pool::start(
+                cmd,
+                cfg.scorers,
+                cfg.scorer_in_flight,
+                timeout,
+            )?),
+            None => None,
         };
         if cfg.distill != DistillKind::None && cfg.teacher.is_none() {
             return Err(crate::settings::invalid(
@@ -110,7 +115,7 @@ impl Scorer {
             )
             .into());
         }
-        if cfg.step_separator.is_some() && pool.is_empty() {
+        if cfg.step_separator.is_some() && pool.is_none() {
             return Err(crate::settings::invalid(
                 "score.step_separator",
                 "steps are scored by an external scorer: give --scorer-cmd",
@@ -127,6 +132,7 @@ impl Scorer {
         Ok(Scorer {
             tokenizer,
             pool,
+            requests: 0,
             step_separator: cfg.step_separator.clone(),
             teacher,
             distill: cfg.distill,
@@ -176,7 +182,7 @@ impl Scorer {
                 )
             })
             .collect::<Result<Vec<String>, ScoreError>>()?;
-        if self.pool.is_empty() {
+        if self.pool.is_none() {
             return Ok((texts, String::new()));
         }
         let prompt =
@@ -189,8 +195,8 @@ impl Scorer {
         Ok((texts, prompt))
     }
 
-    /// Rewards of each group, in order. External scorers take up to one group each at a
-    /// time, so a batch is scored pool-size groups at once.
+    /// Rewards of each group, in order. A batch's groups are scored as places in the
+    /// external scorers' pool free up (`scorers` × `scorer_in_flight` at once).
     pub async fn rewards(&mut self, groups: &[&RolloutGroup]) -> Vec<Result<Scores, ScoreError>> {
         let prepared: Vec<Result<(Vec<String>, String), ScoreError>> =
             groups.iter().map(|g| self.texts(g)).collect();
@@ -211,22 +217,20 @@ impl Scorer {
             };
             match p {
                 Err(e) => out.push(Some(Err(e))),
-                Ok((texts, _)) if self.pool.is_empty() => out.push(Some(builtin_scores(g, &texts))),
+                Ok((texts, _)) if self.pool.is_none() => out.push(Some(builtin_scores(g, &texts))),
                 Ok((completions, prompt)) => {
                     out.push(None);
-                    let (req, ends) = ExternalRequest::new(g, prompt, completions, steps);
+                    self.requests += 1;
+                    let id = self.requests.to_string();
+                    let (req, ends) = ExternalRequest::new(id, g, prompt, completions, steps);
                     waiting.push((i, req, ends));
                 }
             }
         }
-        for chunk in waiting.chunks(self.pool.len().max(1)) {
-            let calls =
-                chunk
-                    .iter()
-                    .zip(self.pool.iter())
-                    .map(|((i, req, ends), ext)| async move {
-                        (*i, ext.score(req, ends.as_deref()).await)
-                    });
+        if let Some(pool) = &self.pool {
+            let calls = waiting.iter().map(|(i, req, ends)| async move {
+                (*i, pool.score(req, ends.as_deref()).await)
+            });
             for (i, r) in futures_util::future::join_all(calls).await {
                 out[i] = Some(r.map_err(ScoreError::from));
             }

@@ -187,7 +187,70 @@ for line in sys.stdin:
         .map(|i| (format!("g{i}"), vec![i as f32; 3]))
         .collect();
     assert_eq!(rewards_by_group(&out), want);
-    assert!(dead_letters(&bus, &Topology::default().dead_key()).await.is_empty());
+    assert!(
+        dead_letters(&bus, &Topology::default().dead_key())
+            .await
+            .is_empty()
+    );
+}
+
+/// The stage polls while a batch is being scored: a scorer that answers nothing until it
+/// holds all seven groups gets the three that arrive after the first four are out.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn groups_arriving_while_a_batch_is_scored_are_started_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let script = dir.path().join("hold_seven.py");
+    std::fs::write(
+        &script,
+        r#"import json, sys
+held = []
+for line in sys.stdin:
+    held.append(json.loads(line))
+    if len(held) == 7:
+        for req in held:
+            print(json.dumps({"request_id": req["request_id"], "rewards": [1.0] * len(req["completions"])}), flush=True)
+"#,
+    )
+    .unwrap();
+    let cfg = ScoreConfig {
+        scorer_cmd: Some(format!("python3 {}", script.display())),
+        scorer_in_flight: 8,
+        ..ScoreConfig::default()
+    };
+    let topo = Topology::default();
+    let bus: SharedBus = Arc::new(MemoryBus::new());
+    let wave = |groups: &[RolloutGroup]| -> Vec<Bytes> {
+        groups
+            .iter()
+            .map(|g| Bytes::from(schema::encode(g).unwrap()))
+            .collect()
+    };
+    let groups = seven_groups();
+    let rollouts = topo.key("rollouts");
+    bus.publish(&rollouts, &wave(&groups[..4]), None)
+        .await
+        .unwrap();
+    let stage = {
+        let (bus, topo) = (bus.clone(), topo.clone());
+        tokio::spawn(async move {
+            crate::common::score_until(
+                &cfg,
+                (bus, &topo),
+                tokio::time::sleep(Duration::from_secs(3)),
+            )
+            .await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    bus.publish(&rollouts, &wave(&groups[4..]), None)
+        .await
+        .unwrap();
+    stage.await.unwrap().unwrap();
+    let scored = bus
+        .range(&topo.key("scored"), RangeBound::Open, RangeBound::Open, 10)
+        .await
+        .unwrap();
+    assert_eq!(scored.len(), 7, "all seven scored within the run");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

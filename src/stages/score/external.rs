@@ -122,6 +122,8 @@ impl From<ScorerError> for crate::stages::StageError {
 /// waits for a free place anywhere in the pool and goes to the process holding the fewest.
 pub(super) struct Pool {
     procs: Vec<ScorerProcess>,
+    /// Groups each process may hold.
+    in_flight: usize,
     /// Groups each process holds now.
     held: Mutex<Vec<usize>>,
     /// Free places in the whole pool.
@@ -143,8 +145,14 @@ impl Pool {
         Ok(Pool {
             held: Mutex::new(vec![0; procs.len()]),
             places: Semaphore::new(procs.len() * in_flight.max(1)),
+            in_flight: in_flight.max(1),
             procs,
         })
+    }
+
+    /// Groups the pool scores at once.
+    pub(super) fn places(&self) -> usize {
+        self.procs.len() * self.in_flight
     }
 
     /// Scores one group once a place is free (see [`ScorerProcess::score`]).

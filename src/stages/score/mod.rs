@@ -7,6 +7,7 @@
 //! signal ([`teacher`]); where both are present they add up. The trainer turns them into
 //! per-token advantages (`stages::train::credit`).
 
+mod batches;
 mod config;
 mod error;
 mod external;
@@ -26,7 +27,9 @@ use crate::schema::{self, RolloutGroup, ScoredGroup};
 use crate::tasks;
 use bytes::Bytes;
 use external::{ExternalRequest, Pool};
-use std::time::{Duration, Instant};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
 
 /// Tokens of a completion that make its text: all but a final stop token.
 fn text_len(tokens: &[u32], stop: &[u32]) -> usize {
@@ -85,7 +88,7 @@ pub struct Scorer {
     /// None for the built-in verifiers.
     pool: Option<Pool>,
     /// Requests sent to the pool so far (each one's `request_id`).
-    requests: u64,
+    requests: AtomicU64,
     step_separator: Option<String>,
     teacher: Option<teacher::Teacher>,
     distill: DistillKind,
@@ -132,12 +135,22 @@ impl Scorer {
         Ok(Scorer {
             tokenizer,
             pool,
-            requests: 0,
+            requests: AtomicU64::new(0),
             step_separator: cfg.step_separator.clone(),
             teacher,
             distill: cfg.distill,
             distill_coef: cfg.distill_coef,
         })
+    }
+
+    /// Groups scored at once: the external pool's places; one batch at a time for the
+    /// built-in verifiers and a teacher (which score as fast as the stage polls, or take
+    /// the cores).
+    pub fn capacity(&self) -> usize {
+        match &self.pool {
+            Some(pool) if self.teacher.is_none() => pool.places(),
+            _ => 1,
+        }
     }
 
     /// Completion text without its stop token.
@@ -197,7 +210,7 @@ impl Scorer {
 
     /// Rewards of each group, in order. A batch's groups are scored as places in the
     /// external scorers' pool free up (`scorers` × `scorer_in_flight` at once).
-    pub async fn rewards(&mut self, groups: &[&RolloutGroup]) -> Vec<Result<Scores, ScoreError>> {
+    pub async fn rewards(&self, groups: &[&RolloutGroup]) -> Vec<Result<Scores, ScoreError>> {
         let prepared: Vec<Result<(Vec<String>, String), ScoreError>> =
             groups.iter().map(|g| self.texts(g)).collect();
         let mut out: Vec<Option<Result<Scores, ScoreError>>> = Vec::with_capacity(groups.len());
@@ -220,17 +233,16 @@ impl Scorer {
                 Ok((texts, _)) if self.pool.is_none() => out.push(Some(builtin_scores(g, &texts))),
                 Ok((completions, prompt)) => {
                     out.push(None);
-                    self.requests += 1;
-                    let id = self.requests.to_string();
+                    let id = (self.requests.fetch_add(1, Ordering::Relaxed) + 1).to_string();
                     let (req, ends) = ExternalRequest::new(id, g, prompt, completions, steps);
                     waiting.push((i, req, ends));
                 }
             }
         }
         if let Some(pool) = &self.pool {
-            let calls = waiting.iter().map(|(i, req, ends)| async move {
-                (*i, pool.score(req, ends.as_deref()).await)
-            });
+            let calls = waiting
+                .iter()
+                .map(|(i, req, ends)| async move { (*i, pool.score(req, ends.as_deref()).await) });
             for (i, r) in futures_util::future::join_all(calls).await {
                 out[i] = Some(r.map_err(ScoreError::from));
             }
@@ -288,6 +300,15 @@ pub struct ScoreSummary {
     pub samples: u64,
 }
 
+impl ScoreSummary {
+    fn add(&mut self, other: &ScoreSummary) {
+        self.scored += other.scored;
+        self.failed += other.failed;
+        self.reward_sum += other.reward_sum;
+        self.samples += other.samples;
+    }
+}
+
 /// The scored message of a group with `rewards`, encoded; counted in `summary` and the
 /// metrics (`seconds`: its share of the batch's scoring time).
 fn finish(
@@ -326,58 +347,61 @@ fn finish(
     Ok(Bytes::from(schema::encode(&scored)?))
 }
 
-/// Scores rollouts until shutdown (see the [stage docs](crate::stages)).
+/// Scores rollouts until shutdown (see the [stage docs](crate::stages)): polls while the
+/// batches being scored hold fewer groups than the scorer scores at once (see
+/// [`batches`]), and finishes the batches started before stopping.
 pub async fn run(cfg: &ScoreConfig, mut ctx: StageContext<'_>) -> Result<ScoreSummary, StageError> {
-    let mut scorer = Scorer::new(cfg)?;
+    let scorer = Arc::new(Scorer::new(cfg)?);
+    let capacity = scorer.capacity();
+    let cfg = Arc::new(cfg.clone());
     let mut consumer = ctx
         .consumer::<RolloutGroup>(Stream::Rollouts, ctx.topo.consumer_options())
         .await?;
-    let out_stream = ctx.topo.key(Stream::Scored);
-    let max_len = ctx.topo.max_len(Stream::Scored);
-    let mut summary = ScoreSummary::default();
+    let outlet = batches::Outlet {
+        bus: ctx.bus.clone(),
+        stream: ctx.topo.key(Stream::Scored),
+        max_len: ctx.topo.max_len(Stream::Scored),
+        rollouts: ctx.topo.key(Stream::Rollouts),
+        group: ctx.topo.group(Stream::Rollouts).to_string(),
+    };
+    let mut flight = InFlight::default();
     let retention = ctx.start(&[Stream::Rollouts.as_str()]);
     let mut heartbeat = ctx.heartbeat();
     loop {
+        let s = &flight.summary;
         let fields = [
-            ("groups", summary.scored as f64),
-            ("samples", summary.samples as f64),
-            ("failed", summary.failed as f64),
+            ("groups", s.scored as f64),
+            ("samples", s.samples as f64),
+            ("failed", s.failed as f64),
         ];
         heartbeat.beat(0, &fields).await;
+        while let Some(done) = flight.tasks.try_join_next() {
+            flight.settle(done, &mut consumer).await?;
+        }
+        if flight.groups >= capacity {
+            tokio::select! {
+                biased;
+                _ = ctx.shutdown() => break,
+                Some(done) = flight.tasks.join_next() => flight.settle(done, &mut consumer).await?,
+            }
+            continue;
+        }
         let batch = tokio::select! {
             biased;
             _ = ctx.shutdown() => break,
             b = consumer.poll() => b?,
         };
-        let mut out = Vec::with_capacity(batch.len());
-        let mut done = Vec::with_capacity(batch.len());
-        let began = Instant::now();
-        let groups: Vec<&RolloutGroup> = batch.iter().map(|d| &d.message).collect();
-        let rewards = scorer.rewards(&groups).await;
-        let seconds = began.elapsed().as_secs_f64() / batch.len().max(1) as f64;
-        for (d, r) in batch.iter().zip(rewards) {
-            match r.and_then(|r| finish(cfg, d, r, seconds, &mut summary)) {
-                Ok(scored) => {
-                    out.push(scored);
-                    done.push(d.id);
-                }
-                Err(e) if let Some(reason) = e.dead_letter_reason() => {
-                    summary.failed += 1;
-                    consumer.reject(d, reason, &e.to_string()).await?;
-                }
-                Err(e) => {
-                    summary.failed += 1;
-                    crate::metrics::error(Stage::Score, "scorer");
-                    consumer.fail(d, &e.to_string()).await?;
-                }
-            }
+        if batch.is_empty() {
+            continue;
         }
-        if !out.is_empty() {
-            ctx.bus.publish(&out_stream, &out, max_len).await?;
-            consumer.ack(&done).await?;
-            summary.scored += done.len() as u64;
-        }
+        flight.groups += batch.len();
+        let task = batches::score_batch(scorer.clone(), cfg.clone(), outlet.clone(), batch);
+        flight.tasks.spawn(task);
     }
+    while let Some(done) = flight.tasks.join_next().await {
+        flight.settle(done, &mut consumer).await?;
+    }
+    let summary = flight.summary;
     tracing::info!(
         scored = summary.scored,
         failed = summary.failed,
@@ -387,6 +411,41 @@ pub async fn run(cfg: &ScoreConfig, mut ctx: StageContext<'_>) -> Result<ScoreSu
         r.finish().await;
     }
     Ok(summary)
+}
+
+/// The batches being scored, and what the finished ones added up to.
+#[derive(Default)]
+struct InFlight {
+    tasks: tokio::task::JoinSet<Result<batches::Settled, StageError>>,
+    /// Groups in the batches being scored.
+    groups: usize,
+    summary: ScoreSummary,
+}
+
+impl InFlight {
+    /// Takes in a finished batch: releases its acked rollouts from the consumer, retries or
+    /// dead-letters its failures, and counts it.
+    async fn settle(
+        &mut self,
+        done: Result<Result<batches::Settled, StageError>, tokio::task::JoinError>,
+        consumer: &mut crate::bus::Consumer<RolloutGroup>,
+    ) -> Result<(), StageError> {
+        let settled =
+            done.map_err(|e| StageError::Other(format!("a scoring task failed: {e}")))??;
+        self.groups = self.groups.saturating_sub(settled.groups);
+        consumer.release(&settled.acked);
+        self.summary.add(&settled.summary);
+        for (d, e) in settled.failed {
+            self.summary.failed += 1;
+            if let Some(reason) = e.dead_letter_reason() {
+                consumer.reject(&d, reason, &e.to_string()).await?;
+            } else {
+                crate::metrics::error(Stage::Score, "scorer");
+                consumer.fail(&d, &e.to_string()).await?;
+            }
+        }
+        Ok(())
+    }
 }
 
 #[cfg(test)]

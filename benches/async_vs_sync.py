@@ -23,11 +23,17 @@ seed, one after the other on this machine. Printed per task:
   training temperature) at every N steps against the wall time the step finished at, and
   how much sooner async reaches the sync run's final held-out pass@1 than sync does (both
   at the first evaluated point at or above it); the finals are equal within intervals when
-  their 95% intervals overlap.
+  their 95% intervals overlap. Held-out points are noisy (about ±2 points at 1,000 prompts),
+  so an async run that stops at the sync run's step count may end a little under sync's
+  final and never reach it: `--async-steps M` runs async for M steps instead, which only
+  extends its held-out curve. Every other figure, and the finals compared, are taken at
+  the sync run's steps (the async run's generation counts, drops and staleness excepted:
+  those cover its whole run).
 
 Usage: python3 benches/async_vs_sync.py [--steps 200] [--tasks sort,longsort] [--out DIR]
                                         [--scorer-latency-ms MS] [--scorer-in-flight N]
-                                        [--env-latency-ms MS] [--eval-every N] [--seeds 0,1,2]
+                                        [--env-latency-ms MS] [--eval-every N] [--async-steps M]
+                                        [--seeds 0,1,2]
 Needs nothing but Python 3 and the release binary (built here with cargo).
 
 `--scorer-latency-ms MS` is the latency-bound scenario, the balance of production RL where
@@ -92,9 +98,10 @@ def time_to(rows, target):
     return float("nan")
 
 
-def held_out(summary):
-    """Held-out (before, after) pairs of the run's `rlstream eval` points."""
-    points = summary.get("held_out") or []
+def held_out(summary, upto):
+    """Held-out (before, after) pairs of the run's `rlstream eval` points, after being its
+    last point at or before step `upto`."""
+    points = [p for p in summary.get("held_out") or [] if p["step"] <= upto]
     if not points:
         return {}
     b, a = points[0], points[-1]
@@ -115,6 +122,11 @@ def time_to_pass(points, target):
     return float("nan")
 
 
+def rate(rows):
+    """Trained tokens per second of RL up to the last of `rows`."""
+    return sum(r["tokens"] for r in rows) / rows[-1]["time_s"] if rows and rows[-1]["time_s"] > 0 else float("nan")
+
+
 def tail_mean(rows, key):
     t = rows[-WINDOW:]
     return sum(r[key] for r in t) / max(1, len(t))
@@ -133,20 +145,24 @@ def staleness_text(s):
     return ", ".join(f"{k}: {100 * v / total:.0f}%" for k, v in sorted(s["staleness"].items(), key=lambda kv: int(kv[0])))
 
 
-def bench(binary, task, steps, out, extra, sft_steps, seed):
+def bench(binary, task, steps, out, extra, sft_steps, seed, async_steps):
     model = os.path.join(out, f"sft-{task}")
     if not os.path.exists(model):
         sh([binary, "sft", "--task", task, "--steps", str(sft_steps), "--out", model], os.path.join(out, f"sft-{task}.log"))
     runs = {}
     for mode in ["async", "sync"]:
         d = os.path.join(out, f"{task}-seed{seed}-{mode}")
-        cmd = [binary, "run", "--task", task, "--model", model, "--steps", str(steps), "--out", d, "--plain",
+        n = async_steps if mode == "async" else steps
+        cmd = [binary, "run", "--task", task, "--model", model, "--steps", str(n), "--out", d, "--plain",
                "--seed", str(seed)] + extra
         if mode == "sync":
             cmd.append("--sync")
         sh(cmd, d + ".log")
         runs[mode] = load(d)
-    (sa, ra), (ss, rs) = runs["async"], runs["sync"]
+    (sa, ra_all), (ss, rs) = runs["async"], runs["sync"]
+    # Both modes are compared over the sync run's steps; an async run given more steps
+    # (--async-steps) only extends its held-out curve, to find when it reaches sync's final.
+    ra = [r for r in ra_all if r["step"] <= steps]
     head = lambda rows: sum(r["reward_mean"] for r in rows[:WINDOW]) / max(1, len(rows[:WINDOW]))
     start = (head(ra) + head(rs)) / 2
     final = min(tail_mean(ra, "reward_mean"), tail_mean(rs, "reward_mean"))
@@ -155,10 +171,14 @@ def bench(binary, task, steps, out, extra, sft_steps, seed):
     g_sync, t_sync = stage_times(ss)
     g_async, t_async = stage_times(sa)
     ceiling = (g_sync + t_sync) / max(g_async, t_async)
-    achieved = sa["trained_tokens_per_s"] / ss["trained_tokens_per_s"]
+    tps = {"async": rate(ra), "sync": rate(rs)}
+    achieved = tps["async"] / tps["sync"]
     ca, cs = curve(sa), curve(ss)
     sync_final = cs[-1][2] if cs else float("nan")
     ha, hs = time_to_pass(ca, sync_final), time_to_pass(cs, sync_final)
+    # async's point at the sync run's last step: the finals compared at equal steps
+    at_steps = [p for p in ca if p[0] <= steps]
+    ca_final = at_steps[-1] if at_steps else None
     res = {
         "task": task,
         "steps": steps,
@@ -167,8 +187,10 @@ def bench(binary, task, steps, out, extra, sft_steps, seed):
         "sync_final_pass_at_1": sync_final,
         "time_to_sync_final_s": {"async": ha, "sync": hs},
         "time_to_sync_final_ratio": hs / ha if ha == ha and ha > 0 else float("nan"),
-        "finals_overlap": bool(ca and cs and ca[-1][3] <= cs[-1][4] and cs[-1][3] <= ca[-1][4]),
-        "trained_tokens_per_s": {"async": sa["trained_tokens_per_s"], "sync": ss["trained_tokens_per_s"]},
+        "async_steps": async_steps,
+        "async_final_at_steps": ca_final,
+        "finals_overlap": bool(ca_final and cs and ca_final[3] <= cs[-1][4] and cs[-1][3] <= ca_final[4]),
+        "trained_tokens_per_s": tps,
         "throughput_ratio": achieved,
         "ceiling_ratio": ceiling,
         "of_ceiling": achieved / ceiling,
@@ -177,8 +199,8 @@ def bench(binary, task, steps, out, extra, sft_steps, seed):
         "time_to_target_ratio": ts / ta if ta == ta and ta > 0 else float("nan"),
         "final_reward": {"async": tail_mean(ra, "reward_mean"), "sync": tail_mean(rs, "reward_mean")},
         "final_accuracy": {"async": tail_mean(ra, "accuracy"), "sync": tail_mean(rs, "accuracy")},
-        "wall_s": {"async": sa["wall_s"], "sync": ss["wall_s"]},
-        "eval": {m: held_out(s) for m, s in [("async", sa), ("sync", ss)]},
+        "wall_s": {"async": ra[-1]["time_s"] if ra else float("nan"), "sync": rs[-1]["time_s"] if rs else float("nan")},
+        "eval": {m: held_out(s, steps) for m, s in [("async", sa), ("sync", ss)]},
         "dropped_stale": {"async": sa["dropped"].get("stale", 0), "sync": ss["dropped"].get("stale", 0)},
         "generated_groups": {"async": sa["generated_groups"], "sync": ss["generated_groups"]},
         "gen_idle_fraction": {"async": sa["gen_idle_fraction"], "sync": ss["gen_idle_fraction"]},
@@ -214,11 +236,11 @@ def report(r):
         f"| staleness of trained groups | {r['staleness'][a]} | {r['staleness'][s]} | |",
     ]
     if len(r["held_out_curve"][s]) > 2:
-        fmt = lambda pts: ", ".join(f"{t:.1f} s {100 * m:.1f}%" for step, t, m, _, _ in pts if step > 0)
-        final = lambda pts: f"{100 * pts[-1][2]:.1f}% [{100 * pts[-1][3]:.1f}, {100 * pts[-1][4]:.1f}]"
+        fmt = lambda pts: ", ".join(f"{step}: {t:.1f} s {100 * m:.1f}%" for step, t, m, _, _ in pts if step > 0)
+        final = lambda p: f"{100 * p[2]:.1f}% [{100 * p[3]:.1f}, {100 * p[4]:.1f}]" if p else "-"
         lines += [
-            f"| held-out pass@1 along the run | {fmt(r['held_out_curve'][a])} | {fmt(r['held_out_curve'][s])} | |",
-            f"| final held-out pass@1 [95% interval] | {final(r['held_out_curve'][a])} | {final(r['held_out_curve'][s])} | "
+            f"| held-out pass@1 along the run (step: time, pass@1) | {fmt(r['held_out_curve'][a])} | {fmt(r['held_out_curve'][s])} | |",
+            f"| held-out pass@1 at step {r['steps']} [95% interval] | {final(r['async_final_at_steps'])} | {final(r['held_out_curve'][s][-1])} | "
             + ("equal within intervals |" if r["finals_overlap"] else "**intervals apart** |"),
             f"| time to sync's final held-out pass@1 ({100 * r['sync_final_pass_at_1']:.1f}%) (s) | "
             f"{r['time_to_sync_final_s'][a]:.1f} | {r['time_to_sync_final_s'][s]:.1f} | "
@@ -249,6 +271,10 @@ def main():
     p.add_argument("--eval-every", type=int, default=0,
                    help="held-out pass@1 every this many steps (checkpoints as often), for the curve")
     p.add_argument("--seeds", default="0", help="comma-separated RL seeds, each run in both modes")
+    p.add_argument("--async-steps", type=int, default=0,
+                   help="steps of the async run (default --steps): more extend its held-out curve past "
+                        "the sync run's steps, to find when it reaches sync's final pass@1; "
+                        "every other figure is taken over the first --steps")
     p.add_argument("--env-latency-ms", type=float, default=0.0,
                    help="episode tasks: every environment step waits this long before answering")
     p.add_argument("--sft-steps", type=int, default=100, help="warm-start steps before both runs")
@@ -270,7 +296,8 @@ def main():
     os.makedirs(out, exist_ok=True)
     print(f"runs in {out}; {os.cpu_count()} CPUs", file=sys.stderr)
     seeds = [int(x) for x in args.seeds.split(",")]
-    results = [bench(binary, t, args.steps, out, args.extra, args.sft_steps, seed)
+    async_steps = max(args.async_steps, args.steps)
+    results = [bench(binary, t, args.steps, out, args.extra, args.sft_steps, seed, async_steps)
                for t in args.tasks.split(",") for seed in seeds]
     for r in results:
         r["scorer_latency_ms"] = args.scorer_latency_ms
@@ -282,11 +309,11 @@ def main():
     for r in results:
         print(report(r))
     if len(seeds) > 1:
-        print("| task | seed | async/sync trained tokens/s | sooner to sync's final held-out pass@1 | final held-out pass@1 async / sync |")
+        print("| task | seed | async/sync trained tokens/s | sooner to sync's final held-out pass@1 | held-out pass@1 at the last sync step, async / sync |")
         print("|---|---|---|---|---|")
         for r in results:
-            ca, cs = r["held_out_curve"]["async"], r["held_out_curve"]["sync"]
-            finals = f"{100 * ca[-1][2]:.1f}% / {100 * cs[-1][2]:.1f}%" if ca and cs else "-"
+            ca, cs = r["async_final_at_steps"], r["held_out_curve"]["sync"]
+            finals = f"{100 * ca[2]:.1f}% / {100 * cs[-1][2]:.1f}%" if ca and cs else "-"
             print(f"| {r['task']} | {r['seed']} | {r['throughput_ratio']:.2f}× | {r['time_to_sync_final_ratio']:.2f}× | {finals}"
                   + ("" if r["finals_overlap"] else " (intervals apart)") + " |")
     print(f"results: {os.path.join(out, 'results.json')}")

@@ -53,7 +53,10 @@ fn held_out(summary: &Value) -> Vec<Value> {
         .iter()
         .map(|p| {
             let mut p = p.clone();
-            p.as_object_mut().unwrap().remove("seconds");
+            let fields = p.as_object_mut().unwrap();
+            // Wall-clock times: how long it took, and when its step finished.
+            fields.remove("seconds");
+            fields.remove("time_s");
             p
         })
         .collect()

@@ -5,10 +5,11 @@
 //! itself as soon as it is done; what failed goes back to the stage, whose consumer retries
 //! or dead-letters it.
 
-use super::{ScoreConfig, ScoreError, ScoreSummary, Scorer, finish};
+use super::{ScoreConfig, ScoreError, Scorer, Scores, advantages};
 use crate::bus::{Delivery, EntryId, SharedBus};
-use crate::schema::RolloutGroup;
+use crate::schema::{self, RolloutGroup, ScoredGroup};
 use crate::stages::StageError;
+use bytes::Bytes;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -25,7 +26,7 @@ pub(super) struct Outlet {
 }
 
 /// What became of one batch.
-pub(super) struct Settled {
+pub(super) struct BatchDone {
     /// Groups in the batch.
     pub groups: usize,
     /// Rollouts whose scored groups were published and acked.
@@ -43,7 +44,7 @@ pub(super) async fn score_batch(
     cfg: Arc<ScoreConfig>,
     out: Outlet,
     batch: Vec<Delivery<RolloutGroup>>,
-) -> Result<Settled, StageError> {
+) -> Result<BatchDone, StageError> {
     let began = Instant::now();
     let groups: Vec<&RolloutGroup> = batch.iter().map(|d| &d.message).collect();
     let rewards = scorer.rewards(&groups).await;
@@ -65,10 +66,65 @@ pub(super) async fn score_batch(
         out.bus.ack(&out.rollouts, &out.group, &acked).await?;
         summary.scored += acked.len() as u64;
     }
-    Ok(Settled {
+    Ok(BatchDone {
         groups: n,
         acked,
         failed,
         summary,
     })
+}
+
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct ScoreSummary {
+    pub scored: u64,
+    pub failed: u64,
+    pub reward_sum: f64,
+    pub samples: u64,
+}
+
+impl ScoreSummary {
+    pub(super) fn add(&mut self, other: &ScoreSummary) {
+        self.scored += other.scored;
+        self.failed += other.failed;
+        self.reward_sum += other.reward_sum;
+        self.samples += other.samples;
+    }
+}
+
+/// The scored message of a group with `rewards`, encoded; counted in `summary` and the
+/// metrics (`seconds`: its share of the batch's scoring time).
+fn finish(
+    cfg: &ScoreConfig,
+    d: &Delivery<RolloutGroup>,
+    scores: Scores,
+    seconds: f64,
+    summary: &mut ScoreSummary,
+) -> Result<Bytes, ScoreError> {
+    let Scores {
+        rewards,
+        token_rewards,
+        teacher,
+        from_env,
+    } = scores;
+    let mut adv = advantages(&rewards, cfg.advantage);
+    let coef = if from_env { 0.0 } else { cfg.outcome_coef };
+    adv.iter_mut().for_each(|a| *a *= coef);
+    summary.reward_sum += rewards.iter().map(|&r| f64::from(r)).sum::<f64>();
+    summary.samples += rewards.len() as u64;
+    crate::metrics::scored(
+        rewards.len() as u64,
+        d.message.completion_tokens() as u64,
+        seconds,
+    );
+    let scored = ScoredGroup {
+        schema: ScoredGroup::version_for(&d.message, &token_rewards),
+        rollout: d.message.clone(),
+        rewards,
+        advantages: adv,
+        token_rewards,
+        ref_logprobs: teacher,
+        scorer_id: cfg.name.clone(),
+        scored_us: schema::now_us(),
+    };
+    Ok(Bytes::from(schema::encode(&scored)?))
 }

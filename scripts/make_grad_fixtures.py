@@ -16,6 +16,21 @@ defines them, the PPO loss and the TIS loss and every parameter's gradient, in f
 - TIS: -(min(r, is_cap), without gradient) * A * log-prob;
 - the loss is the sum over completion tokens divided by their number.
 
+and, on the Qwen2 fixture, the other objectives of `src/stages/train/objective.rs` as their
+papers write them (VARIANTS: the `[train]` settings each one runs with):
+
+- GSPO (arXiv 2507.18071): the sequence's ratio s = exp(mean_t (log-prob - behaviour)),
+  carried per token as exp(log-prob - log-prob.detach() + log s.detach()), in PPO's clip;
+- CISPO (arXiv 2506.13585): -(clamp(r, 1 - clip_eps, 1 + clip_eps_high), without gradient)
+  * A * log-prob;
+- dual clip (arXiv 1912.09729): for A < 0, min(PPO's loss, -clip_ratio_c * A);
+- REINFORCE: -min(r, is_cap) * A;
+- KL to the initial model (the same weights here, so log-prob - reference is 0 with a
+  gradient): k1 = log-prob - reference, times kl_coef, aggregated as the loss is;
+- aggregation: token-mean (sum / tokens), seq-mean-token-mean (mean over sequences of each
+  mean), seq-mean-token-sum (mean over sequences of each sum), seq-mean-token-sum-norm (each
+  sum divided by the longest completion, mean over sequences).
+
 Outputs are committed; tests/integration/grad_parity.rs compares rlstream's trainer with them.
 """
 import json
@@ -75,33 +90,82 @@ def logprobs(model, prompt, sample, temperature):
     return torch.stack(out)
 
 
-def loss(model, kind):
+# Each variant's settings beyond the batch's; the names are the fixtures' file names.
+VARIANTS = {
+    "ppo": {"loss": "ppo"},
+    "tis": {"loss": "tis"},
+    "gspo": {"loss": "gspo", "loss_agg_mode": "seq-mean-token-mean"},
+    "cispo": {"loss": "cispo"},
+    "ppo_dual_clip": {"loss": "ppo", "clip_ratio_c": 1.01},
+    "reinforce_seq_sum": {"loss": "reinforce", "loss_agg_mode": "seq-mean-token-sum"},
+    "ppo_sum_norm_k1": {"loss": "ppo", "loss_agg_mode": "seq-mean-token-sum-norm",
+                        "kl_coef": 0.1, "kl_loss_type": "k1"},
+}
+# Variants also made on the Llama fixture.
+BOTH = ("ppo", "tis")
+
+
+def per_token_loss(lp, behaviour, adv, v):
     b = BATCH
-    terms = []
+    lo, hi = 1 - b["clip_eps"], 1 + b["clip_eps_high"]
+    if v["loss"] == "gspo":
+        seq = (lp - behaviour).mean()
+        ratio = torch.exp(torch.clamp(lp - lp.detach() + seq.detach(), max=10.0))
+    else:
+        ratio = torch.exp(lp - behaviour)
+    if v["loss"] in ("ppo", "gspo"):
+        out = -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+        c = v.get("clip_ratio_c", 0.0)
+        if c > 0 and adv < 0:
+            out = torch.minimum(out, torch.full_like(out, -c * adv))
+        return out
+    if v["loss"] == "tis":
+        return -(torch.clamp(ratio, max=b["is_cap"]).detach() * adv * lp)
+    if v["loss"] == "cispo":
+        return -(torch.clamp(ratio, lo, hi).detach() * adv * lp)
+    return -(torch.clamp(ratio, max=b["is_cap"]) * adv)
+
+
+def aggregate(rows, mode):
+    if mode == "token-mean":
+        return torch.cat(rows).sum() / sum(r.numel() for r in rows)
+    if mode == "seq-mean-token-mean":
+        return torch.stack([r.mean() for r in rows]).mean()
+    if mode == "seq-mean-token-sum":
+        return torch.stack([r.sum() for r in rows]).mean()
+    longest = max(r.numel() for r in rows)
+    return torch.stack([r.sum() / longest for r in rows]).mean()
+
+
+def loss(model, v):
+    b = BATCH
+    rows, kl = [], []
     for g in b["groups"]:
         for s, adv in zip(g["samples"], g["advantages"]):
             lp = logprobs(model, g["prompt"], s, b["temperature"])
-            ratio = torch.exp(lp - torch.tensor(s["logprobs"]))
-            if kind == "ppo":
-                clipped = torch.clamp(ratio, 1 - b["clip_eps"], 1 + b["clip_eps_high"])
-                terms.append(-torch.minimum(ratio * adv, clipped * adv))
-            else:
-                terms.append(-(torch.clamp(ratio, max=b["is_cap"]).detach() * adv * lp))
-    per_token = torch.cat(terms)
-    return per_token.sum() / per_token.numel()
+            rows.append(per_token_loss(lp, torch.tensor(s["logprobs"]), adv, v))
+            kl.append(lp - lp.detach())  # k1 against the initial (same) weights
+    mode = v.get("loss_agg_mode", "token-mean")
+    value = aggregate(rows, mode)
+    if v.get("kl_coef", 0.0) > 0:
+        value = value + v["kl_coef"] * aggregate(kl, mode)
+    return value
 
 
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
-    (OUT / "batch.json").write_text(json.dumps(BATCH, indent=1) + "\n")
+    batch = dict(BATCH, variants=VARIANTS)
+    (OUT / "batch.json").write_text(json.dumps(batch, indent=1) + "\n")
     losses = {"transformers": transformers.__version__, "torch": torch.__version__}
     for name in ("qwen2", "llama"):
         model = transformers.AutoModelForCausalLM.from_pretrained(
             MODELS / name, dtype=torch.float32
         ).eval()
-        for kind in ("ppo", "tis"):
+        for kind, v in VARIANTS.items():
+            if name != "qwen2" and kind not in BOTH:
+                continue
             model.zero_grad()
-            value = loss(model, kind)
+            value = loss(model, v)
             value.backward()
             grads = {
                 n: p.grad.detach().contiguous()

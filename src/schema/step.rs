@@ -20,6 +20,8 @@ pub struct StepRecord {
     pub accuracy: f64,
     /// (Σr)² / (N·Σr²) over tokens: 1 when on-policy.
     pub ess: f64,
+    /// Share of tokens whose loss the objective's clip changed (docs/objectives.md, "The
+    /// step record").
     pub clip_fraction: f64,
     pub ratio_mean: f64,
     pub ratio_max: f64,

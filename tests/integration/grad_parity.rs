@@ -1,16 +1,19 @@
-//! The trainer's loss and every parameter's gradient match PyTorch's for one PPO and one
-//! TIS batch on the tiny Qwen2 (tied embeddings, q/k/v biases) and Llama fixtures, within
+//! The trainer's loss and every parameter's gradient match PyTorch's on one batch, within
 //! 1e-4, sampling mask and temperature included (`tests/fixtures/grads`, made by
-//! `scripts/make_grad_fixtures.py`); and running the step in micro-batches gives the same
-//! loss and gradients as one pass, within 1e-5. A faster loss that is wrong fails here.
+//! `scripts/make_grad_fixtures.py`): PPO and TIS on the tiny Qwen2 (tied embeddings, q/k/v
+//! biases) and Llama fixtures, and on Qwen2 every other objective, aggregation mode, dual
+//! clip and KL estimator the fixture's `variants` list (each the `[train]` settings it runs
+//! with); and running the step in micro-batches gives the same loss and gradients as one
+//! pass, within 1e-5. A faster loss that is wrong fails here.
 
 use rlstream::config::{PolicySettings, TrainConfig};
 use rlstream::model::tensors::{TensorMap, safetensors_to_tensors};
 use rlstream::schema::{
     self, FinishReason, RolloutGroup, Sample, SamplingMask, SchemaVersion, ScoredGroup, VersionRun,
 };
-use rlstream::stages::train::{LossKind, Trainer, TrainerSettings};
+use rlstream::stages::train::{Trainer, TrainerSettings};
 use serde::Deserialize;
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 #[derive(Deserialize)]
@@ -20,6 +23,8 @@ struct Batch {
     clip_eps_high: f32,
     is_cap: f32,
     groups: Vec<Group>,
+    /// Each variant's `[train]` settings beyond the batch's, by fixture name.
+    variants: BTreeMap<String, serde_json::Map<String, serde_json::Value>>,
 }
 
 #[derive(Deserialize)]
@@ -94,7 +99,23 @@ fn groups(b: &Batch) -> Vec<ScoredGroup> {
         .collect()
 }
 
-fn trainer(model: &str, loss: LossKind, micro_batch_tokens: usize, b: &Batch) -> Trainer {
+/// `[train]` settings with the batch's clip ranges and cap, `over` laid on top (field names
+/// and values as in a config file).
+fn train_config(b: &Batch, over: &serde_json::Map<String, serde_json::Value>) -> TrainConfig {
+    let base = TrainConfig {
+        clip_eps: b.clip_eps,
+        clip_eps_high: b.clip_eps_high,
+        is_cap: b.is_cap,
+        ..TrainConfig::default()
+    };
+    let mut fields = serde_json::to_value(base).expect("settings as JSON");
+    for (k, v) in over {
+        fields[k] = v.clone();
+    }
+    serde_json::from_value(fields).expect("the variant's settings")
+}
+
+fn trainer(model: &str, train: TrainConfig, micro_batch_tokens: usize, b: &Batch) -> Trainer {
     let dir = tempfile::tempdir().expect("tmp");
     let settings = TrainerSettings {
         policy: PolicySettings {
@@ -103,13 +124,9 @@ fn trainer(model: &str, loss: LossKind, micro_batch_tokens: usize, b: &Batch) ->
             ..PolicySettings::default()
         },
         train: TrainConfig {
-            loss,
-            clip_eps: b.clip_eps,
-            clip_eps_high: b.clip_eps_high,
-            is_cap: b.is_cap,
             micro_batch_tokens,
             checkpoint_dir: dir.path().join("ckpt"),
-            ..TrainConfig::default()
+            ..train
         },
     };
     Trainer::start(&settings).expect("trainer")
@@ -140,11 +157,16 @@ fn loss_and_gradients_match_pytorch() {
     let refs: Vec<&ScoredGroup> = gs.iter().collect();
     let text = std::fs::read_to_string(fixtures().join("grads/losses.json")).expect("losses");
     let losses: serde_json::Value = serde_json::from_str(&text).expect("losses.json");
+    let mut checked = 0;
     for model in ["qwen2", "llama"] {
-        for (loss, kind) in [(LossKind::Ppo, "ppo"), (LossKind::Tis, "tis")] {
-            let t = trainer(model, loss, 0, &b);
-            let (ours, stats) = t.named_gradients(&refs).expect("gradients");
+        for (kind, over) in &b.variants {
             let path = fixtures().join(format!("grads/{model}_{kind}.safetensors"));
+            if !path.exists() {
+                continue;
+            }
+            let train = train_config(&b, over);
+            let t = trainer(model, train, 0, &b);
+            let (ours, stats) = t.named_gradients(&refs).expect("gradients");
             let bytes = std::fs::read(&path).expect("fixture");
             let theirs = safetensors_to_tensors(&bytes, Some(&path)).expect("safetensors");
             assert_eq!(ours.len(), theirs.len(), "{model} {kind}: parameter count");
@@ -156,8 +178,13 @@ fn loss_and_gradients_match_pytorch() {
             );
             let (d, name) = max_diff(&ours, &theirs);
             assert!(d < 1e-4, "{model} {kind}: gradient of {name} off by {d}");
+            checked += 1;
         }
     }
+    assert!(
+        checked >= b.variants.len() + 2,
+        "{checked} fixtures checked"
+    );
 }
 
 #[test]
@@ -165,20 +192,22 @@ fn micro_batches_add_up_to_the_whole_batch() {
     let b = batch();
     let gs = groups(&b);
     let refs: Vec<&ScoredGroup> = gs.iter().collect();
-    for loss in [LossKind::Ppo, LossKind::Tis] {
-        let (whole, s1) = trainer("qwen2", loss, 0, &b)
+    // Every variant: a sequence-level ratio or a per-sequence weight must not change when a
+    // step is split.
+    for (kind, over) in &b.variants {
+        let (whole, s1) = trainer("qwen2", train_config(&b, over), 0, &b)
             .named_gradients(&refs)
             .expect("one pass");
         // Samples hold 4 to 8 tokens: 8 runs each alone, 13 pairs the middle two.
         for micro in [8, 13] {
-            let (parts, s2) = trainer("qwen2", loss, micro, &b)
+            let (parts, s2) = trainer("qwen2", train_config(&b, over), micro, &b)
                 .named_gradients(&refs)
                 .expect("micro-batches");
-            assert!((s1.loss - s2.loss).abs() < 1e-6, "{loss:?} {micro}: loss");
+            assert!((s1.loss - s2.loss).abs() < 1e-6, "{kind} {micro}: loss");
             assert_eq!(s1.tokens, s2.tokens);
             assert!((s1.ratio_mean - s2.ratio_mean).abs() < 1e-6);
             let (d, name) = max_diff(&parts, &whole);
-            assert!(d < 1e-5, "{loss:?} {micro}: gradient of {name} off by {d}");
+            assert!(d < 1e-5, "{kind} {micro}: gradient of {name} off by {d}");
         }
     }
 }

@@ -13,8 +13,42 @@ pub enum LossKind {
     Tis,
     /// REINFORCE with the ratio capped: −min(r, C)·A.
     Reinforce,
+    /// GSPO: PPO's clipped surrogate on each sequence's ratio exp(mean log π/μ) (arXiv 2507.18071); use it with loss_agg_mode seq-mean-token-mean and a small clip range (3e-4 / 4e-4 in the paper).
+    Gspo,
+    /// CISPO: −sg(clip(r, 1−ε, 1+ε_high))·A·log π, every token keeping its gradient (MiniMax-M1, arXiv 2506.13585); the paper bounds only above, so give a large clip_eps_high.
+    Cispo,
 }
 crate::enum_setting!(LossKind);
+
+/// How a step's per-token losses become its loss (verl's `loss_agg_mode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum LossAgg {
+    /// Every token of the step alike: Σ loss / tokens (DAPO's token-level loss).
+    TokenMean,
+    /// Each sequence's mean over its tokens, averaged over sequences (GRPO's original form).
+    SeqMeanTokenMean,
+    /// Each sequence's sum over its tokens, averaged over sequences.
+    SeqMeanTokenSum,
+    /// Each sequence's sum divided by one constant length (loss_scale_factor, else the step's longest completion), averaged over sequences (Dr. GRPO).
+    SeqMeanTokenSumNorm,
+}
+crate::enum_setting!(LossAgg);
+
+/// The estimator of KL(π_θ ‖ π_ref) in the loss (verl's `kl_loss_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum KlKind {
+    /// log π − log π_ref.
+    K1,
+    /// (log π − log π_ref)² / 2.
+    K2,
+    /// π_ref/π − log(π_ref/π) − 1: unbiased and never negative.
+    K3,
+    /// k3 clamped to [−10, 10].
+    LowVarKl,
+}
+crate::enum_setting!(KlKind);
 
 /// Which experts a mixture-of-experts policy's tokens run through in the trainer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -41,14 +75,22 @@ crate::settings! {
         pub max_grad_norm: f32 = 1.0,
         /// Run each step in micro-batches of at most this many prompt + completion tokens, accumulating gradients (0: one pass); bounds activation memory.
         pub micro_batch_tokens: usize = 0,
-        /// PPO clip range below 1.
+        /// How per-token losses become the step's loss: token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm (verl's loss_agg_mode).
+        pub loss_agg_mode: LossAgg = LossAgg::TokenMean,
+        /// seq-mean-token-sum-norm: the length each sequence's loss sum is divided by (Dr. GRPO's generation budget); 0: the step's longest completion.
+        pub loss_scale_factor: f32 = 0.0,
+        /// Clip range below 1 (ppo, gspo, cispo).
         pub clip_eps: f32 = 0.2,
-        /// PPO clip range above 1.
+        /// Clip range above 1 (ppo, gspo, cispo).
         pub clip_eps_high: f32 = 0.28,
+        /// Dual clip (ppo, gspo): a token with a negative advantage loses at most clip_ratio_c · |A| however large its ratio (verl's clip_ratio_c, 3 there); 0 disables, else it must exceed 1.
+        pub clip_ratio_c: f32 = 0.0,
         /// Truncation of the importance weight (tis) and cap of the ratio (reinforce).
         pub is_cap: f32 = 2.0,
-        /// KL penalty to the initial policy (0 disables).
+        /// KL penalty to the initial policy in the loss (0 disables; verl's kl_loss_coef).
         pub kl_coef: f32 = 0.0,
+        /// The KL estimator: k1, k2, k3 or low-var-kl (verl's kl_loss_type).
+        pub kl_loss_type: KlKind = KlKind::K3,
         /// Discount γ of rewards placed on tokens (a scorer's token_rewards): each token's advantage adds its return Σ γ^k·r over the rewards at or after it, less the group's mean; 1 credits a step's reward to every token before it, 0 keeps each reward on its own token.
         pub token_discount: f32 = 1.0,
         /// Publish weights every this many steps.
@@ -104,13 +146,21 @@ impl TrainConfig {
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return Err(invalid("train.lr", "must be > 0"));
         }
-        for (k, v) in [
-            ("train.clip_eps", self.clip_eps),
-            ("train.clip_eps_high", self.clip_eps_high),
-        ] {
-            if !(v.is_finite() && v > 0.0 && v < 1.0) {
-                return Err(invalid(k, "must be in (0, 1)"));
-            }
+        if !(self.clip_eps.is_finite() && self.clip_eps > 0.0 && self.clip_eps < 1.0) {
+            return Err(invalid("train.clip_eps", "must be in (0, 1)"));
+        }
+        if !(self.clip_eps_high.is_finite() && self.clip_eps_high > 0.0) {
+            return Err(invalid("train.clip_eps_high", "must be > 0"));
+        }
+        if !(self.clip_ratio_c == 0.0 || (self.clip_ratio_c.is_finite() && self.clip_ratio_c > 1.0))
+        {
+            return Err(invalid(
+                "train.clip_ratio_c",
+                "must be 0 (off) or more than 1",
+            ));
+        }
+        if !(self.loss_scale_factor.is_finite() && self.loss_scale_factor >= 0.0) {
+            return Err(invalid("train.loss_scale_factor", "must be >= 0"));
         }
         if !(self.is_cap.is_finite() && self.is_cap >= 1.0) {
             return Err(invalid("train.is_cap", "must be >= 1"));

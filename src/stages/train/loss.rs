@@ -1,8 +1,9 @@
-//! The objective: per-token importance ratios against the behaviour log-probs, the PPO,
-//! TIS or capped-REINFORCE surrogate, the optional KL to the initial policy, and the step's
-//! statistics.
+//! The loss of a batch on the model: the samples' log-probs, advantages and behaviour
+//! log-probs put into the objective ([`objective`]: ratios, surrogate, KL, aggregation),
+//! and the step's statistics.
 
-use super::{LossKind, RoutingMode, TrainerSettings, credit};
+use super::objective::{self, Norm};
+use super::{LossAgg, RoutingMode, TrainerSettings, credit};
 use crate::model::logprobs::{Routed, ScoredSeq, completion_logprobs, completion_logprobs_routed};
 use crate::model::{Kernels, ModelError, Policy};
 use crate::schema::{ScoredGroup, StepRecord};
@@ -117,20 +118,26 @@ impl<'a> Samples<'a> {
     }
 }
 
-/// The model's completion tokens of `groups` (an episode's environment tokens are
-/// context): what a step's loss is averaged over.
+/// Each sample's model completion tokens in `groups` (an episode's environment tokens are
+/// context).
+fn sample_tokens<'a>(groups: &'a [&ScoredGroup]) -> impl Iterator<Item = usize> + 'a {
+    groups.iter().flat_map(|g| &g.rollout.samples).map(|s| {
+        if s.env.is_empty() {
+            s.tokens.len()
+        } else {
+            s.model_tokens().iter().filter(|&&o| o).count()
+        }
+    })
+}
+
+/// The model's completion tokens of `groups`: what a step is shared among ranks by.
 pub fn tokens(groups: &[&ScoredGroup]) -> usize {
-    groups
-        .iter()
-        .flat_map(|g| &g.rollout.samples)
-        .map(|s| {
-            if s.env.is_empty() {
-                s.tokens.len()
-            } else {
-                s.model_tokens().iter().filter(|&&o| o).count()
-            }
-        })
-        .sum()
+    sample_tokens(groups).sum()
+}
+
+/// What the loss of a step on `groups` is divided by (see [`Norm`]).
+pub fn norm(groups: &[&ScoredGroup], cfg: &TrainerSettings) -> Norm {
+    Norm::of(sample_tokens(groups), &cfg.train)
 }
 
 /// What one micro-batch's part of the loss leaves for the step's statistics: host copies
@@ -138,6 +145,8 @@ pub fn tokens(groups: &[&ScoredGroup]) -> usize {
 #[derive(Debug, Default)]
 pub struct Part {
     r: Vec<f32>,
+    /// Each token's advantage: whether its clip binds depends on its sign.
+    a: Vec<f32>,
     v: Vec<f32>,
     l: Vec<f32>,
     loss: f64,
@@ -146,15 +155,15 @@ pub struct Part {
     routing: crate::model::logprobs::RoutingStats,
 }
 
-/// The loss of the samples in `range`: their per-token surrogate (and KL) summed and
-/// divided by `n_tokens`, the whole batch's token count, so that the parts of a batch add
-/// up to its loss and their gradients to its gradient.
+/// The loss of the samples in `range`: their per-token surrogate (and KL) weighted by the
+/// step's `norm` (token-mean: divided by the whole step's token count), so that the parts
+/// of a step add up to its loss and their gradients to its gradient.
 pub fn part<B: AutodiffBackend + Kernels>(
     model: &Policy<B>,
     reference: Option<&Policy<B::InnerBackend>>,
     samples: &Samples,
     range: Range<usize>,
-    n_tokens: f32,
+    norm: &Norm,
     cfg: &TrainerSettings,
 ) -> Result<(Tensor<B, 1>, Part), ModelError>
 where
@@ -198,23 +207,31 @@ where
         valid
     };
     let mu = Tensor::<B, 2>::from_data(TensorData::new(mu, [b, c]), &device);
-    let a_tok = Tensor::<B, 2>::from_data(TensorData::new(a_tok, [b, c]), &device);
-    let log_ratio = (lp.clone() - mu) * valid.clone();
-    let ratio = log_ratio.clone().exp();
-    let per_token = surrogate(ratio.clone(), a_tok, lp.clone(), cfg);
-    let mut total = (per_token * valid.clone()).sum().div_scalar(n_tokens);
+    let adv = Tensor::<B, 2>::from_data(TensorData::new(a_tok.clone(), [b, c]), &device);
+    let t = &cfg.train;
+    let (ratio, _) = objective::ratios(&lp, mu, &valid, t.loss);
+    let per_token = objective::surrogate(ratio.clone(), adv, lp.clone(), t);
+    // Token-mean divides one sum by the step's tokens (as it always has, bit for bit); the
+    // other modes weigh each row.
+    let weighted = |x: Tensor<B, 2>| match t.loss_agg_mode {
+        LossAgg::TokenMean => (x * valid.clone()).sum().div_scalar(norm.tokens),
+        agg => {
+            let w = objective::row_weights(&valid, norm, agg).repeat_dim(1, c);
+            (x * valid.clone() * w).sum()
+        }
+    };
+    let mut total = weighted(per_token);
     let mut ref_kl = 0.0;
-    if let (Some(reference), true) = (reference, cfg.train.kl_coef > 0.0) {
+    if let (Some(reference), true) = (reference, t.kl_coef > 0.0) {
         let (ref_lp, _) = completion_logprobs(reference, seqs, cfg.policy.temperature);
         let ref_lp = Tensor::<B, 2>::from_inner(ref_lp);
-        let d = (ref_lp - lp.clone()) * valid.clone();
-        let k3 = (d.clone().exp() - d - 1.0) * valid.clone();
-        let kl = k3.sum().div_scalar(n_tokens);
+        let kl = weighted(objective::kl(lp.clone(), ref_lp, t.kl_loss_type) * valid.clone());
         ref_kl = f64::from(scalar(kl.clone().detach())?);
-        total = total + kl.mul_scalar(cfg.train.kl_coef);
+        total = total + kl.mul_scalar(t.kl_coef);
     }
     let part = Part {
         r: host(ratio.detach())?,
+        a: a_tok,
         v: host(valid)?,
         l: host(lp.detach())?,
         loss: f64::from(scalar(total.clone().detach())?),
@@ -251,7 +268,7 @@ impl TokenSums {
             s.ref_kl += p.ref_kl;
             s.compared += p.routing.compared as u64;
             s.differ += p.routing.differ as u64;
-            s.tokens(&p.r, &p.v, &p.l, cfg);
+            s.tokens(p, cfg);
         }
         s
     }
@@ -272,29 +289,23 @@ impl TokenSums {
         self.nll += o.nll;
     }
 
-    /// Adds the real tokens (`v` = 1) of one part from the host copies of its ratios `r`
-    /// and log-probs `l`.
-    fn tokens(&mut self, r: &[f32], v: &[f32], l: &[f32], cfg: &TrainerSettings) {
-        for i in 0..r.len() {
-            if v[i] == 0.0 {
+    /// Adds the real tokens (`v` = 1) of one part from the host copies of its ratios,
+    /// advantages and log-probs.
+    fn tokens(&mut self, p: &Part, cfg: &TrainerSettings) {
+        for i in 0..p.r.len() {
+            if p.v[i] == 0.0 {
                 continue;
             }
-            let ri = f64::from(r[i]);
+            let ri = f64::from(p.r[i]);
             self.sum_r += ri;
             self.sum_r2 += ri * ri;
             self.n += 1.0;
             self.r_max = self.r_max.max(ri);
-            let out = match cfg.train.loss {
-                LossKind::Ppo => {
-                    ri < f64::from(1.0 - cfg.train.clip_eps)
-                        || ri > f64::from(1.0 + cfg.train.clip_eps_high)
-                }
-                LossKind::Tis | LossKind::Reinforce => ri > f64::from(cfg.train.is_cap),
-            };
+            let out = objective::clipped(ri, f64::from(p.a[i]), &cfg.train);
             self.clipped += f64::from(u8::from(out));
             self.mkl += ri - 1.0 - ri.ln();
             self.gap += ri.ln().abs();
-            self.nll -= f64::from(l[i]);
+            self.nll -= f64::from(p.l[i]);
         }
     }
 
@@ -380,25 +391,6 @@ fn teacher_kl(groups: &[&ScoredGroup]) -> Option<f64> {
     (n > 0).then(|| sum / n as f64)
 }
 
-/// The per-token surrogate loss (negated objective) of the configured kind.
-fn surrogate<B: AutodiffBackend>(
-    ratio: Tensor<B, 2>,
-    a_tok: Tensor<B, 2>,
-    lp: Tensor<B, 2>,
-    cfg: &TrainerSettings,
-) -> Tensor<B, 2> {
-    let t = &cfg.train;
-    match t.loss {
-        LossKind::Ppo => {
-            let unclipped = ratio.clone() * a_tok.clone();
-            let clipped = ratio.clamp(1.0 - t.clip_eps, 1.0 + t.clip_eps_high) * a_tok;
-            unclipped.min_pair(clipped).neg()
-        }
-        LossKind::Tis => (ratio.detach().clamp_max(t.is_cap) * a_tok * lp).neg(),
-        LossKind::Reinforce => (ratio.clamp_max(t.is_cap) * a_tok).neg(),
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -478,7 +470,9 @@ mod tests {
         let loss_grads = |g: &ScoredGroup| {
             let samples = Samples::of(&[g], cfg.train.token_discount);
             assert_eq!(tokens(&[g]), 2);
-            let (total, _) = part(&model, None, &samples, 0..1, 2.0, &cfg).unwrap();
+            let norm = norm(&[g], &cfg);
+            assert_eq!(norm.tokens, 2.0);
+            let (total, _) = part(&model, None, &samples, 0..1, &norm, &cfg).unwrap();
             let grads = total.backward();
             (
                 host2(model.embed.weight.val().grad(&grads).unwrap()),
@@ -549,7 +543,8 @@ mod tests {
         let run = |g: &ScoredGroup, discount: f32| {
             let samples = Samples::of(&[g], discount);
             let n = tokens(&[g]);
-            let (total, part) = part(&model, None, &samples, 0..2, n as f32, &cfg).unwrap();
+            let (total, part) =
+                part(&model, None, &samples, 0..2, &norm(&[g], &cfg), &cfg).unwrap();
             let grads = total.backward();
             let e = host2(model.embed.weight.val().grad(&grads).unwrap());
             (n, part.loss, e)

@@ -22,6 +22,7 @@ mod config;
 pub mod credit;
 pub mod intake;
 mod loss;
+pub mod objective;
 mod ranks;
 mod state;
 mod trainer;

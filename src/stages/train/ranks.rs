@@ -313,11 +313,11 @@ pub fn step(
     loop {
         let subset: Vec<&ScoredGroup> = kept.iter().map(|&i| groups[i]).collect();
         let tokens: Vec<usize> = subset.iter().map(|g| loss::tokens(&[*g])).collect();
-        let n_tokens = loss::tokens(&subset);
+        let norm = loss::norm(&subset, trainer.settings());
         let mut shares = collective::shares(&tokens, c.world());
         let mine = std::mem::take(&mut shares[c.rank()]);
         let share: Vec<&ScoredGroup> = mine.iter().map(|&i| subset[i]).collect();
-        let (status, grads) = match contained(&share, |g| trainer.gradients_over(g, n_tokens)) {
+        let (status, grads) = match contained(&share, |g| trainer.gradients_over(g, &norm)) {
             Ok(Ok((g, sums))) => (Status::Done(sums), Some(g)),
             Ok(Err(e)) => (Status::Failed(e.to_string()), None),
             Err(panic) if first_panic.is_none() => {

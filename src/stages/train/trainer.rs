@@ -5,6 +5,7 @@ use super::TrainerSettings;
 use super::adamw::{FusedAdamW, GradScaleHandle, SquaredNorm};
 use super::checkpoint::{self, CheckpointError, MODEL_RECORD, OPTIM_RECORD};
 use super::loss::{self, Samples, TokenSums};
+use super::objective::Norm;
 use super::state::{REMEMBERED_GROUPS, TrainerState};
 use crate::collective::{self, Collective, ReduceDtype};
 use crate::model::hf::load_hf;
@@ -337,7 +338,7 @@ impl<B: TrainOn> TrainerOn<B> {
     /// leaves the weights untouched.
     pub fn step(&mut self, groups: &[&ScoredGroup]) -> Result<StepRecord, ModelError> {
         let started = Instant::now();
-        let (grads, sums) = self.gradients_over(groups, loss::tokens(groups))?;
+        let (grads, sums) = self.gradients_over(groups, &loss::norm(groups, &self.cfg))?;
         Ok(self.apply(grads, sums.record(groups), groups, started))
     }
 
@@ -396,23 +397,22 @@ impl<B: TrainOn> TrainerOn<B> {
         &self,
         groups: &[&ScoredGroup],
     ) -> Result<(GradientsParams, StepRecord), ModelError> {
-        let (grads, sums) = self.gradients_over(groups, loss::tokens(groups))?;
+        let (grads, sums) = self.gradients_over(groups, &loss::norm(groups, &self.cfg))?;
         Ok((grads, sums.record(groups)))
     }
 
-    /// [`Trainer::gradients`] of `groups` as one share of a step over `n_tokens` tokens in
-    /// all: each token's loss is divided by the step's count, so the shares' gradients add
-    /// up to the step's gradient. No share, no gradient.
+    /// [`Trainer::gradients`] of `groups` as one share of a step whose loss is divided by
+    /// `norm` (its tokens and sequences in all), so the shares' gradients add up to the
+    /// step's gradient. No share, no gradient.
     pub fn gradients_over(
         &self,
         groups: &[&ScoredGroup],
-        n_tokens: usize,
+        norm: &Norm,
     ) -> Result<(GradientsParams, TokenSums), ModelError> {
         if groups.is_empty() {
             return Ok((GradientsParams::new(), TokenSums::default()));
         }
         let samples = Samples::of(groups, self.cfg.train.token_discount);
-        let n_tokens = n_tokens.max(1) as f32;
         let batches = samples.micro_batches(self.cfg.train.micro_batch_tokens);
         // Each weight packed for the CPU's products once for all the micro-batches and the
         // head's chunks, forward and backward, where it is used more than once (the kept
@@ -423,14 +423,7 @@ impl<B: TrainOn> TrainerOn<B> {
         let mut parts = Vec::new();
         for range in batches {
             let reference = self.reference.as_ref();
-            let (l, part) = loss::part(
-                self.model(),
-                reference,
-                &samples,
-                range,
-                n_tokens,
-                &self.cfg,
-            )?;
+            let (l, part) = loss::part(self.model(), reference, &samples, range, norm, &self.cfg)?;
             sum.accumulate(
                 self.model(),
                 GradientsParams::from_grads(l.backward(), self.model()),

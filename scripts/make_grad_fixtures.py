@@ -25,6 +25,9 @@ papers write them (VARIANTS: the `[train]` settings each one runs with):
   * A * log-prob;
 - dual clip (arXiv 1912.09729): for A < 0, min(PPO's loss, -clip_ratio_c * A);
 - REINFORCE: -min(r, is_cap) * A;
+- off-policy masking: a token whose ratio (token) or whose sequence's geometric-mean ratio
+  exp(mean_t log r) (sequence) lies outside [is_mask_low, is_mask_high] drops out of the
+  loss, still counting in the aggregation's denominators;
 - KL to the initial model (the same weights here, so log-prob - reference is 0 with a
   gradient): k1 = log-prob - reference, times kl_coef, aggregated as the loss is;
 - aggregation: token-mean (sum / tokens), seq-mean-token-mean (mean over sequences of each
@@ -34,6 +37,7 @@ papers write them (VARIANTS: the `[train]` settings each one runs with):
 Outputs are committed; tests/integration/grad_parity.rs compares rlstream's trainer with them.
 """
 import json
+import math
 import pathlib
 
 import torch
@@ -100,9 +104,26 @@ VARIANTS = {
     "reinforce_seq_sum": {"loss": "reinforce", "loss_agg_mode": "seq-mean-token-sum"},
     "ppo_sum_norm_k1": {"loss": "ppo", "loss_agg_mode": "seq-mean-token-sum-norm",
                         "kl_coef": 0.1, "kl_loss_type": "k1"},
+    "ppo_token_mask": {"loss": "ppo", "is_mask": "token", "is_mask_low": 0.8, "is_mask_high": 1.25},
+    "cispo_sequence_mask": {"loss": "cispo", "is_mask": "sequence", "is_mask_low": 0.8,
+                            "is_mask_high": 1.25},
 }
 # Variants also made on the Llama fixture.
 BOTH = ("ppo", "tis")
+
+
+def kept(lp, behaviour, v):
+    """1 where off-policy masking keeps a token, else 0 (no gradient)."""
+    lo, hi = v.get("is_mask_low", 0.5), v.get("is_mask_high", 2.0)
+    log_ratio = (lp - behaviour).detach()
+    mode = v.get("is_mask", "none")
+    if mode == "token":
+        inside = log_ratio
+    elif mode == "sequence":
+        inside = log_ratio.mean().expand_as(log_ratio)
+    else:
+        return torch.ones_like(lp)
+    return ((inside >= math.log(lo)) & (inside <= math.log(hi))).float()
 
 
 def per_token_loss(lp, behaviour, adv, v):
@@ -143,7 +164,8 @@ def loss(model, v):
     for g in b["groups"]:
         for s, adv in zip(g["samples"], g["advantages"]):
             lp = logprobs(model, g["prompt"], s, b["temperature"])
-            rows.append(per_token_loss(lp, torch.tensor(s["logprobs"]), adv, v))
+            behaviour = torch.tensor(s["logprobs"])
+            rows.append(per_token_loss(lp, behaviour, adv, v) * kept(lp, behaviour, v))
             kl.append(lp - lp.detach())  # k1 against the initial (same) weights
     mode = v.get("loss_agg_mode", "token-mean")
     value = aggregate(rows, mode)

@@ -55,6 +55,7 @@ pub const ACCURACY: &str = "rlstream_accuracy";
 pub const LOSS: &str = "rlstream_loss";
 pub const IS_ESS: &str = "rlstream_is_ess";
 pub const CLIP_FRACTION: &str = "rlstream_clip_fraction";
+pub const MASKED_FRACTION: &str = "rlstream_masked_fraction";
 pub const KL: &str = "rlstream_kl";
 pub const ENTROPY: &str = "rlstream_entropy";
 pub const TEACHER_KL: &str = "rlstream_teacher_kl";
@@ -312,7 +313,14 @@ fn describe() {
         IS_ESS,
         "Effective sample size of the importance weights, normalised (1 = on-policy)."
     );
-    describe_gauge!(CLIP_FRACTION, "Fraction of tokens whose ratio was clipped.");
+    describe_gauge!(
+        CLIP_FRACTION,
+        "Fraction of tokens whose loss the objective's clip changed."
+    );
+    describe_gauge!(
+        MASKED_FRACTION,
+        "Fraction of tokens off-policy masking (train.is_mask) dropped from the loss."
+    );
     describe_gauge!(
         KL,
         "Mismatch KL between behaviour and current policy on sampled tokens."
@@ -566,6 +574,7 @@ pub fn trained(s: &StepRecord, samples: u64) {
     gauge!(LOSS).set(s.loss);
     gauge!(IS_ESS).set(s.ess);
     gauge!(CLIP_FRACTION).set(s.clip_fraction);
+    gauge!(MASKED_FRACTION).set(s.masked_fraction);
     gauge!(KL).set(s.mismatch_kl);
     gauge!(ENTROPY).set(s.entropy);
     if let Some(kl) = s.teacher_kl {

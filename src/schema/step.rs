@@ -23,6 +23,8 @@ pub struct StepRecord {
     /// Share of tokens whose loss the objective's clip changed (docs/objectives.md, "The
     /// step record").
     pub clip_fraction: f64,
+    /// Share of tokens off-policy masking dropped from the loss (`train.is_mask`).
+    pub masked_fraction: f64,
     pub ratio_mean: f64,
     pub ratio_max: f64,
     /// KL(μ‖π) estimated on the sampled tokens (k3).

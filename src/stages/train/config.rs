@@ -50,6 +50,20 @@ pub enum KlKind {
 }
 crate::enum_setting!(KlKind);
 
+/// Off-policy masking: what drops out of the loss when its ratio π_θ/μ leaves
+/// [is_mask_low, is_mask_high].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum IsMask {
+    /// Nothing.
+    None,
+    /// Each token whose own ratio is outside the band (IcePop; TRL's token_mask).
+    Token,
+    /// Every token of a sequence whose geometric-mean ratio exp(mean log π_θ/μ) is outside the band (verl's geometric rejection; TRL's sequence_mask).
+    Sequence,
+}
+crate::enum_setting!(IsMask);
+
 /// Which experts a mixture-of-experts policy's tokens run through in the trainer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -87,6 +101,12 @@ crate::settings! {
         pub clip_ratio_c: f32 = 0.0,
         /// Truncation of the importance weight (tis) and cap of the ratio (reinforce).
         pub is_cap: f32 = 2.0,
+        /// Off-policy masking: none, token (drop each token whose ratio π_θ/μ leaves [is_mask_low, is_mask_high]) or sequence (drop every token of a sequence whose geometric-mean ratio does); dropped tokens keep their place in the aggregation's counts.
+        pub is_mask: IsMask = IsMask::None,
+        /// Off-policy masking: the lowest ratio kept.
+        pub is_mask_low: f32 = 0.5,
+        /// Off-policy masking: the highest ratio kept.
+        pub is_mask_high: f32 = 2.0,
         /// KL penalty to the initial policy in the loss (0 disables; verl's kl_loss_coef).
         pub kl_coef: f32 = 0.0,
         /// The KL estimator: k1, k2, k3 or low-var-kl (verl's kl_loss_type).
@@ -157,6 +177,16 @@ impl TrainConfig {
             return Err(invalid(
                 "train.clip_ratio_c",
                 "must be 0 (off) or more than 1",
+            ));
+        }
+        if !(self.is_mask_low > 0.0
+            && self.is_mask_low < 1.0
+            && self.is_mask_high > 1.0
+            && self.is_mask_high.is_finite())
+        {
+            return Err(invalid(
+                "train.is_mask_low",
+                "the kept band must hold 1: 0 < is_mask_low < 1 < is_mask_high",
             ));
         }
         if !(self.loss_scale_factor.is_finite() && self.loss_scale_factor >= 0.0) {

@@ -147,6 +147,8 @@ pub struct Part {
     r: Vec<f32>,
     /// Each token's advantage: whether its clip binds depends on its sign.
     a: Vec<f32>,
+    /// 0 where off-policy masking dropped the token (empty when nothing is masked).
+    k: Vec<f32>,
     v: Vec<f32>,
     l: Vec<f32>,
     loss: f64,
@@ -209,29 +211,40 @@ where
     let mu = Tensor::<B, 2>::from_data(TensorData::new(mu, [b, c]), &device);
     let adv = Tensor::<B, 2>::from_data(TensorData::new(a_tok.clone(), [b, c]), &device);
     let t = &cfg.train;
+    let plain = ((lp.clone() - mu.clone()) * valid.clone()).detach();
+    let kept = objective::kept(plain, &valid, t);
     let (ratio, _) = objective::ratios(&lp, mu, &valid, t.loss);
     let per_token = objective::surrogate(ratio.clone(), adv, lp.clone(), t);
     // Token-mean divides one sum by the step's tokens (as it always has, bit for bit); the
-    // other modes weigh each row.
-    let weighted = |x: Tensor<B, 2>| match t.loss_agg_mode {
-        LossAgg::TokenMean => (x * valid.clone()).sum().div_scalar(norm.tokens),
+    // other modes weigh each row. `on` is 1 where a token's loss counts.
+    let weighted = |x: Tensor<B, 2>, on: Tensor<B, 2>| match t.loss_agg_mode {
+        LossAgg::TokenMean => (x * on).sum().div_scalar(norm.tokens),
         agg => {
             let w = objective::row_weights(&valid, norm, agg).repeat_dim(1, c);
-            (x * valid.clone() * w).sum()
+            (x * on * w).sum()
         }
     };
-    let mut total = weighted(per_token);
+    let on = match &kept {
+        Some(k) => valid.clone() * k.clone(),
+        None => valid.clone(),
+    };
+    let mut total = weighted(per_token, on);
     let mut ref_kl = 0.0;
     if let (Some(reference), true) = (reference, t.kl_coef > 0.0) {
         let (ref_lp, _) = completion_logprobs(reference, seqs, cfg.policy.temperature);
         let ref_lp = Tensor::<B, 2>::from_inner(ref_lp);
-        let kl = weighted(objective::kl(lp.clone(), ref_lp, t.kl_loss_type) * valid.clone());
+        let kl = objective::kl(lp.clone(), ref_lp, t.kl_loss_type) * valid.clone();
+        let kl = weighted(kl, valid.clone());
         ref_kl = f64::from(scalar(kl.clone().detach())?);
         total = total + kl.mul_scalar(t.kl_coef);
     }
     let part = Part {
         r: host(ratio.detach())?,
         a: a_tok,
+        k: match kept {
+            Some(k) => host(k)?,
+            None => Vec::new(),
+        },
         v: host(valid)?,
         l: host(lp.detach())?,
         loss: f64::from(scalar(total.clone().detach())?),
@@ -253,6 +266,7 @@ pub struct TokenSums {
     sum_r2: f64,
     n: f64,
     clipped: f64,
+    masked: f64,
     r_max: f64,
     mkl: f64,
     gap: f64,
@@ -283,6 +297,7 @@ impl TokenSums {
         self.sum_r2 += o.sum_r2;
         self.n += o.n;
         self.clipped += o.clipped;
+        self.masked += o.masked;
         self.r_max = self.r_max.max(o.r_max);
         self.mkl += o.mkl;
         self.gap += o.gap;
@@ -303,6 +318,9 @@ impl TokenSums {
             self.r_max = self.r_max.max(ri);
             let out = objective::clipped(ri, f64::from(p.a[i]), &cfg.train);
             self.clipped += f64::from(u8::from(out));
+            if p.k.get(i).is_some_and(|&k| k == 0.0) {
+                self.masked += 1.0;
+            }
             self.mkl += ri - 1.0 - ri.ln();
             self.gap += ri.ln().abs();
             self.nll -= f64::from(p.l[i]);
@@ -333,6 +351,7 @@ impl TokenSums {
                 0.0
             },
             clip_fraction: self.clipped / n,
+            masked_fraction: self.masked / n,
             ratio_mean: self.sum_r / n,
             ratio_max: self.r_max,
             mismatch_kl: self.mkl / n,

@@ -5,7 +5,7 @@
 //! Every function takes `[rows × completion tokens]` tensors where `valid` is 1 on the
 //! tokens the loss counts (the model's own completion tokens) and 0 elsewhere.
 
-use super::{KlKind, LossAgg, LossKind, TrainConfig};
+use super::{IsMask, KlKind, LossAgg, LossKind, TrainConfig};
 use burn::tensor::Tensor;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 
@@ -87,6 +87,31 @@ pub fn ratios<B: AutodiffBackend>(
         _ => log_ratio,
     };
     (log_ratio.clone().exp(), log_ratio)
+}
+
+/// Off-policy masking: 1 on the tokens the loss keeps, 0 on those `is_mask` drops, from the
+/// per-token log-ratios log(π_θ/μ) (0 off `valid`; no gradient flows through the mask).
+/// `token` drops each token whose ratio is outside [is_mask_low, is_mask_high]; `sequence`
+/// every token of a sequence whose geometric-mean ratio exp(mean_t log r) is. `None` when
+/// nothing is masked.
+pub fn kept<B: Backend>(
+    log_ratio: Tensor<B, 2>,
+    valid: &Tensor<B, 2>,
+    cfg: &TrainConfig,
+) -> Option<Tensor<B, 2>> {
+    let (lo, hi) = (cfg.is_mask_low.ln(), cfg.is_mask_high.ln());
+    let inside =
+        |x: Tensor<B, 2>| x.clone().greater_equal_elem(lo).float() * x.lower_equal_elem(hi).float();
+    match cfg.is_mask {
+        IsMask::None => None,
+        IsMask::Token => Some(inside(log_ratio)),
+        IsMask::Sequence => {
+            let c = log_ratio.dims()[1];
+            let own = valid.clone().sum_dim(1).clamp_min(1.0);
+            let mean = (log_ratio * valid.clone()).sum_dim(1).div(own);
+            Some(inside(mean).repeat_dim(1, c))
+        }
+    }
 }
 
 /// The per-token surrogate loss (the negated objective) of `cfg.loss`, from the ratios of
@@ -253,6 +278,23 @@ mod tests {
             &run(&cfg(LossKind::Reinforce)),
             &[-0.5, -1.0, -1.5, 0.5, 1.0, 1.5],
         );
+    }
+
+    /// Ratios e^0.5 ≈ 1.65, e^1 ≈ 2.72 and e^−1 ≈ 0.37 on one sequence (geometric mean
+    /// e^{1/6} ≈ 1.18), e^−0.9 ≈ 0.41 on the other: the band [0.5, 2] keeps the first token
+    /// alone, or the first sequence whole.
+    #[test]
+    fn off_policy_masks_by_hand() {
+        let lr = t(&[&[0.5, 1.0, -1.0], &[-0.9, 0.0, 0.0]]);
+        let valid = t(&[&[1.0, 1.0, 1.0], &[1.0, 0.0, 0.0]]);
+        let mut c = TrainConfig::default();
+        assert!(kept(lr.clone(), &valid, &c).is_none());
+        c.is_mask = IsMask::Token;
+        let k = kept(lr.clone(), &valid, &c).unwrap();
+        close(&host(k * valid.clone()), &[1.0, 0.0, 0.0, 0.0, 0.0, 0.0]);
+        c.is_mask = IsMask::Sequence;
+        let k = kept(lr, &valid, &c).unwrap();
+        close(&host(k * valid), &[1.0, 1.0, 1.0, 0.0, 0.0, 0.0]);
     }
 
     /// Which tokens each loss counts as clipped.

@@ -39,14 +39,28 @@ async fn score_groups(
     topo: Topology,
     groups: &[RolloutGroup],
 ) -> (SharedBus, Vec<ScoredGroup>) {
+    score_waves(cfg, topo, &[groups], Duration::ZERO).await
+}
+
+/// Runs a scorer for 3 s over `waves` of groups: the first published before it starts,
+/// each next one `gap` after the last; the bus and what it published.
+async fn score_waves(
+    cfg: ScoreConfig,
+    topo: Topology,
+    waves: &[&[RolloutGroup]],
+    gap: Duration,
+) -> (SharedBus, Vec<ScoredGroup>) {
     let bus: SharedBus = Arc::new(MemoryBus::new());
-    let payloads: Vec<Bytes> = groups
-        .iter()
-        .map(|g| Bytes::from(schema::encode(g).unwrap()))
-        .collect();
-    bus.publish(&topo.key("rollouts"), &payloads, None)
-        .await
-        .unwrap();
+    let rollouts = topo.key("rollouts");
+    let publish = |groups: &[RolloutGroup]| {
+        let payloads: Vec<Bytes> = groups
+            .iter()
+            .map(|g| Bytes::from(schema::encode(g).unwrap()))
+            .collect();
+        let (bus, key) = (bus.clone(), rollouts.clone());
+        async move { bus.publish(&key, &payloads, None).await.unwrap() }
+    };
+    publish(waves[0]).await;
     let stage = {
         let (bus, topo) = (bus.clone(), topo.clone());
         tokio::spawn(async move {
@@ -58,6 +72,10 @@ async fn score_groups(
             .await
         })
     };
+    for wave in &waves[1..] {
+        tokio::time::sleep(gap).await;
+        publish(wave).await;
+    }
     stage.await.unwrap().unwrap();
     let out = bus
         .range(&topo.key("scored"), RangeBound::Open, RangeBound::Open, 10)
@@ -217,40 +235,11 @@ for line in sys.stdin:
         scorer_in_flight: 8,
         ..ScoreConfig::default()
     };
-    let topo = Topology::default();
-    let bus: SharedBus = Arc::new(MemoryBus::new());
-    let wave = |groups: &[RolloutGroup]| -> Vec<Bytes> {
-        groups
-            .iter()
-            .map(|g| Bytes::from(schema::encode(g).unwrap()))
-            .collect()
-    };
     let groups = seven_groups();
-    let rollouts = topo.key("rollouts");
-    bus.publish(&rollouts, &wave(&groups[..4]), None)
-        .await
-        .unwrap();
-    let stage = {
-        let (bus, topo) = (bus.clone(), topo.clone());
-        tokio::spawn(async move {
-            crate::common::score_until(
-                &cfg,
-                (bus, &topo),
-                tokio::time::sleep(Duration::from_secs(3)),
-            )
-            .await
-        })
-    };
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    bus.publish(&rollouts, &wave(&groups[4..]), None)
-        .await
-        .unwrap();
-    stage.await.unwrap().unwrap();
-    let scored = bus
-        .range(&topo.key("scored"), RangeBound::Open, RangeBound::Open, 10)
-        .await
-        .unwrap();
-    assert_eq!(scored.len(), 7, "all seven scored within the run");
+    let waves: [&[RolloutGroup]; 2] = [&groups[..4], &groups[4..]];
+    let gap = Duration::from_millis(300);
+    let (_, out) = score_waves(cfg, Topology::default(), &waves, gap).await;
+    assert_eq!(out.len(), 7, "all seven scored within the run");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -139,13 +139,14 @@ impl Pool {
         in_flight: usize,
         timeout: Duration,
     ) -> Result<Self, ScorerError> {
+        let in_flight = in_flight.max(1);
         let procs = (0..processes.max(1))
-            .map(|_| ScorerProcess::start(cmd, in_flight.max(1), timeout))
+            .map(|_| ScorerProcess::start(cmd, in_flight, timeout))
             .collect::<Result<Vec<_>, _>>()?;
         Ok(Pool {
             held: Mutex::new(vec![0; procs.len()]),
-            places: Semaphore::new(procs.len() * in_flight.max(1)),
-            in_flight: in_flight.max(1),
+            places: Semaphore::new(procs.len() * in_flight),
+            in_flight,
             procs,
         })
     }

@@ -211,9 +211,9 @@ where
     let mu = Tensor::<B, 2>::from_data(TensorData::new(mu, [b, c]), &device);
     let adv = Tensor::<B, 2>::from_data(TensorData::new(a_tok.clone(), [b, c]), &device);
     let t = &cfg.train;
-    let plain = ((lp.clone() - mu.clone()) * valid.clone()).detach();
-    let kept = objective::kept(plain, &valid, t);
-    let (ratio, _) = objective::ratios(&lp, mu, &valid, t.loss);
+    let log_ratio = objective::log_ratios(&lp, mu, &valid);
+    let kept = objective::kept(log_ratio.clone().detach(), &valid, t);
+    let ratio = objective::ratios(&lp, log_ratio, &valid, t.loss);
     let per_token = objective::surrogate(ratio.clone(), adv, lp.clone(), t);
     // Token-mean divides one sum by the step's tokens (as it always has, bit for bit); the
     // other modes weigh each row. `on` is 1 where a token's loss counts.

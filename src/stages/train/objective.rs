@@ -65,17 +65,25 @@ pub fn row_weights<B: Backend>(valid: &Tensor<B, 2>, norm: &Norm, agg: LossAgg) 
     }
 }
 
-/// The importance ratio each token's loss uses, and its log (0 off `valid`): π_θ/μ per
-/// token, or for GSPO the sequence's ratio exp(mean_t log(π_θ/μ)) on every token of it,
-/// whose gradient at each token is that of its own log-prob scaled by the sequence ratio
-/// (GSPO-token with the sequence's advantage, arXiv 2507.18071, eq. 13).
-pub fn ratios<B: AutodiffBackend>(
+/// Each token's log-ratio log(π_θ/μ), 0 off `valid`.
+pub fn log_ratios<B: Backend>(
     lp: &Tensor<B, 2>,
     mu: Tensor<B, 2>,
     valid: &Tensor<B, 2>,
+) -> Tensor<B, 2> {
+    (lp.clone() - mu) * valid.clone()
+}
+
+/// The importance ratio each token's loss uses, from the [`log_ratios`]: π_θ/μ per token,
+/// or for GSPO the sequence's ratio exp(mean_t log(π_θ/μ)) on every token of it, whose
+/// gradient at each token is that of its own log-prob scaled by the sequence ratio
+/// (GSPO-token with the sequence's advantage, arXiv 2507.18071, eq. 13).
+pub fn ratios<B: AutodiffBackend>(
+    lp: &Tensor<B, 2>,
+    log_ratio: Tensor<B, 2>,
+    valid: &Tensor<B, 2>,
     loss: LossKind,
-) -> (Tensor<B, 2>, Tensor<B, 2>) {
-    let log_ratio = (lp.clone() - mu) * valid.clone();
+) -> Tensor<B, 2> {
     let log_ratio = match loss {
         LossKind::Gspo => {
             let c = lp.dims()[1];
@@ -86,7 +94,7 @@ pub fn ratios<B: AutodiffBackend>(
         }
         _ => log_ratio,
     };
-    (log_ratio.clone().exp(), log_ratio)
+    log_ratio.exp()
 }
 
 /// Off-policy masking: 1 on the tokens the loss keeps, 0 on those `is_mask` drops, from the
@@ -239,10 +247,10 @@ mod tests {
         let lp = t(&[&[-1.0, -2.0], &[-0.5, -9.0]]);
         let mu = t(&[&[-1.2, -1.6], &[-0.8, 0.0]]);
         let valid = t(&[&[1.0, 1.0], &[1.0, 0.0]]);
-        let (_, per_token) = ratios(&lp, mu.clone(), &valid, LossKind::Ppo);
-        close(&host(per_token), &[0.2, -0.4, 0.3, 0.0]);
-        let (r, seq) = ratios(&lp, mu, &valid, LossKind::Gspo);
-        close(&host(seq), &[-0.1, -0.1, 0.3, 0.0]);
+        let per_token = log_ratios(&lp, mu, &valid);
+        close(&host(per_token.clone()), &[0.2, -0.4, 0.3, 0.0]);
+        let r = ratios(&lp, per_token, &valid, LossKind::Gspo);
+        close(&host(r.clone().log()), &[-0.1, -0.1, 0.3, 0.0]);
         let e = |x: f32| x.exp();
         close(&host(r), &[e(-0.1), e(-0.1), e(0.3), 1.0]);
     }

@@ -30,6 +30,13 @@ papers write them (VARIANTS: the `[train]` settings each one runs with):
   loss, still counting in the aggregation's denominators;
 - KL to the initial model (the same weights here, so log-prob - reference is 0 with a
   gradient): k1 = log-prob - reference, times kl_coef, aggregated as the loss is;
+- entropy bonus: minus entropy_coeff times the entropy of each token's distribution (the
+  tempered logits' softmax, over the kept ids when the sample has a mask), aggregated as
+  the loss is;
+- decoupled PPO (AReaL, arXiv 2505.24298) with one update per step, so the proximal
+  policy is the current one without gradient: PPO's clip on r = exp(log-prob -
+  log-prob.detach()), each token weighed by exp(log-prob - behaviour) without gradient,
+  and dropped when that weight exceeds behav_imp_weight_cap;
 - aggregation: token-mean (sum / tokens), seq-mean-token-mean (mean over sequences of each
   mean), seq-mean-token-sum (mean over sequences of each sum), seq-mean-token-sum-norm (each
   sum divided by the longest completion, mean over sequences).
@@ -79,19 +86,24 @@ BATCH = {
 
 
 def logprobs(model, prompt, sample, temperature):
+    """Each completion token's log-prob, and the entropy of the distribution it is taken
+    under."""
     ids = torch.tensor([prompt + sample["tokens"]])
     logits = model(ids).logits[0] / temperature
     p = len(prompt)
-    out = []
+    out, entropy = [], []
     for j, tok in enumerate(sample["tokens"]):
         row = logits[p - 1 + j]
         mask = sample.get("mask")
         if mask is None:
-            out.append(torch.log_softmax(row, dim=-1)[tok])
+            logp = torch.log_softmax(row, dim=-1)
+            out.append(logp[tok])
         else:
             kept = mask["ids"][mask["offsets"][j]:mask["offsets"][j + 1]]
+            logp = row[kept] - torch.logsumexp(row[kept], dim=-1)
             out.append(row[tok] - torch.logsumexp(row[kept], dim=-1))
-    return torch.stack(out)
+        entropy.append(-(logp.exp() * logp).sum())
+    return torch.stack(out), torch.stack(entropy)
 
 
 # Each variant's settings beyond the batch's; the names are the fixtures' file names.
@@ -107,6 +119,11 @@ VARIANTS = {
     "ppo_token_mask": {"loss": "ppo", "is_mask": "token", "is_mask_low": 0.8, "is_mask_high": 1.25},
     "cispo_sequence_mask": {"loss": "cispo", "is_mask": "sequence", "is_mask_low": 0.8,
                             "is_mask_high": 1.25},
+    "ppo_entropy": {"loss": "ppo", "entropy_coeff": 0.05},
+    "ppo_decoupled_cap": {"loss": "ppo", "use_decoupled_loss": True,
+                          "behav_imp_weight_cap": 1.5},
+    "gspo_decoupled_seq_mean": {"loss": "gspo", "use_decoupled_loss": True,
+                                "loss_agg_mode": "seq-mean-token-mean"},
 }
 # Variants also made on the Llama fixture.
 BOTH = ("ppo", "tis")
@@ -129,6 +146,14 @@ def kept(lp, behaviour, v):
 def per_token_loss(lp, behaviour, adv, v):
     b = BATCH
     lo, hi = 1 - b["clip_eps"], 1 + b["clip_eps_high"]
+    if v.get("use_decoupled_loss"):
+        # The proximal policy is the current one: ratios against it, the behaviour's
+        # staleness as a weight.
+        weight = torch.exp(lp - behaviour).detach()
+        cap = v.get("behav_imp_weight_cap", 0.0)
+        capped = (weight <= cap).float() if cap > 0 else torch.ones_like(weight)
+        plain = dict(v, use_decoupled_loss=False)
+        return per_token_loss(lp, lp.detach(), adv, plain) * weight * capped
     if v["loss"] == "gspo":
         seq = (lp - behaviour).mean()
         ratio = torch.exp(torch.clamp(lp - lp.detach() + seq.detach(), max=10.0))
@@ -160,17 +185,20 @@ def aggregate(rows, mode):
 
 def loss(model, v):
     b = BATCH
-    rows, kl = [], []
+    rows, kl, entropy = [], [], []
     for g in b["groups"]:
         for s, adv in zip(g["samples"], g["advantages"]):
-            lp = logprobs(model, g["prompt"], s, b["temperature"])
+            lp, h = logprobs(model, g["prompt"], s, b["temperature"])
             behaviour = torch.tensor(s["logprobs"])
             rows.append(per_token_loss(lp, behaviour, adv, v) * kept(lp, behaviour, v))
             kl.append(lp - lp.detach())  # k1 against the initial (same) weights
+            entropy.append(h)
     mode = v.get("loss_agg_mode", "token-mean")
     value = aggregate(rows, mode)
     if v.get("kl_coef", 0.0) > 0:
         value = value + v["kl_coef"] * aggregate(kl, mode)
+    if v.get("entropy_coeff", 0.0) != 0:
+        value = value - v["entropy_coeff"] * aggregate(entropy, mode)
     return value
 
 

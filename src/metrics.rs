@@ -57,7 +57,12 @@ pub const IS_ESS: &str = "rlstream_is_ess";
 pub const CLIP_FRACTION: &str = "rlstream_clip_fraction";
 pub const MASKED_FRACTION: &str = "rlstream_masked_fraction";
 pub const KL: &str = "rlstream_kl";
-pub const ENTROPY: &str = "rlstream_entropy";
+pub const SAMPLED_NLL: &str = "rlstream_sampled_nll";
+pub const POLICY_ENTROPY: &str = "rlstream_policy_entropy";
+pub const REF_KL: &str = "rlstream_ref_kl";
+pub const SEQ_RATIO_STD: &str = "rlstream_seq_ratio_std";
+pub const PROX_GAP: &str = "rlstream_prox_gap";
+pub const UPDATES_PER_STEP: &str = "rlstream_updates_per_step";
 pub const TEACHER_KL: &str = "rlstream_teacher_kl";
 pub const ROUTING_MISMATCH: &str = "rlstream_routing_mismatch_fraction";
 pub const LOGPROB_GAP: &str = "rlstream_logprob_gap";
@@ -325,7 +330,31 @@ fn describe() {
         KL,
         "Mismatch KL between behaviour and current policy on sampled tokens."
     );
-    describe_gauge!(ENTROPY, "Mean negative log-prob of sampled tokens.");
+    describe_gauge!(
+        SAMPLED_NLL,
+        "Mean negative log-prob of the last step's sampled tokens under the trainer's policy."
+    );
+    describe_gauge!(
+        POLICY_ENTROPY,
+        "Mean entropy of the policy's distribution over the last step's completion tokens."
+    );
+    describe_gauge!(
+        REF_KL,
+        "KL to the initial policy in the last step's loss (train.kl_coef > 0), by train.kl_loss_type."
+    );
+    describe_gauge!(
+        SEQ_RATIO_STD,
+        "Standard deviation of the sequences' importance ratios in the last step (GSPO's sequence ratio)."
+    );
+    describe_gauge!(
+        PROX_GAP,
+        "Decoupled PPO: mean |log pi_prox - log mu| over the last step's tokens."
+    );
+    describe_gauge!(
+        UPDATES_PER_STEP,
+        Unit::Count,
+        "Optimizer updates the last step took (train.ppo_mini_batch_size, train.ppo_epochs)."
+    );
     describe_gauge!(
         TEACHER_KL,
         "KL(student || teacher) on the last step's sampled tokens (mean behaviour minus teacher log-prob), when a teacher scored them."
@@ -576,7 +605,12 @@ pub fn trained(s: &StepRecord, samples: u64) {
     gauge!(CLIP_FRACTION).set(s.clip_fraction);
     gauge!(MASKED_FRACTION).set(s.masked_fraction);
     gauge!(KL).set(s.mismatch_kl);
-    gauge!(ENTROPY).set(s.entropy);
+    gauge!(SAMPLED_NLL).set(s.sampled_nll);
+    gauge!(POLICY_ENTROPY).set(s.policy_entropy);
+    gauge!(REF_KL).set(s.ref_kl);
+    gauge!(SEQ_RATIO_STD).set(s.seq_ratio_std);
+    gauge!(PROX_GAP).set(s.prox_gap);
+    gauge!(UPDATES_PER_STEP).set(s.updates as f64);
     if let Some(kl) = s.teacher_kl {
         gauge!(TEACHER_KL).set(kl);
     }

@@ -215,6 +215,29 @@ impl<B: Kernels> Policy<B> {
         }
     }
 
+    /// Each row's entropy `[rows, 1]` after final hidden states `x` (`[rows, hidden]`),
+    /// of the tempered distribution over `kept` a log-prob is taken under
+    /// ([`reference::entropy`](super::kernels::reference::entropy)), the head run over
+    /// [`HEAD_CHUNK_ROWS`](super::kernels::HEAD_CHUNK_ROWS) rows at a time. On an autodiff
+    /// backend every chunk's logits stay in the graph for the backward: the memory of the
+    /// logits of every row (the entropy bonus pays it; the statistic runs without a graph).
+    pub(crate) fn head_entropy(
+        &self,
+        x: Tensor<B, 2>,
+        temperature: f32,
+        kept: &super::kernels::Kept,
+    ) -> Tensor<B, 2> {
+        let n = x.dims()[0];
+        let chunks = super::kernels::head::chunks(n, super::kernels::HEAD_CHUNK_ROWS);
+        let parts: Vec<Tensor<B, 2>> = chunks
+            .map(|rows| {
+                let logits = self.project(x.clone().slice(rows.clone()));
+                super::kernels::reference::entropy(logits, temperature, &kept.range(rows))
+            })
+            .collect();
+        Tensor::cat(parts, 0)
+    }
+
     /// The output head as a `[hidden, vocab]` weight: the LM head's, or the tied
     /// embedding read transposed (a view, not a copy).
     fn head_weight(&self) -> Tensor<B, 2> {

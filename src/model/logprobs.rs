@@ -169,6 +169,55 @@ pub fn completion_logprobs_routed<B: Kernels>(
     temperature: f32,
     routed: Routed,
 ) -> (Tensor<B, 2>, Tensor<B, 2>, RoutingStats) {
+    let s = scored(model, seqs, temperature, routed);
+    (s.lp, s.valid, s.routing)
+}
+
+/// What a teacher-forced pass over a batch found, with what its entropy needs: the final
+/// hidden state that predicts each completion slot and each slot's kept ids.
+pub struct Scored<B: Kernels> {
+    /// `[batch, max_completion]` log-probs, 0 on padding.
+    pub lp: Tensor<B, 2>,
+    /// `[batch, max_completion]`: 1 for a real completion token.
+    pub valid: Tensor<B, 2>,
+    pub routing: RoutingStats,
+    /// `[batch × max_completion, hidden]`.
+    hidden: Tensor<B, 2>,
+    kept: Kept,
+    temperature: f32,
+}
+
+impl<B: Kernels> Scored<B> {
+    /// Each completion token's entropy `[batch, max_completion]` (0 on padding) of the
+    /// distribution its log-prob is taken under (tempered, over the kept ids), through the
+    /// policy `model` the pass ran ([`Policy::head_entropy`]): with the logits of every row
+    /// kept for the backward on an autodiff backend.
+    pub fn entropy(&self, model: &Policy<B>) -> Tensor<B, 2> {
+        let [b, c] = self.valid.dims();
+        let h = model.head_entropy(self.hidden.clone(), self.temperature, &self.kept);
+        h.reshape([b, c]) * self.valid.clone()
+    }
+
+    /// [`Scored::entropy`] without a graph: on the autodiff backend's inner backend,
+    /// through `inner`, the policy's weights without gradient (a statistic).
+    pub fn entropy_detached<A>(&self, inner: &Policy<A>) -> Tensor<A, 2>
+    where
+        A: Kernels,
+        B: burn::tensor::backend::AutodiffBackend<InnerBackend = A>,
+    {
+        let [b, c] = self.valid.dims();
+        let h = inner.head_entropy(self.hidden.clone().inner(), self.temperature, &self.kept);
+        h.reshape([b, c]) * self.valid.clone().inner()
+    }
+}
+
+/// The teacher-forced pass of [`completion_logprobs_routed`].
+pub fn scored<B: Kernels>(
+    model: &Policy<B>,
+    seqs: &[ScoredSeq<'_>],
+    temperature: f32,
+    routed: Routed,
+) -> Scored<B> {
     let device = model.device();
     let b = seqs.len();
     let Layout {
@@ -190,7 +239,7 @@ pub fn completion_logprobs_routed<B: Kernels>(
         (None, _) => Routes::default(),
     };
     let hidden = model.hidden_routed(tokens, &mut routes);
-    let stats = RoutingStats {
+    let routing = RoutingStats {
         compared: routes.replayed,
         differ: routes.differ,
     };
@@ -200,7 +249,14 @@ pub fn completion_logprobs_routed<B: Kernels>(
     let valid = Tensor::<B, 2>::from_data(TensorData::new(valid, [b, cmax]), &device);
     let kept = kept_sets(seqs, cmax);
     let lp = model
-        .head_logprobs(picked, &target, temperature, &kept)
+        .head_logprobs(picked.clone(), &target, temperature, &kept)
         .reshape([b, cmax]);
-    (lp * valid.clone(), valid, stats)
+    Scored {
+        lp: lp * valid.clone(),
+        valid,
+        routing,
+        hidden: picked,
+        kept,
+        temperature,
+    }
 }

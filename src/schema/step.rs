@@ -25,23 +25,33 @@ pub struct StepRecord {
     pub clip_fraction: f64,
     /// Share of tokens off-policy masking dropped from the loss (`train.is_mask`).
     pub masked_fraction: f64,
+    /// The ratios the objective used (π_θ/μ, or for decoupled PPO π_θ/π_prox), over the
+    /// tokens of every update of the step.
     pub ratio_mean: f64,
     pub ratio_max: f64,
-    /// KL(μ‖π) estimated on the sampled tokens (k3).
+    /// Standard deviation over the step's sequences of their ratio: GSPO's sequence ratio,
+    /// the geometric mean of the token ratios under the other objectives.
+    pub seq_ratio_std: f64,
+    /// KL(μ‖π) estimated on the sampled tokens (k3), on the step's first update (the one
+    /// whose policy is the step's starting policy).
     pub mismatch_kl: f64,
     /// Mean |log π − log μ| over the sampled tokens: how far the trainer's log-probs are
     /// from the behaviour log-probs. Exactly 0 when every token is on-policy (weights in
     /// f32, no swap inside a completion): the sampler and the trainer compute a log-prob
     /// bit for bit alike, so any gap is staleness, a swap, or bf16 on the wire.
+    /// Measured on the step's first update, as `mismatch_kl`.
     pub logprob_gap: f64,
+    /// Decoupled PPO: mean |log π_prox − log μ| over the tokens, how stale the behaviour is
+    /// against the proximal policy (0 otherwise, and in a `--sync` run).
+    pub prox_gap: f64,
     /// Sampled tokens drawn after a weight swap inside their completion: their KV cache
     /// holds keys and values an older version computed, so no one version's teacher-forced
     /// log-prob equals theirs exactly (counted from each sample's version runs; for an
     /// episode, whose cache a new turn rebuilds, an upper bound).
     pub swap_tokens: u64,
     /// Mixture-of-experts policies: the fraction of the recorded (token, MoE layer)
-    /// routing decisions for which the trainer's live router picks other experts. None
-    /// when no group carried routing.
+    /// routing decisions for which the trainer's live router picks other experts, on the
+    /// step's first update. None when no group carried routing.
     pub routing_mismatch: Option<f64>,
     /// KL to the initial policy (k3), when `kl_coef` > 0.
     pub ref_kl: f64,
@@ -49,8 +59,14 @@ pub struct StepRecord {
     /// the step's groups a teacher scored; none (not in the event's fields, null in the
     /// report's JSON, empty in its CSV) when none was.
     pub teacher_kl: Option<f64>,
-    /// Mean negative log-prob of the sampled tokens (an entropy estimate).
-    pub entropy: f64,
+    /// Mean negative log-prob of the sampled tokens under the trainer's policy (a Monte
+    /// Carlo estimate of the entropy; `entropy` in step events before this name).
+    pub sampled_nll: f64,
+    /// Mean entropy of the policy's distribution (after temperature and the sampling mask)
+    /// over the completion tokens, on the step's first update.
+    pub policy_entropy: f64,
+    /// Optimizer updates the step took (`ppo_mini_batch_size`, `ppo_epochs`).
+    pub updates: u64,
     pub grad_norm: f64,
     /// Groups in the step.
     pub groups: u64,

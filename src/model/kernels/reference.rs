@@ -303,6 +303,17 @@ fn supported<B: Backend>(logits: Tensor<B, 2>, temperature: f32, kept: &Kept) ->
     }
 }
 
+/// Each row's entropy `[n, 1]` of the distribution a token's log-prob is taken under:
+/// `softmax(k · logits)` over the row's kept ids (`k` = [`inv_temperature`](super::inv_temperature)),
+/// as `lse − Σ p·z` with `z` the scaled logits. Through tensor operations, so on an
+/// autodiff backend its gradient `−k·p·(log p + H)` flows to the logits.
+pub fn entropy<B: Backend>(logits: Tensor<B, 2>, temperature: f32, kept: &Kept) -> Tensor<B, 2> {
+    let z = supported(logits, temperature, kept);
+    let lse = logsumexp(z.clone());
+    let p = (z.clone() - lse.clone()).exp();
+    lse - (p * z).sum_dim(1)
+}
+
 pub fn token_logprobs<B: Backend>(
     logits: Tensor<B, 2>,
     targets: &[u32],
@@ -343,4 +354,33 @@ pub fn token_logprobs_backward<B: Backend>(
     (probs * dyk.clone())
         .neg()
         .scatter(1, ids, dyk, IndexingUpdateOp::Add)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::TrainBackend;
+
+    /// Uniform logits over four ids: ln 4, or ln 2 over a kept set of two; logits
+    /// (0, ln 9 / 2) at temperature 0.5 are (0, ln 9) scaled: p = (0.1, 0.9).
+    #[test]
+    fn entropy_by_hand() {
+        let row = |v: Vec<f32>| {
+            let n = v.len();
+            Tensor::<TrainBackend, 2>::from_data(TensorData::new(v, [1, n]), &Default::default())
+        };
+        let h = |t: Tensor<TrainBackend, 2>| crate::model::host_f32(t.into_data()).unwrap()[0];
+        let uniform = row(vec![0.5; 4]);
+        assert!((h(entropy(uniform.clone(), 1.0, &Kept::whole(1))) - 4f32.ln()).abs() < 1e-6);
+        let two = Kept::of([&[1u32, 3][..]]);
+        assert!((h(entropy(uniform, 1.0, &two)) - 2f32.ln()).abs() < 1e-6);
+        let p = [0.1f32, 0.9];
+        let want = -(p[0] * p[0].ln() + p[1] * p[1].ln());
+        let got = h(entropy(
+            row(vec![0.0, 9f32.ln() / 2.0]),
+            0.5,
+            &Kept::whole(1),
+        ));
+        assert!((got - want).abs() < 1e-6, "{got} vs {want}");
+    }
 }

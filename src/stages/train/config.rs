@@ -64,6 +64,17 @@ pub enum IsMask {
 }
 crate::enum_setting!(IsMask);
 
+/// How decoupled PPO finds the proximal policy's log-probs (AReaL's `prox_logp_method`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum ProxMethod {
+    /// A forward pass of the policy as it was before the step, over the step's groups.
+    Recompute,
+    /// No forward pass: log π_prox = log μ + α·(log π_θ − log μ) per token, α = (v_prox − v_μ) / (v_θ − v_μ) from the versions that sampled it (AReaL's approximation).
+    Loglinear,
+}
+crate::enum_setting!(ProxMethod);
+
 /// Which experts a mixture-of-experts policy's tokens run through in the trainer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -107,6 +118,18 @@ crate::settings! {
         pub is_mask_low: f32 = 0.5,
         /// Off-policy masking: the highest ratio kept.
         pub is_mask_high: f32 = 2.0,
+        /// Groups per optimizer update: a step's groups split into mini-batches of this many, one update each (verl's ppo_mini_batch_size); 0: the whole step in one update.
+        pub ppo_mini_batch_size: usize = 0,
+        /// Passes over a step's mini-batches (verl's ppo_epochs); the step publishes one version however many updates it takes.
+        pub ppo_epochs: usize = 1,
+        /// Decoupled PPO (AReaL): the ratio is taken against a proximal policy, the one before the step, and each token's loss weighed by π_prox/μ (no gradient) for the behaviour's staleness.
+        pub use_decoupled_loss: bool = false,
+        /// Decoupled PPO: how the proximal log-probs are found, recompute (a forward pass) or loglinear (interpolated from the behaviour's and the current log-probs by version).
+        pub prox_logp_method: ProxMethod = ProxMethod::Recompute,
+        /// Decoupled PPO: a token whose behaviour weight π_prox/μ exceeds this leaves the loss (AReaL's behav_imp_weight_cap); 0: no cap.
+        pub behav_imp_weight_cap: f32 = 0.0,
+        /// Entropy bonus: the loss subtracts this times the policy's entropy on the completion tokens, aggregated as the surrogate is (verl's entropy_coeff); 0 disables.
+        pub entropy_coeff: f32 = 0.0,
         /// KL penalty to the initial policy in the loss (0 disables; verl's kl_loss_coef).
         pub kl_coef: f32 = 0.0,
         /// The KL estimator: k1, k2, k3 or low-var-kl (verl's kl_loss_type).
@@ -203,6 +226,20 @@ impl TrainConfig {
         }
         if !(self.collective_timeout_s.is_finite() && self.collective_timeout_s > 0.0) {
             return Err(invalid("train.collective_timeout_s", "must be > 0"));
+        }
+        if self.ppo_epochs == 0 {
+            return Err(invalid("train.ppo_epochs", "must be at least 1"));
+        }
+        if !(self.behav_imp_weight_cap == 0.0
+            || (self.behav_imp_weight_cap.is_finite() && self.behav_imp_weight_cap > 1.0))
+        {
+            return Err(invalid(
+                "train.behav_imp_weight_cap",
+                "must be 0 (no cap) or more than 1",
+            ));
+        }
+        if !self.entropy_coeff.is_finite() {
+            return Err(invalid("train.entropy_coeff", "must be a finite number"));
         }
         if self.allreduce_bucket_mb == 0 {
             return Err(invalid("train.allreduce_bucket_mb", "must be at least 1"));

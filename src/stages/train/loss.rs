@@ -4,12 +4,16 @@
 
 use super::objective::{self, Norm};
 use super::{LossAgg, RoutingMode, TrainerSettings, credit};
-use crate::model::logprobs::{Routed, ScoredSeq, completion_logprobs, completion_logprobs_routed};
+use crate::model::logprobs::{
+    Routed, ScoredSeq, completion_logprobs, completion_logprobs_routed, scored,
+};
 use crate::model::{Kernels, ModelError, Policy};
-use crate::schema::{ScoredGroup, StepRecord};
+use crate::schema::{ScoredGroup, StepRecord, VersionRun};
+use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
 use std::ops::Range;
 
 fn host<B: Backend, const D: usize>(t: Tensor<B, D>) -> Result<Vec<f32>, ModelError> {
@@ -39,18 +43,78 @@ pub struct Samples<'a> {
     /// Whether each completion token is the model's (an episode's environment tokens are
     /// not); empty for a sample without environment turns.
     own: Vec<Vec<bool>>,
+    /// The versions that sampled each completion (decoupled PPO's log-linear proximal).
+    versions: Vec<&'a [VersionRun]>,
+    /// Decoupled PPO, recomputed: the proximal log-probs of each completion.
+    prox: Vec<&'a [f32]>,
+}
+
+/// Decoupled PPO, recomputed: the log-probs of each sample's completion tokens under the
+/// policy before the step, by group id (a group's samples in order).
+pub type Proximal = HashMap<String, Vec<Vec<f32>>>;
+
+/// What a token's importance ratio is taken against.
+#[derive(Debug, Clone, Copy)]
+pub enum Prox {
+    /// The behaviour policy μ that sampled it: r = π_θ/μ.
+    Behaviour,
+    /// Decoupled PPO whose proximal policy is the one the forward runs (a step of one
+    /// update): log π_prox = sg(log π_θ).
+    Current,
+    /// Decoupled PPO: the proximal log-probs a forward of the policy before the step found
+    /// ([`Samples::of`]'s `proximal`).
+    Recomputed,
+    /// Decoupled PPO, log-linear: log π_prox = log μ + α·(sg(log π_θ) − log μ) per token,
+    /// α = (v_prox − v_μ) / (v_prox + 1 − v_μ); `version` is v_prox, the trainer's version
+    /// before the step (the step makes v_prox + 1).
+    Loglinear { version: u64 },
+}
+
+/// What one optimizer update of a step runs with: the norm of its groups (all ranks),
+/// what its ratios are taken against, and whether it is the step's first update (the one
+/// whose policy is the step's starting policy: its tokens give the behaviour statistics).
+#[derive(Debug, Clone, Copy)]
+pub struct Pass {
+    pub norm: Norm,
+    pub prox: Prox,
+    pub first: bool,
+}
+
+impl Pass {
+    /// The one update of a step over `groups`, its ratios against the behaviour policy, or
+    /// for decoupled PPO against the current one: with one update per step the proximal
+    /// policy (the one before the step) is the one the forward runs, exactly, whichever
+    /// `prox_logp_method`.
+    pub fn whole(groups: &[&ScoredGroup], cfg: &TrainerSettings) -> Self {
+        Pass {
+            norm: norm(groups, cfg),
+            prox: if cfg.train.use_decoupled_loss {
+                Prox::Current
+            } else {
+                Prox::Behaviour
+            },
+            first: true,
+        }
+    }
 }
 
 impl<'a> Samples<'a> {
     /// The groups' samples with their advantages: per token (by [`credit`]) for a group
     /// that carries `token_rewards`, its outcome advantage broadcast otherwise. `discount`
-    /// is `train.token_discount`.
-    pub fn of(groups: &[&'a ScoredGroup], discount: f32) -> Self {
+    /// is `train.token_discount`; `proximal`, decoupled PPO's recomputed log-probs, holds
+    /// every group's when given.
+    pub fn of(
+        groups: &[&'a ScoredGroup],
+        discount: f32,
+        proximal: Option<&'a Proximal>,
+    ) -> Result<Self, ModelError> {
         let mut out = Samples {
             seqs: Vec::new(),
             adv: Vec::new(),
             behaviour: Vec::new(),
             own: Vec::new(),
+            versions: Vec::new(),
+            prox: Vec::new(),
         };
         for g in groups {
             let own: Vec<Vec<bool>> = g
@@ -86,10 +150,23 @@ impl<'a> Samples<'a> {
                     routing: g.rollout.prompt_routing.as_ref().zip(s.routing.as_ref()),
                 });
                 out.behaviour.push(s.logprobs.as_slice());
+                out.versions.push(s.versions.as_slice());
             }
             out.own.extend(own);
+            if let Some(p) = proximal {
+                let id = &g.rollout.group_id;
+                let of_group = p
+                    .get(id)
+                    .filter(|lps| lps.len() == g.rollout.samples.len())
+                    .ok_or_else(|| {
+                        ModelError::Unsupported(format!(
+                            "decoupled PPO: no proximal log-probs for group {id}"
+                        ))
+                    })?;
+                out.prox.extend(of_group.iter().map(|lp| lp.as_slice()));
+            }
         }
-        out
+        Ok(out)
     }
 
     /// The completion tokens of all the samples (the rows of the output head's pass).
@@ -144,43 +221,114 @@ pub fn norm(groups: &[&ScoredGroup], cfg: &TrainerSettings) -> Norm {
 /// of its ratios, validity and log-probs, and its share of the loss and of the KL.
 #[derive(Debug, Default)]
 pub struct Part {
+    /// The ratio each token's loss used (against μ, or decoupled PPO's proximal policy).
     r: Vec<f32>,
+    /// Each token's log π_θ − log μ: how far the trainer is from the behaviour.
+    g: Vec<f32>,
+    /// Decoupled PPO: each token's log π_prox − log μ (empty otherwise).
+    w: Vec<f32>,
     /// Each token's advantage: whether its clip binds depends on its sign.
     a: Vec<f32>,
-    /// 0 where off-policy masking dropped the token (empty when nothing is masked).
+    /// 0 where off-policy masking or the behaviour weight's cap dropped the token (empty
+    /// when nothing is masked).
     k: Vec<f32>,
     v: Vec<f32>,
     l: Vec<f32>,
+    /// Each token's entropy of the policy's distribution (empty when not computed).
+    h: Vec<f32>,
+    /// Completion tokens per row of the host copies.
+    cols: usize,
+    /// Whether this part is of the step's first update.
+    first: bool,
     loss: f64,
     ref_kl: f64,
     /// MoE: recorded routing decisions seen, and those the live router makes differently.
     routing: crate::model::logprobs::RoutingStats,
 }
 
-/// The loss of the samples in `range`: their per-token surrogate (and KL) weighted by the
-/// step's `norm` (token-mean: divided by the whole step's token count), so that the parts
-/// of a step add up to its loss and their gradients to its gradient.
-pub fn part<B: AutodiffBackend + Kernels>(
-    model: &Policy<B>,
-    reference: Option<&Policy<B::InnerBackend>>,
-    samples: &Samples,
-    range: Range<usize>,
-    norm: &Norm,
-    cfg: &TrainerSettings,
-) -> Result<(Tensor<B, 1>, Part), ModelError>
-where
-    B::InnerBackend: Kernels,
-{
-    let device = model.device();
-    let seqs = &samples.seqs[range.clone()];
-    let b = seqs.len();
-    let routed = match cfg.train.routing {
+/// How an MoE policy's tokens are routed in the trainer (`train.routing`).
+fn routed(cfg: &TrainerSettings) -> Routed {
+    match cfg.train.routing {
         RoutingMode::Replay => Routed::Replay,
         RoutingMode::Live => Routed::Live,
+    }
+}
+
+/// Each sample's completion log-probs under `model`, without gradient, micro-batch by
+/// micro-batch (`micro_batch_tokens`): what the trainer's forward computes for them.
+pub fn logprobs<B: Kernels>(
+    model: &Policy<B>,
+    samples: &Samples,
+    cfg: &TrainerSettings,
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    let mut out = Vec::with_capacity(samples.seqs.len());
+    for range in samples.micro_batches(cfg.train.micro_batch_tokens) {
+        let seqs = &samples.seqs[range];
+        let (lp, _, _) =
+            completion_logprobs_routed(model, seqs, cfg.policy.temperature, routed(cfg));
+        let c = lp.dims()[1];
+        let lp = host(lp)?;
+        for (i, s) in seqs.iter().enumerate() {
+            out.push(lp[i * c..i * c + s.completion.len()].to_vec());
+        }
+    }
+    Ok(out)
+}
+
+/// The proximal log-probs of the samples in `range` as `[rows × c]` (0 past a
+/// completion), for `pass.prox`; `None` when the ratio is against the behaviour.
+fn proximal<B: AutodiffBackend>(
+    samples: &Samples,
+    range: Range<usize>,
+    lp: &Tensor<B, 2>,
+    mu: &Tensor<B, 2>,
+    prox: Prox,
+) -> Option<Tensor<B, 2>> {
+    let [b, c] = lp.dims();
+    let host = |fill: &dyn Fn(usize, &mut [f32])| {
+        let mut out = vec![0f32; b * c];
+        for (i, k) in range.clone().enumerate() {
+            fill(k, &mut out[i * c..(i + 1) * c]);
+        }
+        Tensor::<B, 2>::from_data(TensorData::new(out, [b, c]), &lp.device())
     };
-    let (lp, valid, routing) =
-        completion_logprobs_routed(model, seqs, cfg.policy.temperature, routed);
-    let c = lp.dims()[1];
+    match prox {
+        Prox::Behaviour => None,
+        Prox::Current => Some(lp.clone().detach()),
+        Prox::Recomputed => Some(host(&|k, row| {
+            let p = samples.prox[k];
+            row[..p.len()].copy_from_slice(p);
+        })),
+        Prox::Loglinear { version } => {
+            let alpha = host(&|k, row| {
+                let runs = samples.versions[k];
+                for (t, x) in row
+                    .iter_mut()
+                    .enumerate()
+                    .take(samples.seqs[k].completion.len())
+                {
+                    let at = runs
+                        .iter()
+                        .rev()
+                        .find(|r| r.start as usize <= t)
+                        .map_or(version, |r| r.version);
+                    let behind = version.saturating_sub(at) as f32;
+                    *x = behind / (behind + 1.0);
+                }
+            });
+            Some(mu.clone() + alpha * (lp.clone().detach() - mu.clone()))
+        }
+    }
+}
+
+/// The behaviour log-probs `[rows × c]` and the advantages of the samples in `range`,
+/// and where an episode's environment tokens are, a 0/1 mask of the model's own tokens.
+fn token_inputs(
+    samples: &Samples,
+    range: Range<usize>,
+    c: usize,
+) -> (Vec<f32>, Vec<f32>, Option<Vec<f32>>) {
+    let b = range.len();
     let mut mu = vec![0f32; b * c];
     let mut a_tok = vec![0f32; b * c];
     let mut context = false;
@@ -203,20 +351,102 @@ where
             }
         }
     }
-    let valid = if context {
-        valid * Tensor::<B, 2>::from_data(TensorData::new(own, [b, c]), &device)
-    } else {
-        valid
+    (mu, a_tok, context.then_some(own))
+}
+
+/// A part's per-token surrogate, with what the statistics read of it.
+struct Surrogate<B: Backend> {
+    per_token: Tensor<B, 2>,
+    /// The ratios the surrogate used.
+    ratio: Tensor<B, 2>,
+    /// log π_θ − log μ.
+    gap: Tensor<B, 2>,
+    /// Decoupled PPO: log π_prox − log μ.
+    behaviour: Option<Tensor<B, 2>>,
+    /// 1 on the tokens masking keeps; `None` when nothing is masked.
+    kept: Option<Tensor<B, 2>>,
+}
+
+/// The surrogate of log-probs `lp` against the behaviour `mu`, or for decoupled PPO
+/// against the proximal log-probs `prox`, each token weighed by π_prox/μ.
+fn surrogate<B: AutodiffBackend>(
+    lp: &Tensor<B, 2>,
+    mu: Tensor<B, 2>,
+    adv: Tensor<B, 2>,
+    valid: &Tensor<B, 2>,
+    prox: Option<Tensor<B, 2>>,
+    t: &super::TrainConfig,
+) -> Surrogate<B> {
+    let gap = objective::log_ratios(lp, mu.clone(), valid);
+    // The ratio's anchor, and what off-policy masking reads: the behaviour's log-ratio, or
+    // for decoupled PPO the proximal policy's log-ratio to the behaviour.
+    let (log_ratio, behaviour) = match prox {
+        None => (gap.clone(), None),
+        Some(prox) => (
+            objective::log_ratios(lp, prox.clone(), valid),
+            Some(objective::log_ratios(&prox, mu, valid)),
+        ),
+    };
+    let masked = behaviour.clone().unwrap_or_else(|| gap.clone().detach());
+    let mut kept = objective::kept(masked, valid, t);
+    let ratio = objective::ratios(lp, log_ratio, valid, t.loss);
+    let mut per_token = objective::surrogate(ratio.clone(), adv, lp.clone(), t);
+    if let Some(lw) = &behaviour {
+        let (weight, capped) = objective::behaviour_weights(lw.clone(), t.behav_imp_weight_cap);
+        per_token = per_token * weight;
+        kept = match (kept, capped) {
+            (Some(k), Some(c)) => Some(k * c),
+            (k, c) => k.or(c),
+        };
+    }
+    Surrogate {
+        per_token,
+        ratio,
+        gap,
+        behaviour,
+        kept,
+    }
+}
+
+/// The loss of the samples in `range`: their per-token surrogate (and KL) weighted by the
+/// update's norm (token-mean: divided by the whole update's token count), so that the
+/// parts of an update add up to its loss and their gradients to its gradient.
+pub fn part<B: AutodiffBackend + Kernels>(
+    model: &Policy<B>,
+    reference: Option<&Policy<B::InnerBackend>>,
+    samples: &Samples,
+    range: Range<usize>,
+    pass: &Pass,
+    cfg: &TrainerSettings,
+) -> Result<(Tensor<B, 1>, Part), ModelError>
+where
+    B::InnerBackend: Kernels,
+{
+    let device = model.device();
+    let seqs = &samples.seqs[range.clone()];
+    let b = seqs.len();
+    let norm = &pass.norm;
+    let pass_of = scored(model, seqs, cfg.policy.temperature, routed(cfg));
+    let (lp, valid) = (pass_of.lp.clone(), pass_of.valid.clone());
+    let c = lp.dims()[1];
+    let (mu, a_tok, own) = token_inputs(samples, range.clone(), c);
+    let valid = match own {
+        Some(own) => valid * Tensor::<B, 2>::from_data(TensorData::new(own, [b, c]), &device),
+        None => valid,
     };
     let mu = Tensor::<B, 2>::from_data(TensorData::new(mu, [b, c]), &device);
     let adv = Tensor::<B, 2>::from_data(TensorData::new(a_tok.clone(), [b, c]), &device);
     let t = &cfg.train;
-    let log_ratio = objective::log_ratios(&lp, mu, &valid);
-    let kept = objective::kept(log_ratio.clone().detach(), &valid, t);
-    let ratio = objective::ratios(&lp, log_ratio, &valid, t.loss);
-    let per_token = objective::surrogate(ratio.clone(), adv, lp.clone(), t);
-    // Token-mean divides one sum by the step's tokens (as it always has, bit for bit); the
-    // other modes weigh each row. `on` is 1 where a token's loss counts.
+    let prox = proximal(samples, range, &lp, &mu, pass.prox);
+    let Surrogate {
+        per_token,
+        ratio,
+        gap,
+        behaviour,
+        kept,
+    } = surrogate(&lp, mu, adv, &valid, prox, t);
+    // Token-mean divides one sum by the update's tokens (as it always has, bit for bit);
+    // the other modes weigh each row. `on` is 1 where a token's loss counts.
     let weighted = |x: Tensor<B, 2>, on: Tensor<B, 2>| match t.loss_agg_mode {
         LossAgg::TokenMean => (x * on).sum().div_scalar(norm.tokens),
         agg => {
@@ -229,6 +459,21 @@ where
         None => valid.clone(),
     };
     let mut total = weighted(per_token, on);
+    // The policy's entropy: with its gradient for the bonus, else as a statistic of the
+    // step's first update (no graph).
+    let entropy = if t.entropy_coeff != 0.0 {
+        let h = pass_of.entropy(model);
+        let bonus = weighted(h.clone(), valid.clone());
+        total = total - bonus.mul_scalar(t.entropy_coeff);
+        match pass.first {
+            true => host(h.detach())?,
+            false => Vec::new(),
+        }
+    } else if pass.first {
+        host(pass_of.entropy_detached(&model.valid()))?
+    } else {
+        Vec::new()
+    };
     let mut ref_kl = 0.0;
     if let (Some(reference), true) = (reference, t.kl_coef > 0.0) {
         let (ref_lp, _) = completion_logprobs(reference, seqs, cfg.policy.temperature);
@@ -240,22 +485,25 @@ where
     }
     let part = Part {
         r: host(ratio.detach())?,
+        g: host(gap.detach())?,
+        w: behaviour.map(host).transpose()?.unwrap_or_default(),
         a: a_tok,
-        k: match kept {
-            Some(k) => host(k)?,
-            None => Vec::new(),
-        },
+        k: kept.map(host).transpose()?.unwrap_or_default(),
         v: host(valid)?,
         l: host(lp.detach())?,
+        h: entropy,
+        cols: c,
+        first: pass.first,
         loss: f64::from(scalar(total.clone().detach())?),
         ref_kl,
-        routing,
+        routing: pass_of.routing,
     };
     Ok((total, part))
 }
 
 /// What a step's statistics are made of, as sums over its tokens (and the largest ratio):
-/// the parts of one trainer, or the ranks of several, add up with [`TokenSums::add`].
+/// the parts of one trainer, the ranks of several, and the updates of a step add up with
+/// [`TokenSums::add`].
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct TokenSums {
     loss: f64,
@@ -268,9 +516,20 @@ pub struct TokenSums {
     clipped: f64,
     masked: f64,
     r_max: f64,
+    /// Tokens of the step's first update, over which the behaviour statistics run.
+    first_n: f64,
     mkl: f64,
     gap: f64,
     nll: f64,
+    /// Σ of the policy's entropy, and the tokens it was computed on.
+    entropy: f64,
+    entropy_n: f64,
+    /// Decoupled PPO: Σ |log π_prox − log μ|.
+    prox_gap: f64,
+    /// Sequences, and the sums of their ratios and squared ratios.
+    seqs: f64,
+    seq_r: f64,
+    seq_r2: f64,
 }
 
 impl TokenSums {
@@ -280,14 +539,23 @@ impl TokenSums {
         for p in parts {
             s.loss += p.loss;
             s.ref_kl += p.ref_kl;
-            s.compared += p.routing.compared as u64;
-            s.differ += p.routing.differ as u64;
+            // The router against the recorded routing: a behaviour statistic, taken on
+            // the step's first update as the log-prob gap is.
+            if p.first {
+                s.compared += p.routing.compared as u64;
+                s.differ += p.routing.differ as u64;
+            }
             s.tokens(p, cfg);
         }
         s
     }
 
-    /// Another trainer rank's sums added to these.
+    /// The loss these sums hold (an update's, summed over its parts and ranks).
+    pub fn loss(&self) -> f64 {
+        self.loss
+    }
+
+    /// Another trainer rank's (or update's) sums added to these.
     pub fn add(&mut self, o: &TokenSums) {
         self.loss += o.loss;
         self.ref_kl += o.ref_kl;
@@ -299,9 +567,16 @@ impl TokenSums {
         self.clipped += o.clipped;
         self.masked += o.masked;
         self.r_max = self.r_max.max(o.r_max);
+        self.first_n += o.first_n;
         self.mkl += o.mkl;
         self.gap += o.gap;
         self.nll += o.nll;
+        self.entropy += o.entropy;
+        self.entropy_n += o.entropy_n;
+        self.prox_gap += o.prox_gap;
+        self.seqs += o.seqs;
+        self.seq_r += o.seq_r;
+        self.seq_r2 += o.seq_r2;
     }
 
     /// Adds the real tokens (`v` = 1) of one part from the host copies of its ratios,
@@ -321,22 +596,55 @@ impl TokenSums {
             if p.k.get(i).is_some_and(|&k| k == 0.0) {
                 self.masked += 1.0;
             }
-            self.mkl += ri - 1.0 - ri.ln();
-            self.gap += ri.ln().abs();
+            if let Some(&w) = p.w.get(i) {
+                self.prox_gap += f64::from(w).abs();
+            }
             self.nll -= f64::from(p.l[i]);
+            if let Some(&h) = p.h.get(i) {
+                self.entropy += f64::from(h);
+                self.entropy_n += 1.0;
+            }
+            if p.first {
+                let g = f64::from(p.g[i]);
+                self.first_n += 1.0;
+                self.mkl += g.exp() - 1.0 - g;
+                self.gap += g.abs();
+            }
+        }
+        // Each sequence's ratio: the geometric mean of its tokens' (GSPO's own ratio).
+        for (row, v) in p.r.chunks(p.cols.max(1)).zip(p.v.chunks(p.cols.max(1))) {
+            let (sum, n) = row
+                .iter()
+                .zip(v)
+                .filter(|(_, v)| **v != 0.0)
+                .fold((0f64, 0f64), |(s, n), (r, _)| {
+                    (s + f64::from(*r).ln(), n + 1.0)
+                });
+            if n > 0.0 {
+                let r = (sum / n).exp();
+                self.seqs += 1.0;
+                self.seq_r += r;
+                self.seq_r2 += r * r;
+            }
         }
     }
 
-    /// The step's statistics: these sums over its tokens, and what its groups carry.
-    pub fn record(&self, groups: &[&ScoredGroup]) -> StepRecord {
+    /// The step's statistics from these sums over its `updates`, and what its groups carry:
+    /// the loss and KL are each update's mean, the ratios' statistics run over every
+    /// update's tokens, the behaviour's over the first update's.
+    pub fn record(&self, groups: &[&ScoredGroup], updates: usize) -> StepRecord {
         let n = self.n.max(1.0);
+        let first = self.first_n.max(1.0);
+        let per_update = updates.max(1) as f64;
         let rewards: Vec<f32> = groups
             .iter()
             .flat_map(|g| g.rewards.iter().copied())
             .collect();
+        let seqs = self.seqs.max(1.0);
+        let seq_mean = self.seq_r / seqs;
         StepRecord {
-            loss: self.loss,
-            ref_kl: self.ref_kl,
+            loss: self.loss / per_update,
+            ref_kl: self.ref_kl / per_update,
             teacher_kl: teacher_kl(groups),
             routing_mismatch: (self.compared > 0)
                 .then(|| self.differ as f64 / self.compared as f64),
@@ -354,11 +662,15 @@ impl TokenSums {
             masked_fraction: self.masked / n,
             ratio_mean: self.sum_r / n,
             ratio_max: self.r_max,
-            mismatch_kl: self.mkl / n,
-            logprob_gap: self.gap / n,
-            entropy: self.nll / n,
+            seq_ratio_std: (self.seq_r2 / seqs - seq_mean * seq_mean).max(0.0).sqrt(),
+            mismatch_kl: self.mkl / first,
+            logprob_gap: self.gap / first,
+            prox_gap: self.prox_gap / n,
+            sampled_nll: self.nll / n,
+            policy_entropy: self.entropy / self.entropy_n.max(1.0),
+            updates: updates as u64,
             groups: groups.len() as u64,
-            tokens: n as u64,
+            tokens: tokens(groups) as u64,
             ..StepRecord::default()
         }
     }
@@ -487,11 +799,16 @@ mod tests {
         let mut cfg = TrainerSettings::default();
         cfg.train.token_discount = 0.0;
         let loss_grads = |g: &ScoredGroup| {
-            let samples = Samples::of(&[g], cfg.train.token_discount);
+            let samples = Samples::of(&[g], cfg.train.token_discount, None).unwrap();
             assert_eq!(tokens(&[g]), 2);
             let norm = norm(&[g], &cfg);
             assert_eq!(norm.tokens, 2.0);
-            let (total, _) = part(&model, None, &samples, 0..1, &norm, &cfg).unwrap();
+            let pass = Pass {
+                norm,
+                prox: Prox::Behaviour,
+                first: true,
+            };
+            let (total, _) = part(&model, None, &samples, 0..1, &pass, &cfg).unwrap();
             let grads = total.backward();
             (
                 host2(model.embed.weight.val().grad(&grads).unwrap()),
@@ -527,6 +844,116 @@ mod tests {
         );
     }
 
+    /// A group of two samples of four tokens under a tiny random Llama, its behaviour
+    /// log-probs the model's own less `offset` (every behaviour weight π/μ = e^offset),
+    /// advantages ±1; sample 1 was sampled by version 1 up to token 2, then by 3.
+    fn offset_group(model: &Policy<TrainBackend>, offset: f32) -> ScoredGroup {
+        let mut rollout = examples::rollout_group(2, 4, 16, 0);
+        for s in &mut rollout.samples {
+            s.mask = None;
+            s.versions = vec![(0, 3).into()];
+            let seq = ScoredSeq::plain(&rollout.prompt_tokens, &s.tokens);
+            let lp = host(completion_logprobs(model, &[seq], 1.0).0).unwrap();
+            s.logprobs = lp.iter().map(|x| x - offset).collect::<Vec<f32>>().into();
+        }
+        rollout.samples[1].versions = vec![(0, 1).into(), (2, 3).into()];
+        ScoredGroup {
+            schema: SchemaVersion::CURRENT,
+            rewards: vec![1.0, 0.0],
+            advantages: vec![1.0, -1.0],
+            rollout,
+            token_rewards: None,
+            ref_logprobs: None,
+            scorer_id: "offset".into(),
+            scored_us: 0,
+        }
+    }
+
+    /// Decoupled PPO with one update (π_prox the current policy) weighs each token by
+    /// w = π/μ and clips r = π/π_prox = 1, which never binds: its gradient is
+    /// −(1/N)·Σ w·A·∇lp, TIS's with the weight untruncated (e^0.3 < is_cap). The losses
+    /// differ (−Σ w·A / N against −Σ w·A·lp / N), the gradients agree.
+    #[test]
+    fn decoupled_ppo_with_one_update_has_the_untruncated_tis_gradient() {
+        let model = Policy::<TrainBackend>::random(
+            &ModelConfig::tiny(Architecture::Llama, 16),
+            5,
+            &Default::default(),
+        )
+        .unwrap();
+        let g = offset_group(&model, 0.3);
+        let run = |cfg: &TrainerSettings| {
+            let samples = Samples::of(&[&g], 1.0, None).unwrap();
+            let (total, part) =
+                part(&model, None, &samples, 0..2, &Pass::whole(&[&g], cfg), cfg).unwrap();
+            let grads = total.backward();
+            (part, host2(model.embed.weight.val().grad(&grads).unwrap()))
+        };
+        let mut cfg = TrainerSettings::default();
+        cfg.train.loss = super::super::LossKind::Tis;
+        let (tis, want) = run(&cfg);
+        cfg.train.loss = super::super::LossKind::Ppo;
+        cfg.train.use_decoupled_loss = true;
+        let (dec, got) = run(&cfg);
+        let scale = want.iter().fold(0f32, |m, x| m.max(x.abs()));
+        assert!(scale > 1e-4);
+        for (a, b) in got.iter().zip(&want) {
+            assert!((a - b).abs() < 1e-5 * scale.max(1.0), "{a} vs {b}");
+        }
+        assert!(
+            dec.r
+                .iter()
+                .zip(&dec.v)
+                .all(|(r, v)| *v == 0.0 || *r == 1.0)
+        );
+        assert!(
+            dec.w
+                .iter()
+                .zip(&dec.v)
+                .all(|(w, v)| *v == 0.0 || (w - 0.3).abs() < 1e-5)
+        );
+        assert!((dec.loss - tis.loss).abs() > 1e-3, "the losses differ");
+        // A cap below e^0.3 drops every token.
+        cfg.train.behav_imp_weight_cap = 1.2;
+        let (capped, grad) = run(&cfg);
+        assert!(capped.k.iter().all(|&k| k == 0.0));
+        assert!(grad.iter().all(|&x| x == 0.0));
+    }
+
+    /// Log-linear proximal log-probs at v_prox = 3: tokens sampled by version 3 have α = 0
+    /// (π_prox = μ), those by version 1 α = 2/3, so log π_prox − log μ = α·(lp − log μ).
+    #[test]
+    fn loglinear_proximal_by_hand() {
+        let model = Policy::<TrainBackend>::random(
+            &ModelConfig::tiny(Architecture::Llama, 16),
+            6,
+            &Default::default(),
+        )
+        .unwrap();
+        let g = offset_group(&model, 0.3);
+        let mut cfg = TrainerSettings::default();
+        cfg.train.use_decoupled_loss = true;
+        let samples = Samples::of(&[&g], 1.0, None).unwrap();
+        let pass = Pass {
+            norm: norm(&[&g], &cfg),
+            prox: Prox::Loglinear { version: 3 },
+            first: true,
+        };
+        let (_, p) = part(&model, None, &samples, 0..2, &pass, &cfg).unwrap();
+        let c = p.cols;
+        for row in 0..2 {
+            for t in 0..4 {
+                let i = row * c + t;
+                let alpha = if row == 1 && t < 2 { 2.0 / 3.0 } else { 0.0 };
+                assert!((p.g[i] - 0.3).abs() < 1e-5);
+                assert!(
+                    (p.w[i] - alpha * p.g[i]).abs() < 1e-5,
+                    "row {row} token {t}"
+                );
+            }
+        }
+    }
+
     /// An episode's environment tokens are context: filling their behaviour log-probs and
     /// token rewards with garbage (and a teacher's log-probs) changes neither the loss nor
     /// the gradient, bit for bit, and they do not count in the tokens the loss averages.
@@ -560,10 +987,10 @@ mod tests {
         let mut cfg = TrainerSettings::default();
         cfg.train.kl_coef = 0.0;
         let run = |g: &ScoredGroup, discount: f32| {
-            let samples = Samples::of(&[g], discount);
+            let samples = Samples::of(&[g], discount, None).unwrap();
             let n = tokens(&[g]);
             let (total, part) =
-                part(&model, None, &samples, 0..2, &norm(&[g], &cfg), &cfg).unwrap();
+                part(&model, None, &samples, 0..2, &Pass::whole(&[g], &cfg), &cfg).unwrap();
             let grads = total.backward();
             let e = host2(model.embed.weight.val().grad(&grads).unwrap());
             (n, part.loss, e)

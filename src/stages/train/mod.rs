@@ -25,12 +25,14 @@ mod loss;
 pub mod objective;
 mod ranks;
 mod state;
+mod steps;
 mod trainer;
 
 pub use checkpoint::CheckpointError;
 pub use config::*;
-pub use ranks::{Outcome, follow, step as step_over_ranks};
+pub use ranks::follow;
 pub use state::TrainerState;
+pub use steps::{Outcome, step as step_over_ranks};
 pub use trainer::{TrainOn, Trainer, TrainerOn};
 
 use super::{StageContext, StageError};
@@ -366,7 +368,7 @@ impl<'a> Loop<'a> {
     /// One step on `taken` over every rank, and the groups it stepped on. A step that
     /// panics changes no weight: each group is then run alone (forward and backward, no
     /// update), those that panic alone are dead-lettered with reason `panic`, and the step
-    /// is taken on the rest (see [`fault`] and [`ranks::step`]). `None` when no group is
+    /// is taken on the rest (see [`fault`] and [`steps::step`]). `None` when no group is
     /// left.
     async fn contained_step(
         &mut self,
@@ -387,7 +389,7 @@ impl<'a> Loop<'a> {
         }
         let groups: Vec<&ScoredGroup> = taken.iter().map(|d| &d.message).collect();
         let (trainer, c) = (&mut self.trainer, &mut *self.ranks);
-        let outcome = tokio::task::block_in_place(|| ranks::step(trainer, c, &groups))?;
+        let outcome = tokio::task::block_in_place(|| steps::step(trainer, c, &groups))?;
         for (i, detail) in &outcome.rejected {
             self.reject_panicked(&taken[*i], detail).await?;
         }

@@ -122,6 +122,17 @@ pub fn kept<B: Backend>(
     }
 }
 
+/// Decoupled PPO's behaviour weights π_prox/μ from their logs (no gradient flows through
+/// them), and with a `cap` > 0 the mask that drops each token whose weight exceeds it
+/// (AReaL's behav_imp_weight_cap); `None` when nothing is capped.
+pub fn behaviour_weights<B: Backend>(
+    log_weight: Tensor<B, 2>,
+    cap: f32,
+) -> (Tensor<B, 2>, Option<Tensor<B, 2>>) {
+    let mask = (cap > 0.0).then(|| log_weight.clone().lower_equal_elem(cap.ln()).float());
+    (log_weight.exp(), mask)
+}
+
 /// The per-token surrogate loss (the negated objective) of `cfg.loss`, from the ratios of
 /// [`ratios`], the per-token advantages and the log-probs `lp`:
 /// - `ppo`, `gspo`: −min(r·A, clip(r, 1−ε, 1+ε_high)·A); with `clip_ratio_c` = c > 1,

@@ -8,11 +8,12 @@
 //! do what rank 0 broadcasts ([`RankCommand`]):
 //!
 //! - **Step**: the step's groups (in group-id order, as one trainer takes them) go to
-//!   every rank; each rank trains its share ([`crate::collective::shares`]: by tokens,
-//!   deterministic), with each token's loss divided by the step's global token count;
-//!   every rank reports its outcome and token sums (all-gather), the gradients are summed
-//!   (bucketed all-reduce) and every rank applies the same clipped update. N ranks make
-//!   one trainer's update from the same groups.
+//!   every rank, and every rank takes the step's updates ([`super::steps`]): in each, it
+//!   trains its share ([`crate::collective::shares`]: by tokens, deterministic), with each
+//!   token's loss divided by the update's global token count; every rank reports its
+//!   outcome and token sums (all-gather), the gradients are summed (bucketed all-reduce)
+//!   and every rank applies the same clipped update. N ranks make one trainer's updates
+//!   from the same groups.
 //! - **Idle**: sent while rank 0 waits for groups, so that the others' wait has a deadline.
 //! - **Verify**: after a checkpoint, every rank's weights checksum is compared.
 //! - **Stop**: the stage stopped (with its error, if any); every rank exits with it.
@@ -22,14 +23,12 @@
 //! At start every rank compares the settings rank 0 broadcasts, its build, its checkpoint
 //! and its model with rank 0's and refuses to start on a difference, naming it.
 
-use super::loss::{self, TokenSums};
 use super::{Trainer, TrainerSettings};
 use crate::collective::{self, Collective};
-use crate::model::fault;
-use crate::schema::{self, ScoredGroup, StepRecord};
+use crate::schema::{self, ScoredGroup};
 use crate::stages::StageError;
 use serde::{Deserialize, Serialize};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// What rank 0 tells the other ranks to do next.
 #[derive(Debug, Serialize, Deserialize)]
@@ -49,19 +48,6 @@ pub(super) enum RankCommand {
     },
 }
 
-/// A rank's outcome of its share of a step.
-#[derive(Debug, Serialize, Deserialize)]
-enum Status {
-    Done(TokenSums),
-    /// The share's pass panicked (`panic`); `alone` are the step's groups (indices into
-    /// the step's groups) that panic alone.
-    Panicked {
-        alone: Vec<usize>,
-        panic: String,
-    },
-    Failed(String),
-}
-
 /// What each rank says of itself at start.
 #[derive(Debug, Serialize, Deserialize)]
 struct Hello {
@@ -74,17 +60,6 @@ struct Hello {
     version: u64,
     /// Checksum of the model's weights.
     model: String,
-}
-
-/// The result of a step over all ranks.
-pub struct Outcome {
-    /// `None` when no group was left to step on.
-    pub record: Option<StepRecord>,
-    /// The groups the step was taken on (indices into the step's groups).
-    pub kept: Vec<usize>,
-    /// Groups whose pass panicked alone, or that were in a step that panicked again, with
-    /// the reason: dead-lettered by rank 0.
-    pub rejected: Vec<(usize, String)>,
 }
 
 /// How long start-up calls wait: ten times a step's calls (loading a model, a warm start).
@@ -100,7 +75,7 @@ fn build() -> String {
     format!("rlstream {}", env!("CARGO_PKG_VERSION"))
 }
 
-fn garbled(rank: usize, what: &'static str, e: impl std::fmt::Display) -> StageError {
+pub(super) fn garbled(rank: usize, what: &'static str, e: impl std::fmt::Display) -> StageError {
     StageError::Other(
         collective::CollectiveError::Garbled {
             rank,
@@ -280,154 +255,6 @@ fn receive(c: &mut dyn Collective) -> Result<RankCommand, StageError> {
     rmp_serde::from_slice(&bytes).map_err(|e| garbled(0, "command", e))
 }
 
-/// `pass` on `groups` with a panic caught as its message; the fault hook fires for the
-/// groups' group and prompt ids.
-fn contained<T>(
-    groups: &[&ScoredGroup],
-    pass: impl FnOnce(&[&ScoredGroup]) -> T,
-) -> Result<T, String> {
-    fault::contain(|| {
-        fault::inject(
-            groups
-                .iter()
-                .flat_map(|g| [g.rollout.group_id.as_str(), g.rollout.prompt_id.as_str()]),
-        );
-        pass(groups)
-    })
-}
-
-/// One step on `groups` over every rank of `c` (see the module), from rank 0's loop or a
-/// following rank alike. A step whose pass panics changes no weight: each group of the
-/// panicking share is run alone, those that panic alone are rejected, and the step is
-/// taken on the rest; if that panics too, the rest are rejected.
-pub fn step(
-    trainer: &mut Trainer,
-    c: &mut dyn Collective,
-    groups: &[&ScoredGroup],
-) -> Result<Outcome, StageError> {
-    let started = Instant::now();
-    let number = trainer.state.step + 1;
-    let mut kept: Vec<usize> = (0..groups.len()).collect();
-    let mut rejected = Vec::new();
-    let mut first_panic: Option<String> = None;
-    loop {
-        let subset: Vec<&ScoredGroup> = kept.iter().map(|&i| groups[i]).collect();
-        let tokens: Vec<usize> = subset.iter().map(|g| loss::tokens(&[*g])).collect();
-        let norm = loss::norm(&subset, trainer.settings());
-        let mut shares = collective::shares(&tokens, c.world());
-        let mine = std::mem::take(&mut shares[c.rank()]);
-        let share: Vec<&ScoredGroup> = mine.iter().map(|&i| subset[i]).collect();
-        let (status, grads) = match contained(&share, |g| trainer.gradients_over(g, &norm)) {
-            Ok(Ok((g, sums))) => (Status::Done(sums), Some(g)),
-            Ok(Err(e)) => (Status::Failed(e.to_string()), None),
-            Err(panic) if first_panic.is_none() => {
-                (alone(trainer, &subset, &mine, &kept, panic), None)
-            }
-            Err(panic) => (
-                Status::Panicked {
-                    alone: Vec::new(),
-                    panic,
-                },
-                None,
-            ),
-        };
-        let (total, mut bad, panics) = gather(c, number, &status)?;
-        if panics.is_empty() {
-            let mut grads = grads.unwrap_or_default();
-            let bucket = trainer.settings().train.allreduce_bucket_mb * (1 << 20) / 4;
-            let dtype = trainer.settings().train.allreduce_dtype;
-            trainer.all_reduce(
-                &mut grads,
-                c,
-                &format!("step {number}'s gradients"),
-                dtype,
-                bucket,
-            )?;
-            let record = trainer.apply(grads, total.record(&subset), &subset, started);
-            return Ok(Outcome {
-                record: Some(record),
-                kept,
-                rejected,
-            });
-        }
-        let panic = panics.join("; ");
-        if let Some(first) = &first_panic {
-            let detail = format!(
-                "a step over its batch panicked ({first}, then {panic}) and no group panicked alone"
-            );
-            rejected.extend(kept.iter().map(|&i| (i, detail.clone())));
-            kept.clear();
-        } else {
-            bad.sort_unstable();
-            let detail = format!("its training pass panicked alone: {panic}");
-            rejected.extend(bad.iter().map(|&i| (i, detail.clone())));
-            kept.retain(|i| bad.binary_search(i).is_err());
-            first_panic = Some(panic);
-        }
-        if kept.is_empty() {
-            return Ok(Outcome {
-                record: None,
-                kept,
-                rejected,
-            });
-        }
-    }
-}
-
-/// Every rank's outcome of step `number`: the token sums of the ranks that finished,
-/// the groups that panicked alone and the panics; an error when any rank failed.
-fn gather(
-    c: &mut dyn Collective,
-    number: u64,
-    status: &Status,
-) -> Result<(TokenSums, Vec<usize>, Vec<String>), StageError> {
-    let bytes = rmp_serde::to_vec(status).map_err(|e| StageError::Other(e.to_string()))?;
-    let all = c.all_gather(&format!("step {number}'s outcomes"), &bytes);
-    let name = |r: usize, m: String| {
-        if all.len() == 1 {
-            m
-        } else {
-            format!("rank {r}: {m}")
-        }
-    };
-    let mut total = TokenSums::default();
-    let (mut bad, mut panics, mut failures) = (Vec::new(), Vec::new(), Vec::new());
-    for (r, b) in all.iter().enumerate() {
-        match rmp_serde::from_slice::<Status>(b).map_err(|e| garbled(r, "step outcome", e))? {
-            Status::Done(sums) => total.add(&sums),
-            Status::Panicked { alone, panic } => {
-                bad.extend(alone);
-                panics.push(name(r, panic));
-            }
-            Status::Failed(e) => failures.push(name(r, e)),
-        }
-    }
-    if !failures.is_empty() {
-        return Err(StageError::Ranks(failures.join("; ")));
-    }
-    Ok((total, bad, panics))
-}
-
-/// After this rank's share panicked: which of its groups (`mine`, indices into `subset`,
-/// whose groups are the step's `kept`) panic alone.
-fn alone(
-    trainer: &Trainer,
-    subset: &[&ScoredGroup],
-    mine: &[usize],
-    kept: &[usize],
-    panic: String,
-) -> Status {
-    let mut alone = Vec::new();
-    for &i in mine {
-        match contained(&[subset[i]], |g| trainer.probe(g)) {
-            Ok(Ok(())) => {}
-            Ok(Err(e)) => return Status::Failed(e.to_string()),
-            Err(_) => alone.push(kept[i]),
-        }
-    }
-    Status::Panicked { alone, panic }
-}
-
 /// After a checkpoint: every rank's weights against rank 0's.
 pub(super) fn verify(trainer: &Trainer, c: &mut dyn Collective) -> Result<(), StageError> {
     let sum = trainer
@@ -493,7 +320,7 @@ pub fn follow(mut c: Box<dyn Collective>, own: Option<&TrainerSettings>) -> Resu
                 let refs: Vec<&ScoredGroup> = groups.iter().collect();
                 trainer.state.step = number;
                 trainer.state.version = version;
-                let o = step(&mut trainer, c.as_mut(), &refs)?;
+                let o = super::steps::step(&mut trainer, c.as_mut(), &refs)?;
                 tracing::debug!(rank, step = trainer.state.step, kept = o.kept.len(), "step");
             }
             RankCommand::Idle => {}

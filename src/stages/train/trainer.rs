@@ -4,8 +4,7 @@
 use super::TrainerSettings;
 use super::adamw::{FusedAdamW, GradScaleHandle, SquaredNorm};
 use super::checkpoint::{self, CheckpointError, MODEL_RECORD, OPTIM_RECORD};
-use super::loss::{self, Samples, TokenSums};
-use super::objective::Norm;
+use super::loss::{self, Pass, Proximal, Samples, TokenSums};
 use super::state::{REMEMBERED_GROUPS, TrainerState};
 use crate::collective::{self, Collective, ReduceDtype};
 use crate::model::hf::load_hf;
@@ -15,6 +14,7 @@ use crate::model::lora::{self, LoraSpec};
 use crate::model::tensors::WeightDtype;
 use crate::model::{Kernels, ModelError, Policy, TrainBackend};
 use crate::schema::{ScoredGroup, StepRecord};
+use crate::stages::StageError;
 use crate::weights::{AdapterVersion, Payload};
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -334,50 +334,63 @@ impl<B: TrainOn> TrainerOn<B> {
         Ok((model.load_record(record), state, (optim, grad_scale)))
     }
 
-    /// One optimizer step on `groups`. A non-finite loss or gradient skips the step and
+    /// One step on `groups` in this process: its updates ([`super::steps`]) with the
+    /// same containment as the stage's. A non-finite loss or gradient skips an update and
     /// leaves the weights untouched.
-    pub fn step(&mut self, groups: &[&ScoredGroup]) -> Result<StepRecord, ModelError> {
-        let started = Instant::now();
-        let (grads, sums) = self.gradients_over(groups, &loss::norm(groups, &self.cfg))?;
-        Ok(self.apply(grads, sums.record(groups), groups, started))
+    pub fn step(&mut self, groups: &[&ScoredGroup]) -> Result<StepRecord, StageError> {
+        let outcome = super::steps::step(self, &mut collective::Solo::default(), groups)?;
+        match (outcome.record, outcome.rejected.first()) {
+            (Some(record), _) => Ok(record),
+            (None, Some((_, why))) => Err(StageError::Other(format!(
+                "no group of the step was left to train: {why}"
+            ))),
+            (None, None) => Err(StageError::Other("a step of no groups".into())),
+        }
     }
 
-    /// The update from the step's gradient `grads` (clipped by its global norm) and the
-    /// step counted on `groups`, or, for a non-finite loss or gradient, no update. `stats`
-    /// are the step's statistics so far; the record of the step is returned.
-    pub fn apply(
-        &mut self,
-        mut grads: GradientsParams,
-        mut stats: StepRecord,
-        groups: &[&ScoredGroup],
-        started: Instant,
-    ) -> StepRecord {
+    /// One optimizer update from the gradient `grads` (clipped by its global norm) of an
+    /// update whose loss is `loss`: its gradient norm, and whether it was applied (not for
+    /// a non-finite loss or gradient, which leave the weights untouched).
+    pub fn update(&mut self, mut grads: GradientsParams, loss: f64) -> (f64, bool) {
         let mut norm = GradNorm {
             grads: &mut grads,
             norm: SquaredNorm::<B::InnerBackend>::default(),
         };
         self.model().visit(&mut norm);
-        stats.grad_norm = norm.norm.total().sqrt();
-        if stats.loss.is_finite() && stats.grad_norm.is_finite() {
-            let max = f64::from(self.cfg.train.max_grad_norm);
-            self.grad_scale.set(if stats.grad_norm > max {
-                (max / stats.grad_norm) as f32
-            } else {
-                1.0
-            });
-            let model = self
-                .model
-                .take()
-                .expect("the model is present between steps");
-            self.model = Some(self.optim.step(self.cfg.train.lr, model, grads));
-            self.trained(groups);
-        } else {
-            stats.skipped = true;
+        let grad_norm = norm.norm.total().sqrt();
+        if !(loss.is_finite() && grad_norm.is_finite()) {
             tracing::warn!(
-                loss = stats.loss,
-                grad_norm = stats.grad_norm,
-                "non-finite loss or gradient: step skipped, weights kept"
+                loss,
+                grad_norm,
+                "non-finite loss or gradient: update skipped, weights kept"
             );
+            return (grad_norm, false);
+        }
+        let max = f64::from(self.cfg.train.max_grad_norm);
+        self.grad_scale.set(if grad_norm > max {
+            (max / grad_norm) as f32
+        } else {
+            1.0
+        });
+        let model = self
+            .model
+            .take()
+            .expect("the model is present between steps");
+        self.model = Some(self.optim.step(self.cfg.train.lr, model, grads));
+        (grad_norm, true)
+    }
+
+    /// Ends a step on `groups` whose statistics are `stats`: unless it was skipped (no
+    /// update applied), the version and step advance and the groups are remembered. The
+    /// record of the step is returned.
+    pub fn finish(
+        &mut self,
+        mut stats: StepRecord,
+        groups: &[&ScoredGroup],
+        started: Instant,
+    ) -> StepRecord {
+        if !stats.skipped {
+            self.trained(groups);
         }
         stats.step = self.state.step;
         stats.version = self.state.version;
@@ -392,27 +405,30 @@ impl<B: TrainOn> TrainerOn<B> {
     }
 
     /// The gradient of the loss on `groups` and the step's statistics, without stepping:
-    /// micro-batch by micro-batch (`micro_batch_tokens`), each part's gradient added up.
+    /// micro-batch by micro-batch (`micro_batch_tokens`), each part's gradient added up, as
+    /// the step's first update.
     pub fn gradients(
         &self,
         groups: &[&ScoredGroup],
     ) -> Result<(GradientsParams, StepRecord), ModelError> {
-        let (grads, sums) = self.gradients_over(groups, &loss::norm(groups, &self.cfg))?;
-        Ok((grads, sums.record(groups)))
+        let (grads, sums) = self.gradients_over(groups, &Pass::whole(groups, &self.cfg), None)?;
+        Ok((grads, sums.record(groups, 1)))
     }
 
-    /// [`Trainer::gradients`] of `groups` as one share of a step whose loss is divided by
-    /// `norm` (its tokens and sequences in all), so the shares' gradients add up to the
-    /// step's gradient. No share, no gradient.
+    /// [`Trainer::gradients`] of `groups` as one share of an update `pass` describes (its
+    /// norm counts the tokens and sequences of every share), so the shares' gradients add
+    /// up to the update's gradient; `proximal` holds decoupled PPO's recomputed log-probs.
+    /// No share, no gradient.
     pub fn gradients_over(
         &self,
         groups: &[&ScoredGroup],
-        norm: &Norm,
+        pass: &Pass,
+        proximal: Option<&Proximal>,
     ) -> Result<(GradientsParams, TokenSums), ModelError> {
         if groups.is_empty() {
             return Ok((GradientsParams::new(), TokenSums::default()));
         }
-        let samples = Samples::of(groups, self.cfg.train.token_discount);
+        let samples = Samples::of(groups, self.cfg.train.token_discount, proximal)?;
         let batches = samples.micro_batches(self.cfg.train.micro_batch_tokens);
         // Each weight packed for the CPU's products once for all the micro-batches and the
         // head's chunks, forward and backward, where it is used more than once (the kept
@@ -423,7 +439,7 @@ impl<B: TrainOn> TrainerOn<B> {
         let mut parts = Vec::new();
         for range in batches {
             let reference = self.reference.as_ref();
-            let (l, part) = loss::part(self.model(), reference, &samples, range, norm, &self.cfg)?;
+            let (l, part) = loss::part(self.model(), reference, &samples, range, pass, &self.cfg)?;
             sum.accumulate(
                 self.model(),
                 GradientsParams::from_grads(l.backward(), self.model()),
@@ -431,6 +447,13 @@ impl<B: TrainOn> TrainerOn<B> {
             parts.push(part);
         }
         Ok((sum.grads(), TokenSums::of(&parts, &self.cfg)))
+    }
+
+    /// The log-probs of `group`'s completions under the policy as it is now, without
+    /// gradient: decoupled PPO's proximal log-probs, taken before a step's first update.
+    pub fn proximal_logprobs(&self, group: &ScoredGroup) -> Result<Vec<Vec<f32>>, ModelError> {
+        let samples = Samples::of(&[group], self.cfg.train.token_discount, None)?;
+        loss::logprobs(&self.model().valid(), &samples, &self.cfg)
     }
 
     /// Sums `grads` over the trainer ranks of `c`, in buckets of `bucket_values` values:

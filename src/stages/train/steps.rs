@@ -67,6 +67,16 @@ pub fn plan(groups: usize, cfg: &TrainConfig) -> Vec<Vec<usize>> {
         .collect()
 }
 
+/// What a step of `updates` updates takes its ratios against, the trainer at `version`.
+fn prox(cfg: &TrainConfig, updates: usize, version: u64) -> Prox {
+    match (cfg.use_decoupled_loss, updates > 1, cfg.prox_logp_method) {
+        (false, ..) => Prox::Behaviour,
+        (true, false, _) => Prox::Current,
+        (true, true, ProxMethod::Loglinear) => Prox::Loglinear { version },
+        (true, true, ProxMethod::Recompute) => Prox::Recomputed,
+    }
+}
+
 /// One step on `groups` over every rank of `c`, from rank 0's loop or a following rank
 /// alike (see the module).
 pub fn step<B: TrainOn>(
@@ -78,14 +88,7 @@ pub fn step<B: TrainOn>(
     let number = trainer.state.step + 1;
     let cfg = trainer.settings().train.clone();
     let plan = plan(groups.len(), &cfg);
-    let prox = match (cfg.use_decoupled_loss, plan.len() > 1, cfg.prox_logp_method) {
-        (false, ..) => Prox::Behaviour,
-        (true, false, _) => Prox::Current,
-        (true, true, ProxMethod::Loglinear) => Prox::Loglinear {
-            version: trainer.state.version,
-        },
-        (true, true, ProxMethod::Recompute) => Prox::Recomputed,
-    };
+    let prox = prox(&cfg, plan.len(), trainer.state.version);
     let mut out = vec![false; groups.len()];
     let mut rejected = Vec::new();
     let proximal = match prox {

@@ -120,7 +120,8 @@ fn worst_relative(a: &TensorMap, b: &TensorMap) -> (String, f64) {
 }
 
 /// One trainer, 2 ranks and 3 ranks train on the same 16 groups: 8 steps of 2 groups (the
-/// third rank has no group in any step) and 5 steps of 3. They end at the same weights
+/// third rank has no group in any step) and 5 steps of 3; and 4 steps of 4 groups in four
+/// updates each under decoupled PPO on one rank and on two. They end at the same weights
 /// within 1e-6 of each tensor's largest; with bf16 on the wire, close but not exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_and_three_ranks_train_to_one_trainers_weights() {
@@ -128,13 +129,24 @@ async fn two_and_three_ranks_train_to_one_trainers_weights() {
     let model = tiny_llama(dir.path(), 5);
     let bus = redis_bus().await;
     let mut ckpts: Vec<PathBuf> = Vec::new();
-    let runs: [(usize, u64, &[&str]); 6] = [
+    // Several updates a step under decoupled PPO: the proximal log-probs each rank
+    // recomputes for its share are gathered, and every update is shared anew.
+    let several: &[&str] = &[
+        "--ppo-mini-batch-size",
+        "2",
+        "--ppo-epochs",
+        "2",
+        "--use-decoupled-loss",
+    ];
+    let runs: [(usize, u64, &[&str]); 8] = [
         (1, 2, &[]),
         (2, 2, &[]),
         (3, 2, &[]),
         (2, 2, &["--allreduce-dtype", "bf16"]),
         (1, 3, &[]),
         (3, 3, &[]),
+        (1, 4, several),
+        (2, 4, several),
     ];
     for (ranks, per_step, extra) in runs {
         let ns = unique_ns(&format!("ranks{ranks}"));
@@ -155,6 +167,7 @@ async fn two_and_three_ranks_train_to_one_trainers_weights() {
         (0, 1, "2 ranks"),
         (0, 2, "3 ranks, one idle"),
         (4, 5, "3 ranks"),
+        (6, 7, "2 ranks, 4 decoupled updates a step"),
     ] {
         let one = weights(&ckpts[one]);
         assert!(

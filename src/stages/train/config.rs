@@ -123,6 +123,7 @@ crate::settings! {
         /// Passes over a step's mini-batches (verl's ppo_epochs); the step publishes one version however many updates it takes.
         pub ppo_epochs: usize = 1,
         /// Decoupled PPO (AReaL): the ratio is taken against a proximal policy, the one before the step, and each token's loss weighed by π_prox/μ (no gradient) for the behaviour's staleness.
+        #[arg(num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
         pub use_decoupled_loss: bool = false,
         /// Decoupled PPO: how the proximal log-probs are found, recompute (a forward pass) or loglinear (interpolated from the behaviour's and the current log-probs by version).
         pub prox_logp_method: ProxMethod = ProxMethod::Recompute,

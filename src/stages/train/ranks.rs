@@ -23,8 +23,9 @@
 //! At start every rank compares the settings rank 0 broadcasts, its build, its checkpoint
 //! and its model with rank 0's and refuses to start on a difference, naming it.
 
+use super::steps::garbled;
 use super::{Trainer, TrainerSettings};
-use crate::collective::{self, Collective};
+use crate::collective::Collective;
 use crate::schema::{self, ScoredGroup};
 use crate::stages::StageError;
 use serde::{Deserialize, Serialize};
@@ -73,17 +74,6 @@ fn step_timeout(cfg: &TrainerSettings) -> Duration {
 
 fn build() -> String {
     format!("rlstream {}", env!("CARGO_PKG_VERSION"))
-}
-
-pub(super) fn garbled(rank: usize, what: &'static str, e: impl std::fmt::Display) -> StageError {
-    StageError::Other(
-        collective::CollectiveError::Garbled {
-            rank,
-            what,
-            detail: e.to_string(),
-        }
-        .to_string(),
-    )
 }
 
 /// Rank 0's trainer: the settings broadcast, the trainer started, every rank agreeing.

@@ -163,6 +163,22 @@ pub fn step<B: TrainOn>(
     })
 }
 
+impl<B: TrainOn> TrainerOn<B> {
+    /// One step on `groups` in this process: its updates ([`super::steps`]) with the
+    /// same containment as the stage's. A non-finite loss or gradient skips an update and
+    /// leaves the weights untouched.
+    pub fn step(&mut self, groups: &[&ScoredGroup]) -> Result<StepRecord, StageError> {
+        let outcome = step(self, &mut collective::Solo::default(), groups)?;
+        match (outcome.record, outcome.rejected.first()) {
+            (Some(record), _) => Ok(record),
+            (None, Some((_, why))) => Err(StageError::Other(format!(
+                "no group of the step was left to train: {why}"
+            ))),
+            (None, None) => Err(StageError::Other("a step of no groups".into())),
+        }
+    }
+}
+
 /// One update's outcome: the token sums over every rank, the gradient norm and whether
 /// the update was applied (`None` when every group of it was rejected), and the groups
 /// rejected on the way.
@@ -282,11 +298,11 @@ fn proximal<B: TrainOn>(
     let (mut map, mut bad, mut failures) = (Proximal::new(), Vec::new(), Vec::new());
     for (r, b) in all.iter().enumerate() {
         let (lps, panicked, failed): Share =
-            rmp_serde::from_slice(b).map_err(|e| super::ranks::garbled(r, "proximal", e))?;
+            rmp_serde::from_slice(b).map_err(|e| garbled(r, "proximal", e))?;
         for (i, lp) in lps {
-            let g = groups.get(i).ok_or_else(|| {
-                super::ranks::garbled(r, "proximal", format!("no group {i} in the step"))
-            })?;
+            let g = groups
+                .get(i)
+                .ok_or_else(|| garbled(r, "proximal", format!("no group {i} in the step")))?;
             map.insert(g.rollout.group_id.clone(), lp);
         }
         bad.extend(panicked);
@@ -297,6 +313,18 @@ fn proximal<B: TrainOn>(
     }
     bad.sort_unstable();
     Ok((map, bad))
+}
+
+/// A rank's message that does not decode.
+pub(super) fn garbled(rank: usize, what: &'static str, e: impl std::fmt::Display) -> StageError {
+    StageError::Other(
+        collective::CollectiveError::Garbled {
+            rank,
+            what,
+            detail: e.to_string(),
+        }
+        .to_string(),
+    )
 }
 
 /// `pass` on `groups` with a panic caught as its message; the fault hook fires for the
@@ -334,8 +362,7 @@ fn gather(
     let mut total = TokenSums::default();
     let (mut bad, mut panics, mut failures) = (Vec::new(), Vec::new(), Vec::new());
     for (r, b) in all.iter().enumerate() {
-        let status: Status =
-            rmp_serde::from_slice(b).map_err(|e| super::ranks::garbled(r, "step outcome", e))?;
+        let status: Status = rmp_serde::from_slice(b).map_err(|e| garbled(r, "step outcome", e))?;
         match status {
             Status::Done(sums) => total.add(&sums),
             Status::Panicked { alone, panic } => {

@@ -14,7 +14,6 @@ use crate::model::lora::{self, LoraSpec};
 use crate::model::tensors::WeightDtype;
 use crate::model::{Kernels, ModelError, Policy, TrainBackend};
 use crate::schema::{ScoredGroup, StepRecord};
-use crate::stages::StageError;
 use crate::weights::{AdapterVersion, Payload};
 use burn::module::{AutodiffModule, Module, ModuleVisitor, Param};
 use burn::optim::adaptor::OptimizerAdaptor;
@@ -332,20 +331,6 @@ impl<B: TrainOn> TrainerOn<B> {
         let (optim, grad_scale) = Self::optimizer(cfg);
         let optim = optim.load_record(optim_record);
         Ok((model.load_record(record), state, (optim, grad_scale)))
-    }
-
-    /// One step on `groups` in this process: its updates ([`super::steps`]) with the
-    /// same containment as the stage's. A non-finite loss or gradient skips an update and
-    /// leaves the weights untouched.
-    pub fn step(&mut self, groups: &[&ScoredGroup]) -> Result<StepRecord, StageError> {
-        let outcome = super::steps::step(self, &mut collective::Solo::default(), groups)?;
-        match (outcome.record, outcome.rejected.first()) {
-            (Some(record), _) => Ok(record),
-            (None, Some((_, why))) => Err(StageError::Other(format!(
-                "no group of the step was left to train: {why}"
-            ))),
-            (None, None) => Err(StageError::Other("a step of no groups".into())),
-        }
     }
 
     /// One optimizer update from the gradient `grads` (clipped by its global norm) of an

@@ -41,6 +41,17 @@ PRESETS = {
     "tis": ["--loss", "tis"],
     "reinforce": ["--loss", "reinforce"],
     "ppo-kl-k3": ["--kl-coef", "0.05", "--kl-loss-type", "k3"],
+    "ppo-entropy": ["--entropy-coeff", "0.001"],
+    "ppo-4-updates": ["--ppo-mini-batch-size", "4", "--ppo-epochs", "2"],
+    "decoupled": ["--use-decoupled-loss"],
+    "decoupled-4-updates": ["--use-decoupled-loss", "--ppo-mini-batch-size", "4", "--ppo-epochs", "2"],
+    "decoupled-4-updates-loglinear": ["--use-decoupled-loss", "--ppo-mini-batch-size", "4", "--ppo-epochs", "2",
+                                      "--prox-logp-method", "loglinear"],
+    # Four updates a step take four Adam steps: the same movement per step at a quarter
+    # of the learning rate.
+    "ppo-4-updates-lr-quarter": ["--ppo-mini-batch-size", "4", "--ppo-epochs", "2", "--lr", "1.25e-4"],
+    "decoupled-4-updates-lr-quarter": ["--use-decoupled-loss", "--ppo-mini-batch-size", "4", "--ppo-epochs", "2",
+                                       "--lr", "1.25e-4"],
 }
 
 

@@ -63,7 +63,8 @@ pub struct StepRecord {
     /// Carlo estimate of the entropy; `entropy` in step events before this name).
     pub sampled_nll: f64,
     /// Mean entropy of the policy's distribution (after temperature and the sampling mask)
-    /// over the completion tokens, on the step's first update.
+    /// over the completion tokens, on the step's first update (0 with
+    /// `calculate_entropy = false`).
     pub policy_entropy: f64,
     /// Optimizer updates the step took (`ppo_mini_batch_size`, `ppo_epochs`).
     pub updates: u64,

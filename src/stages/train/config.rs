@@ -131,6 +131,9 @@ crate::settings! {
         pub behav_imp_weight_cap: f32 = 0.0,
         /// Entropy bonus: the loss subtracts this times the policy's entropy on the completion tokens, aggregated as the surrogate is (verl's entropy_coeff); 0 disables.
         pub entropy_coeff: f32 = 0.0,
+        /// Record the policy's entropy on each step's first update (`policy_entropy`): one more pass of the output head over its tokens, without gradient (verl's calculate_entropy); always computed when entropy_coeff is set.
+        #[arg(num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+        pub calculate_entropy: bool = true,
         /// KL penalty to the initial policy in the loss (0 disables; verl's kl_loss_coef).
         pub kl_coef: f32 = 0.0,
         /// The KL estimator: k1, k2, k3 or low-var-kl (verl's kl_loss_type).

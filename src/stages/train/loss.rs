@@ -469,7 +469,7 @@ where
             true => host(h.detach())?,
             false => Vec::new(),
         }
-    } else if pass.first {
+    } else if pass.first && t.calculate_entropy {
         host(pass_of.entropy_detached(&model.valid()))?
     } else {
         Vec::new()

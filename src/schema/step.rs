@@ -79,6 +79,9 @@ pub struct StepRecord {
     /// Seconds spent waiting for data before this step, and in the step.
     pub wait_s: f64,
     pub step_s: f64,
+    /// Groups dynamic sampling kept out since the previous step (`train.filter_groups`):
+    /// the stream replaced each.
+    pub filtered_groups: u64,
     /// Groups trained and dropped since the run began.
     pub trained_groups: u64,
     pub dropped_groups: u64,

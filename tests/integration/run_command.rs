@@ -347,3 +347,79 @@ fn a_model_with_another_tokenizer_is_refused() {
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(stderr.contains("character tokenizer"), "{stderr}");
 }
+
+/// Dynamic sampling under `--sync`: the trainer keeps every group whose rewards are all
+/// equal out of its steps, the feeder replaces each with a prompt, and every step still
+/// trains `groups_per_step` groups, each with rewards that differ. Checked against the
+/// scored stream: what the trainer remembers training and dropping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sync_dynamic_sampling_trains_only_groups_that_teach() {
+    let dir = tempfile::tempdir().unwrap();
+    let task = BuiltinTask::Add;
+    let model = dir.path().join("sft");
+    let warm = SftOptions {
+        task,
+        out: model.clone(),
+        steps: 60,
+        ..SftOptions::default()
+    };
+    sft::run(&warm, |_, _| {}).unwrap();
+    let mut cfg = run::defaults(task);
+    cfg.train.steps = 4;
+    cfg.train.checkpoint_every = 4;
+    cfg.train.filter_groups = true;
+    cfg.run.eval_prompts = 0;
+    let out = dir.path().join("run");
+    let opts = RunOptions {
+        prompts: run::RunPrompts::Task(task),
+        model: Some(model),
+        sft: SftOptions::default(),
+        out: out.clone(),
+        report: None,
+        sync: true,
+        seed: 1,
+        display: DisplayMode::Quiet,
+    };
+    let bus: SharedBus = Arc::new(MemoryBus::new());
+    let o = crate::common::run_alone(&opts, cfg, bus.clone()).await;
+    assert_eq!((o.summary.steps, o.summary.trained_groups), (4, 32));
+    let filtered: u64 = o.rows.iter().map(|r| r.record.filtered_groups).sum();
+    assert!(
+        filtered > 0,
+        "no group was filtered: the test shows nothing"
+    );
+
+    let scored = bus
+        .range("rl:scored", RangeBound::Open, RangeBound::Open, 1_000_000)
+        .await
+        .unwrap();
+    let rewards: std::collections::BTreeMap<String, Vec<f32>> = scored
+        .iter()
+        .map(|e| {
+            let g: ScoredGroup = schema::decode(&e.payload).unwrap();
+            (g.rollout.group_id, g.rewards)
+        })
+        .collect();
+    // Each filtered group was replaced (a step's prompts may follow the last step).
+    assert!(
+        rewards.len() as u64 >= 32 + filtered,
+        "{} scored",
+        rewards.len()
+    );
+    let latest = rlstream::stages::train::checkpoint::latest(&out.join("checkpoints")).unwrap();
+    let state = rlstream::stages::train::checkpoint::read_state(&latest).unwrap();
+    let same = |id: &str| rewards[id].windows(2).all(|w| w[0] == w[1]);
+    assert_eq!(state.recent_groups.len(), 32);
+    assert!(
+        state.recent_groups.iter().all(|id| !same(id)),
+        "a zero-variance group trained"
+    );
+    let dropped: Vec<&String> = state
+        .recent_dropped
+        .iter()
+        .filter(|(_, why)| why == "zero_variance")
+        .map(|(id, _)| id)
+        .collect();
+    assert!(dropped.len() as u64 >= filtered);
+    assert!(dropped.iter().all(|id| same(id)));
+}

@@ -11,6 +11,8 @@ use crate::tasks::{self, BuiltinTask, Dataset};
 use crate::weights::ModelSlot;
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::sync::watch;
 
@@ -36,6 +38,9 @@ pub(super) struct Feeder {
     pub(super) topo: Topology,
     pub(super) slot: ModelSlot<InferBackend>,
     pub(super) next: u64,
+    /// Groups the trainer's dynamic sampling filtered (`train.filter_groups`): in sync
+    /// mode each is replaced by one more prompt, so the step fills.
+    pub(super) filtered: Arc<AtomicU64>,
 }
 
 /// What the feeder draws prompts from.
@@ -111,17 +116,27 @@ impl Feeder {
     ) -> Result<u64, StageError> {
         let target = (2 * self.per_step) as u64;
         let mut released = 0u64;
+        let mut replaced = 0u64;
         while !*stop.borrow() {
             if self.sync {
-                // One step's prompts, then wait for the trainer's step and the generator's swap.
+                // One step's prompts, one more for each group the trainer filters out
+                // meanwhile, then wait for the trainer's step and the generator's swap.
                 self.publish(self.per_step).await?;
                 released += 1;
-                let version = tokio::select! {
-                    _ = stop.wait_for(|s| *s) => break,
-                    p = progress.wait_for(|p| p.steps >= released) => match p {
-                        Ok(p) => p.version,
-                        Err(_) => break,
-                    },
+                let version = loop {
+                    let seen = self.filtered.load(Ordering::Relaxed);
+                    if seen > replaced {
+                        self.publish((seen - replaced) as usize).await?;
+                        replaced = seen;
+                    }
+                    tokio::select! {
+                        _ = stop.wait_for(|s| *s) => return Ok(self.next),
+                        p = progress.wait_for(|p| p.steps >= released) => match p {
+                            Ok(p) => break p.version,
+                            Err(_) => return Ok(self.next),
+                        },
+                        () = tokio::time::sleep(FEED_POLL) => {}
+                    }
                 };
                 tokio::select! {
                     _ = stop.wait_for(|s| *s) => break,

@@ -220,6 +220,7 @@ pub async fn run(
         topo: topo.clone(),
         slot: slot.clone(),
         next: 0,
+        filtered: Default::default(),
     };
     let mut held_out: Vec<HeldOut> = held
         .of(0, 0.0, "before", &slot.load().policy)?

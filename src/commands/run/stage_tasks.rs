@@ -15,6 +15,7 @@ use crate::stages::{StageContext, StageError, score};
 use crate::weights::{LocalWeights, ModelSlot, Transport};
 use std::future::Future;
 use std::sync::Arc;
+use std::sync::atomic::AtomicU64;
 use tokio::sync::{mpsc, watch};
 
 type StageTask = tokio::task::JoinHandle<Result<StageResult, StageError>>;
@@ -62,7 +63,7 @@ async fn train_stage(
     (bus, topo): (SharedBus, Topology),
     (transport, ranks): (Transport, Box<dyn Collective>),
     until: impl Future<Output = ()> + Send,
-    progress: watch::Sender<Progress>,
+    (progress, filtered): (watch::Sender<Progress>, Arc<AtomicU64>),
     records: mpsc::UnboundedSender<StepRecord>,
 ) -> Result<StageResult, StageError> {
     let mut steps = 0u64;
@@ -77,6 +78,7 @@ async fn train_stage(
     let job = TrainJob::new(&settings)
         .transport(transport)
         .ranks(ranks)
+        .count_filtered(filtered)
         .on_step(on_step);
     let role = (Stage::Train, settings.train.name.as_str());
     train::run(job, StageContext::new(role, bus, &topo, until))
@@ -108,7 +110,7 @@ impl Stages {
                 (bus.clone(), topo.clone()),
                 (transport.clone(), ranks),
                 stopped(stop.subscribe()),
-                progress_tx,
+                (progress_tx, feeder.filtered.clone()),
                 records,
             ),
         );

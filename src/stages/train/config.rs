@@ -140,6 +140,11 @@ crate::settings! {
         pub kl_loss_type: KlKind = KlKind::K3,
         /// Discount γ of rewards placed on tokens (a scorer's token_rewards): each token's advantage adds its return Σ γ^k·r over the rewards at or after it, less the group's mean; 1 credits a step's reward to every token before it, 0 keeps each reward on its own token.
         pub token_discount: f32 = 1.0,
+        /// Dynamic sampling (DAPO; verl's filter_groups): a group whose rewards are all equal, and whose token rewards (if any) are all 0, has advantage 0 on every token under grpo, loo and nostd; it is acknowledged and counted (reason zero_variance), never trained, and the step fills its groups_per_step from the stream.
+        #[arg(num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+        pub filter_groups: bool = false,
+        /// Dynamic sampling: also filter a group whose every |advantage| is below this (reason low_advantage; 0: zero-variance groups only).
+        pub filter_min_abs_advantage: f32 = 0.0,
         /// Publish weights every this many steps.
         pub publish_every: u64 = 1,
         /// Versions of weights kept on the bus.
@@ -230,6 +235,9 @@ impl TrainConfig {
         }
         if !(self.collective_timeout_s.is_finite() && self.collective_timeout_s > 0.0) {
             return Err(invalid("train.collective_timeout_s", "must be > 0"));
+        }
+        if !(self.filter_min_abs_advantage.is_finite() && self.filter_min_abs_advantage >= 0.0) {
+            return Err(invalid("train.filter_min_abs_advantage", "must be >= 0"));
         }
         if self.ppo_epochs == 0 {
             return Err(invalid("train.ppo_epochs", "must be at least 1"));

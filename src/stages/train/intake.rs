@@ -3,10 +3,12 @@
 //!
 //! A group is dropped (acked, counted with its reason, never trained) when its oldest token
 //! is more than `max_lag` versions behind the trainer (`stale`, judged on arrival and again
-//! before every step, since buffered groups age) or when its group id was trained already
-//! or is waiting in the buffer (`duplicate`). The rest wait in arrival order until a step's
-//! worth (`per_step`) is there.
+//! before every step, since buffered groups age), when its group id was trained already
+//! or is waiting in the buffer (`duplicate`), or, with dynamic sampling on, when it would
+//! teach nothing (`zero_variance`, `low_advantage`; see [`Filter`]). The rest wait in
+//! arrival order until a step's worth (`per_step`) is there.
 
+use super::TrainConfig;
 use crate::bus::Delivery;
 use crate::schema::ScoredGroup;
 
@@ -19,14 +21,25 @@ pub enum DropReason {
     Duplicate,
     /// Its step had a non-finite loss or gradient and was skipped.
     Nonfinite,
+    /// Dynamic sampling: every reward equal, so every advantage 0.
+    ZeroVariance,
+    /// Dynamic sampling: every |advantage| below `filter_min_abs_advantage`.
+    LowAdvantage,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 3] = [
+    pub const ALL: [DropReason; 5] = [
         DropReason::Stale,
         DropReason::Duplicate,
         DropReason::Nonfinite,
+        DropReason::ZeroVariance,
+        DropReason::LowAdvantage,
     ];
+
+    /// Whether dynamic sampling dropped it (the stream replaces it; not an error).
+    pub const fn filtered(self) -> bool {
+        matches!(self, DropReason::ZeroVariance | DropReason::LowAdvantage)
+    }
 
     /// The name in the trainer state, the step records and the metrics' `reason` label.
     pub const fn as_str(self) -> &'static str {
@@ -34,6 +47,8 @@ impl DropReason {
             DropReason::Stale => "stale",
             DropReason::Duplicate => "duplicate",
             DropReason::Nonfinite => "nonfinite",
+            DropReason::ZeroVariance => "zero_variance",
+            DropReason::LowAdvantage => "low_advantage",
         }
     }
 }
@@ -45,18 +60,63 @@ pub fn staleness(g: &ScoredGroup, version: u64) -> u64 {
         .map_or(0, |v| version.saturating_sub(v))
 }
 
+/// Dynamic sampling: which groups teach nothing and stay out of the optimizer.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Filter {
+    /// Groups whose rewards are all equal (and whose token rewards, if any, all 0).
+    pub zero_variance: bool,
+    /// Groups whose every |advantage| is below this (0: none), token rewards all 0.
+    pub min_abs_advantage: f32,
+}
+
+impl Filter {
+    /// `train.filter_groups` and `train.filter_min_abs_advantage`.
+    pub fn of(cfg: &TrainConfig) -> Self {
+        Filter {
+            zero_variance: cfg.filter_groups,
+            min_abs_advantage: if cfg.filter_groups {
+                cfg.filter_min_abs_advantage
+            } else {
+                0.0
+            },
+        }
+    }
+
+    /// Why `g` teaches nothing, if it does not. Token rewards place advantages on tokens
+    /// whatever the outcome rewards are, so a group with a nonzero one is kept.
+    pub fn reason(&self, g: &ScoredGroup) -> Option<DropReason> {
+        let tokens = g
+            .token_rewards
+            .as_ref()
+            .is_some_and(|t| t.iter().any(|r| r.iter().any(|&x| x != 0.0)));
+        if tokens {
+            return None;
+        }
+        if self.zero_variance && g.rewards.windows(2).all(|w| w[0] == w[1]) {
+            return Some(DropReason::ZeroVariance);
+        }
+        let low = |a: &f32| a.abs() < self.min_abs_advantage;
+        if self.min_abs_advantage > 0.0 && g.advantages.iter().all(low) {
+            return Some(DropReason::LowAdvantage);
+        }
+        None
+    }
+}
+
 /// Groups waiting for a step.
 pub struct Intake {
     max_lag: u64,
     per_step: usize,
+    filter: Filter,
     buffer: Vec<Delivery<ScoredGroup>>,
 }
 
 impl Intake {
-    pub fn new(max_lag: u64, per_step: usize) -> Self {
+    pub fn new(max_lag: u64, per_step: usize, filter: Filter) -> Self {
         Intake {
             max_lag,
             per_step: per_step.max(1),
+            filter,
             buffer: Vec::new(),
         }
     }
@@ -88,6 +148,8 @@ impl Intake {
                 .any(|b| b.message.rollout.group_id == *id)
         {
             Some((d, DropReason::Duplicate))
+        } else if let Some(reason) = self.filter.reason(&d.message) {
+            Some((d, reason))
         } else {
             self.buffer.push(d);
             None
@@ -144,7 +206,7 @@ mod tests {
 
     #[test]
     fn stale_and_duplicate_groups_are_handed_back_with_the_reason() {
-        let mut intake = Intake::new(2, 3);
+        let mut intake = Intake::new(2, 3, Filter::default());
         assert!(
             intake.offer(delivery("a", 8), 10, never).is_none(),
             "lag 2 = max_lag"
@@ -163,7 +225,7 @@ mod tests {
 
     #[test]
     fn a_step_takes_its_worth_in_arrival_order_and_waiting_groups_age() {
-        let mut intake = Intake::new(1, 2);
+        let mut intake = Intake::new(1, 2, Filter::default());
         for (id, v) in [("a", 5), ("b", 6), ("c", 6)] {
             assert!(intake.offer(delivery(id, v), 6, never).is_none());
         }
@@ -184,6 +246,71 @@ mod tests {
     #[test]
     fn reasons_have_their_wire_names() {
         let names: Vec<&str> = DropReason::ALL.iter().map(|r| r.as_str()).collect();
-        assert_eq!(names, ["stale", "duplicate", "nonfinite"]);
+        assert_eq!(
+            names,
+            [
+                "stale",
+                "duplicate",
+                "nonfinite",
+                "zero_variance",
+                "low_advantage"
+            ]
+        );
+    }
+
+    /// Dynamic sampling: a group whose rewards are all equal is handed back (a group that
+    /// differs is kept, and with the filter off every group is); one whose advantages are
+    /// all small is handed back under a threshold; a nonzero token reward keeps either.
+    #[test]
+    fn groups_that_teach_nothing_are_handed_back() {
+        let group = |id: &str, rewards: &[f32], advantages: &[f32]| {
+            let mut d = delivery(id, 5);
+            d.message.rewards = rewards.to_vec();
+            d.message.advantages = advantages.to_vec();
+            d.message.token_rewards = None;
+            d
+        };
+        let on = Filter {
+            zero_variance: true,
+            min_abs_advantage: 0.0,
+        };
+        let mut intake = Intake::new(4, 8, on);
+        let (_, why) = intake
+            .offer(group("same", &[1.0, 1.0], &[0.0, 0.0]), 5, never)
+            .unwrap();
+        assert_eq!(why, DropReason::ZeroVariance);
+        assert!(
+            intake
+                .offer(group("differ", &[1.0, 0.0], &[1.0, -1.0]), 5, never)
+                .is_none()
+        );
+        let mut off = Intake::new(4, 8, Filter::default());
+        assert!(
+            off.offer(group("same", &[1.0, 1.0], &[0.0, 0.0]), 5, never)
+                .is_none()
+        );
+        let low = Filter {
+            min_abs_advantage: 0.1,
+            ..on
+        };
+        let mut intake = Intake::new(4, 8, low);
+        let small = group("small", &[0.5, 0.52], &[0.05, -0.05]);
+        let (_, why) = intake.offer(small.clone(), 5, never).unwrap();
+        assert_eq!(why, DropReason::LowAdvantage);
+        let mut tokens = small;
+        tokens.message.token_rewards = Some(vec![vec![0.0, 1.0].into(), vec![0.0; 2].into()]);
+        assert!(
+            intake.offer(tokens, 5, never).is_none(),
+            "a token reward teaches"
+        );
+        let cfg = TrainConfig {
+            filter_min_abs_advantage: 0.1,
+            ..TrainConfig::default()
+        };
+        assert_eq!(
+            Filter::of(&cfg),
+            Filter::default(),
+            "off unless filter_groups"
+        );
     }
 }

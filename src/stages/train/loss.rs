@@ -844,6 +844,11 @@ mod tests {
         );
     }
 
+    fn tiny_llama(seed: u64) -> Policy<TrainBackend> {
+        let cfg = ModelConfig::tiny(Architecture::Llama, 16);
+        Policy::<TrainBackend>::random(&cfg, seed, &Default::default()).unwrap()
+    }
+
     /// A group of two samples of four tokens under a tiny random Llama, its behaviour
     /// log-probs the model's own less `offset` (every behaviour weight π/μ = e^offset),
     /// advantages ±1; sample 1 was sampled by version 1 up to token 2, then by 3.
@@ -875,12 +880,7 @@ mod tests {
     /// differ (−Σ w·A / N against −Σ w·A·lp / N), the gradients agree.
     #[test]
     fn decoupled_ppo_with_one_update_has_the_untruncated_tis_gradient() {
-        let model = Policy::<TrainBackend>::random(
-            &ModelConfig::tiny(Architecture::Llama, 16),
-            5,
-            &Default::default(),
-        )
-        .unwrap();
+        let model = tiny_llama(5);
         let g = offset_group(&model, 0.3);
         let run = |cfg: &TrainerSettings| {
             let samples = Samples::of(&[&g], 1.0, None).unwrap();
@@ -924,12 +924,7 @@ mod tests {
     /// (π_prox = μ), those by version 1 α = 2/3, so log π_prox − log μ = α·(lp − log μ).
     #[test]
     fn loglinear_proximal_by_hand() {
-        let model = Policy::<TrainBackend>::random(
-            &ModelConfig::tiny(Architecture::Llama, 16),
-            6,
-            &Default::default(),
-        )
-        .unwrap();
+        let model = tiny_llama(6);
         let g = offset_group(&model, 0.3);
         let mut cfg = TrainerSettings::default();
         cfg.train.use_decoupled_loss = true;

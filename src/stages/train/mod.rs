@@ -47,6 +47,8 @@ use bytes::Bytes;
 use intake::{DropReason, Intake, staleness};
 use serde::Serialize;
 use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 /// How long the trainer retries publishing into a weights store that fails (full,
@@ -82,6 +84,10 @@ struct Loop<'a> {
     /// When the other ranks last heard from this one.
     last_command: Instant,
     summary: TrainSummary,
+    /// Groups dynamic sampling filtered since the last step.
+    filtered: u64,
+    /// Groups filtered since the stage began, for whoever feeds prompts in this process.
+    filtered_total: Option<Arc<AtomicU64>>,
 }
 
 /// What the trainer stage does: its settings, how its weights reach the generators
@@ -92,6 +98,9 @@ pub struct TrainJob<'a, F> {
     pub transport: Transport,
     pub ranks: Box<dyn Collective>,
     pub on_step: F,
+    /// Counts the groups dynamic sampling filters (`train.filter_groups`), as they are:
+    /// a `--sync` feeder replaces each with a prompt.
+    pub filtered: Option<Arc<AtomicU64>>,
 }
 
 impl<'a> TrainJob<'a, fn(&StepRecord)> {
@@ -102,6 +111,7 @@ impl<'a> TrainJob<'a, fn(&StepRecord)> {
             transport: Transport::Bus,
             ranks: Box::new(collective::Solo::default()),
             on_step: |_| {},
+            filtered: None,
         }
     }
 }
@@ -121,6 +131,15 @@ impl<'a, F: FnMut(&StepRecord)> TrainJob<'a, F> {
             transport: self.transport,
             ranks: self.ranks,
             on_step,
+            filtered: self.filtered,
+        }
+    }
+
+    /// Counts filtered groups into `total` as they are filtered.
+    pub fn count_filtered(self, total: Arc<AtomicU64>) -> Self {
+        TrainJob {
+            filtered: Some(total),
+            ..self
         }
     }
 }
@@ -135,9 +154,11 @@ pub async fn run<F: FnMut(&StepRecord)>(
         transport,
         mut ranks,
         on_step,
+        filtered,
     } = job;
     let trainer = tokio::task::block_in_place(|| ranks::lead(cfg, ranks.as_mut()))?;
-    let result = run_loop(cfg, ctx, transport, trainer, ranks.as_mut(), on_step).await;
+    let hooks = (on_step, filtered);
+    let result = run_loop(cfg, ctx, transport, trainer, ranks.as_mut(), hooks).await;
     match &result {
         // Every rank has seen it and stopped.
         Err(StageError::Ranks(_)) => {}
@@ -159,7 +180,7 @@ async fn run_loop(
     transport: Transport,
     trainer: Trainer,
     ranks: &mut dyn Collective,
-    mut on_step: impl FnMut(&StepRecord),
+    (mut on_step, filtered): (impl FnMut(&StepRecord), Option<Arc<AtomicU64>>),
 ) -> Result<TrainSummary, StageError> {
     // Read no more than a step's worth: what the trainer has not taken stays visible as lag
     // to the generators' in-flight bound.
@@ -170,6 +191,7 @@ async fn run_loop(
     let consumer = ctx.consumer::<ScoredGroup>(Stream::Scored, opts);
     let on = (ctx.bus.clone(), ctx.topo);
     let mut lp = Loop::start(cfg, on, transport, trainer, ranks, consumer.await?).await?;
+    lp.filtered_total = filtered;
     let mut heartbeat = ctx.heartbeat();
     let standing = [Stream::Scored, Stream::Weights, Stream::Events].map(Stream::as_str);
     let standing = [&standing[..], &[ctx.topo.dead_letter.as_str()]].concat();
@@ -239,7 +261,13 @@ impl<'a> Loop<'a> {
             trainer,
             publisher,
             consumer,
-            intake: Intake::new(cfg.policy.max_lag, cfg.policy.groups_per_step),
+            intake: Intake::new(
+                cfg.policy.max_lag,
+                cfg.policy.groups_per_step,
+                intake::Filter::of(&cfg.train),
+            ),
+            filtered: 0,
+            filtered_total: None,
             unacked: Vec::new(),
             waiting: Instant::now(),
             summary: TrainSummary::default(),
@@ -300,6 +328,12 @@ impl<'a> Loop<'a> {
     }
 
     fn drop_delivery(&mut self, d: Delivery<ScoredGroup>, reason: DropReason) {
+        if reason.filtered() {
+            self.filtered += 1;
+            if let Some(total) = &self.filtered_total {
+                total.fetch_add(1, Ordering::Relaxed);
+            }
+        }
         let lag = staleness(&d.message, self.trainer.state.version);
         tracing::debug!(group = %d.message.rollout.group_id, lag, reason = reason.as_str(), "dropped");
         self.trainer.state.record_drop(&d.message, reason);
@@ -341,6 +375,7 @@ impl<'a> Loop<'a> {
                 self.trainer.state.record_drop(g, DropReason::Nonfinite);
             }
         }
+        record.filtered_groups = std::mem::take(&mut self.filtered);
         record.trained_groups = self.trainer.state.trained_groups;
         record.dropped_groups = self.trainer.state.dropped.values().sum();
         self.unacked.extend(taken.iter().map(|d| d.id));

@@ -27,11 +27,11 @@ pub enum Command {
     /// Push prompts from a built-in task or a dataset (JSONL, Parquet) to the prompts stream.
     Feed(feed::FeedCommand),
     /// Generator: sample G completions per prompt, follow new weights without stopping.
-    Gen(stage_gen::GenCommand),
+    Gen(Box<stage_gen::GenCommand>),
     /// Scorer: reward completions, compute group advantages.
     Score(score::ScoreCommand),
     /// Trainer: importance-weighted policy gradient, weight publication, checkpoints.
-    Train(train::TrainCommand),
+    Train(Box<train::TrainCommand>),
     /// Warm start: supervised training on a built-in task's answers; writes a HF checkpoint.
     Sft(sft::SftCommand),
     /// Held-out results of a checkpoint: pass@1 and reward at the training temperature,

@@ -422,4 +422,22 @@ async fn sync_dynamic_sampling_trains_only_groups_that_teach() {
         .collect();
     assert!(dropped.len() as u64 >= filtered);
     assert!(dropped.iter().all(|id| same(id)));
+
+    // Async, the generators' in-flight bound counts every group, filtered or not: the
+    // staleness trained stays within max_lag.
+    let mut cfg = run::defaults(task);
+    cfg.train.steps = 8;
+    cfg.train.filter_groups = true;
+    cfg.run.eval_prompts = 0;
+    let max_lag = cfg.policy.max_lag;
+    let opts = RunOptions {
+        out: dir.path().join("async"),
+        sync: false,
+        ..opts
+    };
+    let o = crate::common::run_alone(&opts, cfg, Arc::new(MemoryBus::new())).await;
+    assert_eq!((o.summary.steps, o.summary.trained_groups), (8, 64));
+    assert!(o.rows.iter().map(|r| r.record.filtered_groups).sum::<u64>() > 0);
+    let staleness = &o.summary.staleness;
+    assert!(staleness.keys().all(|&k| k <= max_lag), "{staleness:?}");
 }

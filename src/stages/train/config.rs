@@ -145,6 +145,8 @@ crate::settings! {
         pub filter_groups: bool = false,
         /// Dynamic sampling: also filter a group whose every |advantage| is below this (reason low_advantage; 0: zero-variance groups only).
         pub filter_min_abs_advantage: f32 = 0.0,
+        /// Dynamic sampling: a step that has waited this many seconds for informative groups is taken with the groups it has, fewer than groups_per_step, with a warning (0: it waits for a full step).
+        pub max_fill_wait_s: f64 = 0.0,
         /// Publish weights every this many steps.
         pub publish_every: u64 = 1,
         /// Versions of weights kept on the bus.
@@ -198,35 +200,7 @@ impl TrainConfig {
         if !(self.lr.is_finite() && self.lr > 0.0) {
             return Err(invalid("train.lr", "must be > 0"));
         }
-        if !(self.clip_eps.is_finite() && self.clip_eps > 0.0 && self.clip_eps < 1.0) {
-            return Err(invalid("train.clip_eps", "must be in (0, 1)"));
-        }
-        if !(self.clip_eps_high.is_finite() && self.clip_eps_high > 0.0) {
-            return Err(invalid("train.clip_eps_high", "must be > 0"));
-        }
-        if !(self.clip_ratio_c == 0.0 || (self.clip_ratio_c.is_finite() && self.clip_ratio_c > 1.0))
-        {
-            return Err(invalid(
-                "train.clip_ratio_c",
-                "must be 0 (off) or more than 1",
-            ));
-        }
-        if !(self.is_mask_low > 0.0
-            && self.is_mask_low < 1.0
-            && self.is_mask_high > 1.0
-            && self.is_mask_high.is_finite())
-        {
-            return Err(invalid(
-                "train.is_mask_low",
-                "the kept band must hold 1: 0 < is_mask_low < 1 < is_mask_high",
-            ));
-        }
-        if !(self.loss_scale_factor.is_finite() && self.loss_scale_factor >= 0.0) {
-            return Err(invalid("train.loss_scale_factor", "must be >= 0"));
-        }
-        if !(self.is_cap.is_finite() && self.is_cap >= 1.0) {
-            return Err(invalid("train.is_cap", "must be >= 1"));
-        }
+        self.validate_objective()?;
         if !(0.0..=1.0).contains(&self.token_discount) {
             return Err(invalid("train.token_discount", "must be in [0, 1]"));
         }
@@ -238,6 +212,9 @@ impl TrainConfig {
         }
         if !(self.filter_min_abs_advantage.is_finite() && self.filter_min_abs_advantage >= 0.0) {
             return Err(invalid("train.filter_min_abs_advantage", "must be >= 0"));
+        }
+        if !(self.max_fill_wait_s.is_finite() && self.max_fill_wait_s >= 0.0) {
+            return Err(invalid("train.max_fill_wait_s", "must be >= 0"));
         }
         if self.ppo_epochs == 0 {
             return Err(invalid("train.ppo_epochs", "must be at least 1"));
@@ -271,6 +248,41 @@ impl TrainConfig {
         }
         if !(self.lora_alpha.is_finite() && self.lora_alpha > 0.0) {
             return Err(invalid("train.lora_alpha", "must be > 0"));
+        }
+        Ok(())
+    }
+
+    /// The objective's and the intake's values.
+    fn validate_objective(&self) -> Result<(), crate::settings::InvalidSetting> {
+        use crate::settings::invalid;
+        if !(self.clip_eps.is_finite() && self.clip_eps > 0.0 && self.clip_eps < 1.0) {
+            return Err(invalid("train.clip_eps", "must be in (0, 1)"));
+        }
+        if !(self.clip_eps_high.is_finite() && self.clip_eps_high > 0.0) {
+            return Err(invalid("train.clip_eps_high", "must be > 0"));
+        }
+        if !(self.clip_ratio_c == 0.0 || (self.clip_ratio_c.is_finite() && self.clip_ratio_c > 1.0))
+        {
+            return Err(invalid(
+                "train.clip_ratio_c",
+                "must be 0 (off) or more than 1",
+            ));
+        }
+        if !(self.is_mask_low > 0.0
+            && self.is_mask_low < 1.0
+            && self.is_mask_high > 1.0
+            && self.is_mask_high.is_finite())
+        {
+            return Err(invalid(
+                "train.is_mask_low",
+                "the kept band must hold 1: 0 < is_mask_low < 1 < is_mask_high",
+            ));
+        }
+        if !(self.loss_scale_factor.is_finite() && self.loss_scale_factor >= 0.0) {
+            return Err(invalid("train.loss_scale_factor", "must be >= 0"));
+        }
+        if !(self.is_cap.is_finite() && self.is_cap >= 1.0) {
+            return Err(invalid("train.is_cap", "must be >= 1"));
         }
         Ok(())
     }

@@ -173,7 +173,20 @@ impl Intake {
         if self.buffer.len() < self.per_step {
             return None;
         }
-        let mut taken: Vec<_> = self.buffer.drain(..self.per_step).collect();
+        self.drain(self.per_step)
+    }
+
+    /// Every group waiting, as a short step (in [`Intake::take`]'s order); `None` when
+    /// none is.
+    pub fn take_all(&mut self) -> Option<Vec<Delivery<ScoredGroup>>> {
+        self.drain(self.buffer.len().min(self.per_step))
+    }
+
+    fn drain(&mut self, n: usize) -> Option<Vec<Delivery<ScoredGroup>>> {
+        if n == 0 {
+            return None;
+        }
+        let mut taken: Vec<_> = self.buffer.drain(..n).collect();
         taken.sort_by(|a, b| a.message.rollout.group_id.cmp(&b.message.rollout.group_id));
         Some(taken)
     }
@@ -237,6 +250,11 @@ mod tests {
             .collect();
         assert_eq!(step, ["a", "b"]);
         assert!(intake.take().is_none(), "one left, fewer than a step");
+        let mut short = Intake::new(1, 2, Filter::default());
+        assert!(short.take_all().is_none());
+        assert!(short.offer(delivery("d", 6), 6, never).is_none());
+        assert_eq!(short.take_all().map(|s| s.len()), Some(1), "a short step");
+        assert!(short.is_empty());
         assert!(intake.expire(7).is_empty(), "c is 1 behind at 7");
         let aged = intake.expire(8);
         assert_eq!(aged.len(), 1, "c is 2 behind at 8");

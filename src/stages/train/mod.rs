@@ -345,7 +345,24 @@ impl<'a> Loop<'a> {
         for d in self.intake.expire(self.trainer.state.version) {
             self.drop_delivery(d, DropReason::Stale);
         }
-        self.intake.take()
+        if let Some(full) = self.intake.take() {
+            return Some(full);
+        }
+        // Dynamic sampling may leave a step short for long: past `max_fill_wait_s` it is
+        // taken with the groups that are there.
+        let bound = self.cfg.train.max_fill_wait_s;
+        let waited = self.waiting.elapsed().as_secs_f64();
+        if bound > 0.0 && waited >= bound && !self.intake.is_empty() {
+            tracing::warn!(
+                groups = self.intake.len(),
+                groups_per_step = self.cfg.policy.groups_per_step,
+                waited_s = waited,
+                filtered = self.filtered,
+                "a step waited train.max_fill_wait_s for informative groups: taken short"
+            );
+            return self.intake.take_all();
+        }
+        None
     }
 
     /// One optimizer step on `taken`: the record, its event and metrics, then weights and a

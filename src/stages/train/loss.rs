@@ -8,7 +8,7 @@ use crate::model::logprobs::{
     Routed, ScoredSeq, completion_logprobs, completion_logprobs_routed, scored,
 };
 use crate::model::{Kernels, ModelError, Policy};
-use crate::schema::{ScoredGroup, StepRecord, VersionRun};
+use crate::schema::{Sample, ScoredGroup, StepRecord};
 use burn::module::AutodiffModule;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
@@ -43,8 +43,9 @@ pub struct Samples<'a> {
     /// Whether each completion token is the model's (an episode's environment tokens are
     /// not); empty for a sample without environment turns.
     own: Vec<Vec<bool>>,
-    /// The versions that sampled each completion (decoupled PPO's log-linear proximal).
-    versions: Vec<&'a [VersionRun]>,
+    /// Each completion, for the versions that sampled it (decoupled PPO's log-linear
+    /// proximal).
+    sampled: Vec<&'a Sample>,
     /// Decoupled PPO, recomputed: the proximal log-probs of each completion.
     prox: Vec<&'a [f32]>,
 }
@@ -113,7 +114,7 @@ impl<'a> Samples<'a> {
             adv: Vec::new(),
             behaviour: Vec::new(),
             own: Vec::new(),
-            versions: Vec::new(),
+            sampled: Vec::new(),
             prox: Vec::new(),
         };
         for g in groups {
@@ -150,7 +151,7 @@ impl<'a> Samples<'a> {
                     routing: g.rollout.prompt_routing.as_ref().zip(s.routing.as_ref()),
                 });
                 out.behaviour.push(s.logprobs.as_slice());
-                out.versions.push(s.versions.as_slice());
+                out.sampled.push(s);
             }
             out.own.extend(own);
             if let Some(p) = proximal {
@@ -301,18 +302,9 @@ fn proximal<B: AutodiffBackend>(
         })),
         Prox::Loglinear { version } => {
             let alpha = host(&|k, row| {
-                let runs = samples.versions[k];
-                for (t, x) in row
-                    .iter_mut()
-                    .enumerate()
-                    .take(samples.seqs[k].completion.len())
-                {
-                    let at = runs
-                        .iter()
-                        .rev()
-                        .find(|r| r.start as usize <= t)
-                        .map_or(version, |r| r.version);
-                    let behind = version.saturating_sub(at) as f32;
+                let sample = samples.sampled[k];
+                for (t, x) in row.iter_mut().enumerate().take(sample.tokens.len()) {
+                    let behind = version.saturating_sub(sample.version_at(t)) as f32;
                     *x = behind / (behind + 1.0);
                 }
             });

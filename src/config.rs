@@ -12,7 +12,7 @@ use crate::settings::InvalidSetting;
 use crate::tasks::BuiltinTask;
 use std::path::{Path, PathBuf};
 
-pub use crate::stages::feed::{FeedArgs, FeedConfig};
+pub use crate::stages::feed::{DifficultyArgs, DifficultyConfig, FeedArgs, FeedConfig};
 pub use crate::stages::generator::{GenArgs, GenConfig};
 pub use crate::stages::policy::{PolicyArgs, PolicySettings};
 pub use crate::stages::score::{ScoreArgs, ScoreConfig};
@@ -49,6 +49,11 @@ pub fn file_sections() -> Vec<FileSection> {
             &["feed", "gen", "score", "train", "run"],
         ),
         s(FeedConfig::NAME, FeedConfig::keys(), &["feed"]),
+        s(
+            DifficultyConfig::NAME,
+            DifficultyConfig::keys(),
+            &["feed", "run"],
+        ),
         s(
             PolicySettings::NAME,
             PolicySettings::keys(),
@@ -113,6 +118,8 @@ crate::settings! {
     sections {
         /// `[feed]`: where prompts come from.
         pub feed: FeedConfig,
+        /// `[difficulty]`: prompts fed again by how hard they are (`feed`, `run`).
+        pub difficulty: DifficultyConfig,
         /// `[policy]`: what the generators and the trainer agree on.
         pub policy: PolicySettings,
         /// `[gen]` (`gen` is reserved in Rust 2024).
@@ -247,6 +254,7 @@ impl Config {
     /// Checks values the types cannot: ranges and combinations.
     pub fn validate(&self) -> Result<(), InvalidSetting> {
         self.policy.validate()?;
+        self.difficulty.validate()?;
         self.generator.validate()?;
         self.score.validate()?;
         self.train.validate()?;

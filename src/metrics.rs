@@ -19,6 +19,8 @@ use std::time::Duration;
 pub const TOKENS_TOTAL: &str = "rlstream_tokens_total";
 pub const SAMPLES_TOTAL: &str = "rlstream_samples_total";
 pub const SAMPLES_DROPPED_TOTAL: &str = "rlstream_samples_dropped_total";
+pub const SAMPLES_SHAPED_TOTAL: &str = "rlstream_samples_shaped_total";
+pub const SAMPLES_TRUNCATED_TOTAL: &str = "rlstream_samples_truncated_total";
 pub const ERRORS_TOTAL: &str = "rlstream_errors_total";
 pub const DEAD_LETTERS_TOTAL: &str = "rlstream_dead_letters_total";
 pub const EPISODES_TOTAL: &str = "rlstream_episodes_total";
@@ -166,6 +168,16 @@ pub fn install(addr: &str) -> Result<SocketAddr, MetricsError> {
 /// Every metric's unit and description: a table, one entry per metric.
 #[allow(clippy::too_many_lines)]
 fn describe() {
+    describe_counter!(
+        SAMPLES_SHAPED_TOTAL,
+        Unit::Count,
+        "Completions whose reward the scorer lowered by length, by kind (overlong: score.overlong_buffer; length: score.length_penalty)."
+    );
+    describe_counter!(
+        SAMPLES_TRUNCATED_TOTAL,
+        Unit::Count,
+        "Completions cut at max_new_tokens that reached the trainer, by whether train.mask_truncated kept them out of the loss (masked true/false)."
+    );
     describe_counter!(
         EPISODES_TOTAL,
         Unit::Count,
@@ -549,6 +561,16 @@ pub fn scored(samples: u64, tokens: u64, seconds: f64) {
     histogram!(SCORE_SECONDS).record(seconds);
 }
 
+/// The scorer lowered `overlong` rewards by the overlong penalty and `length` by the
+/// length penalty.
+pub fn shaped(overlong: u64, length: u64) {
+    for (kind, n) in [("overlong", overlong), ("length", length)] {
+        if n > 0 {
+            counter!(SAMPLES_SHAPED_TOTAL, "kind" => kind).increment(n);
+        }
+    }
+}
+
 /// A stage hit an error it survived.
 pub fn error(stage: Stage, kind: &'static str) {
     error_n(stage, kind, 1);
@@ -611,6 +633,12 @@ pub fn trained(s: &StepRecord, samples: u64) {
     gauge!(SEQ_RATIO_STD).set(s.seq_ratio_std);
     gauge!(PROX_GAP).set(s.prox_gap);
     gauge!(UPDATES_PER_STEP).set(s.updates as f64);
+    let kept = s.truncated_samples.saturating_sub(s.masked_samples);
+    for (masked, n) in [("true", s.masked_samples), ("false", kept)] {
+        if n > 0 {
+            counter!(SAMPLES_TRUNCATED_TOTAL, "masked" => masked).increment(n);
+        }
+    }
     if let Some(kl) = s.teacher_kl {
         gauge!(TEACHER_KL).set(kl);
     }

@@ -5,7 +5,19 @@ use std::fmt;
 use std::str::FromStr;
 
 /// A stream entry id: milliseconds and a sequence number, ordered like Redis ids.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
+#[derive(
+    Debug,
+    Clone,
+    Copy,
+    PartialEq,
+    Eq,
+    PartialOrd,
+    Ord,
+    Hash,
+    Default,
+    serde::Serialize,
+    serde::Deserialize,
+)]
 pub struct EntryId {
     pub ms: u64,
     pub seq: u64,

@@ -4,7 +4,7 @@ use super::common::{StageArgs, connect_redis, serve_metrics, shutdown_signal, to
 use crate::bus::{MemoryBus, SharedBus};
 use crate::commands::run::{self, DatasetSource, RunOptions, RunPrompts};
 use crate::commands::sft::SftOptions;
-use crate::config::{Config, GenArgs, PolicyArgs, RunArgs, ScoreArgs, TrainArgs};
+use crate::config::{Config, DifficultyArgs, GenArgs, PolicyArgs, RunArgs, ScoreArgs, TrainArgs};
 use crate::display::DisplayMode;
 use crate::roles::Stage;
 use crate::settings::{Section, doc_of, flag_id, with_default};
@@ -25,6 +25,8 @@ pub struct RunCommand {
     score: ScoreArgs,
     #[command(flatten)]
     train: TrainArgs,
+    #[command(flatten)]
+    difficulty: DifficultyArgs,
 }
 
 /// `run` as its help should read: its own defaults (a layer over the stages') in the help,
@@ -78,13 +80,14 @@ pub fn adjust(mut cmd: clap::Command) -> clap::Command {
 }
 
 impl RunCommand {
-    fn layers(&self) -> [toml::Table; 5] {
+    fn layers(&self) -> [toml::Table; 6] {
         [
             self.run.layer(),
             self.policy.layer(),
             self.generator.layer(),
             self.score.layer(),
             self.train.layer(),
+            self.difficulty.layer(),
         ]
     }
 

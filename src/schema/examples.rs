@@ -388,6 +388,33 @@ pub fn event() -> Event {
         ]),
         text: None,
         time_us: EXAMPLE_TIME_US,
+        outcomes: Vec::new(),
+    }
+}
+
+/// A scorer's outcomes event (schema 1.1).
+pub fn event_outcomes() -> Event {
+    Event {
+        schema: SchemaVersion { major: 1, minor: 1 },
+        kind: Event::OUTCOMES.into(),
+        stage: "score".into(),
+        source: "score-0".into(),
+        version: 0,
+        fields: BTreeMap::new(),
+        text: None,
+        time_us: EXAMPLE_TIME_US,
+        outcomes: vec![
+            crate::schema::Outcome {
+                prompt_id: "add-000042".into(),
+                passed: 3,
+                samples: 8,
+            },
+            crate::schema::Outcome {
+                prompt_id: "calc-000007".into(),
+                passed: 0,
+                samples: 8,
+            },
+        ],
     }
 }
 

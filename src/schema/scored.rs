@@ -54,6 +54,34 @@ impl ScoredGroup {
         }
     }
 
+    /// Keeps the samples `keep` says yes to, with their rewards, advantages and per-token
+    /// arrays (advantages stay as the scorer computed them over the whole group); returns
+    /// how many were removed.
+    pub fn retain_samples(&mut self, keep: impl Fn(&super::Sample) -> bool) -> usize {
+        let kept: Vec<bool> = self.rollout.samples.iter().map(keep).collect();
+        let removed = kept.iter().filter(|&&k| !k).count();
+        if removed == 0 {
+            return 0;
+        }
+        fn retain<T>(v: &mut Vec<T>, kept: &[bool]) {
+            let mut i = 0;
+            v.retain(|_| {
+                i += 1;
+                kept.get(i - 1).copied().unwrap_or(false)
+            });
+        }
+        retain(&mut self.rollout.samples, &kept);
+        retain(&mut self.rewards, &kept);
+        retain(&mut self.advantages, &kept);
+        for arrays in [&mut self.token_rewards, &mut self.ref_logprobs]
+            .into_iter()
+            .flatten()
+        {
+            retain(arrays, &kept);
+        }
+        removed
+    }
+
     fn check_per_token(&self, field: &str, arrays: &Option<Vec<Floats>>) -> Result<(), CodecError> {
         let Some(arrays) = arrays else { return Ok(()) };
         let samples = &self.rollout.samples;

@@ -82,6 +82,10 @@ pub struct StepRecord {
     /// Groups dynamic sampling kept out since the previous step (`train.filter_groups`):
     /// the stream replaced each.
     pub filtered_groups: u64,
+    /// Completions cut at `max_new_tokens` in the groups the trainer took in since the
+    /// previous step, and those of them kept out of the loss (`train.mask_truncated`).
+    pub truncated_samples: u64,
+    pub masked_samples: u64,
     /// Groups trained and dropped since the run began.
     pub trained_groups: u64,
     pub dropped_groups: u64,

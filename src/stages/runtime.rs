@@ -119,14 +119,8 @@ impl Heartbeat {
         }
         self.last = Some(std::time::Instant::now());
         let event = crate::schema::Event {
-            schema: crate::schema::SchemaVersion::CURRENT,
-            kind: "heartbeat".into(),
-            stage: self.stage.as_str().into(),
-            source: self.source.clone(),
-            version,
             fields: fields.iter().map(|&(k, v)| (k.to_string(), v)).collect(),
-            text: None,
-            time_us: crate::schema::now_us(),
+            ..crate::schema::Event::new("heartbeat", self.stage.as_str(), &self.source, version)
         };
         let written = match crate::schema::encode(&event) {
             Ok(b) => self

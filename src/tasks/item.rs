@@ -9,7 +9,7 @@ pub const ANSWER: &str = "answer";
 pub const VERIFIER: &str = "verifier";
 
 /// One prompt of a task.
-#[derive(Debug, Clone, PartialEq)]
+#[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
 pub struct TaskItem {
     pub prompt: String,
     pub answer: String,

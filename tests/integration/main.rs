@@ -15,6 +15,7 @@ mod chat_pipeline;
 mod chat_template;
 mod common;
 mod decode_kernels;
+mod difficulty_feed;
 mod distill;
 mod docs;
 mod episodes;

@@ -209,7 +209,14 @@ fn dead_letter() {
     check("DeadLetter", examples::dead_letter());
 }
 
+/// Heartbeats and steps are still written as 1.0; a scorer's outcomes as 1.1, which a 1.0
+/// reader reads as an event with no fields.
 #[test]
 fn event() {
-    check("Event", examples::event());
+    let e = examples::event();
+    assert_eq!(e.schema, schema::SchemaVersion::CURRENT);
+    check("Event", e);
+    let o = examples::event_outcomes();
+    assert_eq!(o.schema, schema::SchemaVersion { major: 1, minor: 1 });
+    check("Event.outcomes", o);
 }

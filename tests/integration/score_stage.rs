@@ -97,6 +97,46 @@ async fn builtin_verifier_rewards_and_normalises() {
     assert!(adv[0] > 0.0 && adv[2] < 0.0);
 }
 
+/// Reward shaping by length (DAPO's soft overlong penalty) lowers the rewards before the
+/// advantages, and the outcomes event the scorer publishes counts the verifier's passes
+/// before shaping.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn overlong_penalty_shapes_rewards_and_outcomes_count_unshaped_passes() {
+    let mut g = group();
+    // Completions of 4, 6 and 4 tokens under a limit of 6 with a buffer of 4: free up to 2.
+    g.sampling.max_new_tokens = 6;
+    let cfg = ScoreConfig {
+        overlong_buffer: 4,
+        overlong_penalty: 1.0,
+        ..ScoreConfig::default()
+    };
+    let topo = Topology::default();
+    let (bus, out) = score_groups(cfg, topo.clone(), &[g]).await;
+    assert_eq!(out[0].rewards, vec![0.5, 0.0, -0.5]);
+    assert_eq!(
+        out[0].advantages,
+        score::advantages(&out[0].rewards, AdvantageKind::Grpo)
+    );
+    let events: Vec<schema::Event> = crate::common::messages(&bus, &topo.key("events")).await;
+    let outcomes: Vec<&schema::Event> = events
+        .iter()
+        .filter(|e| e.kind == schema::Event::OUTCOMES)
+        .collect();
+    assert_eq!(outcomes.len(), 1, "{events:?}");
+    assert_eq!(
+        outcomes[0].schema,
+        schema::SchemaVersion { major: 1, minor: 1 }
+    );
+    assert_eq!(
+        outcomes[0].outcomes,
+        vec![schema::Outcome {
+            prompt_id: group().prompt_id,
+            passed: 2,
+            samples: 3
+        }]
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn python_example_verifier_scores_over_json_lines() {
     let script = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/verifier.py");

@@ -41,6 +41,8 @@ pub(super) struct Feeder {
     /// Groups the trainer's dynamic sampling filtered (`train.filter_groups`): in sync
     /// mode each is replaced by one more prompt, so the step fills.
     pub(super) filtered: Arc<AtomicU64>,
+    /// What is fed: each prompt new, or with `[difficulty]` on, sometimes one scored before.
+    pub(super) pool: feed::Pool,
 }
 
 /// What the feeder draws prompts from.
@@ -99,9 +101,18 @@ impl FeedRows {
 
 impl Feeder {
     async fn publish(&mut self, n: usize) -> Result<(), StageError> {
-        let items: Vec<_> = (self.next..self.next + n as u64)
-            .map(|i| self.rows.prompt(self.seed, i))
-            .collect();
+        if self.pool.on() {
+            self.pool
+                .read_outcomes(self.bus.as_ref(), &self.topo)
+                .await?;
+        }
+        let (rows, seed) = (&mut self.rows, self.seed);
+        let mut i = self.pool.state().fresh;
+        let mut fresh = || {
+            i += 1;
+            Some(rows.prompt(seed, i - 1))
+        };
+        let items: Vec<_> = (0..n).filter_map(|_| self.pool.next(&mut fresh)).collect();
         let builtin = matches!(self.rows, FeedRows::Task(_));
         let name = self.rows.name();
         self.next += feed::publish(&self.bus, &self.topo, name, &items, builtin).await?;
@@ -111,6 +122,25 @@ impl Feeder {
     /// Feeds until `stop`; returns the prompts fed.
     pub(super) async fn run(
         mut self,
+        progress: watch::Receiver<Progress>,
+        stop: watch::Receiver<bool>,
+    ) -> Result<u64, StageError> {
+        let fed = self.feed(progress, stop).await?;
+        let s = self.pool.state();
+        if self.pool.on() {
+            tracing::info!(
+                fed,
+                reoffered = s.reoffered,
+                outcomes = s.outcomes,
+                "the difficulty-aware feed fed {} of {fed} prompts again",
+                s.reoffered
+            );
+        }
+        Ok(fed)
+    }
+
+    async fn feed(
+        &mut self,
         mut progress: watch::Receiver<Progress>,
         mut stop: watch::Receiver<bool>,
     ) -> Result<u64, StageError> {

@@ -48,6 +48,7 @@ mod tests {
             fields: f.iter().map(|&(k, v)| (k.to_string(), v)).collect(),
             text: None,
             time_us: t,
+            outcomes: Vec::new(),
         };
         Bytes::from(schema::encode(&e).expect("encode"))
     }

@@ -2,6 +2,7 @@
 //! stream, in pipelined batches.
 
 mod config;
+pub mod difficulty;
 pub use config::*;
 
 use super::{StageContext, StageError};
@@ -10,17 +11,24 @@ use crate::roles::Stream;
 use crate::schema::{self, Prompt, SchemaVersion};
 use crate::tasks::{self, Dataset, TaskItem};
 use bytes::Bytes;
+pub use difficulty::{Pool, PoolState};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 
 /// Prompts per pipelined publish.
 const FEED_BATCH: usize = 256;
+/// How often a paced feed looks at the prompts waiting.
+const PACE_POLL: std::time::Duration = std::time::Duration::from_millis(200);
+/// Most prompt entries read to count what waits (see [`super::waiting`]).
+const WAITING_SCAN_CAP: u64 = 10_000;
 
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct FeedSummary {
     pub fed: u64,
     /// A dataset's bad rows, skipped (each pass).
     pub skipped: u64,
+    /// Of `fed`, prompts fed again by the difficulty-aware feed.
+    pub reoffered: u64,
 }
 
 /// What a feed config describes: the task name, the prompts with their ids, and how many of
@@ -136,13 +144,22 @@ pub async fn publish(
     Ok(payloads.len() as u64)
 }
 
-/// Feeds the prompts `cfg` names until they are all on the prompts stream or shutdown.
-pub async fn run(cfg: &FeedConfig, mut ctx: StageContext<'_>) -> Result<FeedSummary, StageError> {
+/// Feeds the prompts `cfg` names until they are all on the prompts stream or shutdown;
+/// with `difficulty.reoffer`, paced, re-offering scored prompts (see [`difficulty`]).
+pub async fn run(
+    cfg: &FeedConfig,
+    difficulty: &DifficultyConfig,
+    mut ctx: StageContext<'_>,
+) -> Result<FeedSummary, StageError> {
+    let feed = items(cfg)?;
+    if difficulty.reoffer > 0.0 {
+        return paced(cfg, difficulty, ctx, feed).await;
+    }
     let Feed {
         task,
         items,
         skipped,
-    } = items(cfg)?;
+    } = feed;
     let (bus, topo) = (ctx.bus.clone(), ctx.topo);
     let mut fed = 0u64;
     for chunk in items.chunks(FEED_BATCH) {
@@ -153,5 +170,83 @@ pub async fn run(cfg: &FeedConfig, mut ctx: StageContext<'_>) -> Result<FeedSumm
         }
     }
     tracing::info!(fed, stream = %topo.key(Stream::Prompts), "fed prompts");
-    Ok(FeedSummary { fed, skipped })
+    Ok(FeedSummary {
+        fed,
+        skipped,
+        reoffered: 0,
+    })
+}
+
+/// The bus key of a paced feed's state.
+pub fn state_key(topo: &Topology) -> String {
+    topo.key("feed:difficulty")
+}
+
+/// A paced feed: tops the prompts waiting up to `backlog`, each prompt new or (by the
+/// pool's draw) one scored before, until the new ones run out; its pool's state is kept on
+/// the bus after every publish, so a restarted feed continues the schedule (a crash between
+/// a publish and its save feeds that batch again: at least once).
+async fn paced(
+    cfg: &FeedConfig,
+    difficulty: &DifficultyConfig,
+    mut ctx: StageContext<'_>,
+    feed: Feed,
+) -> Result<FeedSummary, StageError> {
+    let (bus, topo) = (ctx.bus.clone(), ctx.topo);
+    let key = state_key(topo);
+    let state = match bus
+        .get_blobs(std::slice::from_ref(&key))
+        .await?
+        .pop()
+        .flatten()
+    {
+        Some(b) => rmp_serde::from_slice(&b).map_err(|e| {
+            StageError::Other(format!(
+                "the feed's saved state ({key}) does not read ({e}); delete the key to start \
+                 the schedule afresh"
+            ))
+        })?,
+        None => difficulty::PoolState::default(),
+    };
+    let mut pool = difficulty::Pool::resume(difficulty, cfg.seed, state);
+    let mut items = feed.items.into_iter().skip(pool.state().fresh as usize);
+    let mut fresh = || items.next();
+    let start = pool.state().fresh + pool.state().reoffered;
+    let builtin = cfg.task.is_some();
+    loop {
+        pool.read_outcomes(bus.as_ref(), topo).await?;
+        let waiting =
+            super::waiting(bus.as_ref(), topo, Stream::Prompts, true, WAITING_SCAN_CAP).await;
+        let want = cfg.backlog.saturating_sub(waiting) as usize;
+        let batch: Vec<_> = (0..want.min(FEED_BATCH))
+            .map_while(|_| pool.next(&mut fresh))
+            .collect();
+        if want > 0 && batch.is_empty() {
+            break;
+        }
+        if !batch.is_empty() {
+            publish(&bus, topo, &feed.task, &batch, builtin).await?;
+            let state = rmp_serde::to_vec(pool.state())
+                .map_err(|e| StageError::Other(format!("the feed's state: {e}")))?;
+            bus.put_blobs(&[(key.clone(), Bytes::from(state))]).await?;
+        }
+        tokio::select! {
+            biased;
+            _ = ctx.shutdown() => break,
+            () = tokio::time::sleep(PACE_POLL) => {}
+        }
+    }
+    let s = pool.state();
+    let fed = s.fresh + s.reoffered - start;
+    tracing::info!(
+        fed,
+        reoffered = s.reoffered,
+        outcomes = s.outcomes,
+        "fed prompts (paced)"
+    );
+    Ok(FeedSummary {
+        fed,
+        skipped: feed.skipped,
+        reoffered: s.reoffered,
+    })
 }

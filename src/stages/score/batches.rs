@@ -23,6 +23,9 @@ pub(super) struct Outlet {
     /// The rollouts stream and the `score` group, where rollouts are acked.
     pub rollouts: String,
     pub group: String,
+    /// The events stream, where each batch's outcomes go, and its length bound.
+    pub events: String,
+    pub events_max_len: Option<u64>,
 }
 
 /// What became of one batch.
@@ -51,12 +54,15 @@ pub(super) async fn score_batch(
     let seconds = began.elapsed().as_secs_f64() / batch.len().max(1) as f64;
     let mut summary = ScoreSummary::default();
     let (mut payloads, mut acked, mut failed) = (Vec::new(), Vec::new(), Vec::new());
+    let mut outcomes = Vec::new();
     let n = batch.len();
     for (d, r) in batch.into_iter().zip(rewards) {
+        let outcome = r.as_ref().ok().map(|r| outcome(&d.message, &r.rewards));
         match r.and_then(|r| finish(&cfg, &d, r, seconds, &mut summary)) {
             Ok(scored) => {
                 payloads.push(scored);
                 acked.push(d.id);
+                outcomes.extend(outcome);
             }
             Err(e) => failed.push((d, e)),
         }
@@ -65,6 +71,12 @@ pub(super) async fn score_batch(
         out.bus.publish(&out.stream, &payloads, out.max_len).await?;
         out.bus.ack(&out.rollouts, &out.group, &acked).await?;
         summary.scored += acked.len() as u64;
+        let event =
+            schema::Event::outcomes(crate::roles::Stage::Score.as_str(), &cfg.name, outcomes);
+        let event = Bytes::from(schema::encode(&event)?);
+        out.bus
+            .publish(&out.events, &[event], out.events_max_len)
+            .await?;
     }
     Ok(BatchDone {
         groups: n,
@@ -80,6 +92,9 @@ pub struct ScoreSummary {
     pub failed: u64,
     pub reward_sum: f64,
     pub samples: u64,
+    /// Completions the overlong penalty and the length penalty lowered.
+    pub overlong: u64,
+    pub length_penalized: u64,
 }
 
 impl ScoreSummary {
@@ -88,6 +103,18 @@ impl ScoreSummary {
         self.failed += other.failed;
         self.reward_sum += other.reward_sum;
         self.samples += other.samples;
+        self.overlong += other.overlong;
+        self.length_penalized += other.length_penalized;
+    }
+}
+
+/// How `g`'s prompt fared: its completions whose verifier reward (before shaping) was
+/// full marks.
+fn outcome(g: &RolloutGroup, rewards: &[f32]) -> schema::Outcome {
+    schema::Outcome {
+        prompt_id: g.prompt_id.clone(),
+        passed: rewards.iter().filter(|&&r| r >= 1.0).count() as u32,
+        samples: rewards.len() as u32,
     }
 }
 
@@ -101,11 +128,15 @@ fn finish(
     summary: &mut ScoreSummary,
 ) -> Result<Bytes, ScoreError> {
     let Scores {
-        rewards,
+        mut rewards,
         token_rewards,
         teacher,
         from_env,
     } = scores;
+    let shaped = super::shaping::shape(cfg, &d.message, &mut rewards);
+    summary.overlong += shaped.overlong;
+    summary.length_penalized += shaped.length;
+    crate::metrics::shaped(shaped.overlong, shaped.length);
     let mut adv = advantages(&rewards, cfg.advantage);
     let coef = if from_env { 0.0 } else { cfg.outcome_coef };
     adv.iter_mut().for_each(|a| *a *= coef);

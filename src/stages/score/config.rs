@@ -53,6 +53,13 @@ crate::settings! {
         pub distill_coef: f32 = 1.0,
         /// Weight of the outcome (verifier) advantage beside token rewards; 0 trains on token rewards alone (pure distillation).
         pub outcome_coef: f32 = 1.0,
+        /// DAPO's soft overlong penalty (arXiv 2503.14476): over the last N tokens before max_new_tokens a completion's reward falls linearly, to −overlong_penalty at the limit (0: off). Episodes are not shaped.
+        #[arg(value_name = "TOKENS")]
+        pub overlong_buffer: u32 = 0,
+        /// The overlong penalty at max_new_tokens (DAPO's penalty factor).
+        pub overlong_penalty: f32 = 1.0,
+        /// Length penalty: each completion's reward less length_penalty × its tokens / max_new_tokens (0: off). Episodes are not shaped.
+        pub length_penalty: f32 = 0.0,
         /// Model directory whose tokenizer decodes completions; the built-in character tokenizer when absent.
         #[arg(value_name = "DIR")]
         pub tokenizer: Option<std::path::PathBuf> = None,
@@ -85,6 +92,8 @@ impl ScoreConfig {
         for (k, v) in [
             ("score.distill_coef", self.distill_coef),
             ("score.outcome_coef", self.outcome_coef),
+            ("score.overlong_penalty", self.overlong_penalty),
+            ("score.length_penalty", self.length_penalty),
         ] {
             if !(v.is_finite() && v >= 0.0) {
                 return Err(crate::settings::invalid(k, "must be >= 0"));

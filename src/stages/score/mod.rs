@@ -14,6 +14,7 @@ mod error;
 mod external;
 mod scorer;
 mod scores;
+pub mod shaping;
 pub mod steps;
 pub mod teacher;
 pub use advantages::advantages;
@@ -45,6 +46,8 @@ pub async fn run(cfg: &ScoreConfig, mut ctx: StageContext<'_>) -> Result<ScoreSu
         max_len: ctx.topo.max_len(Stream::Scored),
         rollouts: ctx.topo.key(Stream::Rollouts),
         group: ctx.topo.group(Stream::Rollouts).to_string(),
+        events: ctx.topo.key(Stream::Events),
+        events_max_len: ctx.topo.max_len(Stream::Events),
     };
     let mut flight = InFlight::default();
     let retention = ctx.start(&[Stream::Rollouts.as_str()]);

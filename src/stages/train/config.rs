@@ -147,6 +147,9 @@ crate::settings! {
         pub filter_min_abs_advantage: f32 = 0.0,
         /// Dynamic sampling: a step that has waited this many seconds for informative groups is taken with the groups it has, fewer than groups_per_step, with a warning (0: it waits for a full step).
         pub max_fill_wait_s: f64 = 0.0,
+        /// Overlong handling (TRL's mask_truncated_completions, PipelineRL's overlong_filtering): a completion cut at max_new_tokens is kept out of the loss and its denominator (its group's other completions keep the advantages the scorer gave them); a group whose every completion was cut is dropped (reason truncated). Counted per step (masked_samples).
+        #[arg(num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+        pub mask_truncated: bool = false,
         /// Publish weights every this many steps.
         pub publish_every: u64 = 1,
         /// Versions of weights kept on the bus.

@@ -10,7 +10,7 @@
 
 use super::TrainConfig;
 use crate::bus::Delivery;
-use crate::schema::ScoredGroup;
+use crate::schema::{FinishReason, ScoredGroup};
 
 /// Why a group is not trained.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -25,20 +25,27 @@ pub enum DropReason {
     ZeroVariance,
     /// Dynamic sampling: every |advantage| below `filter_min_abs_advantage`.
     LowAdvantage,
+    /// `mask_truncated`: every completion was cut at `max_new_tokens`.
+    Truncated,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 5] = [
+    pub const ALL: [DropReason; 6] = [
         DropReason::Stale,
         DropReason::Duplicate,
         DropReason::Nonfinite,
         DropReason::ZeroVariance,
         DropReason::LowAdvantage,
+        DropReason::Truncated,
     ];
 
-    /// Whether dynamic sampling dropped it (the stream replaces it; not an error).
+    /// Whether dynamic sampling or overlong masking dropped it because it would teach
+    /// nothing (the stream replaces it; not an error).
     pub const fn filtered(self) -> bool {
-        matches!(self, DropReason::ZeroVariance | DropReason::LowAdvantage)
+        matches!(
+            self,
+            DropReason::ZeroVariance | DropReason::LowAdvantage | DropReason::Truncated
+        )
     }
 
     /// The name in the trainer state, the step records and the metrics' `reason` label.
@@ -49,6 +56,7 @@ impl DropReason {
             DropReason::Nonfinite => "nonfinite",
             DropReason::ZeroVariance => "zero_variance",
             DropReason::LowAdvantage => "low_advantage",
+            DropReason::Truncated => "truncated",
         }
     }
 }
@@ -67,6 +75,8 @@ pub struct Filter {
     pub zero_variance: bool,
     /// Groups whose every |advantage| is below this (0: none), token rewards all 0.
     pub min_abs_advantage: f32,
+    /// Completions cut at `max_new_tokens` are removed from their group (`mask_truncated`).
+    pub mask_truncated: bool,
 }
 
 impl Filter {
@@ -79,6 +89,7 @@ impl Filter {
             } else {
                 0.0
             },
+            mask_truncated: cfg.mask_truncated,
         }
     }
 
@@ -103,12 +114,22 @@ impl Filter {
     }
 }
 
+/// Completions cut at `max_new_tokens` in the groups the intake took in, and those of them
+/// `mask_truncated` kept out of the loss.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Truncation {
+    pub truncated: u64,
+    pub masked: u64,
+}
+
 /// Groups waiting for a step.
 pub struct Intake {
     max_lag: u64,
     per_step: usize,
     filter: Filter,
     buffer: Vec<Delivery<ScoredGroup>>,
+    /// Since [`Intake::take_truncation`] last read it.
+    truncation: Truncation,
 }
 
 impl Intake {
@@ -118,7 +139,13 @@ impl Intake {
             per_step: per_step.max(1),
             filter,
             buffer: Vec::new(),
+            truncation: Truncation::default(),
         }
+    }
+
+    /// The completions cut at the length limit since the last call.
+    pub fn take_truncation(&mut self) -> Truncation {
+        std::mem::take(&mut self.truncation)
     }
 
     /// Groups waiting.
@@ -151,9 +178,28 @@ impl Intake {
         } else if let Some(reason) = self.filter.reason(&d.message) {
             Some((d, reason))
         } else {
-            self.buffer.push(d);
-            None
+            self.admit(d)
         }
+    }
+
+    /// Counts `d`'s truncated completions, masks them when `mask_truncated` says so, and
+    /// keeps what is left for a step.
+    fn admit(
+        &mut self,
+        mut d: Delivery<ScoredGroup>,
+    ) -> Option<(Delivery<ScoredGroup>, DropReason)> {
+        let cut = |s: &crate::schema::Sample| s.finish == FinishReason::Length;
+        let truncated = d.message.rollout.samples.iter().filter(|s| cut(s)).count() as u64;
+        self.truncation.truncated += truncated;
+        if self.filter.mask_truncated && truncated > 0 {
+            self.truncation.masked += truncated;
+            if d.message.rollout.samples.iter().all(cut) {
+                return Some((d, DropReason::Truncated));
+            }
+            d.message.retain_samples(|s| !cut(s));
+        }
+        self.buffer.push(d);
+        None
     }
 
     /// Groups that have grown stale at `version` while they waited, removed.
@@ -271,7 +317,8 @@ mod tests {
                 "duplicate",
                 "nonfinite",
                 "zero_variance",
-                "low_advantage"
+                "low_advantage",
+                "truncated"
             ]
         );
     }
@@ -290,7 +337,7 @@ mod tests {
         };
         let on = Filter {
             zero_variance: true,
-            min_abs_advantage: 0.0,
+            ..Filter::default()
         };
         let mut intake = Intake::new(4, 8, on);
         let (_, why) = intake
@@ -330,5 +377,59 @@ mod tests {
             Filter::default(),
             "off unless filter_groups"
         );
+    }
+
+    /// Overlong masking: a completion cut at the limit leaves its group (with its reward,
+    /// advantage and per-token arrays) before the step, counted; a group cut whole is
+    /// handed back; with the setting off both are only counted.
+    #[test]
+    fn truncated_completions_are_masked_and_counted() {
+        let cut = |id: &str, which: &[bool]| {
+            let mut d = delivery(id, 5);
+            for (s, &c) in d.message.rollout.samples.iter_mut().zip(which) {
+                s.finish = if c {
+                    FinishReason::Length
+                } else {
+                    FinishReason::Stop
+                };
+            }
+            d
+        };
+        let mask = Filter {
+            mask_truncated: true,
+            ..Filter::default()
+        };
+        let mut intake = Intake::new(4, 1, mask);
+        assert!(intake.offer(cut("one", &[true, false]), 5, never).is_none());
+        let (_, why) = intake.offer(cut("all", &[true, true]), 5, never).unwrap();
+        assert_eq!(why, DropReason::Truncated);
+        assert!(why.filtered(), "the stream replaces it");
+        assert_eq!(
+            intake.take_truncation(),
+            Truncation {
+                truncated: 3,
+                masked: 3
+            }
+        );
+        assert_eq!(intake.take_truncation(), Truncation::default(), "taken");
+        let step = intake.take().unwrap();
+        let g = &step[0].message;
+        let whole = examples::scored_group();
+        assert_eq!(g.rollout.samples.len(), 1);
+        assert_eq!(g.rollout.samples[0].tokens, whole.rollout.samples[1].tokens);
+        assert_eq!(
+            (g.rewards.clone(), g.advantages.clone()),
+            (vec![0.0], vec![-0.70710677])
+        );
+        let second =
+            |a: &Option<Vec<crate::schema::Floats>>| a.as_ref().map(|a| vec![a[1].clone()]);
+        assert_eq!(g.token_rewards, second(&whole.token_rewards));
+        assert_eq!(g.ref_logprobs, second(&whole.ref_logprobs));
+        crate::schema::Message::validate(g).unwrap();
+
+        let mut off = Intake::new(4, 1, Filter::default());
+        assert!(off.offer(cut("all", &[true, true]), 5, never).is_none());
+        assert_eq!(off.take_truncation().masked, 0);
+        assert_eq!(off.take().unwrap()[0].message.rollout.samples.len(), 2);
     }
 }

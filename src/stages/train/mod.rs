@@ -40,7 +40,7 @@ use crate::bus::{Consumer, ConsumerOptions, Delivery, EntryId, SharedBus, Topolo
 use crate::collective::{self, Collective};
 use crate::model::fault;
 use crate::roles::{Stage, Stream};
-use crate::schema::{self, Event, SchemaVersion, ScoredGroup, StepRecord};
+use crate::schema::{self, Event, ScoredGroup, StepRecord};
 use crate::weights::{Publisher, Transport, WeightsError};
 
 use bytes::Bytes;
@@ -393,6 +393,8 @@ impl<'a> Loop<'a> {
             }
         }
         record.filtered_groups = std::mem::take(&mut self.filtered);
+        let cut = self.intake.take_truncation();
+        (record.truncated_samples, record.masked_samples) = (cut.truncated, cut.masked);
         record.trained_groups = self.trainer.state.trained_groups;
         record.dropped_groups = self.trainer.state.dropped.values().sum();
         self.unacked.extend(taken.iter().map(|d| d.id));
@@ -560,14 +562,13 @@ impl<'a> Loop<'a> {
     /// A `step` event on the events stream: what `rlstream status` and `replay` read.
     async fn publish_step_event(&self, record: &StepRecord) -> Result<(), StageError> {
         let event = Event {
-            schema: SchemaVersion::CURRENT,
-            kind: "step".into(),
-            stage: Stage::Train.as_str().into(),
-            source: self.cfg.train.name.clone(),
-            version: record.version,
             fields: record.to_fields(),
-            text: None,
-            time_us: schema::now_us(),
+            ..Event::new(
+                "step",
+                Stage::Train.as_str(),
+                &self.cfg.train.name,
+                record.version,
+            )
         };
         let bytes = Bytes::from(schema::encode(&event)?);
         let events = Stream::Events;

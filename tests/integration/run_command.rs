@@ -59,7 +59,8 @@ async fn keys_of<M: schema::Message>(bus: &SharedBus, stream: &str) -> (usize, B
     (entries.len(), keys)
 }
 
-/// Field names of the trainer's step events; every stage also wrote heartbeats.
+/// Field names of the trainer's step events; every stage also wrote heartbeats, and the
+/// scorer its outcomes.
 async fn step_fields(bus: &SharedBus) -> BTreeSet<String> {
     let entries = bus
         .range("rl:events", RangeBound::Open, RangeBound::Open, 1_000_000)
@@ -67,6 +68,7 @@ async fn step_fields(bus: &SharedBus) -> BTreeSet<String> {
         .unwrap();
     let mut fields = BTreeSet::new();
     let mut beating = BTreeSet::new();
+    let mut outcomes = 0;
     for e in &entries {
         let ev: Event = schema::decode(&e.payload).unwrap();
         match ev.kind.as_str() {
@@ -74,9 +76,11 @@ async fn step_fields(bus: &SharedBus) -> BTreeSet<String> {
             "heartbeat" => {
                 beating.insert(ev.stage);
             }
+            Event::OUTCOMES => outcomes += ev.outcomes.len(),
             other => panic!("unexpected event kind {other}"),
         }
     }
+    assert!(outcomes > 0, "the scorer's outcomes");
     assert_eq!(
         beating,
         BTreeSet::from(["gen".to_string(), "score".into(), "train".into()])

@@ -211,7 +211,7 @@ async fn paced(
     let mut pool = difficulty::Pool::resume(difficulty, cfg.seed, state);
     let mut items = feed.items.into_iter().skip(pool.state().fresh as usize);
     let mut fresh = || items.next();
-    let start = pool.state().fresh + pool.state().reoffered;
+    let (fresh_before, again_before) = (pool.state().fresh, pool.state().reoffered);
     let builtin = cfg.task.is_some();
     loop {
         pool.read_outcomes(bus.as_ref(), topo).await?;
@@ -237,16 +237,12 @@ async fn paced(
         }
     }
     let s = pool.state();
-    let fed = s.fresh + s.reoffered - start;
-    tracing::info!(
-        fed,
-        reoffered = s.reoffered,
-        outcomes = s.outcomes,
-        "fed prompts (paced)"
-    );
+    let reoffered = s.reoffered - again_before;
+    let fed = s.fresh - fresh_before + reoffered;
+    tracing::info!(fed, reoffered, outcomes = s.outcomes, "fed prompts (paced)");
     Ok(FeedSummary {
         fed,
         skipped: feed.skipped,
-        reoffered: s.reoffered,
+        reoffered,
     })
 }

@@ -52,6 +52,16 @@ PRESETS = {
     "ppo-4-updates-lr-quarter": ["--ppo-mini-batch-size", "4", "--ppo-epochs", "2", "--lr", "1.25e-4"],
     "decoupled-4-updates-lr-quarter": ["--use-decoupled-loss", "--ppo-mini-batch-size", "4", "--ppo-epochs", "2",
                                        "--lr", "1.25e-4"],
+    # Every step learns (docs/objectives.md): dynamic sampling, a difficulty-aware feed,
+    # and overlong handling under a limit with room past the longest answer (`longer`'s
+    # answers end by 11 tokens; 16 leaves 5 a rambling completion can run into).
+    "filter-groups": ["--filter-groups"],
+    "reoffer": ["--reoffer", "0.5"],
+    "filter-groups-reoffer": ["--filter-groups", "--reoffer", "0.5"],
+    "len16": ["--max-new-tokens", "16"],
+    "len16-mask-truncated": ["--max-new-tokens", "16", "--mask-truncated"],
+    "len16-overlong": ["--max-new-tokens", "16", "--overlong-buffer", "4"],
+    "len16-length-penalty": ["--max-new-tokens", "16", "--length-penalty", "0.1"],
 }
 
 
@@ -75,6 +85,51 @@ def mean_se(xs):
     if n < 2:
         return m, float("nan")
     return m, math.sqrt(sum((x - m) ** 2 for x in xs) / (n - 1)) / math.sqrt(n)
+
+
+def steps_of(d):
+    """The run's step records (report/metrics.jsonl)."""
+    with open(os.path.join(d, "report", "metrics.jsonl")) as f:
+        return [json.loads(line)["record"] for line in f if line.strip()]
+
+
+def sampling_row(preset, runs, dirs):
+    """Per preset, means over seeds: pass@1 at each held-out point with its step and
+    time, the share of groups filtered, the trainer's mean wait, and the truncated share."""
+    points, filtered, waits, cut, walls = {}, [], [], [], []
+    for s, d in zip(runs, dirs):
+        for i, h in enumerate(s["held_out"]):
+            p = points.setdefault(i, [[], [], []])
+            p[0].append(h["pass_at_1"]["mean"])
+            p[1].append(h.get("step", 0))
+            p[2].append(h.get("time_s", 0.0))
+        recs = steps_of(d)
+        f = sum(r.get("filtered_groups", 0) for r in recs)
+        g = sum(r.get("groups", 0) for r in recs)
+        filtered.append(f / max(f + g, 1))
+        waits.append(sum(r.get("wait_s", 0.0) for r in recs) / max(len(recs), 1))
+        samples = sum(r.get("groups", 0) for r in recs) * 8
+        cut.append(sum(r.get("truncated_samples", 0) for r in recs) / max(samples, 1))
+        walls.append(s["wall_s"])
+    mean = lambda xs: sum(xs) / len(xs)
+    curve = " → ".join(f"{100 * mean(v[0]):.1f}% (step {mean(v[1]):.0f}, {mean(v[2]):.0f} s)"
+                       for v in points.values())
+    return (f"| {preset} | {curve} | {100 * mean(filtered):.1f}% | {mean(waits):.2f} s | "
+            f"{100 * mean(cut):.1f}% | {mean(walls):.0f} s |")
+
+
+def sampling_table(task, results, dirs):
+    lines = [
+        f"`{task}`, means over seeds: held-out pass@1 at each evaluation (its step and "
+        "seconds into RL), groups filtered, the trainer's mean wait per step, completions "
+        "cut at the limit, and RL wall time:",
+        "",
+        "| preset | pass@1 (step, time) | filtered | wait per step | truncated | wall |",
+        "|---|---|---|---|---|---|",
+    ]
+    for preset, runs in results.items():
+        lines.append(sampling_row(preset, runs, dirs[preset]))
+    return "\n".join(lines)
 
 
 def table(task, results, seeds):
@@ -116,9 +171,12 @@ def main():
     everything = {}
     for task in args.tasks.split(","):
         results = {pr: [run(task, pr, s, out) for s in seeds] for pr in presets}
+        dirs = {pr: [os.path.join(out, task, pr, f"seed-{s}") for s in seeds] for pr in presets}
         everything[task] = {pr: [{"seed": s, "held_out": r["held_out"], "wall_s": r["wall_s"]}
                                  for s, r in zip(seeds, runs)] for pr, runs in results.items()}
         print(table(task, results, seeds))
+        print()
+        print(sampling_table(task, results, dirs))
         print()
     with open(os.path.join(out, "objectives.json"), "w") as f:
         json.dump({"presets": PRESETS, "results": everything}, f, indent=2)

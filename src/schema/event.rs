@@ -26,20 +26,20 @@ pub struct Event {
     /// Schema 1.1, kind `outcomes`: how the prompts of the groups a scorer just scored
     /// fared, one entry per group, for a difficulty-aware feed. Empty otherwise.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
-    pub outcomes: Vec<Outcome>,
+    pub outcomes: Vec<PromptOutcome>,
 }
 
 /// How one prompt fared in one scored group: its completions, and those whose verifier
 /// reward was full marks (≥ 1, as the step record's `accuracy` counts), before any reward
 /// shaping.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
-pub struct Outcome {
+pub struct PromptOutcome {
     pub prompt_id: String,
     pub passed: u32,
     pub samples: u32,
 }
 
-impl Outcome {
+impl PromptOutcome {
     /// The share of the completions that passed.
     pub fn pass_rate(&self) -> f64 {
         f64::from(self.passed) / f64::from(self.samples.max(1))
@@ -66,7 +66,7 @@ impl Event {
     }
 
     /// A scorer's `outcomes` event (schema 1.1: a 1.0 reader ignores the outcomes).
-    pub fn outcomes(stage: &str, source: &str, outcomes: Vec<Outcome>) -> Self {
+    pub fn outcomes(stage: &str, source: &str, outcomes: Vec<PromptOutcome>) -> Self {
         Event {
             schema: Self::SCHEMA,
             outcomes,

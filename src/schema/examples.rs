@@ -404,12 +404,12 @@ pub fn event_outcomes() -> Event {
         text: None,
         time_us: EXAMPLE_TIME_US,
         outcomes: vec![
-            crate::schema::Outcome {
+            crate::schema::PromptOutcome {
                 prompt_id: "add-000042".into(),
                 passed: 3,
                 samples: 8,
             },
-            crate::schema::Outcome {
+            crate::schema::PromptOutcome {
                 prompt_id: "calc-000007".into(),
                 passed: 0,
                 samples: 8,

@@ -23,7 +23,7 @@ mod weights;
 pub use codec::{DEFAULT_MAX_MESSAGE_BYTES, Message, decode, decode_limited, encode};
 pub use dead::DeadLetter;
 pub use error::CodecError;
-pub use event::{Event, Outcome};
+pub use event::{Event, PromptOutcome};
 pub use limits::{Limits, Refusal};
 pub use mask::{CsrMask, SamplingMask};
 pub use packed::{Floats, Packable, Packed, Tokens};

@@ -6,7 +6,7 @@
 use crate::common::{drop_namespace, interrupt, on_bus, redis_bus, redis_url, spawn, unique_ns};
 use bytes::Bytes;
 use rlstream::bus::{GroupStart, ReadFrom, SharedBus, Topology};
-use rlstream::schema::{self, Event, Outcome, Prompt};
+use rlstream::schema::{self, Event, Prompt, PromptOutcome};
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::{Duration, Instant};
 
@@ -58,7 +58,7 @@ async fn consume(
         let mut outcomes = Vec::new();
         for e in &got {
             let p: Prompt = schema::decode(&e.payload).unwrap();
-            outcomes.push(Outcome {
+            outcomes.push(PromptOutcome {
                 passed: passes(&p.prompt_id),
                 samples: 8,
                 prompt_id: p.prompt_id.clone(),

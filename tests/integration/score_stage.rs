@@ -129,7 +129,7 @@ async fn overlong_penalty_shapes_rewards_and_outcomes_count_unshaped_passes() {
     );
     assert_eq!(
         outcomes[0].outcomes,
-        vec![schema::Outcome {
+        vec![schema::PromptOutcome {
             prompt_id: group().prompt_id,
             passed: 2,
             samples: 3

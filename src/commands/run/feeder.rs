@@ -42,7 +42,7 @@ pub(super) struct Feeder {
     /// mode each is replaced by one more prompt, so the step fills.
     pub(super) filtered: Arc<AtomicU64>,
     /// What is fed: each prompt new, or with `[difficulty]` on, sometimes one scored before.
-    pub(super) pool: feed::Pool,
+    pub(super) pool: feed::DifficultyPool,
 }
 
 /// What the feeder draws prompts from.

@@ -221,7 +221,7 @@ pub async fn run(
         slot: slot.clone(),
         next: 0,
         filtered: Default::default(),
-        pool: crate::stages::feed::Pool::new(&cfg.difficulty, opts.seed),
+        pool: crate::stages::feed::DifficultyPool::new(&cfg.difficulty, opts.seed),
     };
     let mut held_out: Vec<HeldOut> = held
         .of(0, 0.0, "before", &slot.load().policy)?

@@ -2,7 +2,7 @@
 //! probability that favours those the policy neither always nor never solves.
 //!
 //! The scorers publish, per scored batch, an `outcomes` event (schema 1.1) with each
-//! group's prompt id and how many of its completions passed. A [`Pool`] remembers the
+//! group's prompt id and how many of its completions passed. A [`DifficultyPool`] remembers the
 //! prompts it fed (up to `reoffer_pool`, the most recently fed kept), reads those events
 //! after the last one it read, and keeps each prompt's latest pass rate p. Each prompt it
 //! then feeds is, with probability `reoffer` (once some prompt has a pass rate), one of the
@@ -11,14 +11,14 @@
 //! id), so the trainer trains it again.
 //!
 //! The pool's whole state (remembered prompts, pass rates, draws taken, events read) is a
-//! value ([`Pool::state`]): `rlstream feed` keeps it on the bus beside the streams, so a
+//! value ([`DifficultyPool::state`]): `rlstream feed` keeps it on the bus beside the streams, so a
 //! restarted feed continues the same schedule. Draws come from a counter hashed with the
 //! seed, not from a stateful generator, so the state needs no generator's internals.
 
 use super::DifficultyConfig;
 use crate::bus::{Bus, EntryId, Topology};
 use crate::roles::Stream;
-use crate::schema::{self, Event, Outcome};
+use crate::schema::{self, Event, PromptOutcome};
 use crate::tasks::TaskItem;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, VecDeque};
@@ -33,9 +33,9 @@ struct Known {
     rate: Option<f64>,
 }
 
-/// What a [`Pool`] is, as kept between runs of a feed.
+/// What a [`DifficultyPool`] is, as kept between runs of a feed.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
-pub struct PoolState {
+pub struct DifficultyState {
     known: BTreeMap<String, Known>,
     /// Ids in the order they were first fed, oldest first: who is forgotten first.
     order: VecDeque<String>,
@@ -51,10 +51,10 @@ pub struct PoolState {
 }
 
 /// The prompts fed, their pass rates, and the draws that pick what to feed next.
-pub struct Pool {
+pub struct DifficultyPool {
     cfg: DifficultyConfig,
     seed: u64,
-    state: PoolState,
+    state: DifficultyState,
 }
 
 /// The weight of a prompt with pass rate `p`: 1 at one half, `floor` at 0 and 1.
@@ -62,14 +62,14 @@ pub fn weight(p: f64, floor: f64) -> f64 {
     (4.0 * p * (1.0 - p)).max(floor)
 }
 
-impl Pool {
+impl DifficultyPool {
     pub fn new(cfg: &DifficultyConfig, seed: u64) -> Self {
-        Pool::resume(cfg, seed, PoolState::default())
+        DifficultyPool::resume(cfg, seed, DifficultyState::default())
     }
 
     /// A pool continuing from `state`.
-    pub fn resume(cfg: &DifficultyConfig, seed: u64, state: PoolState) -> Self {
-        Pool {
+    pub fn resume(cfg: &DifficultyConfig, seed: u64, state: DifficultyState) -> Self {
+        DifficultyPool {
             cfg: cfg.clone(),
             seed: crate::seed::mix(seed ^ 0xd1ff_1c01),
             state,
@@ -81,7 +81,7 @@ impl Pool {
         self.cfg.reoffer > 0.0
     }
 
-    pub fn state(&self) -> &PoolState {
+    pub fn state(&self) -> &DifficultyState {
         &self.state
     }
 
@@ -94,7 +94,7 @@ impl Pool {
     }
 
     /// Takes in one group's outcome: the prompt's pass rate, if the pool remembers it.
-    pub fn record(&mut self, o: &Outcome) {
+    pub fn record(&mut self, o: &PromptOutcome) {
         if let Some(k) = self.state.known.get_mut(&o.prompt_id) {
             k.rate = Some(o.pass_rate());
             self.state.outcomes += 1;
@@ -214,8 +214,8 @@ mod tests {
         }
     }
 
-    fn outcome(id: &str, passed: u32) -> Outcome {
-        Outcome {
+    fn outcome(id: &str, passed: u32) -> PromptOutcome {
+        PromptOutcome {
             prompt_id: id.into(),
             passed,
             samples: 8,
@@ -233,7 +233,7 @@ mod tests {
     /// Off, every prompt is new and nothing is remembered.
     #[test]
     fn off_feeds_every_prompt_once() {
-        let mut pool = Pool::new(&DifficultyConfig::default(), 0);
+        let mut pool = DifficultyPool::new(&DifficultyConfig::default(), 0);
         let mut fresh = counter();
         let ids: Vec<String> = (0..5).map(|_| pool.next(&mut fresh).unwrap().0).collect();
         assert_eq!(ids, ["p1", "p2", "p3", "p4", "p5"]);
@@ -241,9 +241,9 @@ mod tests {
         assert_eq!(pool.state().fresh, 5);
         assert_eq!(
             pool.state(),
-            &PoolState {
+            &DifficultyState {
                 fresh: 5,
-                ..PoolState::default()
+                ..DifficultyState::default()
             }
         );
     }
@@ -259,7 +259,7 @@ mod tests {
             reoffer_pool: 1 << 20,
             ..DifficultyConfig::default()
         };
-        let mut pool = Pool::new(&cfg, 7);
+        let mut pool = DifficultyPool::new(&cfg, 7);
         let mut fresh = counter();
         assert!(pool.next(&mut fresh).is_some_and(|(id, _)| id == "p1"));
         for (id, passed) in [("p1", 0), ("p2", 4), ("p3", 8)] {
@@ -298,7 +298,7 @@ mod tests {
             reoffer_pool: 4,
             ..DifficultyConfig::default()
         };
-        let mut pool = Pool::new(&cfg, 1);
+        let mut pool = DifficultyPool::new(&cfg, 1);
         let mut fresh = counter();
         for _ in 0..6 {
             pool.next(&mut fresh);
@@ -307,8 +307,8 @@ mod tests {
         assert_eq!(kept, ["p3", "p4", "p5", "p6"]);
         (3..=6).for_each(|i| pool.record(&outcome(&format!("p{i}"), i as u32)));
         let bytes = rmp_serde::to_vec(pool.state()).unwrap();
-        let state: PoolState = rmp_serde::from_slice(&bytes).unwrap();
-        let mut resumed = Pool::resume(&cfg, 1, state);
+        let state: DifficultyState = rmp_serde::from_slice(&bytes).unwrap();
+        let mut resumed = DifficultyPool::resume(&cfg, 1, state);
         let mut fresh_resumed = counter();
         // The resumed feed's new prompts continue where the first's stopped.
         for _ in 0..resumed.state().fresh {

@@ -11,7 +11,7 @@ use crate::roles::Stream;
 use crate::schema::{self, Prompt, SchemaVersion};
 use crate::tasks::{self, Dataset, TaskItem};
 use bytes::Bytes;
-pub use difficulty::{Pool, PoolState};
+pub use difficulty::{DifficultyPool, DifficultyState};
 use rand::SeedableRng;
 use rand::seq::SliceRandom;
 
@@ -206,9 +206,9 @@ async fn paced(
                  the schedule afresh"
             ))
         })?,
-        None => difficulty::PoolState::default(),
+        None => difficulty::DifficultyState::default(),
     };
-    let mut pool = difficulty::Pool::resume(difficulty, cfg.seed, state);
+    let mut pool = difficulty::DifficultyPool::resume(difficulty, cfg.seed, state);
     let mut items = feed.items.into_iter().skip(pool.state().fresh as usize);
     let mut fresh = || items.next();
     let (fresh_before, again_before) = (pool.state().fresh, pool.state().reoffered);

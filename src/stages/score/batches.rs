@@ -110,8 +110,8 @@ impl ScoreSummary {
 
 /// How `g`'s prompt fared: its completions whose verifier reward (before shaping) was
 /// full marks.
-fn outcome(g: &RolloutGroup, rewards: &[f32]) -> schema::Outcome {
-    schema::Outcome {
+fn outcome(g: &RolloutGroup, rewards: &[f32]) -> schema::PromptOutcome {
+    schema::PromptOutcome {
         prompt_id: g.prompt_id.clone(),
         passed: rewards.iter().filter(|&&r| r >= 1.0).count() as u32,
         samples: rewards.len() as u32,

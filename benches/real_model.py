@@ -6,6 +6,8 @@ that scripts/make_arith.py writes (2,000 training rows, 500 held out), by
 - rlstream async (`rlstream run --dataset`) on each of `--seeds`,
 - rlstream `--sync` on the first seed,
 - TRL's GRPOTrainer (benches/trl_grpo.py, on the CPU) on the first seed,
+- rlstream async with dynamic sampling (`--filter-groups`) on the first seed (`--runs
+  filter`; not in the default set),
 
 all with the same model, rows, group size, groups per step, learning rate, steps,
 completion length and temperature. Each trained model is evaluated by the same
@@ -62,7 +64,24 @@ def common(a):
             "--temperature", str(a.temperature), "--lr", str(a.lr)]
 
 
-def rlstream_run(a, name, seed, sync):
+# The flags of each rlstream kind of run.
+KINDS = {"async": [], "sync": ["--sync"], "filter": ["--filter-groups"]}
+
+
+def step_totals(run_dir):
+    """Groups filtered and trained, and the trainer's total wait, over the run's steps."""
+    filtered = trained = 0
+    wait = 0.0
+    with open(run_dir / "report" / "metrics.jsonl") as f:
+        for line in f:
+            r = json.loads(line)["record"]
+            filtered += r.get("filtered_groups", 0)
+            trained += r.get("groups", 0)
+            wait += r.get("wait_s", 0.0)
+    return {"filtered_groups": filtered, "trained_groups": trained, "train_wait_s": wait}
+
+
+def rlstream_run(a, name, seed, kind):
     """One `rlstream run`; its summary, cached as WORK/run-NAME.json."""
     out = a.work / f"run-{name}.json"
     if out.exists():
@@ -74,14 +93,14 @@ def rlstream_run(a, name, seed, sync):
     sh([BIN, "run", "--model", a.model, "--dataset", data / "arith.jsonl",
         "--eval-dataset", data / "arith_held.jsonl", "--eval-prompts", "0",
         *common(a), "--checkpoint-every", str(a.steps), "--seed", str(seed),
-        "--out", run_dir, "--plain", *(["--sync"] if sync else [])],
+        "--out", run_dir, "--plain", *KINDS[kind]],
        log=a.work / f"run-{name}.log")
     summary = json.loads((run_dir / "report" / "summary.json").read_text())
     checkpoints = run_dir / "checkpoints"
     final = checkpoints / (checkpoints / "latest").read_text().strip()
     result = {"wall_s": summary["wall_s"], "steps": summary["steps"],
               "reward_start": summary["reward_start"], "reward_end": summary["reward_end"],
-              "model": str(final), "kind": "sync" if sync else "async", "seed": seed}
+              "model": str(final), "kind": kind, "seed": seed, **step_totals(run_dir)}
     out.write_text(json.dumps(result))
     return result
 
@@ -138,10 +157,12 @@ def main():
         plan.append((f"sync-s{seeds[0]}", seeds[0], "sync"))
     if "trl" in kinds:
         plan.append((f"trl-s{seeds[0]}", seeds[0], "trl"))
+    if "filter" in kinds:
+        plan.append((f"filter-s{seeds[0]}", seeds[0], "filter"))
     rows = []
     for name, seed, kind in plan:
         r = (trl_run(a, name, seed) if kind == "trl"
-             else rlstream_run(a, name, seed, kind == "sync"))
+             else rlstream_run(a, name, seed, kind))
         after = evaluate(a, r["model"], name)
         b, f = before["pass_at_1"], after["pass_at_1"]
         se = math.hypot(b["se"], f["se"])
@@ -155,14 +176,17 @@ def main():
           f"<= {a.max_new_tokens} new tokens, temperature {a.temperature}, lr {a.lr}; "
           f"held-out pass@1 on {a.eval_prompts} prompts x {a.samples} samples\n")
     print("| run | pass@1 before | pass@1 after | gain (SE) | greedy before -> after "
-          "| s/step | wall s |")
-    print("|---|---|---|---|---|---|---|")
+          "| s/step | wall s | filtered | trainer wait s |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
+        f, t = r.get("filtered_groups"), r.get("trained_groups")
+        filtered = f"{f} of {f + t}" if f is not None else "-"
+        wait = f"{r['train_wait_s']:.0f}" if "train_wait_s" in r else "-"
         print(f"| {r['run']} | {pct(r['before'])} | {pct(r['after'])} | "
               f"{100 * r['gain']:+.1f} pts ({r['gain_se']:.1f} SE) | "
               f"{100 * r['greedy_before']['mean']:.1f}% -> "
               f"{100 * r['greedy_after']['mean']:.1f}% | "
-              f"{r['wall_s'] / max(1, r['steps']):.1f} | {r['wall_s']:.0f} |")
+              f"{r['wall_s'] / max(1, r['steps']):.1f} | {r['wall_s']:.0f} | {filtered} | {wait} |")
     weak = [r["run"] for r in rows if r["kind"] == "async" and r["gain_se"] < 3]
     if weak:
         print(f"\nasync runs with a gain under 3 standard errors: {', '.join(weak)}")

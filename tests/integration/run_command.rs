@@ -428,10 +428,13 @@ async fn sync_dynamic_sampling_trains_only_groups_that_teach() {
     assert!(dropped.iter().all(|id| same(id)));
 
     // Async, the generators' in-flight bound counts every group, filtered or not: the
-    // staleness trained stays within max_lag.
+    // staleness trained stays within max_lag. With the difficulty-aware feed on, some
+    // prompts are fed again; with overlong masking, every truncated completion is masked.
     let mut cfg = run::defaults(task);
     cfg.train.steps = 8;
     cfg.train.filter_groups = true;
+    cfg.train.mask_truncated = true;
+    cfg.difficulty.reoffer = 0.5;
     cfg.run.eval_prompts = 0;
     let max_lag = cfg.policy.max_lag;
     let opts = RunOptions {
@@ -444,4 +447,11 @@ async fn sync_dynamic_sampling_trains_only_groups_that_teach() {
     assert!(o.rows.iter().map(|r| r.record.filtered_groups).sum::<u64>() > 0);
     let staleness = &o.summary.staleness;
     assert!(staleness.keys().all(|&k| k <= max_lag), "{staleness:?}");
+    let (fed, again) = (o.summary.prompts_fed, o.summary.prompts_reoffered);
+    assert!(again > 0 && again < fed, "{again} of {fed} fed again");
+    assert!(
+        o.rows
+            .iter()
+            .all(|r| r.record.masked_samples == r.record.truncated_samples)
+    );
 }

@@ -43,6 +43,15 @@ pub(super) struct Feeder {
     pub(super) filtered: Arc<AtomicU64>,
     /// What is fed: each prompt new, or with `[difficulty]` on, sometimes one scored before.
     pub(super) pool: feed::DifficultyPool,
+    /// Prompts fed so far, and of them fed again, for the run's summary.
+    pub(super) counts: Arc<FeedCounts>,
+}
+
+/// Prompts a run's feeder fed, and of them those the difficulty-aware feed fed again.
+#[derive(Debug, Default)]
+pub(super) struct FeedCounts {
+    pub(super) fed: AtomicU64,
+    pub(super) reoffered: AtomicU64,
 }
 
 /// What the feeder draws prompts from.
@@ -116,6 +125,9 @@ impl Feeder {
         let builtin = matches!(self.rows, FeedRows::Task(_));
         let name = self.rows.name();
         self.next += feed::publish(&self.bus, &self.topo, name, &items, builtin).await?;
+        self.counts.fed.store(self.next, Ordering::Relaxed);
+        let again = self.pool.state().reoffered;
+        self.counts.reoffered.store(again, Ordering::Relaxed);
         Ok(())
     }
 

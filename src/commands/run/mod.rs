@@ -47,6 +47,7 @@ use monitor::Monitor;
 use stage_tasks::Stages;
 use std::future::Future;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::Ordering;
 use std::time::Instant;
 use summary::{RunFacts, summarize};
 use tokio::sync::mpsc;
@@ -222,7 +223,9 @@ pub async fn run(
         next: 0,
         filtered: Default::default(),
         pool: crate::stages::feed::DifficultyPool::new(&cfg.difficulty, opts.seed),
+        counts: Default::default(),
     };
+    let fed = feeder.counts.clone();
     let mut held_out: Vec<HeldOut> = held
         .of(0, 0.0, "before", &slot.load().policy)?
         .into_iter()
@@ -272,6 +275,10 @@ pub async fn run(
         train: &train_summary,
         generator: &gen_summary,
         held_out,
+        fed: (
+            fed.fed.load(Ordering::Relaxed),
+            fed.reoffered.load(Ordering::Relaxed),
+        ),
     };
     let summary = summarize(opts, cfg, &facts);
     let report = write_report(opts, &rows, &summary)?;

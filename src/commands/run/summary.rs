@@ -32,6 +32,10 @@ pub struct RunSummary {
     pub trained_tokens_per_s: f64,
     pub generated_groups: u64,
     pub generated_tokens: u64,
+    /// Prompts the feeder fed, and of them prompts fed again by the difficulty-aware feed
+    /// (`--reoffer`).
+    pub prompts_fed: u64,
+    pub prompts_reoffered: u64,
     /// Mean over the first and the last tenth of the steps (at most 10 steps each).
     pub reward_start: f64,
     pub reward_end: f64,
@@ -195,6 +199,8 @@ pub(super) struct RunFacts<'a> {
     pub(super) generator: &'a GenSummary,
     /// Held-out evaluations, in step order.
     pub(super) held_out: Vec<HeldOut>,
+    /// Prompts fed, and of them fed again.
+    pub(super) fed: (u64, u64),
 }
 
 pub(super) fn summarize(opts: &RunOptions, cfg: Config, f: &RunFacts) -> RunSummary {
@@ -208,6 +214,7 @@ pub(super) fn summarize(opts: &RunOptions, cfg: Config, f: &RunFacts) -> RunSumm
         train: t,
         generator: g,
         ref held_out,
+        fed: (prompts_fed, prompts_reoffered),
     } = *f;
     let (reward_start, reward_end) = start_end(rows, |r| r.record.reward_mean);
     let (accuracy_start, accuracy_end) = start_end(rows, |r| r.record.accuracy);
@@ -234,6 +241,8 @@ pub(super) fn summarize(opts: &RunOptions, cfg: Config, f: &RunFacts) -> RunSumm
         trained_tokens_per_s: trained_tokens as f64 / wall_s.max(1e-9),
         generated_groups: g.groups,
         generated_tokens: g.tokens,
+        prompts_fed,
+        prompts_reoffered,
         reward_start,
         reward_end,
         accuracy_start,

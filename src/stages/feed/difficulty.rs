@@ -89,7 +89,9 @@ impl DifficultyPool {
     fn unit(&mut self) -> f64 {
         self.state.draws += 1;
         // SplitMix64's n-th output: a state stepped by the golden gamma, then mixed.
-        let state = (self.seed).wrapping_add(self.state.draws.wrapping_mul(0x9e37_79b9_7f4a_7c15));
+        let state = self
+            .seed
+            .wrapping_add(self.state.draws.wrapping_mul(0x9e37_79b9_7f4a_7c15));
         (crate::seed::mix(state) >> 11) as f64 / (1u64 << 53) as f64
     }
 

@@ -90,13 +90,13 @@ def mean_se(xs):
 def steps_of(d):
     """The run's step records (report/metrics.jsonl)."""
     with open(os.path.join(d, "report", "metrics.jsonl")) as f:
-        return [json.loads(line)["record"] for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.strip()]
 
 
 def sampling_row(preset, runs, dirs):
     """Per preset, means over seeds: pass@1 at each held-out point with its step and
     time, the share of groups filtered, the trainer's mean wait, and the truncated share."""
-    points, filtered, waits, cut, walls = {}, [], [], [], []
+    points, filtered, waits, cut, walls, again = {}, [], [], [], [], []
     for s, d in zip(runs, dirs):
         for i, h in enumerate(s["held_out"]):
             p = points.setdefault(i, [[], [], []])
@@ -111,21 +111,22 @@ def sampling_row(preset, runs, dirs):
         samples = sum(r.get("groups", 0) for r in recs) * 8
         cut.append(sum(r.get("truncated_samples", 0) for r in recs) / max(samples, 1))
         walls.append(s["wall_s"])
+        again.append(s.get("prompts_reoffered", 0) / max(s.get("prompts_fed", 0), 1))
     mean = lambda xs: sum(xs) / len(xs)
     curve = " → ".join(f"{100 * mean(v[0]):.1f}% (step {mean(v[1]):.0f}, {mean(v[2]):.0f} s)"
                        for v in points.values())
-    return (f"| {preset} | {curve} | {100 * mean(filtered):.1f}% | {mean(waits):.2f} s | "
-            f"{100 * mean(cut):.1f}% | {mean(walls):.0f} s |")
+    return (f"| {preset} | {curve} | {100 * mean(filtered):.1f}% | {100 * mean(again):.1f}% | "
+            f"{mean(waits):.2f} s | {100 * mean(cut):.1f}% | {mean(walls):.0f} s |")
 
 
 def sampling_table(task, results, dirs):
     lines = [
         f"`{task}`, means over seeds: held-out pass@1 at each evaluation (its step and "
-        "seconds into RL), groups filtered, the trainer's mean wait per step, completions "
-        "cut at the limit, and RL wall time:",
+        "seconds into RL), groups filtered, prompts fed again, the trainer's mean wait per "
+        "step, completions cut at the limit, and RL wall time:",
         "",
-        "| preset | pass@1 (step, time) | filtered | wait per step | truncated | wall |",
-        "|---|---|---|---|---|---|",
+        "| preset | pass@1 (step, time) | filtered | fed again | wait per step | truncated | wall |",
+        "|---|---|---|---|---|---|---|",
     ]
     for preset, runs in results.items():
         lines.append(sampling_row(preset, runs, dirs[preset]))

@@ -74,7 +74,7 @@ def step_totals(run_dir):
     wait = 0.0
     with open(run_dir / "report" / "metrics.jsonl") as f:
         for line in f:
-            r = json.loads(line)["record"]
+            r = json.loads(line)
             filtered += r.get("filtered_groups", 0)
             trained += r.get("groups", 0)
             wait += r.get("wait_s", 0.0)

@@ -37,7 +37,6 @@ pub(super) struct Feeder {
     pub(super) bus: SharedBus,
     pub(super) topo: Topology,
     pub(super) slot: ModelSlot<InferBackend>,
-    pub(super) next: u64,
     /// Groups the trainer's dynamic sampling filtered (`train.filter_groups`): in sync
     /// mode each is replaced by one more prompt, so the step fills.
     pub(super) filtered: Arc<AtomicU64>,
@@ -109,6 +108,12 @@ impl FeedRows {
 }
 
 impl Feeder {
+    /// Prompts fed so far: each one the pool's, new or fed again.
+    fn fed(&self) -> u64 {
+        let s = self.pool.state();
+        s.fresh + s.reoffered
+    }
+
     async fn publish(&mut self, n: usize) -> Result<(), StageError> {
         if self.pool.on() {
             self.pool
@@ -124,8 +129,8 @@ impl Feeder {
         let items: Vec<_> = (0..n).filter_map(|_| self.pool.next(&mut fresh)).collect();
         let builtin = matches!(self.rows, FeedRows::Task(_));
         let name = self.rows.name();
-        self.next += feed::publish(&self.bus, &self.topo, name, &items, builtin).await?;
-        self.counts.fed.store(self.next, Ordering::Relaxed);
+        feed::publish(&self.bus, &self.topo, name, &items, builtin).await?;
+        self.counts.fed.store(self.fed(), Ordering::Relaxed);
         let again = self.pool.state().reoffered;
         self.counts.reoffered.store(again, Ordering::Relaxed);
         Ok(())
@@ -172,10 +177,10 @@ impl Feeder {
                         replaced = seen;
                     }
                     tokio::select! {
-                        _ = stop.wait_for(|s| *s) => return Ok(self.next),
+                        _ = stop.wait_for(|s| *s) => return Ok(self.fed()),
                         p = progress.wait_for(|p| p.steps >= released) => match p {
                             Ok(p) => break p.version,
-                            Err(_) => return Ok(self.next),
+                            Err(_) => return Ok(self.fed()),
                         },
                         () = tokio::time::sleep(FEED_POLL) => {}
                     }
@@ -197,7 +202,7 @@ impl Feeder {
                 }
             }
         }
-        Ok(self.next)
+        Ok(self.fed())
     }
 }
 

@@ -220,7 +220,6 @@ pub async fn run(
         bus: bus.clone(),
         topo: topo.clone(),
         slot: slot.clone(),
-        next: 0,
         filtered: Default::default(),
         pool: crate::stages::feed::DifficultyPool::new(&cfg.difficulty, opts.seed),
         counts: Default::default(),

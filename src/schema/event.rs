@@ -40,6 +40,12 @@ pub struct PromptOutcome {
 }
 
 impl PromptOutcome {
+    /// Whether a verifier reward is a pass: full marks (≥ 1). The step record's `accuracy`
+    /// counts the same.
+    pub fn passes(reward: f32) -> bool {
+        reward >= 1.0
+    }
+
     /// The share of the completions that passed.
     pub fn pass_rate(&self) -> f64 {
         f64::from(self.passed) / f64::from(self.samples.max(1))

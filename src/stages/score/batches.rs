@@ -113,7 +113,10 @@ impl ScoreSummary {
 fn outcome(g: &RolloutGroup, rewards: &[f32]) -> schema::PromptOutcome {
     schema::PromptOutcome {
         prompt_id: g.prompt_id.clone(),
-        passed: rewards.iter().filter(|&&r| r >= 1.0).count() as u32,
+        passed: rewards
+            .iter()
+            .filter(|&&r| schema::PromptOutcome::passes(r))
+            .count() as u32,
         samples: rewards.len() as u32,
     }
 }

@@ -26,6 +26,7 @@ pub mod objective;
 mod ranks;
 mod state;
 mod steps;
+mod sums;
 mod trainer;
 
 pub use checkpoint::CheckpointError;

@@ -17,7 +17,8 @@
 //! share alone) and rejected; the update is taken again on the rest and the later updates
 //! skip it. An update that panics changes no weight.
 
-use super::loss::{self, Pass, Prox, Proximal, TokenSums};
+use super::loss::{self, Pass, Prox, Proximal};
+use super::sums::TokenSums;
 use super::{ProxMethod, TrainConfig, TrainOn, TrainerOn};
 use crate::collective::{self, Collective};
 use crate::model::fault;

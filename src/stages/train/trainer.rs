@@ -4,8 +4,9 @@
 use super::TrainerSettings;
 use super::adamw::{FusedAdamW, GradScaleHandle, SquaredNorm};
 use super::checkpoint::{self, CheckpointError, MODEL_RECORD, OPTIM_RECORD};
-use super::loss::{self, Pass, Proximal, Samples, TokenSums};
+use super::loss::{self, Pass, Proximal, Samples};
 use super::state::{REMEMBERED_GROUPS, TrainerState};
+use super::sums::TokenSums;
 use crate::collective::{self, Collective, ReduceDtype};
 use crate::model::hf::load_hf;
 use crate::model::kernels::{HEAD_CHUNK_ROWS, PackOnce};

@@ -62,6 +62,14 @@ pub trait Collective: Send + Sync {
     /// Every rank's `bytes`, in rank order.
     fn all_gather(&mut self, what: &str, bytes: &[u8]) -> Vec<Vec<u8>>;
     fn barrier(&mut self, what: &str);
+    /// Sums `send` over the ranks and returns this rank's block of the sum: `send` holds one
+    /// block per rank, of equal length, block `r` at `r * len .. (r + 1) * len`, carried as
+    /// `dtype` (`MPI_Ireduce_scatter_block`, `ncclReduceScatter`). Half the bytes of an
+    /// all-reduce of `send`.
+    fn reduce_scatter_sum(&mut self, what: &str, send: &[f32], dtype: ReduceDtype) -> Vec<f32>;
+    /// In place: `buf` holds one block per rank, of equal length; this rank's block is its
+    /// input and on return every block is its rank's (`MPI_Iallgather`, `ncclAllGather`).
+    fn all_gather_blocks(&mut self, what: &str, buf: &mut [f32]);
 }
 
 /// One rank alone: every call returns at once.
@@ -95,4 +103,10 @@ impl Collective for Solo {
         vec![bytes.to_vec()]
     }
     fn barrier(&mut self, _: &str) {}
+    fn reduce_scatter_sum(&mut self, _: &str, send: &[f32], dtype: ReduceDtype) -> Vec<f32> {
+        let mut out = send.to_vec();
+        self.all_reduce_sum("", &mut out, dtype);
+        out
+    }
+    fn all_gather_blocks(&mut self, _: &str, _: &mut [f32]) {}
 }

@@ -23,6 +23,7 @@ mod mpi;
 #[cfg(feature = "cuda")]
 mod nccl;
 pub mod rendezvous;
+pub mod shards;
 
 pub use self::contract::{Collective, CollectiveError, ReduceDtype, Solo};
 #[cfg(feature = "mpi")]

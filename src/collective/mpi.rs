@@ -1,7 +1,7 @@
 //! [`Collective`] on MPI (the `mpi` crate over the system's Open MPI or MPICH).
 //!
 //! Every call is MPI's non-blocking collective (`MPI_Iallreduce`, `MPI_Ibcast`,
-//! `MPI_Iallgatherv`, `MPI_Ibarrier`), tested until it completes or its deadline passes.
+//! `MPI_Iallgatherv`, `MPI_Ibarrier`, `MPI_Ireduce_scatter_block`, `MPI_Iallgather`), tested until it completes or its deadline passes.
 //! Waiting yields the core at once and sleeps a millisecond at a time after the first
 //! second, so ranks that share cores (two ranks on a 2-core machine) leave them to the
 //! ranks still computing instead of spinning on them.
@@ -300,5 +300,52 @@ impl Collective for Mpi {
     fn barrier(&mut self, what: &str) {
         let req = self.world.immediate_barrier();
         self.wait(what, req);
+    }
+
+    fn reduce_scatter_sum(&mut self, what: &str, send: &[f32], dtype: ReduceDtype) -> Vec<f32> {
+        let block = send.len() / self.size;
+        match dtype {
+            ReduceDtype::F32 => {
+                let mut recv = vec![0f32; block];
+                mpi::request::scope(|scope| {
+                    let req = self.world.immediate_reduce_scatter_block_into(
+                        scope,
+                        send,
+                        &mut recv[..],
+                        SystemOperation::sum(),
+                    );
+                    self.wait(what, req);
+                });
+                recv
+            }
+            ReduceDtype::Bf16 => {
+                let send: Vec<u16> = send
+                    .iter()
+                    .map(|&x| half::bf16::from_f32(x).to_bits())
+                    .collect();
+                let mut recv = vec![0u16; block];
+                mpi::request::scope(|scope| {
+                    let req = self.world.immediate_reduce_scatter_block_into(
+                        scope,
+                        &send[..],
+                        &mut recv[..],
+                        &self.bf16_sum,
+                    );
+                    self.wait(what, req);
+                });
+                recv.into_iter()
+                    .map(|b| half::bf16::from_bits(b).to_f32())
+                    .collect()
+            }
+        }
+    }
+
+    fn all_gather_blocks(&mut self, what: &str, buf: &mut [f32]) {
+        let block = buf.len() / self.size;
+        let mine = buf[self.rank * block..(self.rank + 1) * block].to_vec();
+        mpi::request::scope(|scope| {
+            let req = self.world.immediate_all_gather_into(scope, &mine[..], buf);
+            self.wait(what, req);
+        });
     }
 }

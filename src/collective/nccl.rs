@@ -170,6 +170,30 @@ impl Nccl {
         self.to_host(what, &d, host);
     }
 
+    /// This rank's block of the sum of `send` (one block per rank).
+    fn scatter_sum<T: DeviceRepr + NcclType + ValidAsZeroBits + Default + Clone>(
+        &mut self,
+        what: &str,
+        send: &[T],
+    ) -> Vec<T> {
+        let block = send.len() / self.world;
+        let mut out = vec![T::default(); block];
+        if block == 0 {
+            return out;
+        }
+        let d = self.to_device(what, send);
+        let mut recv = self
+            .stream
+            .alloc_zeros::<T>(block)
+            .unwrap_or_else(|e| self.lost(what, &format!("{e:?}")));
+        if let Err(e) = self.comm.reduce_scatter(&d, &mut recv, &ReduceOp::Sum) {
+            self.lost(what, &format!("{e:?}"));
+        }
+        self.wait(what);
+        self.to_host(what, &recv, &mut out);
+        out
+    }
+
     fn gather<T: DeviceRepr + NcclType + ValidAsZeroBits + Default + Clone>(
         &mut self,
         what: &str,
@@ -261,5 +285,25 @@ impl Collective for Nccl {
     fn barrier(&mut self, what: &str) {
         let mut one = [1f32];
         self.sum(what, &mut one);
+    }
+
+    fn reduce_scatter_sum(&mut self, what: &str, send: &[f32], dtype: ReduceDtype) -> Vec<f32> {
+        match dtype {
+            ReduceDtype::F32 => self.scatter_sum(what, send),
+            ReduceDtype::Bf16 => {
+                let half: Vec<half::bf16> = send.iter().map(|&x| half::bf16::from_f32(x)).collect();
+                self.scatter_sum(what, &half)
+                    .into_iter()
+                    .map(half::bf16::to_f32)
+                    .collect()
+            }
+        }
+    }
+
+    fn all_gather_blocks(&mut self, what: &str, buf: &mut [f32]) {
+        let block = buf.len() / self.world;
+        let mine = buf[self.rank * block..(self.rank + 1) * block].to_vec();
+        let all = self.gather(what, &mine);
+        buf.copy_from_slice(&all);
     }
 }

@@ -89,3 +89,19 @@ impl CodecError {
         }
     }
 }
+
+/// Refuses a non-finite value in `values` (field `field` of a `kind` message), naming its index.
+pub(super) fn check_finite(
+    kind: &'static str,
+    field: &str,
+    values: &[f32],
+) -> Result<(), CodecError> {
+    match values.iter().position(|v| !v.is_finite()) {
+        None => Ok(()),
+        Some(i) => Err(CodecError::invalid(
+            kind,
+            format!("{field}[{i}]"),
+            format!("{} is not finite", values[i]),
+        )),
+    }
+}

@@ -66,7 +66,7 @@ impl Event {
             version,
             fields: BTreeMap::new(),
             text: None,
-            time_us: super::now_us(),
+            time_us: crate::time::now_us(),
             outcomes: Vec::new(),
         }
     }

@@ -18,6 +18,7 @@ mod rollout;
 mod routing;
 mod scored;
 mod step;
+mod version;
 mod weights;
 
 pub use codec::{DEFAULT_MAX_MESSAGE_BYTES, Message, decode, decode_limited, encode};
@@ -34,66 +35,11 @@ pub use rollout::{
 pub use routing::{Routing, RoutingShape};
 pub use scored::ScoredGroup;
 pub use step::{StepFieldError, StepRecord};
+pub use version::SchemaVersion;
 pub use weights::{AdapterInfo, DELTA_FORMAT, LORA_FORMAT_PREFIX, WeightsAnnounce, WeightsKind};
-
-use serde::{Deserialize, Serialize};
-use std::fmt;
-
-/// `[major, minor]` on the wire. A reader accepts any minor of its major (new fields are
-/// ignored) and refuses a newer major, whose meaning it cannot know.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
-#[serde(from = "(u16, u16)", into = "(u16, u16)")]
-pub struct SchemaVersion {
-    pub major: u16,
-    pub minor: u16,
-}
-
-impl SchemaVersion {
-    /// What this build writes.
-    pub const CURRENT: SchemaVersion = SchemaVersion { major: 1, minor: 0 };
-}
-
-impl From<(u16, u16)> for SchemaVersion {
-    fn from((major, minor): (u16, u16)) -> Self {
-        SchemaVersion { major, minor }
-    }
-}
-
-impl From<SchemaVersion> for (u16, u16) {
-    fn from(v: SchemaVersion) -> Self {
-        (v.major, v.minor)
-    }
-}
-
-impl Default for SchemaVersion {
-    fn default() -> Self {
-        SchemaVersion::CURRENT
-    }
-}
-
-impl fmt::Display for SchemaVersion {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}.{}", self.major, self.minor)
-    }
-}
 
 /// Microseconds since the Unix epoch: the unit of every `*_us` timestamp field.
 pub use crate::time::now_us;
-
-pub(crate) fn check_finite(
-    kind: &'static str,
-    field: &str,
-    values: &[f32],
-) -> Result<(), CodecError> {
-    match values.iter().position(|v| !v.is_finite()) {
-        None => Ok(()),
-        Some(i) => Err(CodecError::invalid(
-            kind,
-            format!("{field}[{i}]"),
-            format!("{} is not finite", values[i]),
-        )),
-    }
-}
 
 #[cfg(test)]
 mod tests;

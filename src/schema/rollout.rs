@@ -13,9 +13,8 @@
 //! `prompt_routing`, and for each sample's tokens in its `routing`. A 2.1 reader ignores
 //! both and trains with live routing, which is what it did before.
 
-use super::{
-    CodecError, Floats, Message, Routing, SamplingMask, SchemaVersion, Tokens, check_finite,
-};
+use super::error::check_finite;
+use super::{CodecError, Floats, Message, Routing, SamplingMask, SchemaVersion, Tokens};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 

@@ -1,6 +1,7 @@
 //! `ScoredGroup`: a rollout group with rewards and advantages, ready for the trainer.
 
-use super::{CodecError, Floats, Message, RolloutGroup, SchemaVersion, check_finite};
+use super::error::check_finite;
+use super::{CodecError, Floats, Message, RolloutGroup, SchemaVersion};
 use serde::{Deserialize, Serialize};
 
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]

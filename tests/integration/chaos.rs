@@ -230,8 +230,8 @@ async fn kill_any_stage_lose_nothing() {
     chaos(1).await;
 }
 
-/// The trainer as two ranks under `mpirun`: killing one rank stops both, and the pair is
-/// restarted.
+/// The trainer as two ranks under `mpirun`, sharding their optimizer state and gradients:
+/// killing one rank stops both, and the pair is restarted from its sharded checkpoint.
 #[cfg(feature = "mpi")]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn kill_any_stage_or_trainer_rank_lose_nothing() {
@@ -331,6 +331,10 @@ async fn chaos(ranks: u64) {
             &ckpt_s,
             "--name",
             "train-0",
+            // Trainer ranks shard their optimizer state and gradients: each restart reads
+            // its range back from every rank's shard of the last checkpoint.
+            "--shard",
+            if ranks > 1 { "gradients" } else { "none" },
         ]),
     );
     let mut p = Pipeline {

@@ -2,7 +2,8 @@
 //! 2 and 3 ranks train to one trainer's weights from the same groups, `--sync` runs with
 //! 2 ranks stay bitwise on-policy and repeat themselves bit for bit, a killed rank stops
 //! every rank and a restart loses nothing and trains nothing twice, and ranks whose
-//! settings differ refuse to start.
+//! settings differ refuse to start. Sharded optimizer state and gradients train to one
+//! trainer's weights and resume at another number of ranks.
 
 use crate::common::{
     mpirun, rank_pid, redis_bus, redis_url, sampled_group, spawn_command, tiny_llama, unique_ns,
@@ -186,9 +187,96 @@ async fn two_and_three_ranks_train_to_one_trainers_weights() {
     assert!(rel < 5e-3, "bf16 all-reduce: {name} differs by {rel:e}");
 }
 
+/// Optimizer state and gradients sharded over the ranks (`--shard`): 2 ranks sharding the
+/// optimizer and 3 sharding the gradients too (the third rank has no group in any step) end
+/// within 1e-6 of one trainer on the same 16 groups; so do a run whose sharded checkpoint of
+/// 2 ranks resumes at 3 (each rank reads its new range from the old files), and one whose
+/// unsharded checkpoint of one trainer resumes sharded over 2. A sharded checkpoint refuses
+/// to resume unsharded, saying how.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharded_ranks_train_to_one_trainers_weights_and_resume_at_another_world_size() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_llama(dir.path(), 5);
+    let bus = redis_bus().await;
+    // (name, ranks, steps to reach, flags): runs of one name share the groups and the
+    // checkpoints, the second resuming where the first stopped.
+    let runs: [(&str, usize, u64, &[&str]); 7] = [
+        ("one", 1, 8, &[]),
+        ("optimizer", 2, 8, &["--shard", "optimizer"]),
+        ("gradients", 3, 8, &["--shard", "gradients"]),
+        ("resharded", 2, 4, &["--shard", "gradients"]),
+        ("resharded", 3, 8, &["--shard", "gradients"]),
+        ("unsharded-first", 1, 4, &[]),
+        ("unsharded-first", 2, 8, &["--shard", "optimizer"]),
+    ];
+    let mut spaces: std::collections::BTreeMap<&str, String> = Default::default();
+    for (name, ranks, steps, extra) in runs {
+        if !spaces.contains_key(name) {
+            let ns = unique_ns(&format!("shard-{name}"));
+            publish_groups(&bus, &ns, &model, 16).await;
+            spaces.insert(name, ns);
+        }
+        let ckpt = dir.path().join(format!("ckpt-{name}"));
+        let out = run_mpi(
+            ranks,
+            &train_args(dir.path(), &spaces[name], &ckpt, steps, extra),
+        );
+        let stdout = ok(&out, &format!("{name}: {ranks} ranks to step {steps}"));
+        assert!(stdout.contains(&format!("to version {steps}")), "{stdout}");
+    }
+    let files = |name: &str| -> Vec<String> {
+        let latest =
+            rlstream::stages::train::checkpoint::latest(&dir.path().join(format!("ckpt-{name}")))
+                .expect("a checkpoint");
+        let mut f: Vec<String> = std::fs::read_dir(latest)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("optimizer-shard-") || n.starts_with("trainer_optim"))
+            .collect();
+        f.sort();
+        f
+    };
+    assert_eq!(files("one"), ["trainer_optim.mpk"]);
+    assert_eq!(
+        files("gradients"),
+        [
+            "optimizer-shard-0000-of-0003.bin",
+            "optimizer-shard-0001-of-0003.bin",
+            "optimizer-shard-0002-of-0003.bin"
+        ]
+    );
+    let one = weights(&dir.path().join("ckpt-one"));
+    let start = read_safetensors_file(&dir.path().join("model/model.safetensors")).unwrap();
+    assert!(
+        worst_relative(&one, &start).1 > 1e-3,
+        "training moved the weights"
+    );
+    for name in ["optimizer", "gradients", "resharded", "unsharded-first"] {
+        let (worst, rel) = worst_relative(&one, &weights(&dir.path().join(format!("ckpt-{name}"))));
+        eprintln!("{name} against one trainer: worst {worst}, {rel:e} of its largest weight");
+        assert!(
+            rel <= 1e-6,
+            "{name}: {worst} differs by {rel:e} of its largest weight"
+        );
+    }
+    let ckpt = dir.path().join("ckpt-gradients");
+    let args = train_args(dir.path(), &spaces["gradients"], &ckpt, 10, &[]);
+    let out = run_mpi(1, &args);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "an unsharded resume of shards must be refused"
+    );
+    assert!(
+        stderr.contains("sharded optimizer state (3 shard files): resume with --shard optimizer or --shard gradients"),
+        "{stderr}"
+    );
+}
+
 /// `mpirun -n 2 rlstream run --sync` on a mixture-of-experts policy with micro-batches and
-/// top-k: every ratio exactly 1 and every routing decision replayed, and a second run with
-/// the seed writes the same checkpoint bytes.
+/// top-k, the ranks sharding optimizer state and gradients: every ratio exactly 1 and every
+/// routing decision replayed, and a second run with the seed writes the same checkpoint
+/// bytes, each rank's optimizer shard included.
 #[test]
 fn two_rank_sync_runs_are_bitwise_on_policy_and_repeat_bit_for_bit() {
     let dir = tempfile::tempdir().unwrap();
@@ -217,6 +305,8 @@ fn two_rank_sync_runs_are_bitwise_on_policy_and_repeat_bit_for_bit() {
             "--plain",
             "--collective-timeout-s",
             "60",
+            "--shard",
+            "gradients",
             "--out",
             out.to_str().unwrap(),
         ]);
@@ -243,7 +333,8 @@ fn two_rank_sync_runs_are_bitwise_on_policy_and_repeat_bit_for_bit() {
     for f in [
         "model.safetensors",
         "trainer_model.mpk",
-        "trainer_optim.mpk",
+        "optimizer-shard-0000-of-0002.bin",
+        "optimizer-shard-0001-of-0002.bin",
     ] {
         let step = "checkpoints/step-00000003";
         let (x, y) = (

@@ -83,7 +83,7 @@ impl GradScaleHandle {
 }
 
 /// A tensor's values as f32, reusing its buffer where possible.
-fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
+pub(super) fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
     let data = t.into_data();
     match data.dtype {
         burn::tensor::DType::F32 => data.into_vec::<f32>(),
@@ -97,15 +97,19 @@ fn values<B: Backend, const D: usize>(t: Tensor<B, D>) -> Vec<f32> {
 fn host_sum_squares<B: Backend, const D: usize>(g: Tensor<B, D>) -> (f64, Tensor<B, D>) {
     let (shape, device) = (g.shape(), g.device());
     let v = values(g);
-    // Each chunk's sum in parallel, then the chunks in order: a parallel reduction would
-    // add them in an order that depends on scheduling, and the clipping factor (and so the
-    // weights) would change in the last bits from run to run.
+    let sum = sum_squares(&v);
+    (sum, Tensor::from_data(TensorData::new(v, shape), &device))
+}
+
+/// The sum of squares of `v` in f64: each chunk's sum in parallel, then the chunks in
+/// order. A parallel reduction would add them in an order that depends on scheduling, and
+/// the clipping factor (and so the weights) would change in the last bits from run to run.
+pub(super) fn sum_squares(v: &[f32]) -> f64 {
     let chunks: Vec<f64> = v
         .par_chunks(CHUNK)
         .map(|c| c.iter().map(|&x| f64::from(x) * f64::from(x)).sum::<f64>())
         .collect();
-    let sum = chunks.iter().sum();
-    (sum, Tensor::from_data(TensorData::new(v, shape), &device))
+    chunks.iter().sum()
 }
 
 /// The squared global L2 norm of a step's gradients, added one gradient at a time: on the
@@ -159,14 +163,53 @@ struct Factors {
 }
 
 impl FusedAdamW {
-    fn factors(&self, time: usize, lr: LearningRate) -> Factors {
+    fn factors(&self, time: usize, lr: LearningRate, scale: f32) -> Factors {
         Factors {
             c1: 1f32 - self.beta_1.powi(time as i32),
             c2: 1f32 - self.beta_2.powi(time as i32),
             lr: lr as f32,
             keep: (1.0 - lr * f64::from(self.weight_decay)) as f32,
-            scale: self.grad_scale(),
+            scale,
         }
+    }
+
+    /// The update of host values `p` from the gradient `g` (times `scale`) and the moments
+    /// `m` and `v`, at update `time` (from 1) of these values, in place and split over the
+    /// cores: what [`FusedAdamW::host_step`] does to a tensor, here to any run of values
+    /// (sharded state updates its range with it, so its bits are one trainer's).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn pass(
+        &self,
+        time: usize,
+        lr: LearningRate,
+        scale: f32,
+        p: &mut [f32],
+        g: &[f32],
+        m: &mut [f32],
+        v: &mut [f32],
+    ) {
+        let (b1, b2, eps) = (self.beta_1, self.beta_2, self.epsilon);
+        let (f1, f2) = (1.0 - b1, 1.0 - b2);
+        let Factors {
+            c1,
+            c2,
+            lr: lr32,
+            keep,
+            scale,
+        } = self.factors(time, lr, scale);
+        p.par_chunks_mut(CHUNK)
+            .zip(g.par_chunks(CHUNK))
+            .zip(m.par_chunks_mut(CHUNK))
+            .zip(v.par_chunks_mut(CHUNK))
+            .for_each(|(((p, g), m), v)| {
+                for i in 0..p.len() {
+                    let g = g[i] * scale;
+                    m[i] = m[i] * b1 + g * f1;
+                    v[i] = v[i] * b2 + (g * g) * f2;
+                    let delta = (m[i] / c1) / ((v[i] / c2).sqrt() + eps);
+                    p[i] = p[i] * keep - delta * lr32;
+                }
+            });
     }
 
     /// The update as one pass over host buffers, split over the cores.
@@ -188,28 +231,7 @@ impl FusedAdamW {
             None => (1, vec![0f32; n], vec![0f32; n]),
         };
         let (mut p, g, mut m, mut v) = (values(tensor), values(grad), m, v);
-        let (b1, b2, eps) = (self.beta_1, self.beta_2, self.epsilon);
-        let (f1, f2) = (1.0 - b1, 1.0 - b2);
-        let Factors {
-            c1,
-            c2,
-            lr: lr32,
-            keep,
-            scale,
-        } = self.factors(time, lr);
-        p.par_chunks_mut(CHUNK)
-            .zip(g.par_chunks(CHUNK))
-            .zip(m.par_chunks_mut(CHUNK))
-            .zip(v.par_chunks_mut(CHUNK))
-            .for_each(|(((p, g), m), v)| {
-                for i in 0..p.len() {
-                    let g = g[i] * scale;
-                    m[i] = m[i] * b1 + g * f1;
-                    v[i] = v[i] * b2 + (g * g) * f2;
-                    let delta = (m[i] / c1) / ((v[i] / c2).sqrt() + eps);
-                    p[i] = p[i] * keep - delta * lr32;
-                }
-            });
+        self.pass(time, lr, self.grad_scale(), &mut p, &g, &mut m, &mut v);
         let tensor =
             |x: Vec<f32>| Tensor::<B, D>::from_data(TensorData::new(x, shape.clone()), &device);
         let state = AdamWState {
@@ -237,7 +259,7 @@ impl FusedAdamW {
             None => (1, tensor.zeros_like(), tensor.zeros_like()),
         };
         let (b1, b2, eps) = (self.beta_1, self.beta_2, self.epsilon);
-        let f = self.factors(time, lr);
+        let f = self.factors(time, lr, self.grad_scale());
         let g = grad.mul_scalar(f.scale);
         let m = m.mul_scalar(b1) + g.clone().mul_scalar(1.0 - b1);
         let v = v.mul_scalar(b2) + (g.clone() * g).mul_scalar(1.0 - b2);

@@ -75,6 +75,19 @@ pub enum ProxMethod {
 }
 crate::enum_setting!(ProxMethod);
 
+/// What trainer ranks shard among themselves (ZeRO's stages 1 and 2).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum Sharding {
+    /// Every rank holds the whole model, its summed gradients and both AdamW moments.
+    None,
+    /// Each rank keeps the AdamW moments of its range of the parameters only, updates that range after the gradients' all-reduce, and all-gathers the updated parameters.
+    Optimizer,
+    /// As `optimizer`, with the gradients reduce-scattered instead of all-reduced: each rank receives only its range of the summed gradients (half the bytes on the wire).
+    Gradients,
+}
+crate::enum_setting!(Sharding);
+
 /// Which experts a mixture-of-experts policy's tokens run through in the trainer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -191,6 +204,8 @@ crate::settings! {
         pub allreduce_dtype: crate::collective::ReduceDtype = crate::collective::ReduceDtype::F32,
         /// Trainer ranks: gradients are summed in buckets of this many MiB, one collective call each.
         pub allreduce_bucket_mb: usize = 64,
+        /// Trainer ranks: what each rank keeps of the optimizer's state and of the gradients. `none` (every rank all of it), `optimizer` (each rank the AdamW moments of its 1/N of the parameters; checkpoints hold one optimizer file per rank and resume at any number of ranks) or `gradients` (also the gradients reduce-scattered, each rank receiving its 1/N).
+        pub shard: Sharding = Sharding::None,
         /// Consumer name, unique per trainer process.
         pub name: String = "train-0".into(),
     }

@@ -24,6 +24,7 @@ pub mod intake;
 mod loss;
 pub mod objective;
 mod ranks;
+mod sharded;
 mod state;
 mod steps;
 mod sums;
@@ -490,12 +491,17 @@ impl<'a> Loop<'a> {
 
     /// Makes what was trained durable, then acks it.
     async fn checkpoint_and_ack(&mut self) -> Result<(), StageError> {
-        tokio::task::block_in_place(|| self.trainer.checkpoint())?;
         if self.ranks.world() > 1 {
+            // `latest` names the checkpoint once every rank has written its optimizer
+            // shard (when sharded) and the ranks' weights agree.
+            let dir = tokio::task::block_in_place(|| self.trainer.write_checkpoint())?;
             let step = self.trainer.state.step;
             self.command(&ranks::RankCommand::Verify { step })?;
             let (trainer, c) = (&self.trainer, &mut *self.ranks);
-            tokio::task::block_in_place(|| ranks::verify(trainer, c))?;
+            tokio::task::block_in_place(|| ranks::verify(trainer, c, None))?;
+            checkpoint::mark_latest(&self.cfg.train.checkpoint_dir, &dir)?;
+        } else {
+            tokio::task::block_in_place(|| self.trainer.checkpoint())?;
         }
         self.consumer.ack(&self.unacked).await?;
         self.unacked.clear();

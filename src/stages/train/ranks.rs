@@ -15,7 +15,9 @@
 //!   and every rank applies the same clipped update. N ranks make one trainer's updates
 //!   from the same groups.
 //! - **Idle**: sent while rank 0 waits for groups, so that the others' wait has a deadline.
-//! - **Verify**: after a checkpoint, every rank's weights checksum is compared.
+//! - **Verify**: after rank 0 wrote a checkpoint, every rank writes its optimizer shard
+//!   into it (`train.shard`) and every rank's weights checksum is compared; rank 0 marks
+//!   it the latest only then.
 //! - **Stop**: the stage stopped (with its error, if any); every rank exits with it.
 //!
 //! A group whose pass panics on its rank is found as one trainer finds it (each group of
@@ -23,6 +25,7 @@
 //! At start every rank compares the settings rank 0 broadcasts, its build, its checkpoint
 //! and its model with rank 0's and refuses to start on a difference, naming it.
 
+use super::checkpoint::{self, CheckpointError};
 use super::steps::garbled;
 use super::{Trainer, TrainerSettings};
 use crate::collective::Collective;
@@ -30,6 +33,9 @@ use crate::schema::{self, ScoredGroup};
 use crate::stages::StageError;
 use serde::{Deserialize, Serialize};
 use std::time::Duration;
+
+/// Marks a rank's answer to the weights check that says its shard was not written.
+const UNWRITTEN: &str = "unwritten: ";
 
 /// What rank 0 tells the other ranks to do next.
 #[derive(Debug, Serialize, Deserialize)]
@@ -79,14 +85,16 @@ fn build() -> String {
 /// Rank 0's trainer: the settings broadcast, the trainer started, every rank agreeing.
 pub(super) fn lead(cfg: &TrainerSettings, c: &mut dyn Collective) -> Result<Trainer, StageError> {
     if c.world() == 1 {
-        return Ok(Trainer::start(cfg)?);
+        let mut trainer = Trainer::start(cfg)?;
+        trainer.shard_over(0, 1)?;
+        return Ok(trainer);
     }
     c.set_timeout(start_timeout(cfg));
     let mut settings = toml::to_string(cfg)
         .map_err(|e| StageError::Other(format!("cannot write the settings: {e}")))?
         .into_bytes();
     c.broadcast("the trainer settings from rank 0", 0, &mut settings);
-    let trainer = Trainer::start(cfg);
+    let trainer = start(cfg, c);
     let hello = hello(
         Some(trainer.as_ref().map_err(ToString::to_string)),
         Vec::new(),
@@ -99,6 +107,13 @@ pub(super) fn lead(cfg: &TrainerSettings, c: &mut dyn Collective) -> Result<Trai
         ranks = c.world(),
         "trainer ranks agree; rank 0 reads, publishes and checkpoints"
     );
+    Ok(trainer)
+}
+
+/// This rank's trainer, its optimizer sharded over the ranks when `train.shard` says so.
+fn start(cfg: &TrainerSettings, c: &dyn Collective) -> Result<Trainer, CheckpointError> {
+    let mut trainer = Trainer::start(cfg)?;
+    trainer.shard_over(c.rank(), c.world())?;
     Ok(trainer)
 }
 
@@ -245,12 +260,39 @@ fn receive(c: &mut dyn Collective) -> Result<RankCommand, StageError> {
     rmp_serde::from_slice(&bytes).map_err(|e| garbled(0, "command", e))
 }
 
-/// After a checkpoint: every rank's weights against rank 0's.
-pub(super) fn verify(trainer: &Trainer, c: &mut dyn Collective) -> Result<(), StageError> {
-    let sum = trainer
-        .weights_checksum()
-        .unwrap_or_else(|e| format!("unreadable: {e}"));
+/// After a checkpoint: every rank wrote its optimizer shard (`unwritten` says why this
+/// one did not), and every rank's weights are rank 0's.
+pub(super) fn verify(
+    trainer: &Trainer,
+    c: &mut dyn Collective,
+    unwritten: Option<CheckpointError>,
+) -> Result<(), StageError> {
+    let sum = match unwritten {
+        Some(e) => format!("{UNWRITTEN}{e}"),
+        None => trainer
+            .weights_checksum()
+            .unwrap_or_else(|e| format!("unreadable: {e}")),
+    };
     let all = c.all_gather("the weights check after a checkpoint", sum.as_bytes());
+    let failed: Vec<String> = all
+        .iter()
+        .enumerate()
+        .filter_map(|(r, s)| {
+            let s = String::from_utf8_lossy(s);
+            let why = s.strip_prefix(UNWRITTEN)?;
+            Some(format!(
+                "rank {r} could not write its optimizer shard ({why})"
+            ))
+        })
+        .collect();
+    if !failed.is_empty() {
+        return Err(StageError::Ranks(format!(
+            "the checkpoint of step {} is incomplete and was not marked as the latest: {}; \
+             restart every rank (they resume from the last complete checkpoint)",
+            trainer.state.step,
+            failed.join("; ")
+        )));
+    }
     let differ: Vec<String> = all
         .iter()
         .enumerate()
@@ -283,7 +325,7 @@ pub fn follow(mut c: Box<dyn Collective>, own: Option<&TrainerSettings>) -> Resu
     let differences = own.map(|o| differences(o, &cfg)).unwrap_or_default();
     let trainer = differences
         .is_empty()
-        .then(|| Trainer::start(&cfg).map_err(|e| e.to_string()));
+        .then(|| start(&cfg, c.as_ref()).map_err(|e| e.to_string()));
     let mine = hello(
         trainer.as_ref().map(|t| t.as_ref().map_err(Clone::clone)),
         differences,
@@ -316,7 +358,9 @@ pub fn follow(mut c: Box<dyn Collective>, own: Option<&TrainerSettings>) -> Resu
             RankCommand::Idle => {}
             RankCommand::Verify { step } => {
                 trainer.state.step = step;
-                verify(&trainer, c.as_mut())?;
+                let dir = checkpoint::dir_for(&cfg.train.checkpoint_dir, step);
+                let written = trainer.write_shard(&dir);
+                verify(&trainer, c.as_mut(), written.err())?;
             }
             RankCommand::Stop { error: None } => {
                 tracing::info!(rank, step = trainer.state.step, "rank 0 stopped; stopping");

@@ -233,12 +233,9 @@ fn update<B: TrainOn>(
         };
         let (total, mut bad, panics) = gather(c, what, &status)?;
         if panics.is_empty() {
-            let mut grads = grads.unwrap_or_default();
-            let bucket = trainer.settings().train.allreduce_bucket_mb * (1 << 20) / 4;
-            let dtype = trainer.settings().train.allreduce_dtype;
+            let grads = grads.unwrap_or_default();
             let name = format!("{what}'s gradients");
-            trainer.all_reduce(&mut grads, c, &name, dtype, bucket)?;
-            let (norm, ok) = trainer.update(grads, total.loss());
+            let (norm, ok) = trainer.apply(grads, c, &name, total.loss())?;
             return Ok(Update {
                 sums: Some((total, norm, ok)),
                 rejected,

@@ -4,7 +4,9 @@
 use super::TrainerSettings;
 use super::adamw::{FusedAdamW, GradScaleHandle, SquaredNorm};
 use super::checkpoint::{self, CheckpointError, MODEL_RECORD, OPTIM_RECORD};
+use super::config::Sharding;
 use super::loss::{self, Pass, Proximal, Samples};
+use super::sharded::{self, ShardedAdamW, ShardedStep};
 use super::state::{REMEMBERED_GROUPS, TrainerState};
 use super::sums::TokenSums;
 use crate::collective::{self, Collective, ReduceDtype};
@@ -188,6 +190,10 @@ pub struct TrainerOn<B: TrainOn> {
     cfg: TrainerSettings,
     /// LoRA: the adapter's shape and the checksum of the frozen base.
     lora: Option<Adapter>,
+    /// This rank's share of the optimizer (`train.shard`), once it knows its ranks.
+    sharded: Option<ShardedAdamW>,
+    /// The checkpoint this trainer resumed from.
+    resumed: Option<PathBuf>,
 }
 
 /// What a LoRA trainer knows of its adapter.
@@ -215,10 +221,9 @@ impl<B: TrainOn> TrainerOn<B> {
     /// From the newest checkpoint in `checkpoint_dir` if there is one, else from `model`
     /// (with a fresh adapter, or the one in `lora_from`, when training LoRA).
     pub fn start(cfg: &TrainerSettings) -> Result<Self, CheckpointError> {
-        let (model, mut state, (optim, grad_scale)) = match checkpoint::latest(
-            &cfg.train.checkpoint_dir,
-        ) {
-            Some(dir) => Self::resume(cfg, &dir)?,
+        let resumed = checkpoint::latest(&cfg.train.checkpoint_dir);
+        let (model, mut state, (optim, grad_scale)) = match &resumed {
+            Some(dir) => Self::resume(cfg, dir)?,
             None => {
                 let dir =
                     cfg.policy.model.as_ref().ok_or_else(|| {
@@ -285,6 +290,8 @@ impl<B: TrainOn> TrainerOn<B> {
             state,
             cfg: cfg.clone(),
             lora,
+            sharded: None,
+            resumed,
         })
     }
 
@@ -309,13 +316,10 @@ impl<B: TrainOn> TrainerOn<B> {
                 .ok_or_else(|| CheckpointError::LoraBase(dir.to_path_buf()))?;
             let (spec, tensors) = lora::read_adapter(dir)?;
             let model = load_hf::<B>(base, &device)?.with_adapter(&spec, &tensors)?;
-            let optim_record = recorder
-                .load(dir.join(OPTIM_RECORD), &device)
-                .map_err(|e| CheckpointError::format(dir, "optimizer record", e))?;
+            let optim = Self::optimizer_from(cfg, dir)?;
             let state = checkpoint::read_state(dir)?;
             tracing::info!(checkpoint = %dir.display(), version = state.version, "resuming a LoRA adapter");
-            let (optim, grad_scale) = Self::optimizer(cfg);
-            return Ok((model, state, (optim.load_record(optim_record), grad_scale)));
+            return Ok((model, state, optim));
         }
         if cfg.train.lora() {
             return Err(CheckpointError::NotLora(dir.to_path_buf()));
@@ -324,14 +328,117 @@ impl<B: TrainOn> TrainerOn<B> {
         let record = recorder
             .load(dir.join(MODEL_RECORD), &device)
             .map_err(|e| CheckpointError::format(dir, "model record", e))?;
-        let optim_record = recorder
-            .load(dir.join(OPTIM_RECORD), &device)
-            .map_err(|e| CheckpointError::format(dir, "optimizer record", e))?;
+        let optim = Self::optimizer_from(cfg, dir)?;
         let state = checkpoint::read_state(dir)?;
         tracing::info!(checkpoint = %dir.display(), version = state.version, "resuming");
+        Ok((model.load_record(record), state, optim))
+    }
+
+    /// The optimizer as checkpoint `dir` saved it: burn's record of it, or, for a checkpoint
+    /// written by sharded ranks, a fresh one (each rank reads its shard in
+    /// [`TrainerOn::shard_over`]).
+    fn optimizer_from(
+        cfg: &TrainerSettings,
+        dir: &std::path::Path,
+    ) -> Result<OptimParts<B>, CheckpointError> {
         let (optim, grad_scale) = Self::optimizer(cfg);
-        let optim = optim.load_record(optim_record);
-        Ok((model.load_record(record), state, (optim, grad_scale)))
+        let shards = sharded::written_shards(dir)?;
+        if shards > 0 {
+            if cfg.train.shard == Sharding::None {
+                return Err(CheckpointError::format(
+                    dir,
+                    "optimizer",
+                    format!(
+                        "written by trainer ranks with sharded optimizer state ({shards} shard \
+                         files): resume with --shard optimizer or --shard gradients, at any \
+                         number of ranks"
+                    ),
+                ));
+            }
+            return Ok((optim, grad_scale));
+        }
+        let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
+        let record = recorder
+            .load(dir.join(OPTIM_RECORD), &Default::default())
+            .map_err(|e| CheckpointError::format(dir, "optimizer record", e))?;
+        Ok((optim.load_record(record), grad_scale))
+    }
+
+    /// Shards the optimizer over `world` ranks as rank `rank`, when `train.shard` asks for
+    /// it: from the shard files of the checkpoint this trainer resumed, from its whole
+    /// optimizer record (which is then dropped), or fresh. Every rank calls it before its
+    /// first step.
+    pub fn shard_over(&mut self, rank: usize, world: usize) -> Result<(), CheckpointError> {
+        if self.cfg.train.shard == Sharding::None
+            || self.sharded.as_ref().is_some_and(|s| s.world() == world)
+        {
+            return Ok(());
+        }
+        let decay = self.cfg.train.weight_decay as f32;
+        let lens = sharded::trainable_lens(self.model());
+        let from_files = match &self.resumed {
+            Some(dir) => ShardedAdamW::load(dir, decay, lens.clone(), rank, world)?,
+            None => None,
+        };
+        let state = match from_files {
+            Some(s) => s,
+            None => {
+                let (fresh, grad_scale) = Self::optimizer(&self.cfg);
+                let whole = std::mem::replace(&mut self.optim, fresh);
+                self.grad_scale = grad_scale;
+                let records = whole.to_record();
+                if records.is_empty() {
+                    ShardedAdamW::fresh(decay, lens, rank, world)
+                } else {
+                    ShardedAdamW::from_records(self.model(), records, decay, rank, world)
+                }
+            }
+        };
+        tracing::info!(
+            rank,
+            ranks = world,
+            shard = ?self.cfg.train.shard,
+            moments_held = state.held(),
+            "optimizer state sharded"
+        );
+        self.sharded = Some(state);
+        Ok(())
+    }
+
+    /// One optimizer update from this rank's gradient `grads` of an update whose loss is
+    /// `loss`, over the ranks of `c`: the gradients summed (all-reduced, or reduce-scattered
+    /// when sharded), clipped by their global norm, the update applied. Its gradient norm,
+    /// and whether it was applied.
+    pub fn apply(
+        &mut self,
+        mut grads: GradientsParams,
+        c: &mut dyn Collective,
+        what: &str,
+        loss: f64,
+    ) -> Result<(f64, bool), ModelError> {
+        let t = self.cfg.train.clone();
+        let bucket = t.allreduce_bucket_mb * (1 << 20) / 4;
+        if t.shard == Sharding::None {
+            self.all_reduce(&mut grads, c, what, t.allreduce_dtype, bucket)?;
+            return Ok(self.update(grads, loss));
+        }
+        self.shard_over(c.rank(), c.world())
+            .map_err(|e| ModelError::Unsupported(e.to_string()))?;
+        let step = ShardedStep {
+            what,
+            mode: t.shard,
+            dtype: t.allreduce_dtype,
+            bucket_values: bucket,
+            lr: t.lr,
+            max_grad_norm: f64::from(t.max_grad_norm),
+            loss,
+        };
+        match self.sharded.as_mut() {
+            Some(s) => s.update(&mut self.model, grads, c, &step),
+            None => Err(ModelError::Unsupported(
+                "the optimizer is not sharded".into(),
+            )),
+        }
     }
 
     /// One optimizer update from the gradient `grads` (clipped by its global norm) of an
@@ -541,7 +648,15 @@ impl<B: TrainOn> TrainerOn<B> {
 
     /// Writes a complete checkpoint, then points `latest` at it. A LoRA trainer writes the
     /// adapter in PEFT's format (f32, so a resume is exact) instead of the model.
-    pub fn checkpoint(&self) -> Result<PathBuf, CheckpointError> {
+    pub fn checkpoint(&mut self) -> Result<PathBuf, CheckpointError> {
+        let dir = self.write_checkpoint()?;
+        checkpoint::mark_latest(&self.cfg.train.checkpoint_dir, &dir)?;
+        Ok(dir)
+    }
+
+    /// [`TrainerOn::checkpoint`] without pointing `latest` at it: trainer ranks mark it
+    /// once every rank has written its optimizer shard.
+    pub fn write_checkpoint(&mut self) -> Result<PathBuf, CheckpointError> {
         let root = &self.cfg.train.checkpoint_dir;
         let dir = checkpoint::dir_for(root, self.state.step);
         let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
@@ -566,15 +681,33 @@ impl<B: TrainOn> TrainerOn<B> {
                 checkpoint::copy_tokenizer(from, &dir)?;
             }
         }
-        recorder
-            .record(
-                SortedRecord::new(self.optim.to_record()),
-                dir.join(OPTIM_RECORD),
-            )
-            .map_err(|e| CheckpointError::format(&dir, "optimizer record", e))?;
+        if self.cfg.train.shard == Sharding::None {
+            recorder
+                .record(
+                    SortedRecord::new(self.optim.to_record()),
+                    dir.join(OPTIM_RECORD),
+                )
+                .map_err(|e| CheckpointError::format(&dir, "optimizer record", e))?;
+        } else {
+            self.write_shard(&dir)?;
+        }
         checkpoint::write_state(&dir, &self.state, &self.cfg)?;
-        checkpoint::mark_latest(root, &dir)?;
         Ok(dir)
+    }
+
+    /// Writes this rank's optimizer shard into checkpoint `dir`, when sharded.
+    pub fn write_shard(&mut self, dir: &std::path::Path) -> Result<(), CheckpointError> {
+        if self.cfg.train.shard == Sharding::None {
+            return Ok(());
+        }
+        if self.sharded.is_none() {
+            self.shard_over(0, 1)?;
+        }
+        std::fs::create_dir_all(dir).map_err(|e| CheckpointError::format(dir, "create", e))?;
+        match &self.sharded {
+            Some(s) => s.write(dir),
+            None => Ok(()),
+        }
     }
 
     /// The settings this trainer runs with.

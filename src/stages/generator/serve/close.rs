@@ -1,10 +1,9 @@
 //! Closing agent episodes (`POST /v1/rlstream/episodes/{id}/close`), and publishing the
 //! groups that completes to the rollouts stream, or dead-lettering those that cannot train.
 
-use super::Server;
-use super::Timer;
 use super::api::{ApiError, Body};
 use super::episodes::Closed;
+use super::server::{Server, Timer};
 use crate::roles::Stream;
 use crate::schema::DeadLetter;
 use axum::body::Bytes;

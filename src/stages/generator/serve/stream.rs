@@ -3,7 +3,7 @@
 
 use super::api::{self, ApiError, ChoiceTokens, Endpoint, Head};
 use super::recorded::finish_reason;
-use super::{Gathered, Prepared, Server, Timer, stopped};
+use super::server::{Gathered, Prepared, Server, Timer, stopped};
 use crate::stages::generator::decode::calls::CallEvent;
 use axum::response::sse::Event;
 use serde_json::{Value, json};

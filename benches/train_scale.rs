@@ -44,10 +44,11 @@
 //!
 //! With `--features mpi`, under `mpirun -n N`: `step-ranks` is `step` over N trainer
 //! ranks (each group of the fixed batch split into PARTS groups, so that every rank has
-//! some; run it with `-n 1` for the one-rank time on the same batch), printing rank 0's
-//! median step time and the ranks' peak memory; `allreduce` times the bucketed all-reduce
-//! (BUCKET_MB MiB buckets) of VALUES f32 values in f32 and in bf16, against a memcpy of the
-//! same bytes.
+//! some; run it with `-n 1` for the one-rank time on the same batch; SHARD is `train.shard`,
+//! `none` by default), printing rank 0's median step time and the ranks' peak memory;
+//! `allreduce` times the bucketed all-reduce (BUCKET_MB MiB buckets) of VALUES f32 values in
+//! f32 and in bf16, and the sharded path's reduce-scatter plus all-gather of the same values,
+//! against a memcpy of the same bytes.
 //!
 //! SIZE is `small` (the 0.8M-parameter config of `benches/model.rs`, batch 32 × (16 prompt +
 //! 48 completion) tokens) or `0.5b` (Qwen2.5-0.5B's shape: 494M parameters, batch 8 × (32 +
@@ -672,7 +673,7 @@ const USAGE: &str = "write SIZE DIR | step DIR MICRO STEPS | load DIR | \
              generate[-flex] DIR PROMPT NEW ROWS | bf16 DIR OUT | weights DIR LRS STEPS STORE ROWS | \
              step-lora DIR MICRO STEPS RANK | generate-lora DIR PROMPT NEW ROWS RANK | \
              teacher SIZE DIR GROUPS | invariance ROWS | decode-products ROWS | \
-             (feature mpi, under mpirun) step-ranks DIR MICRO STEPS PARTS | \
+             (feature mpi, under mpirun) step-ranks DIR MICRO STEPS PARTS [SHARD] | \
              allreduce VALUES BUCKET_MB | transfers DIR | nccl VALUES | peak | \
              write-vocab SIZE VOCAB DIR | long DIR LEN SAMPLES";
 
@@ -778,7 +779,10 @@ fn main() {
 #[cfg(feature = "mpi")]
 mod ranks {
     use super::{ScoredGroup, Trainer, batch, lora_settings, peak_rss_mb, size_of};
+    use clap::ValueEnum;
+    use rlstream::collective::shards::{self, JoinedPieces, Shards};
     use rlstream::collective::{self, Collective, Mpi, ReduceDtype, Solo};
+    use rlstream::stages::train::Sharding;
     use std::path::Path;
     use std::time::Instant;
 
@@ -793,11 +797,18 @@ mod ranks {
     /// The modes that run under `mpirun`: `true` when `args` is one of them (and it ran).
     pub fn dispatch(args: &[&str]) -> bool {
         match args {
-            ["step-ranks", dir, micro, steps, parts] => step(
+            ["step-ranks", dir, micro, steps, parts, rest @ ..] => step(
                 Path::new(dir),
                 micro.parse().expect("MICRO: a token count"),
                 steps.parse().expect("STEPS: a count"),
                 parts.parse().expect("PARTS: a count"),
+                match rest {
+                    [] => Sharding::None,
+                    [mode] => {
+                        Sharding::from_str(mode, true).expect("SHARD: none|optimizer|gradients")
+                    }
+                    _ => panic!("step-ranks DIR MICRO STEPS PARTS [SHARD]"),
+                },
             ),
             ["allreduce", values, bucket_mb] => allreduce(
                 values.parse().expect("VALUES: a count"),
@@ -827,12 +838,16 @@ mod ranks {
         out
     }
 
-    pub fn step(dir: &Path, micro: usize, steps: usize, parts: usize) {
+    pub fn step(dir: &Path, micro: usize, steps: usize, parts: usize, shard: Sharding) {
         let mut c = world();
         let (size, vocab) = size_of(dir);
         let ckpt = tempfile::tempdir().expect("tmp");
-        let settings = lora_settings(dir, ckpt.path(), 1e-5, micro, 0);
+        let mut settings = lora_settings(dir, ckpt.path(), 1e-5, micro, 0);
+        settings.train.shard = shard;
         let mut trainer = Trainer::start(&settings).expect("trainer");
+        trainer
+            .shard_over(c.rank(), c.world())
+            .expect("sharded state");
         let groups = split(batch(size, vocab), parts);
         let refs: Vec<&ScoredGroup> = groups.iter().collect();
         let mut times = Vec::new();
@@ -855,8 +870,9 @@ mod ranks {
                 .map(|p| String::from_utf8_lossy(p).into())
                 .collect();
             println!(
-                "{{\"size\": \"{size}\", \"ranks\": {}, \"threads\": \"{}\", \"groups\": {}, \
-                 \"steps\": {steps}, \"step_s\": {:.4}, \"peak_rss_mb\": [{}]}}",
+                "{{\"size\": \"{size}\", \"ranks\": {}, \"shard\": \"{shard:?}\", \
+                 \"threads\": \"{}\", \"groups\": {}, \"steps\": {steps}, \"step_s\": {:.4}, \
+                 \"peak_rss_mb\": [{}]}}",
                 c.world(),
                 std::env::var("RAYON_NUM_THREADS").unwrap_or_else(|_| "all".into()),
                 groups.len(),
@@ -901,6 +917,31 @@ mod ranks {
                 (values * 4) as f64 / best / 1e9
             );
         }
+        // The sharded path's pair: each rank's range of the sum, then every range to every
+        // rank.
+        let range = Shards::new(values, c.world()).range(c.rank());
+        let mut best = f64::MAX;
+        for _ in 0..3 {
+            let mut pieces = vec![vec![mine; values]];
+            c.barrier("before a reduce-scatter");
+            let t = Instant::now();
+            let part = shards::reduce_scatter(
+                c.as_mut(),
+                "the reduce-scatter",
+                &JoinedPieces::new(&mut pieces),
+                ReduceDtype::F32,
+                bucket,
+            );
+            let mut joined = JoinedPieces::new(&mut pieces);
+            joined.write(range.start, &part);
+            shards::all_gather(c.as_mut(), "the all-gather", &mut joined, bucket);
+            best = best.min(t.elapsed().as_secs_f64());
+            assert!(part.iter().all(|&x| x == expect), "the sum is {expect}");
+        }
+        out += &format!(
+            ", \"reduce_scatter_all_gather_s\": {best:.3}, \"reduce_scatter_all_gather_gb_per_s\": {:.2}",
+            (values * 4) as f64 / best / 1e9
+        );
         let src = vec![mine; values];
         let mut dst = vec![0f32; values];
         dst.copy_from_slice(&src);

@@ -1,6 +1,8 @@
 //! Collective communication among data-parallel trainer ranks, on an existing collective
 //! library: [`Collective`] is what the trainer needs (a bucketed all-reduce of its gradient
-//! set in f32 or bf16, broadcast, all-gather, barrier), every call bounded by a deadline.
+//! set in f32 or bf16, broadcast, all-gather, barrier, and for sharded state a
+//! reduce-scatter and an all-gather of equal blocks, [`shards`]), every call bounded by a
+//! deadline.
 //!
 //! - [`Solo`]: one rank, every call a no-op; the trainer without `mpirun`.
 //! - `Mpi` (feature `mpi`): Open MPI or MPICH through the `mpi` crate, ranks taken from the

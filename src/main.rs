@@ -16,7 +16,10 @@ static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn main() -> ExitCode {
     // SAFETY: the first thing the process does; no other thread runs yet.
-    unsafe { rlstream::collective::divide_cores() };
+    unsafe {
+        rlstream::collective::divide_cores();
+        rlstream::collective::choose_mpi_algorithms();
+    }
     rlstream::cpu::select_blas_kernels();
     let cli = Cli::try_parse_args(std::env::args_os()).unwrap_or_else(|e| e.exit());
     tracing_subscriber::fmt()

@@ -64,7 +64,7 @@ pub trait Collective: Send + Sync {
     fn barrier(&mut self, what: &str);
     /// Sums `send` over the ranks and returns this rank's block of the sum: `send` holds one
     /// block per rank, of equal length, block `r` at `r * len .. (r + 1) * len`, carried as
-    /// `dtype` (`MPI_Ireduce_scatter_block`, `ncclReduceScatter`). Half the bytes of an
+    /// `dtype` (one `MPI_Ireduce` per block, `ncclReduceScatter`). Half the bytes of an
     /// all-reduce of `send`.
     fn reduce_scatter_sum(&mut self, what: &str, send: &[f32], dtype: ReduceDtype) -> Vec<f32>;
     /// In place: `buf` holds one block per rank, of equal length; this rank's block is its

@@ -1,7 +1,8 @@
 //! [`Collective`] on MPI (the `mpi` crate over the system's Open MPI or MPICH).
 //!
 //! Every call is MPI's non-blocking collective (`MPI_Iallreduce`, `MPI_Ibcast`,
-//! `MPI_Iallgatherv`, `MPI_Ibarrier`, `MPI_Ireduce_scatter_block`, `MPI_Iallgather`), tested until it completes or its deadline passes.
+//! `MPI_Iallgatherv`, `MPI_Ibarrier`, `MPI_Iallgather`, and one `MPI_Ireduce` per rank's
+//! block for the reduce-scatter), tested until it completes or its deadline passes.
 //! Waiting yields the core at once and sleeps a millisecond at a time after the first
 //! second, so ranks that share cores (two ranks on a 2-core machine) leave them to the
 //! ranks still computing instead of spinning on them.
@@ -12,7 +13,8 @@
 //! (a collective another rank may be inside cannot be cancelled).
 
 use super::contract::{Collective, CollectiveError, ReduceDtype};
-use mpi::collective::{SystemOperation, UnsafeUserOperation};
+use mpi::collective::{Operation, SystemOperation, UnsafeUserOperation};
+use mpi::datatype::Equivalence;
 use mpi::datatype::PartitionMut;
 use mpi::ffi::MPI_Datatype;
 use mpi::request::{Request, Scope};
@@ -101,12 +103,17 @@ impl Mpi {
     }
 
     /// Tests `req` until it completes; past the deadline, ends the job (see the module).
-    fn wait<'a, D: ?Sized, S: Scope<'a>>(&self, what: &str, mut req: Request<'a, D, S>) {
+    fn wait<'a, D: ?Sized, S: Scope<'a>>(&self, what: &str, req: Request<'a, D, S>) {
+        self.wait_all(what, vec![req]);
+    }
+
+    /// Tests `reqs` until every one completes; past the deadline, ends the job.
+    fn wait_all<'a, D: ?Sized, S: Scope<'a>>(&self, what: &str, mut reqs: Vec<Request<'a, D, S>>) {
         let start = Instant::now();
         loop {
-            match req.test() {
-                Ok(_) => return,
-                Err(r) => req = r,
+            reqs = reqs.into_iter().filter_map(|r| r.test().err()).collect();
+            if reqs.is_empty() {
+                return;
             }
             self.answer_roll_calls();
             let waited = start.elapsed();
@@ -119,6 +126,34 @@ impl Mpi {
                 std::thread::sleep(Duration::from_millis(1));
             }
         }
+    }
+
+    /// This rank's block of the sum of `send` (one block per rank): block `r` is reduced
+    /// onto rank `r` by its own `MPI_Ireduce`, all of them posted at once and waited on
+    /// together. Open MPI's non-blocking `MPI_Ireduce_scatter_block` took longer than the
+    /// whole all-reduce of the same values here (BENCHMARKS.md); the reductions onto each
+    /// root move each rank's other blocks once.
+    fn reduce_blocks<T, O>(&self, what: &str, send: &[T], op: O) -> Vec<T>
+    where
+        T: Equivalence + Default + Clone,
+        O: Operation + Copy,
+    {
+        let block = send.len() / self.size;
+        let mut recv = vec![T::default(); block];
+        mpi::request::scope(|scope| {
+            let mut mine = Some(&mut recv[..]);
+            let mut reqs = Vec::with_capacity(self.size);
+            for r in 0..self.size {
+                let part = &send[r * block..(r + 1) * block];
+                let root = self.world.process_at_rank(r as i32);
+                match (r == self.rank).then(|| mine.take()).flatten() {
+                    Some(out) => reqs.push(root.immediate_reduce_into_root(scope, part, out, op)),
+                    None => reqs.push(root.immediate_reduce_into(scope, part, op)),
+                }
+            }
+            self.wait_all(what, reqs);
+        });
+        recv
     }
 
     /// Receives every message with `tag` waiting; the ranks that sent them.
@@ -303,37 +338,15 @@ impl Collective for Mpi {
     }
 
     fn reduce_scatter_sum(&mut self, what: &str, send: &[f32], dtype: ReduceDtype) -> Vec<f32> {
-        let block = send.len() / self.size;
         match dtype {
-            ReduceDtype::F32 => {
-                let mut recv = vec![0f32; block];
-                mpi::request::scope(|scope| {
-                    let req = self.world.immediate_reduce_scatter_block_into(
-                        scope,
-                        send,
-                        &mut recv[..],
-                        SystemOperation::sum(),
-                    );
-                    self.wait(what, req);
-                });
-                recv
-            }
+            ReduceDtype::F32 => self.reduce_blocks(what, send, SystemOperation::sum()),
             ReduceDtype::Bf16 => {
                 let send: Vec<u16> = send
                     .iter()
                     .map(|&x| half::bf16::from_f32(x).to_bits())
                     .collect();
-                let mut recv = vec![0u16; block];
-                mpi::request::scope(|scope| {
-                    let req = self.world.immediate_reduce_scatter_block_into(
-                        scope,
-                        &send[..],
-                        &mut recv[..],
-                        &self.bf16_sum,
-                    );
-                    self.wait(what, req);
-                });
-                recv.into_iter()
+                self.reduce_blocks(what, &send, &self.bf16_sum)
+                    .into_iter()
                     .map(|b| half::bf16::from_bits(b).to_f32())
                     .collect()
             }

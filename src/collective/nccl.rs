@@ -171,7 +171,7 @@ impl Nccl {
     }
 
     /// This rank's block of the sum of `send` (one block per rank).
-    fn scatter_sum<T: DeviceRepr + NcclType + ValidAsZeroBits + Default + Clone>(
+    fn scatter_sum<T: DeviceRepr + NcclType + Default + Clone>(
         &mut self,
         what: &str,
         send: &[T],
@@ -182,10 +182,7 @@ impl Nccl {
             return out;
         }
         let d = self.to_device(what, send);
-        let mut recv = self
-            .stream
-            .alloc_zeros::<T>(block)
-            .unwrap_or_else(|e| self.lost(what, &format!("{e:?}")));
+        let mut recv = self.to_device(what, &out);
         if let Err(e) = self.comm.reduce_scatter(&d, &mut recv, &ReduceOp::Sum) {
             self.lost(what, &format!("{e:?}"));
         }

@@ -81,7 +81,7 @@ impl<'a> JoinedPieces<'a> {
     /// Copies values `from .. from + out.len()` into `out`; zeros past the end.
     pub fn read(&self, from: usize, out: &mut [f32]) {
         let end = (from + out.len()).min(self.len());
-        out.fill(0.0);
+        out[end.saturating_sub(from)..].fill(0.0);
         let mut at = from;
         while at < end {
             let (i, off) = self.locate(at);

@@ -413,11 +413,20 @@ where
     lens.0
 }
 
-/// The shard files in `dir`, in rank order: all of one world's, or an error naming what is
-/// missing.
-fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+/// Removes every shard file from checkpoint `dir` (nothing when it does not exist): rank 0
+/// clears a directory it writes a checkpoint into before any rank writes its shard there.
+pub fn remove_shards(dir: &Path) -> Result<(), CheckpointError> {
+    for (world, rank) in named_shards(dir) {
+        let name = shard_file(rank, world);
+        std::fs::remove_file(dir.join(&name)).map_err(|e| CheckpointError::format(dir, name, e))?;
+    }
+    Ok(())
+}
+
+/// The (world, rank) of every shard file in `dir`, sorted.
+fn named_shards(dir: &Path) -> Vec<(usize, usize)> {
     let Ok(entries) = std::fs::read_dir(dir) else {
-        return Ok(Vec::new());
+        return Vec::new();
     };
     let mut found: Vec<(usize, usize)> = entries
         .filter_map(Result::ok)
@@ -427,10 +436,19 @@ fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
                 .strip_prefix("optimizer-shard-")?
                 .strip_suffix(".bin")?;
             let (r, w) = rest.split_once("-of-")?;
-            Some((w.parse().ok()?, r.parse().ok()?))
+            let (world, rank) = (w.parse().ok()?, r.parse().ok()?);
+            // Only the names `shard_file` writes (so that removing one finds it).
+            (name == shard_file(rank, world)).then_some((world, rank))
         })
         .collect();
     found.sort_unstable();
+    found
+}
+
+/// The shard files in `dir`, in rank order: all of one world's, or an error naming what is
+/// missing.
+fn shard_files(dir: &Path) -> Result<Vec<PathBuf>, CheckpointError> {
+    let found = named_shards(dir);
     let Some(&(world, _)) = found.first() else {
         return Ok(Vec::new());
     };
@@ -713,6 +731,28 @@ mod tests {
             missing.contains("expected the 2 files optimizer-shard-0000-of-0002.bin .. optimizer-shard-0001-of-0002.bin, found 1"),
             "{missing}"
         );
+    }
+
+    #[test]
+    fn a_checkpoint_written_again_holds_only_its_own_ranks_shards() {
+        // Two ranks wrote step N's directory and stopped before marking it; three ranks
+        // resumed earlier and write step N again.
+        let dir = tempfile::tempdir().unwrap();
+        for r in 0..2 {
+            state(r, 2).write(dir.path()).unwrap();
+        }
+        std::fs::write(dir.path().join("optimizer-shard-notes.txt"), "kept").unwrap();
+        remove_shards(dir.path()).unwrap();
+        assert_eq!(written_shards(dir.path()).unwrap(), 0);
+        for r in 0..3 {
+            state(r, 3).write(dir.path()).unwrap();
+        }
+        let s = ShardedAdamW::load(dir.path(), 0.01, LENS.to_vec(), 1, 2)
+            .unwrap()
+            .expect("shards");
+        assert_eq!(s.m, (8..15).map(|i| i as f32).collect::<Vec<_>>());
+        assert!(dir.path().join("optimizer-shard-notes.txt").exists());
+        remove_shards(&dir.path().join("absent")).unwrap();
     }
 
     #[test]

@@ -659,6 +659,9 @@ impl<B: TrainOn> TrainerOn<B> {
     pub fn write_checkpoint(&mut self) -> Result<PathBuf, CheckpointError> {
         let root = &self.cfg.train.checkpoint_dir;
         let dir = checkpoint::dir_for(root, self.state.step);
+        // A directory of this step left by ranks that stopped before marking it may hold
+        // their shards, of another number of ranks: they are not this checkpoint's.
+        sharded::remove_shards(&dir)?;
         let recorder = NamedMpkFileRecorder::<FullPrecisionSettings>::new();
         if let Some(a) = &self.lora {
             let base = self

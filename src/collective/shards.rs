@@ -35,10 +35,12 @@ impl Shards {
         (rank * b).min(self.len)..((rank + 1) * b).min(self.len)
     }
 
-    /// The values of each bucket's block: a bucket of `bucket_values` moves a `1 / world`
-    /// part of it for each rank.
-    fn piece(&self, bucket_values: usize) -> usize {
-        (bucket_values / self.world).clamp(1, self.block().max(1))
+    /// The parts of every rank's block that one call each moves, as offsets into a block:
+    /// a bucket of `bucket_values` carries a `1 / world` part for each rank.
+    fn parts(&self, bucket_values: usize) -> impl Iterator<Item = Range<usize>> + use<> {
+        let b = self.block();
+        let piece = (bucket_values / self.world).clamp(1, b.max(1));
+        (0..b).step_by(piece).map(move |at| at..(at + piece).min(b))
     }
 }
 
@@ -115,18 +117,16 @@ pub fn reduce_scatter(
     bucket_values: usize,
 ) -> Vec<f32> {
     let shards = Shards::new(v.len(), c.world());
-    let (b, piece) = (shards.block(), shards.piece(bucket_values));
+    let b = shards.block();
     let mut out = Vec::with_capacity(b);
-    let mut send = vec![0f32; piece * shards.world];
-    let mut at = 0;
-    while at < b {
-        let n = piece.min(b - at);
-        let send = &mut send[..n * shards.world];
+    let mut send = Vec::new();
+    for part in shards.parts(bucket_values) {
+        let n = part.len();
+        send.resize(n * shards.world, 0.0);
         for r in 0..shards.world {
-            v.read(r * b + at, &mut send[r * n..(r + 1) * n]);
+            v.read(r * b + part.start, &mut send[r * n..(r + 1) * n]);
         }
-        out.extend(c.reduce_scatter_sum(what, send, dtype));
-        at += n;
+        out.extend(c.reduce_scatter_sum(what, &send, dtype));
     }
     out.truncate(shards.range(c.rank()).len());
     out
@@ -142,22 +142,18 @@ pub fn all_gather(
     bucket_values: usize,
 ) {
     let shards = Shards::new(v.len(), c.world());
-    let (b, piece) = (shards.block(), shards.piece(bucket_values));
-    let mut buf = vec![0f32; piece * shards.world];
-    let mut at = 0;
-    while at < b {
-        let n = piece.min(b - at);
-        let buf = &mut buf[..n * shards.world];
-        let me = c.rank();
-        v.read(me * b + at, &mut buf[me * n..(me + 1) * n]);
-        c.all_gather_blocks(what, buf);
+    let (b, me) = (shards.block(), c.rank());
+    let mut buf = Vec::new();
+    for part in shards.parts(bucket_values) {
+        let n = part.len();
+        buf.resize(n * shards.world, 0.0);
+        v.read(me * b + part.start, &mut buf[me * n..(me + 1) * n]);
+        c.all_gather_blocks(what, &mut buf);
         for r in (0..shards.world).filter(|&r| r != me) {
-            let end = shards.range(r).end;
-            let from = r * b + at;
-            let keep = end.saturating_sub(from).min(n);
+            let from = r * b + part.start;
+            let keep = shards.range(r).end.saturating_sub(from).min(n);
             v.write(from, &buf[r * n..r * n + keep]);
         }
-        at += n;
     }
 }
 

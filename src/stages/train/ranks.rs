@@ -85,9 +85,7 @@ fn build() -> String {
 /// Rank 0's trainer: the settings broadcast, the trainer started, every rank agreeing.
 pub(super) fn lead(cfg: &TrainerSettings, c: &mut dyn Collective) -> Result<Trainer, StageError> {
     if c.world() == 1 {
-        let mut trainer = Trainer::start(cfg)?;
-        trainer.shard_over(0, 1)?;
-        return Ok(trainer);
+        return Ok(start(cfg, c)?);
     }
     c.set_timeout(start_timeout(cfg));
     let mut settings = toml::to_string(cfg)

@@ -383,9 +383,7 @@ impl ShardedAdamW {
     where
         B: AutodiffBackend<InnerBackend: Kernels>,
     {
-        let mut lens = Lens(Vec::new());
-        model.visit(&mut lens);
-        let mut me = Self::fresh(weight_decay, lens.0, rank, world);
+        let mut me = Self::fresh(weight_decay, trainable_lens(model), rank, world);
         let mut records: HashMap<_, _> = records.into_iter().collect();
         let mut from = FromRecords {
             records: &mut records,

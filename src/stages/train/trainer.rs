@@ -416,14 +416,15 @@ impl<B: TrainOn> TrainerOn<B> {
         what: &str,
         loss: f64,
     ) -> Result<(f64, bool), ModelError> {
-        let t = self.cfg.train.clone();
-        let bucket = t.allreduce_bucket_mb * (1 << 20) / 4;
-        if t.shard == Sharding::None {
-            self.all_reduce(&mut grads, c, what, t.allreduce_dtype, bucket)?;
+        let bucket = self.cfg.train.allreduce_bucket_mb * (1 << 20) / 4;
+        if self.cfg.train.shard == Sharding::None {
+            let dtype = self.cfg.train.allreduce_dtype;
+            self.all_reduce(&mut grads, c, what, dtype, bucket)?;
             return Ok(self.update(grads, loss));
         }
         self.shard_over(c.rank(), c.world())
             .map_err(|e| ModelError::Unsupported(e.to_string()))?;
+        let t = &self.cfg.train;
         let step = ShardedStep {
             what,
             mode: t.shard,

@@ -30,34 +30,7 @@ pub fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut StdRng) -
     }
     let k = inv_temperature(params.temperature);
     let scaled: Vec<f32> = logits.iter().map(|&l| l * k).collect();
-    let k = params.top_k as usize;
-    let mut kept: Option<Vec<usize>> = None;
-    if k > 0 && k < v {
-        let mut idx: Vec<usize> = (0..v).collect();
-        idx.select_nth_unstable_by(k - 1, |&a, &b| {
-            scaled[b].total_cmp(&scaled[a]).then(a.cmp(&b))
-        });
-        idx.truncate(k);
-        kept = Some(idx);
-    }
-    if params.top_p < 1.0 {
-        let mut idx = kept.take().unwrap_or_else(|| (0..v).collect());
-        idx.sort_unstable_by(|&a, &b| scaled[b].total_cmp(&scaled[a]).then(a.cmp(&b)));
-        let lse = logsumexp(idx.iter().map(|&i| scaled[i]));
-        let mut mass = 0.0f64;
-        let mut keep = 0;
-        for &i in &idx {
-            mass += f64::from((scaled[i] - lse).exp());
-            keep += 1;
-            if mass >= f64::from(params.top_p) {
-                break;
-            }
-        }
-        idx.truncate(keep.max(1));
-        if idx.len() < v {
-            kept = Some(idx);
-        }
-    }
+    let kept = truncated(&scaled, params);
     let support: Box<dyn Iterator<Item = usize> + '_> = match &kept {
         Some(ids) => Box::new(ids.iter().copied()),
         None => Box::new(0..v),
@@ -90,6 +63,80 @@ pub fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut StdRng) -
         logprob,
         kept,
     }
+}
+
+/// The ids top-k, then top-p keep of the tempered logits `scaled` (likeliest first for
+/// top-p, in selection order for top-k alone); `None` when nothing is truncated.
+fn truncated(scaled: &[f32], params: &SamplingParams) -> Option<Vec<usize>> {
+    let v = scaled.len();
+    let k = params.top_k as usize;
+    let mut kept: Option<Vec<usize>> = None;
+    if k > 0 && k < v {
+        let mut idx: Vec<usize> = (0..v).collect();
+        idx.select_nth_unstable_by(k - 1, |&a, &b| {
+            scaled[b].total_cmp(&scaled[a]).then(a.cmp(&b))
+        });
+        idx.truncate(k);
+        kept = Some(idx);
+    }
+    if params.top_p < 1.0 {
+        let mut idx = kept.take().unwrap_or_else(|| (0..v).collect());
+        idx.sort_unstable_by(|&a, &b| scaled[b].total_cmp(&scaled[a]).then(a.cmp(&b)));
+        let lse = logsumexp(idx.iter().map(|&i| scaled[i]));
+        let mut mass = 0.0f64;
+        let mut keep = 0;
+        for &i in &idx {
+            mass += f64::from((scaled[i] - lse).exp());
+            keep += 1;
+            if mass >= f64::from(params.top_p) {
+                break;
+            }
+        }
+        idx.truncate(keep.max(1));
+        if idx.len() < v {
+            kept = Some(idx);
+        }
+    }
+    kept
+}
+
+/// The `n` likeliest ids of the distribution [`sample_token`] draws from with `params`
+/// (tempered, truncated by top-k and top-p, renormalised over what is kept), likeliest
+/// first (ties by id), each with its log-prob under that distribution by the same
+/// definition, bit for bit, as the drawn token's ([`token_logprob`]). Fewer than `n` when
+/// fewer ids can be drawn: greedy sampling lists only the argmax, at log-prob 0.
+pub fn alternatives(logits: &[f32], params: &SamplingParams, n: usize) -> Vec<(u32, f32)> {
+    if n == 0 || logits.is_empty() {
+        return Vec::new();
+    }
+    if params.temperature <= 0.0 {
+        return vec![(argmax(logits) as u32, 0.0)];
+    }
+    let k = inv_temperature(params.temperature);
+    let scaled: Vec<f32> = logits.iter().map(|&l| l * k).collect();
+    let kept = truncated(&scaled, params).map(|mut ids| {
+        ids.sort_unstable();
+        ids.into_iter().map(|i| i as u32).collect::<Vec<u32>>()
+    });
+    let mut ids: Vec<usize> = match &kept {
+        Some(ids) => ids.iter().map(|&i| i as usize).collect(),
+        None => (0..logits.len()).collect(),
+    };
+    let likelier = |a: &usize, b: &usize| scaled[*b].total_cmp(&scaled[*a]).then(a.cmp(b));
+    if ids.len() > n {
+        ids.select_nth_unstable_by(n - 1, likelier);
+        ids.truncate(n);
+    }
+    ids.sort_unstable_by(likelier);
+    let (_, lse) = token_logprob(
+        logits,
+        ids[0],
+        params.temperature,
+        kept.as_deref().unwrap_or(&[]),
+    );
+    ids.into_iter()
+        .map(|i| (i as u32, logits[i] * k - lse))
+        .collect()
 }
 
 fn argmax(x: &[f32]) -> usize {
@@ -153,6 +200,40 @@ pub(crate) mod tests {
             sample_token(&logits, &params(0.0, 0, 1.0), &mut rng).token,
             0
         );
+    }
+
+    #[test]
+    fn alternatives_are_the_likeliest_of_the_distribution_drawn_from() {
+        let logits = [2.0f32, 1.0, 0.5, -1.0, -3.0, 0.5];
+        let mut rng = StdRng::seed_from_u64(5);
+        for (t, k, p, n, want) in [
+            (0.5, 3, 1.0, 5, vec![0u32, 1, 2]),
+            (1.0, 0, 1.0, 2, vec![0, 1]),
+            (1.0, 0, 1.0, 20, vec![0, 1, 2, 5, 3, 4]),
+            (0.8, 0, 0.7, 4, vec![0, 1]),
+        ] {
+            let params = params(t, k, p);
+            let alts = alternatives(&logits, &params, n);
+            let ids: Vec<u32> = alts.iter().map(|a| a.0).collect();
+            assert_eq!(ids, want, "t {t} k {k} p {p} n {n}");
+            // Each is the log-prob a draw of that id records, bit for bit.
+            for _ in 0..40 {
+                let d = sample_token(&logits, &params, &mut rng);
+                if let Some(a) = alts.iter().find(|a| a.0 == d.token) {
+                    assert_eq!(a.1.to_bits(), d.logprob.to_bits());
+                }
+            }
+            // Listing every id the distribution keeps, the probabilities add up to 1.
+            if n >= logits.len() || k > 0 || p < 1.0 {
+                let total: f64 = alts.iter().map(|a| f64::from(a.1).exp()).sum();
+                assert!((total - 1.0).abs() < 1e-6, "{total}");
+            }
+        }
+        assert_eq!(
+            alternatives(&logits, &params(0.0, 0, 1.0), 3),
+            vec![(0, 0.0)]
+        );
+        assert!(alternatives(&logits, &params(1.0, 0, 1.0), 0).is_empty());
     }
 
     #[test]

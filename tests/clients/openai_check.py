@@ -11,6 +11,7 @@ exits non-zero with the failed check otherwise.
 
 import argparse
 import json
+import math
 import sys
 import threading
 import time
@@ -150,7 +151,34 @@ def phase_calls(client, a):
     check(all(lp == 0.0 for lp in rl(g.choices[0])["logprobs"]), "greedy tokens have log-prob 0")
     stops = check_stop(client, a)
     n = same_as_recorded(a.base, a.key, ep, calls)
-    return {"episode": ep, "calls": n, "versions": sorted(versions), "stop": stops}
+    alts = completion_alternatives(client, a)
+    return {"episode": ep, "calls": n, "versions": sorted(versions), "stop": stops,
+            "alternatives": alts}
+
+
+def completion_alternatives(client, a):
+    """`logprobs: N` lists up to N alternatives per token, whole and streamed: a
+    text-to-log-prob object per token (of two ids with one text, the likelier)."""
+    whole_r = client.completions.create(model=a.model, prompt="12+3=", max_tokens=6, logprobs=5)
+    lp = whole_r.choices[0].logprobs
+    listed = 0
+    for i, (text, own, top) in enumerate(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)):
+        values = sorted(top.values(), reverse=True)
+        check(1 <= len(values) <= 5, f"token {i}: {len(values)} alternatives of 5 asked")
+        check(sum(math.exp(v) for v in values) <= 1 + 1e-5, f"token {i}: more than all the mass")
+        if text in top:
+            check(top[text] >= own, f"token {i}: the drawn token's log-prob {own} vs {top[text]}")
+        listed += len(values)
+    s = client.completions.create(model=a.model, prompt="12+3=", max_tokens=6, logprobs=3,
+                                  stream=True)
+    chunks = 0
+    for chunk in s:
+        for c in chunk.choices:
+            if c.logprobs is not None and c.logprobs.tokens:
+                check(all(1 <= len(t) <= 3 for t in c.logprobs.top_logprobs), "streamed alternatives")
+                chunks += 1
+    check(chunks >= 1, "no streamed chunk listed alternatives")
+    return {"listed": listed, "streamed_chunks": chunks}
 
 
 def check_stop(client, a):
@@ -191,8 +219,8 @@ def phase_refusals(client, a):
         lambda: client.completions.create(model=a.model, prompt=[1, 10_000_000], max_tokens=1))
     out["unsupported"] = error_of(
         lambda: client.completions.create(model=a.model, prompt="1", presence_penalty=0.5))
-    out["top_alternatives"] = error_of(
-        lambda: client.completions.create(model=a.model, prompt="1", logprobs=3))
+    out["too_many_alternatives"] = error_of(
+        lambda: client.completions.create(model=a.model, prompt="1", logprobs=21))
     out["not_trainable"] = error_of(lambda: client.completions.create(
         model=a.model, prompt="1", temperature=0, extra_headers={EPISODE: "ep-greedy"}))
     out["no_template"] = error_of(lambda: client.chat.completions.create(
@@ -224,9 +252,49 @@ def phase_chat(client, a):
                                        extra_body={"chat_template_kwargs": {"enable_thinking": False}})
     got, _ = streamed(s, 1)
     calls.append(got)
+    alts = chat_alternatives(client, a, messages, headers, calls)
     same_as_recorded(a.base, a.key, ep, calls)
     return {"episode": ep, "prompt": calls[0][0]["prompt"], "calls": len(calls),
-            "chat_prompt_no_thinking": calls[1][0]["prompt"]}
+            "chat_prompt_no_thinking": calls[1][0]["prompt"], "alternatives": alts}
+
+
+def chat_alternatives(client, a, messages, headers, calls):
+    """`top_logprobs` against the distribution each token was drawn from: with top_k 3
+    every kept id is listed, so the three alternatives hold all the recorded distribution's
+    mass, likeliest first, and the drawn token is among them with its recorded log-prob."""
+    def checked(content, asked):
+        for i, t in enumerate(content):
+            top = t.top_logprobs
+            check(len(top) == min(3, asked), f"token {i}: {len(top)} alternatives")
+            values = [x.logprob for x in top]
+            check(values == sorted(values, reverse=True), f"token {i}: not likeliest first")
+            if asked >= 3:
+                mass = sum(math.exp(v) for v in values)
+                check(abs(mass - 1) < 1e-5, f"token {i}: the kept ids hold {mass} of the mass")
+                check(any(x.token == t.token and x.logprob == t.logprob for x in top),
+                      f"token {i}: the drawn token {t.token!r} is not listed with its log-prob")
+        return len(content)
+    r = client.chat.completions.create(model=a.model, messages=messages, max_tokens=6,
+                                       logprobs=True, top_logprobs=5, extra_body={"top_k": 3},
+                                       extra_headers=headers)
+    got = whole(r)
+    check(got[0]["logprobs"] == [t.logprob for t in r.choices[0].logprobs.content],
+          "the listed log-probs are the recorded ones")
+    calls.append(got)
+    tokens = checked(r.choices[0].logprobs.content, 5)
+    s = client.chat.completions.create(model=a.model, messages=messages, max_tokens=6,
+                                       logprobs=True, top_logprobs=2, stream=True,
+                                       extra_body={"top_k": 3})
+    streamed_tokens = 0
+    for chunk in s:
+        for c in chunk.choices:
+            if c.logprobs is not None and c.logprobs.content:
+                streamed_tokens += checked(c.logprobs.content, 2)
+    check(streamed_tokens >= 1, "no streamed token listed alternatives")
+    bad = error_of(lambda: client.chat.completions.create(
+        model=a.model, messages=messages, max_tokens=2, top_logprobs=2))
+    check(bad == (400, "invalid_value"), f"top_logprobs without logprobs: {bad}")
+    return {"tokens": tokens, "streamed_tokens": streamed_tokens}
 
 
 def phase_load(client, a):

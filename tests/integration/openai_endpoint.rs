@@ -55,6 +55,10 @@ async fn an_openai_client_gets_ids_logprobs_and_versions_across_a_weight_swap() 
         &["--key", "s3cret", "--metrics", m, "--expect-version", "0"],
     );
     assert_eq!(before["calls"], 2, "{before}");
+    assert!(
+        before["alternatives"]["listed"].as_u64() > Some(6),
+        "{before}"
+    );
 
     // A new version, published as the trainer publishes, while the generator serves.
     let policy: Policy<InferBackend> = load_hf(&model, &Default::default()).unwrap();
@@ -116,8 +120,8 @@ async fn an_openai_client_gets_ids_logprobs_and_versions_across_a_weight_swap() 
             serde_json::json!([400, "unsupported_parameter"]),
         ),
         (
-            "top_alternatives",
-            serde_json::json!([400, "unsupported_parameter"]),
+            "too_many_alternatives",
+            serde_json::json!([400, "invalid_value"]),
         ),
         ("not_trainable", serde_json::json!([400, "not_trainable"])),
         ("no_template", serde_json::json!([400, "invalid_value"])),
@@ -159,6 +163,7 @@ fn a_chat_model_with_a_bpe_tokenizer_serves_chat_whole_and_streamed() {
     let (status, models) = http_get(&serving.addr, "/v1/models");
     assert_eq!(status, 200, "{models}");
     let chat = client(base, "qwen3", "chat", &[]);
+    assert!(chat["alternatives"]["tokens"].as_u64() >= Some(1), "{chat}");
     // The prompt is the model's chat template rendered (with its kwargs) and tokenized.
     let ids = |v: &Value| -> Vec<u32> {
         v.as_array()

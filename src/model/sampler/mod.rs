@@ -32,7 +32,7 @@ pub use forward::PREFILL_TOKENS;
 use forward::{Prefilled, checked_prompt, decode_pass, passes, prefill, prefill_together};
 pub use request::{Completion, Drawn, Request, Resumed, Turn, TurnLimits};
 
-use super::draw::{Draw, sample_token};
+use super::draw::{Draw, alternatives, sample_token};
 use super::kernels::PackOnce;
 use super::llama::{KvCache, Policy};
 use super::{Kernels, ModelError};
@@ -74,8 +74,9 @@ struct Row {
     routing_shape: Option<RoutingShape>,
     routing: Vec<u16>,
     prompt_routing: Option<Arc<Routing>>,
-    /// Whether each draw is reported as it happens ([`Generator::take_drawn`]).
-    watched: bool,
+    /// Whether each draw is reported as it happens ([`Generator::take_drawn`]), and with
+    /// how many alternatives.
+    watched: Option<usize>,
 }
 
 /// What a row does after a token.
@@ -118,7 +119,7 @@ impl Row {
             routing_shape: None,
             routing: Vec::new(),
             prompt_routing: None,
-            watched: false,
+            watched: None,
         }
     }
 
@@ -313,18 +314,21 @@ impl<B: Kernels> Generator<B> {
         version: u64,
         req: &Request,
     ) -> Result<(), ModelError> {
-        self.start(model, version, req, None, false)
+        self.start(model, version, req, None, None)
     }
 
     /// Like [`Generator::admit`], and every token of the request's rows is reported as it
-    /// is drawn ([`Generator::take_drawn`]), for a caller that streams them.
+    /// is drawn ([`Generator::take_drawn`]), for a caller that streams them, with the
+    /// `alternatives` likeliest ids of the distribution it was drawn from
+    /// ([`alternatives`](super::draw::alternatives); none for 0).
     pub fn admit_watched(
         &mut self,
         model: &Policy<B>,
         version: u64,
         req: &Request,
+        alternatives: usize,
     ) -> Result<(), ModelError> {
-        self.start(model, version, req, None, true)
+        self.start(model, version, req, None, Some(alternatives))
     }
 
     /// The tokens of watched rows drawn since the last call, in the order drawn.
@@ -332,9 +336,9 @@ impl<B: Kernels> Generator<B> {
         std::mem::take(&mut self.drawn)
     }
 
-    /// Notes `row`'s last draw when the row is watched.
-    fn note(&mut self, row: &Row, version: u64) {
-        if let (true, Some(&token), Some(&logprob)) =
+    /// Notes `row`'s last draw, from `logits`, when the row is watched.
+    fn note(&mut self, row: &Row, version: u64, logits: &[f32]) {
+        if let (Some(n), Some(&token), Some(&logprob)) =
             (row.watched, row.tokens.last(), row.logprobs.last())
         {
             self.drawn.push(Drawn {
@@ -343,6 +347,7 @@ impl<B: Kernels> Generator<B> {
                 token,
                 logprob,
                 version,
+                alternatives: alternatives(logits, &row.params, n),
             });
         }
     }
@@ -392,7 +397,7 @@ impl<B: Kernels> Generator<B> {
         req: &Request,
         limits: TurnLimits,
     ) -> Result<(), ModelError> {
-        self.start(model, version, req, Some(limits), false)
+        self.start(model, version, req, Some(limits), None)
     }
 
     /// Admits every request of `reqs` as [`Generator::admit`] does, their prompts prefilled
@@ -409,17 +414,19 @@ impl<B: Kernels> Generator<B> {
         version: u64,
         reqs: &[Request],
     ) -> Result<(), ModelError> {
-        self.start_all(model, version, reqs, false)
+        self.start_all(model, version, reqs, None)
     }
 
-    /// [`Generator::admit_all`] with every row watched, as [`Generator::admit_watched`].
+    /// [`Generator::admit_all`] with every row watched, as [`Generator::admit_watched`]:
+    /// the rows of `reqs[i]` with `alternatives[i]` alternatives.
     pub fn admit_all_watched(
         &mut self,
         model: &Policy<B>,
         version: u64,
         reqs: &[Request],
+        alternatives: &[usize],
     ) -> Result<(), ModelError> {
-        self.start_all(model, version, reqs, true)
+        self.start_all(model, version, reqs, Some(alternatives))
     }
 
     fn start_all(
@@ -427,7 +434,7 @@ impl<B: Kernels> Generator<B> {
         model: &Policy<B>,
         version: u64,
         reqs: &[Request],
-        watched: bool,
+        watched: Option<&[usize]>,
     ) -> Result<(), ModelError> {
         let prompts = reqs
             .iter()
@@ -453,7 +460,8 @@ impl<B: Kernels> Generator<B> {
         );
         prefilled.sort_by_key(|(i, _)| *i);
         for (i, p) in prefilled {
-            self.spread(model, version, &reqs[i], &prompts[i], p, None, watched);
+            let watch = watched.map(|alts| alts.get(i).copied().unwrap_or(0));
+            self.spread(model, version, &reqs[i], &prompts[i], p, None, watch);
         }
         Ok(())
     }
@@ -464,7 +472,7 @@ impl<B: Kernels> Generator<B> {
         version: u64,
         req: &Request,
         episode: Option<TurnLimits>,
-        watched: bool,
+        watched: Option<usize>,
     ) -> Result<(), ModelError> {
         let prompt = checked_prompt(model, req)?;
         for p in prefill_together(model, &[prompt.as_slice()])? {
@@ -484,7 +492,7 @@ impl<B: Kernels> Generator<B> {
         prompt_ids: &[u32],
         prefilled: Prefilled<B>,
         episode: Option<TurnLimits>,
-        watched: bool,
+        watched: Option<usize>,
     ) {
         let vocab = model.config().vocab_size;
         let room = model.config().max_position.saturating_sub(prompt_ids.len());
@@ -515,7 +523,7 @@ impl<B: Kernels> Generator<B> {
             }
             let draw = sample_token(&last, &row.params, &mut row.rng);
             let next = row.next(draw, version, vocab);
-            self.note(&row, version);
+            self.note(&row, version, &last);
             match next {
                 Next::Finished => self.done.push(row.finish()),
                 Next::TurnEnd => self.park(row, &cache, i),
@@ -647,7 +655,7 @@ impl<B: Kernels> Generator<B> {
         let vocab = model.config().vocab_size;
         let draw = sample_token(&logits, &row.params, &mut row.rng);
         let next = row.next(draw, version, vocab);
-        self.note(&row, version);
+        self.note(&row, version, &logits);
         Ok(Some(match next {
             Next::Finished => Resumed::Finished(Box::new(row.finish())),
             Next::TurnEnd => {
@@ -756,14 +764,19 @@ impl<B: Kernels> Generator<B> {
             .zip(host.par_chunks(vocab.max(1)))
             .map(|(row, logits)| sample_token(logits, &row.params, &mut row.rng))
             .collect();
-        for (i, (mut row, draw)) in rows.into_iter().zip(draws).enumerate() {
+        for (i, ((mut row, draw), logits)) in rows
+            .into_iter()
+            .zip(draws)
+            .zip(host.chunks(vocab.max(1)))
+            .enumerate()
+        {
             if let Some(r) = &routes {
                 row.routing.extend_from_slice(&r[i * per..(i + 1) * per]);
             }
             // This pass fed the row's last token with the weights of `version`.
             row.cache_version = row.cache_version.filter(|&v| v == version);
             let next = row.next(draw, version, vocab);
-            self.note(&row, version);
+            self.note(&row, version, logits);
             match next {
                 Next::Finished => finished.push(row.finish()),
                 Next::TurnEnd => ended.push((i, row)),

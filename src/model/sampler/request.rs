@@ -91,11 +91,14 @@ pub enum Resumed {
 }
 
 /// One token as it was drawn, for a caller that streams tokens ([`Generator::admit_watched`]).
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct Drawn {
     pub request_id: u64,
     pub index: usize,
     pub token: u32,
     pub logprob: f32,
     pub version: u64,
+    /// The likeliest ids of the distribution the token was drawn from, with their
+    /// log-probs, as many as the row asked for ([`alternatives`](crate::model::draw::alternatives)).
+    pub alternatives: Vec<(u32, f32)>,
 }

@@ -122,7 +122,7 @@ fn watched_rows_report_each_draw_and_a_row_ended_early_frees_only_itself() {
             ..params(1.0, 0, 1.0)
         },
     };
-    g.admit_watched(&model, 3, &req(0, 2)).expect("admit");
+    g.admit_watched(&model, 3, &req(0, 2), 2).expect("admit");
     g.admit(&model, 3, &req(1, 1)).expect("admit");
     let mut drawn = g.take_drawn();
     assert_eq!(drawn.len(), 2, "each watched row's first token");
@@ -148,6 +148,16 @@ fn watched_rows_report_each_draw_and_a_row_ended_early_frees_only_itself() {
         let versions: Vec<u64> = mine.iter().map(|d| d.version).collect();
         assert_eq!(versions[0], 3);
         assert!(versions[1..].iter().all(|&v| v == 4));
+        for d in mine {
+            assert_eq!(d.alternatives.len(), 2, "two alternatives were asked for");
+            assert!(
+                d.alternatives[0].1 >= d.alternatives[1].1,
+                "likeliest first"
+            );
+            if let Some(a) = d.alternatives.iter().find(|a| a.0 == d.token) {
+                assert_eq!(a.1.to_bits(), d.logprob.to_bits(), "the drawn token's own");
+            }
+        }
     }
     assert!(
         drawn.iter().all(|d| d.request_id == 0),

@@ -25,6 +25,8 @@ pub struct Call {
     /// Strings that end a completion (the text before the first one is kept; the token that
     /// completed it is the completion's last).
     pub stop: Vec<String>,
+    /// How many of the likeliest ids to list beside each token (0: none).
+    pub alternatives: usize,
     pub events: UnboundedSender<CallEvent>,
 }
 
@@ -39,6 +41,8 @@ pub enum CallEvent {
         logprob: f32,
         version: u64,
         text: String,
+        /// The call's alternatives to the token ([`Call::alternatives`] of them at most).
+        alternatives: Vec<(u32, f32)>,
     },
     /// Row `index` ended: the generator's record of it (every token with its log-prob and
     /// version runs, the kept sets when sampling truncated), and the rest of its text.
@@ -117,18 +121,19 @@ impl CallSource {
             n: call.n,
             params: call.params.clone(),
         };
-        let refused = match rows.prefill(|g, model, v| g.admit_watched(model, v, &req)) {
-            Ok(Ok(())) => {
-                self.serve(req.id, call);
-                return Ok(());
-            }
-            Ok(Err(ModelError::Refused(r))) => CallEvent::Refused {
-                reason: r.reason,
-                detail: r.detail,
-            },
-            Ok(Err(e)) => return Err(e),
-            Err(panic) => CallEvent::Failed(format!("the prefill panicked: {panic}")),
-        };
+        let refused =
+            match rows.prefill(|g, model, v| g.admit_watched(model, v, &req, call.alternatives)) {
+                Ok(Ok(())) => {
+                    self.serve(req.id, call);
+                    return Ok(());
+                }
+                Ok(Err(ModelError::Refused(r))) => CallEvent::Refused {
+                    reason: r.reason,
+                    detail: r.detail,
+                },
+                Ok(Err(e)) => return Err(e),
+                Err(panic) => CallEvent::Failed(format!("the prefill panicked: {panic}")),
+            };
         let _ = call.events.send(refused);
         Ok(())
     }
@@ -191,7 +196,10 @@ impl RowSource for CallSource {
                     params: c.params.clone(),
                 })
                 .collect();
-            if let Ok(Ok(())) = rows.prefill(|g, model, v| g.admit_all_watched(model, v, &reqs)) {
+            let alternatives: Vec<usize> = calls.iter().map(|c| c.alternatives).collect();
+            let admitted =
+                rows.prefill(|g, model, v| g.admit_all_watched(model, v, &reqs, &alternatives));
+            if let Ok(Ok(())) = admitted {
                 for (call, req) in calls.into_iter().zip(&reqs) {
                     self.serve(req.id, call);
                 }
@@ -231,6 +239,7 @@ impl RowSource for CallSource {
             logprob: d.logprob,
             version: d.version,
             text: piece,
+            alternatives: d.alternatives,
         });
         if text.stopped()
             && let Some(c) = rows

@@ -91,7 +91,6 @@ const NEUTRAL: &[&str] = &[
     "tool_choice",
     "parallel_tool_calls",
     "response_format",
-    "top_logprobs",
 ];
 
 /// Fields that only describe the request and are ignored.
@@ -186,9 +185,14 @@ pub struct CallSampling {
     pub stop: Vec<String>,
     pub seed: Option<u64>,
     pub logprobs: bool,
+    /// Alternatives listed beside each token's log-prob (0 to [`MAX_ALTERNATIVES`]).
+    pub top_logprobs: usize,
     pub stream: bool,
     pub include_usage: bool,
 }
+
+/// Most alternatives a request may ask for beside each token (OpenAI's and vLLM's bound).
+pub const MAX_ALTERNATIVES: usize = 20;
 
 /// Most stop strings a request may give.
 const MAX_STOPS: usize = 16;
@@ -261,6 +265,7 @@ impl CallSampling {
             stop,
             seed: seed.map(|s| s as u64),
             logprobs: false,
+            top_logprobs: 0,
             stream,
             include_usage,
         })
@@ -400,13 +405,16 @@ pub struct ChoiceTokens {
     pub token_ids: Vec<u32>,
     pub logprobs: Vec<f32>,
     pub versions: Vec<u64>,
+    /// Each token's alternatives (empty lists when none were asked for).
+    pub alternatives: Vec<Vec<(u32, f32)>>,
 }
 
 impl ChoiceTokens {
-    pub fn push(&mut self, token: u32, logprob: f32, version: u64) {
+    pub fn push(&mut self, token: u32, logprob: f32, version: u64, alternatives: Vec<(u32, f32)>) {
         self.token_ids.push(token);
         self.logprobs.push(logprob);
         self.versions.push(version);
+        self.alternatives.push(alternatives);
     }
 
     /// The `rlstream` object of a choice (with the prompt's ids when given).
@@ -482,25 +490,38 @@ pub fn usage(prompt: usize, completion: usize) -> Value {
     })
 }
 
-/// OpenAI's `logprobs` of a choice for `tokens` (`texts`: each token's text): the chat
-/// form (`content`) or the completions form (`tokens`, `token_logprobs`, `text_offset`).
-/// Alternatives (`top_logprobs`) are never listed.
+/// OpenAI's `logprobs` of a choice for `tokens`, `texts` giving each id's text: the chat
+/// form (`content`) or the completions form (`tokens`, `token_logprobs`, `top_logprobs`,
+/// `text_offset` from `offset`). `listed`: whether alternatives were asked for (chat lists
+/// `[]` and completions `null` when not).
 pub fn logprobs_json(
     endpoint: Endpoint,
     tokens: &ChoiceTokens,
-    texts: &[String],
+    texts: &dyn Fn(&[u32]) -> Vec<String>,
     offset: usize,
+    listed: bool,
 ) -> Value {
+    let own = texts(&tokens.token_ids);
+    let alternatives = tokens.alternatives.iter().map(|alts| {
+        let ids: Vec<u32> = alts.iter().map(|a| a.0).collect();
+        texts(&ids).into_iter().zip(alts.iter().map(|a| a.1))
+    });
     match endpoint {
         Endpoint::Chat => json!({"content": tokens
             .logprobs
             .iter()
-            .zip(texts)
-            .map(|(lp, t)| json!({"token": t, "logprob": lp, "bytes": t.as_bytes(), "top_logprobs": []}))
+            .zip(&own)
+            .zip(alternatives)
+            .map(|((lp, t), alts)| {
+                let top: Vec<Value> = alts
+                    .map(|(t, lp)| json!({"token": t, "logprob": lp, "bytes": t.as_bytes()}))
+                    .collect();
+                json!({"token": t, "logprob": lp, "bytes": t.as_bytes(), "top_logprobs": top})
+            })
             .collect::<Vec<_>>()}),
         Endpoint::Completions => {
             let mut at = offset;
-            let offsets: Vec<usize> = texts
+            let offsets: Vec<usize> = own
                 .iter()
                 .map(|t| {
                     let here = at;
@@ -508,10 +529,23 @@ pub fn logprobs_json(
                     here
                 })
                 .collect();
+            // One object per token, text to log-prob: of two ids with the same text, the
+            // likelier is kept (as OpenAI's dictionary form must).
+            let top = listed.then(|| {
+                alternatives
+                    .map(|alts| {
+                        let mut m = Map::new();
+                        for (t, lp) in alts {
+                            m.entry(t).or_insert(json!(lp));
+                        }
+                        Value::Object(m)
+                    })
+                    .collect::<Vec<_>>()
+            });
             json!({
-                "tokens": texts,
+                "tokens": own,
                 "token_logprobs": tokens.logprobs,
-                "top_logprobs": Value::Null,
+                "top_logprobs": top,
                 "text_offset": offsets,
             })
         }

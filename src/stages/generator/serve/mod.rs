@@ -221,6 +221,7 @@ async fn serve(s: Arc<Server>, endpoint: Endpoint, headers: HeaderMap, body: Byt
         n: p.sampling.n,
         params: p.params.clone(),
         stop: p.sampling.stop.clone(),
+        alternatives: p.sampling.top_logprobs,
         events: tx,
     };
     if s.calls.send(call).is_err() {

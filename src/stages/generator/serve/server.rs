@@ -145,20 +145,7 @@ impl Server {
             Endpoint::Chat => super::api::chat_input(&mut body)?,
         };
         let mut sampling = CallSampling::take(&mut body, self.setup.max_batch)?;
-        sampling.logprobs = match endpoint {
-            Endpoint::Chat => body.take("logprobs")?.unwrap_or(false),
-            Endpoint::Completions => match body.take::<u32>("logprobs")? {
-                None => false,
-                Some(0) => true,
-                Some(_) => {
-                    return Err(ApiError::param(
-                        "unsupported_parameter",
-                        "logprobs",
-                        "alternatives are not listed: give `logprobs: 0` for the sampled tokens' log-probs (every choice carries them in `rlstream` too)",
-                    ));
-                }
-            },
-        };
+        (sampling.logprobs, sampling.top_logprobs) = alternatives(endpoint, &mut body)?;
         body.finish()?;
         let episode = header_id(headers, EPISODE_HEADER)?;
         let group = header_id(headers, GROUP_HEADER)?;
@@ -364,6 +351,41 @@ impl Server {
     }
 }
 
+/// Whether a request asks for its tokens' log-probs, and for how many alternatives beside
+/// each: completions' `logprobs: N` (0 for the log-probs alone), chat's `logprobs: true`
+/// with `top_logprobs: N`; at most [`MAX_ALTERNATIVES`](super::api::MAX_ALTERNATIVES).
+fn alternatives(endpoint: Endpoint, body: &mut Body) -> Result<(bool, usize), ApiError> {
+    let max = super::api::MAX_ALTERNATIVES;
+    let (field, asked, top) = match endpoint {
+        Endpoint::Completions => {
+            let n: Option<u64> = body.take("logprobs")?;
+            ("logprobs", n.is_some(), n.unwrap_or(0))
+        }
+        Endpoint::Chat => {
+            let asked: bool = body.take("logprobs")?.unwrap_or(false);
+            let n: Option<u64> = body.take("top_logprobs")?;
+            if n.is_some_and(|n| n > 0) && !asked {
+                return Err(ApiError::param(
+                    "invalid_value",
+                    "top_logprobs",
+                    "`top_logprobs` lists alternatives beside each token's log-prob: give `logprobs: true` with it",
+                ));
+            }
+            ("top_logprobs", asked, n.unwrap_or(0))
+        }
+    };
+    if top > max as u64 {
+        return Err(ApiError::param(
+            "invalid_value",
+            field,
+            format!(
+                "at most {max} alternatives are listed beside each token: `{field}` must be 0 to {max}"
+            ),
+        ));
+    }
+    Ok((asked, top as usize))
+}
+
 /// A request read and checked.
 pub(super) struct Prepared {
     /// The request's number since the endpoint started.
@@ -461,9 +483,10 @@ impl Gathered {
                 logprob,
                 version,
                 text,
+                alternatives,
             } => {
                 if let Some(c) = self.choices.get_mut(index) {
-                    c.tokens.push(token, logprob, version);
+                    c.tokens.push(token, logprob, version, alternatives);
                     c.text.push_str(&text);
                 }
             }
@@ -554,8 +577,9 @@ impl Server {
             .map(|(i, c)| {
                 completion_tokens += c.tokens.token_ids.len();
                 let logprobs = p.sampling.logprobs.then(|| {
-                    let texts = self.token_texts(&c.tokens.token_ids);
-                    super::api::logprobs_json(p.endpoint, &c.tokens, &texts, 0)
+                    let texts = |ids: &[u32]| self.token_texts(ids);
+                    let listed = p.sampling.top_logprobs > 0;
+                    super::api::logprobs_json(p.endpoint, &c.tokens, &texts, 0, listed)
                 });
                 let mut v = json!({
                     "index": i,

@@ -40,13 +40,14 @@ impl Streamed {
         }
         let first = !std::mem::replace(&mut self.sent[index], true);
         let logprobs = (p.sampling.logprobs && !tokens.token_ids.is_empty()).then(|| {
-            let texts = self.server.token_texts(&tokens.token_ids);
+            let texts = |ids: &[u32]| self.server.token_texts(ids);
             let offset = self
                 .gathered
                 .choices
                 .get(index)
                 .map_or(0, |c| c.text.len() - text.len());
-            api::logprobs_json(p.endpoint, &tokens, &texts, offset)
+            let listed = p.sampling.top_logprobs > 0;
+            api::logprobs_json(p.endpoint, &tokens, &texts, offset, listed)
         });
         let mut choice = json!({
             "index": index,
@@ -73,9 +74,10 @@ impl Streamed {
                 logprob,
                 version,
                 text,
+                alternatives,
             } => {
                 let mut t = ChoiceTokens::default();
-                t.push(*token, *logprob, *version);
+                t.push(*token, *logprob, *version, alternatives.clone());
                 (*index, text.clone(), t, None)
             }
             CallEvent::Finished {

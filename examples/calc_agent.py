@@ -115,7 +115,7 @@ def wait_ready(base, key, patience_s):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--base", required=True, help="the endpoint, e.g. http://127.0.0.1:8000/v1")
-    ap.add_argument("--model", required=True)
+    ap.add_argument("--model", help="the model to call (default: the one the endpoint serves)")
     ap.add_argument("--key", default=os.environ.get("RLSTREAM_SERVE_KEY", "none"))
     ap.add_argument("--groups", type=int, default=16)
     ap.add_argument("--group-size", type=int, default=4, help="gen's --group-size")
@@ -129,6 +129,8 @@ def main():
     args = ap.parse_args()
     wait_ready(args.base, args.key, args.wait_s)
     client = openai.OpenAI(base_url=args.base, api_key=args.key, max_retries=0, timeout=300)
+    if args.model is None:
+        args.model = client.models.list().data[0].id
     rng = random.Random(args.seed)
     tag = f"{args.seed}-{time.time_ns()}"
     jobs = []

@@ -186,6 +186,9 @@ crate::settings! {
         /// Held-out evaluation at every checkpoint whose step is a multiple of this, instead of halfway only: the held-out learning curve, each point with the wall time its step finished at (evaluated after training, off the clock); a multiple of train.checkpoint_every; 0: before, halfway and after.
         #[arg(value_name = "STEPS")]
         pub eval_every: u64 = 0,
+        /// Feed the task's (or the dataset's) prompts; false: the trainer learns only from what agents send through the endpoint (needs --serve; not with --sync, which paces the feed).
+        #[arg(num_args = 0..=1, default_missing_value = "true", value_name = "BOOL")]
+        pub feed: bool = true,
     }
 }
 
@@ -264,6 +267,12 @@ impl Config {
             return Err(crate::settings::invalid(
                 "run.held_out_share",
                 format!("{share} is not a share: give at least 0 and less than 1"),
+            ));
+        }
+        if !self.run.feed && (self.generator.serve.is_none() || self.run.sync) {
+            return Err(crate::settings::invalid(
+                "run.feed",
+                "false leaves the endpoint's agents as the only source of groups: give --serve ADDR (and no --sync, which paces the feed by the trainer)",
             ));
         }
         let (every, ckpt) = (self.run.eval_every, self.train.checkpoint_every);

@@ -287,3 +287,88 @@ async fn chat_history_sent_back_as_sampled_extends_the_episode_and_edited_histor
     );
     crate::common::drop_namespace(&ns).await;
 }
+
+/// `rlstream run --serve` with `run.feed = false`: the whole pipeline in one process on the
+/// embedded bus, its only groups those `examples/calc_agent.py` plays through the endpoint.
+/// The run trains every step on them and reports them; nothing else was fed.
+#[test]
+fn run_serve_trains_on_the_agents_groups_alone_in_one_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("calc");
+    crate::common::warm_start("calc", &model, 2, &[]);
+    let port = crate::common::free_port().to_string();
+    let out = dir.path().join("run");
+    let log = dir.path().join("run.log");
+    let args: Vec<String> = [
+        "run",
+        "--task",
+        "calc",
+        "--model",
+        model.to_str().unwrap(),
+        "--feed",
+        "false",
+        "--serve",
+        &port,
+        "--out",
+        out.to_str().unwrap(),
+        "--group-size",
+        "4",
+        "--groups-per-step",
+        "2",
+        "--steps",
+        "3",
+        "--eval-prompts",
+        "8",
+        "--plain",
+    ]
+    .map(String::from)
+    .into();
+    let mut run = spawn(&args, &log);
+    let base = format!("http://127.0.0.1:{port}/v1");
+    let played = agent(&[
+        "--base",
+        &base,
+        "--group-size",
+        "4",
+        "--clients",
+        "8",
+        "--groups",
+        "6",
+    ]);
+    assert_eq!(played["groups_published"], 6, "{played}");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    let status = loop {
+        if let Some(s) = run.try_wait() {
+            break s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the run did not end after its steps"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let logged = std::fs::read_to_string(&log).unwrap_or_default();
+    assert!(status.success(), "{logged}");
+    let summary: Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("report/summary.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        (
+            &summary["steps"],
+            &summary["trained_groups"],
+            &summary["prompts_fed"]
+        ),
+        (&Value::from(3), &Value::from(6), &Value::from(0)),
+        "{summary}"
+    );
+    // Without --serve there would be nothing to train: refused with the setting's name.
+    let refused = crate::common::bin()
+        .args(["run", "--task", "calc", "--feed", "false", "--steps", "1"])
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        !refused.status.success() && said.contains("run.feed"),
+        "{said}"
+    );
+}

@@ -140,7 +140,13 @@ impl Stages {
                 .map(StageResult::Gen)
         });
         let stop_rx = stop.subscribe();
+        let feeding = cfg.run.feed;
         let feed = spawn_stage(&stop, async move {
+            if !feeding {
+                // The endpoint's agents are the only source of groups.
+                stopped(stop_rx).await;
+                return Ok(StageResult::Other);
+            }
             feeder
                 .run(progress_rx, stop_rx)
                 .await

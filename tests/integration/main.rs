@@ -18,6 +18,7 @@ mod decode_kernels;
 mod difficulty_feed;
 mod distill;
 mod docs;
+mod endpoint_abuse;
 mod episodes;
 mod generate_cli;
 mod grad_parity;

@@ -61,6 +61,14 @@ crate::settings! {
         pub serve_episode_ttl_s: u64 = 3600,
         /// A group of agent episodes (X-Rlstream-Group) not closed this long after its first call is dead-lettered (reason group_timeout).
         pub serve_group_timeout_s: u64 = 1800,
+        /// Largest request body the endpoint reads, in bytes; a larger one gets 413 (request_too_large), unread when its Content-Length says so.
+        #[arg(value_name = "BYTES")]
+        pub serve_max_body_bytes: usize = 4 << 20,
+        /// Seconds a client has to send a request's headers, and as long again for its body (408 request_timeout); a keep-alive connection idle this long between requests is closed.
+        #[arg(value_name = "SECS")]
+        pub serve_read_timeout_s: u64 = 30,
+        /// Most connections open on the endpoint at once; one past it is closed as soon as it is accepted (rlstream_serve_connections_refused_total).
+        pub serve_max_connections: usize = 1024,
     }
 }
 
@@ -115,6 +123,15 @@ impl GenConfig {
         }
         if self.serve_group_timeout_s == 0 {
             return Err(invalid("gen.serve_group_timeout_s", "must be at least 1"));
+        }
+        if self.serve_max_body_bytes == 0 {
+            return Err(invalid("gen.serve_max_body_bytes", "must be at least 1"));
+        }
+        if self.serve_read_timeout_s == 0 {
+            return Err(invalid("gen.serve_read_timeout_s", "must be at least 1"));
+        }
+        if self.serve_max_connections == 0 {
+            return Err(invalid("gen.serve_max_connections", "must be at least 1"));
         }
         if self.serve_episode_ttl_s == 0 {
             return Err(invalid("gen.serve_episode_ttl_s", "must be at least 1"));

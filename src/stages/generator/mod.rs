@@ -188,6 +188,11 @@ async fn start_endpoint(
         bus,
         topo: topo.clone(),
         gen_id: cfg.name.clone(),
+        limits: serve::listen::ClientLimits {
+            max_body: cfg.serve_max_body_bytes,
+            read_timeout: Duration::from_secs(cfg.serve_read_timeout_s),
+            max_connections: cfg.serve_max_connections,
+        },
     };
     let (bound, task) = serve::start(setup, calls).await?;
     eprintln!("serving the OpenAI-compatible endpoint on http://{bound}/v1");

@@ -6,7 +6,6 @@ use super::episodes::Closed;
 use super::server::{Server, Timer};
 use crate::roles::Stream;
 use crate::schema::DeadLetter;
-use axum::body::Bytes;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -18,11 +17,11 @@ pub(super) async fn close(
     State(s): State<Arc<Server>>,
     headers: HeaderMap,
     Path(id): Path<String>,
-    body: Bytes,
+    body: axum::body::Body,
 ) -> Response {
     let mut timer = Timer::new("close");
     let answer = async {
-        s.authorize(&headers)?;
+        let body = s.authorized_body(&headers, body).await?;
         let mut b = Body::parse(&body)?;
         let reward: f32 = b
             .take("reward")?

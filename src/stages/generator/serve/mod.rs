@@ -24,6 +24,7 @@
 pub mod api;
 mod close;
 pub mod episodes;
+pub mod listen;
 pub mod recorded;
 mod server;
 mod stream;
@@ -32,7 +33,7 @@ use super::decode::calls::{Call, CallEvent, CallSender};
 use crate::stages::StageError;
 use api::{ApiError, Endpoint};
 use axum::Router;
-use axum::body::Bytes;
+use axum::body::Body;
 use axum::extract::{Path, State};
 use axum::http::{HeaderMap, StatusCode};
 use axum::response::sse::{Event, KeepAlive, Sse};
@@ -89,6 +90,7 @@ pub async fn start(
     let bound = listener
         .local_addr()
         .map_err(|e| StageError::Other(format!("the endpoint's socket: {e}")))?;
+    let limits = setup.limits;
     let server = Arc::new(Server {
         permits: Arc::new(Semaphore::new(setup.max_requests)),
         episodes: Arc::new(AgentEpisodes::new(
@@ -126,11 +128,7 @@ pub async fn start(
             }
         };
         tokio::select! {
-            served = axum::serve(listener, app) => {
-                if let Err(e) = served {
-                    tracing::error!(error = %e, "the endpoint stopped");
-                }
-            }
+            _ = listen::accept(listener, app, limits) => {}
             _ = sweep => {}
         }
     });
@@ -182,24 +180,26 @@ async fn not_found() -> Response {
     .into_response()
 }
 
-async fn completions(State(s): State<Arc<Server>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn completions(State(s): State<Arc<Server>>, headers: HeaderMap, body: Body) -> Response {
     serve(s, Endpoint::Completions, headers, body).await
 }
 
-async fn chat(State(s): State<Arc<Server>>, headers: HeaderMap, body: Bytes) -> Response {
+async fn chat(State(s): State<Arc<Server>>, headers: HeaderMap, body: Body) -> Response {
     serve(s, Endpoint::Chat, headers, body).await
 }
 
-/// One call, start to end (or to its first event when streamed).
-async fn serve(s: Arc<Server>, endpoint: Endpoint, headers: HeaderMap, body: Bytes) -> Response {
+/// One call, start to end (or to its first event when streamed). The body is read once
+/// the key is checked, before the call takes one of the requests admitted at once.
+async fn serve(s: Arc<Server>, endpoint: Endpoint, headers: HeaderMap, body: Body) -> Response {
     let mut timer = Timer::new(endpoint.as_str());
     let refuse = |timer: &mut Timer, e: ApiError| {
         timer.outcome = Some(e.outcome());
         e.into_response()
     };
-    if let Err(e) = s.authorize(&headers) {
-        return refuse(&mut timer, e);
-    }
+    let body = match s.authorized_body(&headers, body).await {
+        Ok(b) => b,
+        Err(e) => return refuse(&mut timer, e),
+    };
     let Ok(permit) = s.permits.clone().try_acquire_owned() else {
         let e = ApiError::new(
             StatusCode::TOO_MANY_REQUESTS,

@@ -55,6 +55,8 @@ pub struct Setup {
     pub topo: Topology,
     /// The generator's name (`gen_id` of the groups it publishes).
     pub gen_id: String,
+    /// What a client may hold of the endpoint: connections, read time, body size.
+    pub limits: super::listen::ClientLimits,
 }
 
 pub(super) struct Server {
@@ -114,6 +116,17 @@ impl Server {
                 "missing or wrong bearer key (Authorization: Bearer KEY)",
             )),
         }
+    }
+
+    /// The body of a request with `headers`, once its key is checked, read within the
+    /// endpoint's limits ([`super::listen::read_body`]).
+    pub(super) async fn authorized_body(
+        &self,
+        headers: &HeaderMap,
+        body: axum::body::Body,
+    ) -> Result<axum::body::Bytes, ApiError> {
+        self.authorize(headers)?;
+        super::listen::read_body(headers, body, &self.setup.limits).await
     }
 
     /// Reads, checks and tokenizes a request: the call to decode, or why not.

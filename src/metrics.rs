@@ -77,6 +77,11 @@ pub const SERVE_ROWS: &str = "rlstream_serve_rows";
 pub const SERVE_RECORDED_TOTAL: &str = "rlstream_serve_recorded_calls_total";
 pub const SERVE_DRIFT_TOTAL: &str = "rlstream_serve_drift_total";
 pub const SERVE_EPISODES_TOTAL: &str = "rlstream_serve_episodes_total";
+pub const SERVE_CONNECTIONS_REFUSED_TOTAL: &str = "rlstream_serve_connections_refused_total";
+pub const SERVE_EPISODE_CACHE_TOTAL: &str = "rlstream_serve_episode_cache_total";
+pub const SERVE_EPISODE_CACHE_BYTES: &str = "rlstream_serve_episode_cache_bytes";
+pub const SERVE_EPISODE_CACHE_EVICTIONS_TOTAL: &str =
+    "rlstream_serve_episode_cache_evictions_total";
 
 /// The commit the binary was built from (`git rev-parse --short=12 HEAD` at build time, or
 /// `RLSTREAM_GIT_SHA`, or `unknown` outside a checkout).
@@ -405,6 +410,26 @@ fn describe() {
         "Endpoint calls recorded into an episode (X-Rlstream-Episode)."
     );
     describe_counter!(
+        SERVE_CONNECTIONS_REFUSED_TOTAL,
+        Unit::Count,
+        "Endpoint connections closed as soon as accepted: gen.serve_max_connections were open."
+    );
+    describe_counter!(
+        SERVE_EPISODE_CACHE_TOTAL,
+        Unit::Count,
+        "Calls of recorded episodes by how their prompt was read: continued (from the episode's kept KV cache) or prefilled (whole)."
+    );
+    describe_gauge!(
+        SERVE_EPISODE_CACHE_BYTES,
+        Unit::Bytes,
+        "Bytes of the KV caches kept for agent episodes between their calls."
+    );
+    describe_counter!(
+        SERVE_EPISODE_CACHE_EVICTIONS_TOTAL,
+        Unit::Count,
+        "Episodes' kept KV caches dropped to stay within gen.serve_episode_cache_mb."
+    );
+    describe_counter!(
         SERVE_DRIFT_TOTAL,
         Unit::Count,
         "Endpoint calls of a trained episode whose prompt did not extend what the episode sampled (its episode is not trained)."
@@ -497,6 +522,24 @@ pub fn serve_request(endpoint: &'static str, outcome: &'static str, seconds: f64
 /// The endpoint's calls hold `rows` rows of the generator's batch.
 pub fn serving_rows(rows: usize) {
     gauge!(SERVE_ROWS).set(rows as f64);
+}
+
+/// An endpoint connection was closed at once: the bound on open connections was reached.
+pub fn connection_refused() {
+    counter!(SERVE_CONNECTIONS_REFUSED_TOTAL).increment(1);
+}
+
+/// A call of a recorded episode read its prompt as `outcome` (`continued`, `prefilled`).
+pub fn episode_cache(outcome: &'static str) {
+    counter!(SERVE_EPISODE_CACHE_TOTAL, "outcome" => outcome).increment(1);
+}
+
+/// The episodes' kept caches take `bytes`, after `evicted` were dropped for room.
+pub fn episode_caches(bytes: usize, evicted: u64) {
+    gauge!(SERVE_EPISODE_CACHE_BYTES).set(bytes as f64);
+    if evicted > 0 {
+        counter!(SERVE_EPISODE_CACHE_EVICTIONS_TOTAL).increment(evicted);
+    }
 }
 
 /// A call of a trained episode did not extend what its episode sampled.

@@ -179,6 +179,14 @@ async fn openai_agents_play_episodes_that_are_recorded_token_exactly_grouped_and
             .filter(|e| e.kind == "step")
             .count();
     }
+    // Calls that extended their episode under the version that computed its cache
+    // continued from it instead of prefilling the history.
+    let scrape = crate::common::scrape(&serving.metrics);
+    let continued = crate::common::metric(
+        &scrape,
+        "rlstream_serve_episode_cache_total{outcome=\"continued\"}",
+    );
+    assert!(continued >= 1.0, "{scrape}");
     interrupt(train, "train", &log("train"));
     interrupt(serving.proc, "gen", &log("gen"));
     interrupt(score, "score", &log("score"));

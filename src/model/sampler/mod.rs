@@ -24,12 +24,14 @@
 //! forcing with its version recomputes it.
 
 mod forward;
+mod kept;
 mod request;
 #[cfg(test)]
 mod tests;
 
 pub use forward::PREFILL_TOKENS;
 use forward::{Prefilled, checked_prompt, decode_pass, passes, prefill, prefill_together};
+pub use kept::{KeptCache, Watch};
 pub use request::{Completion, Drawn, Request, Resumed, Turn, TurnLimits};
 
 use super::draw::{Draw, alternatives, sample_token};
@@ -74,9 +76,9 @@ struct Row {
     routing_shape: Option<RoutingShape>,
     routing: Vec<u16>,
     prompt_routing: Option<Arc<Routing>>,
-    /// Whether each draw is reported as it happens ([`Generator::take_drawn`]), and with
-    /// how many alternatives.
-    watched: Option<usize>,
+    /// Whether each draw is reported as it happens ([`Generator::take_drawn`]), with how
+    /// many alternatives, and whether the row's cache is kept when it finishes.
+    watched: Option<Watch>,
 }
 
 /// What a row does after a token.
@@ -257,6 +259,24 @@ fn record(row: &mut Row, reward: Option<f32>) {
     }
 }
 
+/// Row `i` of `cache`, for `row`, which just finished: kept (see [`kept`]) when it asked
+/// to be and one version computed every cached position, with its request's id.
+fn kept_row<B: Kernels>(row: &Row, cache: &KvCache<B>, i: usize) -> Option<(u64, KeptCache<B>)> {
+    if !row.watched.is_some_and(|w| w.keep) || row.index != 0 {
+        return None;
+    }
+    // The prompt and every completion token but the last, which no pass has fed.
+    let fed = row.tokens.len().saturating_sub(1);
+    let ids = row
+        .prompt
+        .iter()
+        .chain(&row.tokens[..fed])
+        .copied()
+        .collect();
+    let kept = KeptCache::row(cache, i, ids, row.cache_version?)?;
+    Some((row.request_id, kept))
+}
+
 /// The decode loop's state: active rows and their KV cache.
 pub struct Generator<B: Backend> {
     cache: Option<KvCache<B>>,
@@ -272,6 +292,8 @@ pub struct Generator<B: Backend> {
     pass_routes: Option<Vec<u16>>,
     /// Tokens of watched rows drawn since the last [`Generator::take_drawn`].
     drawn: Vec<Drawn>,
+    /// Caches finished rows left behind, by request ([`Generator::take_kept`]).
+    kept: Vec<(u64, KeptCache<B>)>,
 }
 
 impl<B: Backend> Default for Generator<B> {
@@ -284,6 +306,7 @@ impl<B: Backend> Default for Generator<B> {
             turns: Vec::new(),
             pass_routes: None,
             drawn: Vec::new(),
+            kept: Vec::new(),
         }
     }
 }
@@ -318,17 +341,51 @@ impl<B: Kernels> Generator<B> {
     }
 
     /// Like [`Generator::admit`], and every token of the request's rows is reported as it
-    /// is drawn ([`Generator::take_drawn`]), for a caller that streams them, with the
-    /// `alternatives` likeliest ids of the distribution it was drawn from
-    /// ([`alternatives`](super::draw::alternatives); none for 0).
+    /// is drawn ([`Generator::take_drawn`]), for a caller that streams them, as `watch`
+    /// says (alternatives, and whether the first row's cache is kept).
     pub fn admit_watched(
         &mut self,
         model: &Policy<B>,
         version: u64,
         req: &Request,
-        alternatives: usize,
+        watch: Watch,
     ) -> Result<(), ModelError> {
-        self.start(model, version, req, None, Some(alternatives))
+        self.start(model, version, req, None, Some(watch))
+    }
+
+    /// The cache `request`'s first row left behind when it finished, if it was kept.
+    pub fn take_kept(&mut self, request: u64) -> Option<KeptCache<B>> {
+        let at = self.kept.iter().position(|(r, _)| *r == request)?;
+        Some(self.kept.swap_remove(at).1)
+    }
+
+    /// Admits `req` as [`Generator::admit_watched`] does, continuing from `kept` when
+    /// `version` computed it and `req`'s prompt extends its ids, prefilling only the new
+    /// tokens; otherwise (another version, a prompt that does not extend it, an MoE model,
+    /// whose prompt routing would miss the cached tokens) prefilling the prompt whole.
+    /// Whether the cache was continued.
+    pub fn admit_continued(
+        &mut self,
+        model: &Policy<B>,
+        version: u64,
+        req: &Request,
+        watch: Watch,
+        kept: KeptCache<B>,
+    ) -> Result<bool, ModelError> {
+        let prompt = checked_prompt(model, req)?;
+        if !kept.continued_by(&prompt, version) || model.config().moe.is_some() {
+            self.start(model, version, req, None, Some(watch))?;
+            return Ok(false);
+        }
+        let (held, mut cache) = (kept.ids.len(), kept.cache);
+        let (last, routes) = prefill(model, &mut cache, &prompt[held..], held)?;
+        let prefilled = Prefilled {
+            last,
+            cache,
+            routes,
+        };
+        self.spread(model, version, req, &prompt, prefilled, None, Some(watch));
+        Ok(true)
     }
 
     /// The tokens of watched rows drawn since the last call, in the order drawn.
@@ -338,7 +395,7 @@ impl<B: Kernels> Generator<B> {
 
     /// Notes `row`'s last draw, from `logits`, when the row is watched.
     fn note(&mut self, row: &Row, version: u64, logits: &[f32]) {
-        if let (Some(n), Some(&token), Some(&logprob)) =
+        if let (Some(w), Some(&token), Some(&logprob)) =
             (row.watched, row.tokens.last(), row.logprobs.last())
         {
             self.drawn.push(Drawn {
@@ -347,7 +404,7 @@ impl<B: Kernels> Generator<B> {
                 token,
                 logprob,
                 version,
-                alternatives: alternatives(logits, &row.params, n),
+                alternatives: alternatives(logits, &row.params, w.alternatives),
             });
         }
     }
@@ -378,6 +435,8 @@ impl<B: Kernels> Generator<B> {
             .iter()
             .position(|r| r.request_id == request && r.index == index)?;
         let row = self.rows.remove(at);
+        let kept = self.cache.as_ref().and_then(|c| kept_row(&row, c, at));
+        self.kept.extend(kept);
         let keep: Vec<usize> = (0..=self.rows.len()).filter(|&i| i != at).collect();
         match self.cache.as_mut() {
             Some(c) if !keep.is_empty() => c.keep_rows(&keep),
@@ -418,15 +477,15 @@ impl<B: Kernels> Generator<B> {
     }
 
     /// [`Generator::admit_all`] with every row watched, as [`Generator::admit_watched`]:
-    /// the rows of `reqs[i]` with `alternatives[i]` alternatives.
+    /// the rows of `reqs[i]` as `watches[i]` says.
     pub fn admit_all_watched(
         &mut self,
         model: &Policy<B>,
         version: u64,
         reqs: &[Request],
-        alternatives: &[usize],
+        watches: &[Watch],
     ) -> Result<(), ModelError> {
-        self.start_all(model, version, reqs, Some(alternatives))
+        self.start_all(model, version, reqs, Some(watches))
     }
 
     fn start_all(
@@ -434,7 +493,7 @@ impl<B: Kernels> Generator<B> {
         model: &Policy<B>,
         version: u64,
         reqs: &[Request],
-        watched: Option<&[usize]>,
+        watched: Option<&[Watch]>,
     ) -> Result<(), ModelError> {
         let prompts = reqs
             .iter()
@@ -460,7 +519,7 @@ impl<B: Kernels> Generator<B> {
         );
         prefilled.sort_by_key(|(i, _)| *i);
         for (i, p) in prefilled {
-            let watch = watched.map(|alts| alts.get(i).copied().unwrap_or(0));
+            let watch = watched.map(|w| w.get(i).copied().unwrap_or_default());
             self.spread(model, version, &reqs[i], &prompts[i], p, None, watch);
         }
         Ok(())
@@ -472,7 +531,7 @@ impl<B: Kernels> Generator<B> {
         version: u64,
         req: &Request,
         episode: Option<TurnLimits>,
-        watched: Option<usize>,
+        watched: Option<Watch>,
     ) -> Result<(), ModelError> {
         let prompt = checked_prompt(model, req)?;
         for p in prefill_together(model, &[prompt.as_slice()])? {
@@ -492,7 +551,7 @@ impl<B: Kernels> Generator<B> {
         prompt_ids: &[u32],
         prefilled: Prefilled<B>,
         episode: Option<TurnLimits>,
-        watched: Option<usize>,
+        watched: Option<Watch>,
     ) {
         let vocab = model.config().vocab_size;
         let room = model.config().max_position.saturating_sub(prompt_ids.len());
@@ -517,7 +576,7 @@ impl<B: Kernels> Generator<B> {
             row.prompt_routing = prompt_routing.clone();
             row.turn_tokens = episode.map(|t| t.turn_tokens.max(1));
             row.watched = watched;
-            if episode.is_some() {
+            if episode.is_some() || watched.is_some_and(|w| w.keep) {
                 row.prompt = prompt_ids.to_vec();
                 row.cache_version = Some(version);
             }
@@ -525,7 +584,10 @@ impl<B: Kernels> Generator<B> {
             let next = row.next(draw, version, vocab);
             self.note(&row, version, &last);
             match next {
-                Next::Finished => self.done.push(row.finish()),
+                Next::Finished => {
+                    self.kept.extend(kept_row(&row, &cache, i));
+                    self.done.push(row.finish());
+                }
                 Next::TurnEnd => self.park(row, &cache, i),
                 Next::Continue => {
                     keep.push(i);
@@ -778,7 +840,11 @@ impl<B: Kernels> Generator<B> {
             let next = row.next(draw, version, vocab);
             self.note(&row, version, logits);
             match next {
-                Next::Finished => finished.push(row.finish()),
+                Next::Finished => {
+                    let kept = self.cache.as_ref().and_then(|c| kept_row(&row, c, i));
+                    self.kept.extend(kept);
+                    finished.push(row.finish());
+                }
                 Next::TurnEnd => ended.push((i, row)),
                 Next::Continue => {
                     keep.push(i);

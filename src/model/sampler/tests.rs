@@ -122,7 +122,16 @@ fn watched_rows_report_each_draw_and_a_row_ended_early_frees_only_itself() {
             ..params(1.0, 0, 1.0)
         },
     };
-    g.admit_watched(&model, 3, &req(0, 2), 2).expect("admit");
+    g.admit_watched(
+        &model,
+        3,
+        &req(0, 2),
+        Watch {
+            alternatives: 2,
+            keep: false,
+        },
+    )
+    .expect("admit");
     g.admit(&model, 3, &req(1, 1)).expect("admit");
     let mut drawn = g.take_drawn();
     assert_eq!(drawn.len(), 2, "each watched row's first token");
@@ -231,4 +240,98 @@ fn prefill_passes_bound_their_padding_and_tokens() {
         assert!(4 * p.len() * longest <= 5 * real, "{p:?}");
     }
     assert_eq!(passes.len(), 7, "{passes:?}");
+}
+
+/// A call that extends what a kept row's cache holds continues from it, prefilling only
+/// its new tokens, and samples exactly what a fresh prefill of the whole prompt samples
+/// under the same version, bit for bit; under another version, or with a prompt that does
+/// not extend it, the prompt is prefilled whole. The kept row came from a batch whose
+/// other prompt was longer (its cache row padded).
+#[test]
+fn a_continued_cache_samples_the_bits_of_a_fresh_prefill() {
+    let cfg = super::super::ModelConfig::tiny(super::super::Architecture::Llama, 40);
+    let model: Policy<burn::backend::NdArray> =
+        Policy::random(&cfg, 5, &Default::default()).expect("model");
+    let req = |id, prompt: Vec<u32>, seed| Request {
+        id,
+        prompt,
+        n: 1,
+        params: SamplingParams {
+            max_new_tokens: 6,
+            seed,
+            ..params(1.0, 0, 0.95)
+        },
+    };
+    let keep = Watch {
+        alternatives: 0,
+        keep: true,
+    };
+    let run = |g: &mut Generator<_>, version| {
+        let mut done = g.take_done();
+        while !g.is_idle() {
+            done.extend(g.step(&model, version).expect("step"));
+        }
+        done
+    };
+    let mut g = Generator::new();
+    let first = req(0, vec![3, 1, 4, 1, 5], 7);
+    let other = req(1, (0..17).map(|i| i % 40).collect(), 8);
+    g.admit_all_watched(&model, 2, &[first, other], &[keep, Watch::default()])
+        .expect("admit");
+    let done = run(&mut g, 2);
+    let c = done.iter().find(|c| c.request_id == 0).expect("finished");
+    assert!(g.take_kept(1).is_none(), "only a kept row leaves its cache");
+    let kept = g.take_kept(0).expect("the first row's cache is kept");
+    let fed = c.tokens.len() - 1;
+    let held: Vec<u32> = [3, 1, 4, 1, 5]
+        .iter()
+        .chain(&c.tokens[..fed])
+        .copied()
+        .collect();
+    assert_eq!(kept.ids, held, "the prompt and every fed completion token");
+    assert_eq!(kept.version, 2);
+    assert!(kept.bytes() > 0);
+
+    let mut next: Vec<u32> = vec![3, 1, 4, 1, 5];
+    next.extend(&c.tokens);
+    next.extend([9, 2, 6]);
+    let fresh = |version| {
+        let mut g = Generator::new();
+        g.admit(&model, version, &req(5, next.clone(), 11))
+            .expect("admit");
+        run(&mut g, version).remove(0)
+    };
+    let mut g = Generator::new();
+    let continued = g
+        .admit_continued(&model, 2, &req(5, next.clone(), 11), keep, kept)
+        .expect("admit");
+    assert!(continued, "same version, an extending prompt");
+    let got = run(&mut g, 2).remove(0);
+    let want = fresh(2);
+    assert_eq!(got.tokens, want.tokens);
+    let bits = |c: &Completion| c.logprobs.iter().map(|l| l.to_bits()).collect::<Vec<_>>();
+    assert_eq!(
+        bits(&got),
+        bits(&want),
+        "log-probs of a fresh prefill, bit for bit"
+    );
+    // It left its own cache, holding the whole new prompt.
+    let again = g.take_kept(5).expect("kept again");
+    assert!(again.ids.starts_with(&next));
+
+    // Another version since: prefilled whole, as a fresh call at that version.
+    let mut g = Generator::new();
+    let continued = g
+        .admit_continued(&model, 3, &req(5, next.clone(), 11), keep, again)
+        .expect("admit");
+    assert!(!continued, "the weights changed");
+    assert_eq!(bits(&run(&mut g, 3).remove(0)), bits(&fresh(3)));
+    // A prompt that does not extend the cache: prefilled whole.
+    let stale = g.take_kept(5).expect("kept");
+    let mut g = Generator::new();
+    let edited = req(6, vec![3, 1, 4, 2, 5, 9], 1);
+    assert!(
+        !g.admit_continued(&model, 3, &edited, keep, stale)
+            .expect("admit")
+    );
 }

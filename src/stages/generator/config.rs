@@ -67,6 +67,9 @@ crate::settings! {
         /// Seconds a client has to send a request's headers, and as long again for its body (408 request_timeout); a keep-alive connection idle this long between requests is closed.
         #[arg(value_name = "SECS")]
         pub serve_read_timeout_s: u64 = 30,
+        /// MiB of KV caches kept for recorded episodes between their calls, so a call that extends its episode prefills only its new tokens (least recently used dropped first, rlstream_serve_episode_cache_evictions_total); 0: every call prefills its episode whole.
+        #[arg(value_name = "MIB")]
+        pub serve_episode_cache_mb: usize = 1024,
         /// Most connections open on the endpoint at once; one past it is closed as soon as it is accepted (rlstream_serve_connections_refused_total).
         pub serve_max_connections: usize = 1024,
     }

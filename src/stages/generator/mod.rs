@@ -58,6 +58,7 @@ use crate::weights::{Follower, ModelSlot, Transport, Versioned};
 use decode::calls::{CallSender, CallSource};
 use decode::episodes::{EpisodeRules, EpisodeSource};
 use decode::group::{Decoded, GroupSampling, Groups, PromptSender};
+use decode::kept::EpisodeCaches;
 use decode::prompts::PromptSource;
 use decode::{Decoder, Doorbell, RowSource};
 use reader::Settled;
@@ -282,7 +283,9 @@ fn spawn_decoder(
     let groups = || Groups::new(&cfg.name, sampling.clone(), out.clone());
     let bell = Doorbell::new();
     let (prompts, plain, played) = PromptSender::new(&bell);
-    let (calls, call_source) = CallSource::new(&bell, tokenizer.clone());
+    let idle = cfg.serve_episode_ttl_s.max(cfg.serve_group_timeout_s);
+    let kept = EpisodeCaches::new(cfg.serve_episode_cache_mb << 20, Duration::from_secs(idle));
+    let (calls, call_source) = CallSource::new(&bell, tokenizer.clone(), kept);
     let rules = episode_rules(cfg, model.max_position, stops);
     let episodes = EpisodeSource::new(played, groups(), (rules, environments), tokenizer, &bell);
     let sources: Vec<Box<dyn RowSource>> = vec![

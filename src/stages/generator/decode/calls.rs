@@ -4,13 +4,15 @@
 //! A call's rows are decoded in the same batch as the stream's prompts, on the same model
 //! and under the same weight swaps, so every token carries the version that drew it. A call
 //! whose channel is closed (its client went away) is dropped with its KV rows before the
-//! next forward pass.
+//! next forward pass. A call of a recorded episode leaves its first row's KV cache behind
+//! ([`super::kept`]), and the episode's next call continues from it when it extends it.
 
 use super::inbox::{self, Doorbell, Inbox, Sender};
+use super::kept::EpisodeCaches;
 use super::source::{Panicked, RowSource, Rows, Waiting};
 use super::text::TextStream;
 use crate::model::ModelError;
-use crate::model::sampler::{Completion, Drawn, Request};
+use crate::model::sampler::{Completion, Drawn, Request, Watch};
 use crate::model::tokenizer::Tokenizer;
 use crate::schema::{FinishReason, SamplingParams};
 use std::collections::{HashMap, VecDeque};
@@ -27,7 +29,18 @@ pub struct Call {
     pub stop: Vec<String>,
     /// How many of the likeliest ids to list beside each token (0: none).
     pub alternatives: usize,
+    /// The recorded episode the call belongs to: its first choice's cache is kept for the
+    /// episode's next call.
+    pub episode: Option<String>,
     pub events: UnboundedSender<CallEvent>,
+}
+
+/// What the endpoint hands the decode thread.
+pub enum CallMessage {
+    /// A call to decode.
+    Call(Call),
+    /// The episode closed or expired: its kept cache is freed.
+    Forget(String),
 }
 
 /// What the decode thread reports about a call.
@@ -62,10 +75,11 @@ pub enum CallEvent {
 }
 
 /// Where the endpoint hands its calls to the decode thread.
-pub type CallSender = Sender<Call>;
+pub type CallSender = Sender<CallMessage>;
 
 /// A call being decoded: where its tokens go, each row's text, the rows not yet ended.
 struct Serving {
+    episode: Option<String>,
     events: UnboundedSender<CallEvent>,
     texts: Vec<TextStream>,
     open: usize,
@@ -74,7 +88,9 @@ struct Serving {
 /// The endpoint's calls as a row source: first come, first admitted, each streamed token
 /// by token with the version that drew it.
 pub struct CallSource {
-    inbox: Inbox<Call>,
+    inbox: Inbox<CallMessage>,
+    /// The recorded episodes' caches, kept between their calls.
+    kept: EpisodeCaches,
     /// Calls waiting for rows.
     queued: VecDeque<Call>,
     calls: HashMap<u64, Serving>,
@@ -86,10 +102,15 @@ pub struct CallSource {
 
 impl CallSource {
     /// The source and the sender the endpoint hands its calls to.
-    pub fn new(bell: &Arc<Doorbell>, tokenizer: Arc<Tokenizer>) -> (CallSender, Self) {
+    pub fn new(
+        bell: &Arc<Doorbell>,
+        tokenizer: Arc<Tokenizer>,
+        kept: EpisodeCaches,
+    ) -> (CallSender, Self) {
         let (tx, inbox) = inbox::inbox(bell);
         let source = CallSource {
             inbox,
+            kept,
             queued: VecDeque::new(),
             calls: HashMap::new(),
             served_rows: 0,
@@ -102,6 +123,7 @@ impl CallSource {
     fn serve(&mut self, id: u64, call: Call) {
         let texts = (0..call.n).map(|_| TextStream::new(call.stop.clone()));
         let serving = Serving {
+            episode: call.episode,
             events: call.events,
             texts: texts.collect(),
             open: call.n,
@@ -121,27 +143,51 @@ impl CallSource {
             n: call.n,
             params: call.params.clone(),
         };
-        let refused =
-            match rows.prefill(|g, model, v| g.admit_watched(model, v, &req, call.alternatives)) {
-                Ok(Ok(())) => {
-                    self.serve(req.id, call);
-                    return Ok(());
+        let watch = self.watch(&call);
+        let kept = call.episode.as_deref().and_then(|e| self.kept.take(e));
+        let admitted = rows.prefill(|g, model, v| match kept {
+            Some(kept) => g.admit_continued(model, v, &req, watch, kept),
+            None => g.admit_watched(model, v, &req, watch).map(|()| false),
+        });
+        let refused = match admitted {
+            Ok(Ok(continued)) => {
+                if call.episode.is_some() {
+                    let outcome = if continued { "continued" } else { "prefilled" };
+                    crate::metrics::episode_cache(outcome);
                 }
-                Ok(Err(ModelError::Refused(r))) => CallEvent::Refused {
-                    reason: r.reason,
-                    detail: r.detail,
-                },
-                Ok(Err(e)) => return Err(e),
-                Err(panic) => CallEvent::Failed(format!("the prefill panicked: {panic}")),
-            };
+                self.serve(req.id, call);
+                return Ok(());
+            }
+            Ok(Err(ModelError::Refused(r))) => CallEvent::Refused {
+                reason: r.reason,
+                detail: r.detail,
+            },
+            Ok(Err(e)) => return Err(e),
+            Err(panic) => CallEvent::Failed(format!("the prefill panicked: {panic}")),
+        };
         let _ = call.events.send(refused);
         Ok(())
+    }
+
+    /// How `call`'s rows are watched: its alternatives, and for a recorded episode's call
+    /// (when caches are kept) its first row's cache kept.
+    fn watch(&self, call: &Call) -> Watch {
+        Watch {
+            alternatives: call.alternatives,
+            keep: call.episode.is_some() && self.kept.enabled(),
+        }
     }
 }
 
 impl RowSource for CallSource {
     fn receive(&mut self) {
-        self.queued.extend(self.inbox.drain());
+        for message in self.inbox.drain() {
+            match message {
+                CallMessage::Call(call) => self.queued.push_back(call),
+                CallMessage::Forget(episode) => self.kept.forget(&episode),
+            }
+        }
+        self.kept.sweep();
     }
 
     fn waiting(&self) -> Waiting {
@@ -175,7 +221,8 @@ impl RowSource for CallSource {
 
     /// Admits the calls that fit, first come first, their prompts prefilled together
     /// ([`crate::model::sampler::Generator::admit_all`]); when that fails (a prompt refused,
-    /// a panic), each is started alone, so that only the call at fault hears why.
+    /// a panic), each is started alone, so that only the call at fault hears why. A call
+    /// that continues its episode's kept cache is started alone, on that cache.
     fn admit(&mut self, rows: &mut Rows<'_>) -> Result<(), ModelError> {
         let mut calls = Vec::new();
         let mut taking = 0;
@@ -186,6 +233,12 @@ impl RowSource for CallSource {
             calls.extend(self.queued.pop_front());
         }
         calls.retain(|c| !c.events.is_closed());
+        let (continued, calls): (Vec<Call>, Vec<Call>) = calls
+            .into_iter()
+            .partition(|c| c.episode.as_deref().is_some_and(|e| self.kept.holds(e)));
+        for c in continued {
+            self.start(rows, c)?;
+        }
         if calls.len() > 1 {
             let reqs: Vec<Request> = calls
                 .iter()
@@ -196,10 +249,14 @@ impl RowSource for CallSource {
                     params: c.params.clone(),
                 })
                 .collect();
-            let alternatives: Vec<usize> = calls.iter().map(|c| c.alternatives).collect();
+            let watches: Vec<Watch> = calls.iter().map(|c| self.watch(c)).collect();
             let admitted =
-                rows.prefill(|g, model, v| g.admit_all_watched(model, v, &reqs, &alternatives));
+                rows.prefill(|g, model, v| g.admit_all_watched(model, v, &reqs, &watches));
             if let Ok(Ok(())) = admitted {
+                let prefilled = calls.iter().filter(|c| c.episode.is_some()).count();
+                for _ in 0..prefilled {
+                    crate::metrics::episode_cache("prefilled");
+                }
                 for (call, req) in calls.into_iter().zip(&reqs) {
                     self.serve(req.id, call);
                 }
@@ -252,10 +309,14 @@ impl RowSource for CallSource {
     }
 
     /// Hands the call one of its finished rows (its text up to a stop string).
-    fn finished(&mut self, _rows: &mut Rows<'_>, c: Completion) {
+    fn finished(&mut self, rows: &mut Rows<'_>, c: Completion) {
+        let kept = rows.generator().take_kept(c.request_id);
         let Some(call) = self.calls.get_mut(&c.request_id) else {
             return;
         };
+        if let (Some(kept), Some(episode)) = (kept, &call.episode) {
+            self.kept.insert(episode.clone(), kept);
+        }
         let Some(text) = call.texts.get_mut(c.index) else {
             return;
         };

@@ -12,6 +12,7 @@ pub mod calls;
 pub mod episodes;
 pub mod group;
 pub mod inbox;
+pub mod kept;
 pub mod prompts;
 pub mod source;
 #[cfg(test)]

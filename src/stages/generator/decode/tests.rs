@@ -67,7 +67,8 @@ impl RowSource for Scripted {
                 n: self.n,
                 params: params(1.0, 0, 1.0),
             };
-            let admitted = rows.prefill(|g, model, v| g.admit_watched(model, v, &req, 0));
+            let admitted =
+                rows.prefill(|g, model, v| g.admit_watched(model, v, &req, Default::default()));
             match admitted {
                 Ok(Ok(())) => {
                     self.open.insert(req.id, self.n);

@@ -1,6 +1,7 @@
 //! Closing agent episodes (`POST /v1/rlstream/episodes/{id}/close`), and publishing the
 //! groups that completes to the rollouts stream, or dead-lettering those that cannot train.
 
+use super::super::decode::calls::CallMessage;
 use super::api::{ApiError, Body};
 use super::episodes::Closed;
 use super::server::{Server, Timer};
@@ -36,6 +37,8 @@ pub(super) async fn close(
             ));
         }
         let closed = s.episodes.close(&id, reward, &turn_rewards)?;
+        // Its kept KV cache has no call left to continue it.
+        let _ = s.calls.send(CallMessage::Forget(id.clone()));
         s.settle(closed).await
     }
     .await;

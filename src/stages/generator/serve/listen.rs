@@ -44,7 +44,7 @@ pub(super) async fn accept(listener: TcpListener, app: Router, limits: ClientLim
             }
         };
         let Ok(permit) = open.clone().try_acquire_owned() else {
-            metrics::counter!("rlstream_serve_connections_refused_total").increment(1);
+            crate::metrics::connection_refused();
             drop(stream);
             continue;
         };

@@ -29,7 +29,7 @@ pub mod recorded;
 mod server;
 mod stream;
 
-use super::decode::calls::{Call, CallEvent, CallSender};
+use super::decode::calls::{Call, CallEvent, CallMessage, CallSender};
 use crate::stages::StageError;
 use api::{ApiError, Endpoint};
 use axum::Router;
@@ -222,9 +222,10 @@ async fn serve(s: Arc<Server>, endpoint: Endpoint, headers: HeaderMap, body: Bod
         params: p.params.clone(),
         stop: p.sampling.stop.clone(),
         alternatives: p.sampling.top_logprobs,
+        episode: p.episode.as_ref().map(|l| l.id.clone()),
         events: tx,
     };
-    if s.calls.send(call).is_err() {
+    if s.calls.send(CallMessage::Call(call)).is_err() {
         return refuse(&mut timer, stopped());
     }
     let mut gathered = Gathered::new(p.sampling.n);

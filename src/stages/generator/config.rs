@@ -98,17 +98,14 @@ impl GenConfig {
     /// Checks values the types cannot.
     pub fn validate(&self) -> Result<(), crate::settings::InvalidSetting> {
         use crate::settings::invalid;
-        if self.group_size == 0 {
-            return Err(invalid("gen.group_size", "must be at least 1"));
-        }
-        if self.max_new_tokens == 0 {
-            return Err(invalid("gen.max_new_tokens", "must be at least 1"));
-        }
-        if self.max_turns == 0 {
-            return Err(invalid("gen.max_turns", "must be at least 1"));
-        }
-        if self.env_timeout_ms == 0 {
-            return Err(invalid("gen.env_timeout_ms", "must be at least 1"));
+        let positive: [(&str, u64); 4] = [
+            ("gen.group_size", self.group_size as u64),
+            ("gen.max_new_tokens", u64::from(self.max_new_tokens)),
+            ("gen.max_turns", u64::from(self.max_turns)),
+            ("gen.env_timeout_ms", self.env_timeout_ms),
+        ];
+        if let Some((key, _)) = positive.iter().find(|(_, v)| *v == 0) {
+            return Err(invalid(key, "must be at least 1"));
         }
         if !(self.top_p > 0.0 && self.top_p <= 1.0) {
             return Err(invalid("gen.top_p", "must be in (0, 1]"));
@@ -121,23 +118,19 @@ impl GenConfig {
                 )
             })?;
         }
-        if self.serve_max_requests == 0 {
-            return Err(invalid("gen.serve_max_requests", "must be at least 1"));
-        }
-        if self.serve_group_timeout_s == 0 {
-            return Err(invalid("gen.serve_group_timeout_s", "must be at least 1"));
-        }
-        if self.serve_max_body_bytes == 0 {
-            return Err(invalid("gen.serve_max_body_bytes", "must be at least 1"));
-        }
-        if self.serve_read_timeout_s == 0 {
-            return Err(invalid("gen.serve_read_timeout_s", "must be at least 1"));
-        }
-        if self.serve_max_connections == 0 {
-            return Err(invalid("gen.serve_max_connections", "must be at least 1"));
-        }
-        if self.serve_episode_ttl_s == 0 {
-            return Err(invalid("gen.serve_episode_ttl_s", "must be at least 1"));
+        let serve: [(&str, u64); 6] = [
+            ("gen.serve_max_requests", self.serve_max_requests as u64),
+            ("gen.serve_group_timeout_s", self.serve_group_timeout_s),
+            ("gen.serve_episode_ttl_s", self.serve_episode_ttl_s),
+            ("gen.serve_max_body_bytes", self.serve_max_body_bytes as u64),
+            ("gen.serve_read_timeout_s", self.serve_read_timeout_s),
+            (
+                "gen.serve_max_connections",
+                self.serve_max_connections as u64,
+            ),
+        ];
+        if let Some((key, _)) = serve.iter().find(|(_, v)| *v == 0) {
+            return Err(invalid(key, "must be at least 1"));
         }
         if self.max_batch < self.group_size {
             return Err(invalid(

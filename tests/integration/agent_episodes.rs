@@ -179,14 +179,6 @@ async fn openai_agents_play_episodes_that_are_recorded_token_exactly_grouped_and
             .filter(|e| e.kind == "step")
             .count();
     }
-    // Calls that extended their episode under the version that computed its cache
-    // continued from it instead of prefilling the history.
-    let scrape = crate::common::scrape(&serving.metrics);
-    let continued = crate::common::metric(
-        &scrape,
-        "rlstream_serve_episode_cache_total{outcome=\"continued\"}",
-    );
-    assert!(continued >= 1.0, "{scrape}");
     interrupt(train, "train", &log("train"));
     interrupt(serving.proc, "gen", &log("gen"));
     interrupt(score, "score", &log("score"));
@@ -278,6 +270,20 @@ async fn chat_history_sent_back_as_sampled_extends_the_episode_and_edited_histor
     assert_eq!(edited["record"]["drifted_calls"], 1, "{edited}");
     assert_eq!(edited["closed"]["dead_lettered"], "drift", "{edited}");
     assert_eq!(drift(), 1.0);
+    // The unedited episode's second call continued its first call's KV cache (no swap in
+    // between); the edited one's, which does not extend it, prefilled its history whole.
+    let scrape = crate::common::scrape(metrics);
+    let cache = |outcome: &str| {
+        crate::common::metric(
+            &scrape,
+            &format!("rlstream_serve_episode_cache_total{{outcome=\"{outcome}\"}}"),
+        )
+    };
+    assert_eq!(
+        (cache("continued"), cache("prefilled")),
+        (1.0, 3.0),
+        "{scrape}"
+    );
 
     let bus = crate::common::redis_bus().await;
     let groups = messages::<RolloutGroup>(&bus, &format!("{ns}:rollouts")).await;
@@ -368,6 +374,10 @@ fn run_serve_trains_on_the_agents_groups_alone_in_one_process() {
         ),
         (&Value::from(3), &Value::from(6), &Value::from(0)),
         "{summary}"
+    );
+    assert!(
+        summary["served_tokens"].as_u64() > Some(0),
+        "the agents' tokens are counted: {summary}"
     );
     // Without --serve there would be nothing to train: refused with the setting's name.
     let refused = crate::common::bin()

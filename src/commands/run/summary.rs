@@ -32,6 +32,9 @@ pub struct RunSummary {
     pub trained_tokens_per_s: f64,
     pub generated_groups: u64,
     pub generated_tokens: u64,
+    /// With `--serve`: the tokens the generator decoded beyond the groups it published,
+    /// the endpoint's calls (whose groups the agents publish); 0 without.
+    pub served_tokens: u64,
     /// Prompts the feeder fed, and of them prompts fed again by the difficulty-aware feed
     /// (`--reoffer`).
     pub prompts_fed: u64,
@@ -70,7 +73,7 @@ impl RunSummary {
             "{mode} run of `{task}` on the {bus} bus: {steps} steps in {wall:.1} s after a {warm:.1} s \
              warm start. Training reward {r0:.3} -> {r1:.3}, sample accuracy {a0:.1}% -> {a1:.1}%. \
              {held}Trained {tt} tokens ({tps:.0}/s) from \
-             {tg} groups; generated {gt} tokens in {gg} groups. Generator idle {idle:.0}% of \
+             {tg} groups; generated {gt} tokens in {gg} groups{served}. Generator idle {idle:.0}% of \
              the time; {swaps} weight swaps, stall p50 {p50:.1} us, p99 {p99:.1} us. {replay}",
             mode = self.mode,
             task = self.task,
@@ -88,12 +91,21 @@ impl RunSummary {
             tg = self.trained_groups,
             gt = self.generated_tokens,
             gg = self.generated_groups,
+            served = self.served_clause(),
             idle = 100.0 * self.gen_idle_fraction,
             swaps = self.swaps,
             p50 = 1e6 * self.swap_stall_p50_s,
             p99 = 1e6 * self.swap_stall_p99_s,
             replay = self.replay_sentence(),
         )
+    }
+
+    /// The tokens the endpoint's calls decoded beside the stream's groups, when any.
+    fn served_clause(&self) -> String {
+        match self.served_tokens {
+            0 => String::new(),
+            n => format!(" and {n} more for the endpoint's calls"),
+        }
     }
 
     /// What the run leaves for `rlstream replay`.
@@ -241,6 +253,10 @@ pub(super) fn summarize(opts: &RunOptions, cfg: Config, f: &RunFacts) -> RunSumm
         trained_tokens_per_s: trained_tokens as f64 / wall_s.max(1e-9),
         generated_groups: g.groups,
         generated_tokens: g.tokens,
+        served_tokens: match cfg.generator.serve {
+            Some(_) => g.decode.tokens.saturating_sub(g.tokens),
+            None => 0,
+        },
         prompts_fed,
         prompts_reoffered,
         reward_start,

@@ -39,7 +39,7 @@ pub struct Call {
 pub enum CallMessage {
     /// A call to decode.
     Call(Call),
-    /// The episode closed or expired: its kept cache is freed.
+    /// The episode closed: its kept cache is freed.
     Forget(String),
 }
 

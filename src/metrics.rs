@@ -529,9 +529,10 @@ pub fn connection_refused() {
     counter!(SERVE_CONNECTIONS_REFUSED_TOTAL).increment(1);
 }
 
-/// A call of a recorded episode read its prompt as `outcome` (`continued`, `prefilled`).
-pub fn episode_cache(outcome: &'static str) {
-    counter!(SERVE_EPISODE_CACHE_TOTAL, "outcome" => outcome).increment(1);
+/// `calls` calls of recorded episodes read their prompt as `outcome` (`continued`,
+/// `prefilled`).
+pub fn episode_cache(outcome: &'static str, calls: u64) {
+    counter!(SERVE_EPISODE_CACHE_TOTAL, "outcome" => outcome).increment(calls);
 }
 
 /// The episodes' kept caches take `bytes`, after `evicted` were dropped for room.

@@ -47,10 +47,7 @@ pub fn sample_token(logits: &[f32], params: &SamplingParams, rng: &mut StdRng) -
             break;
         }
     }
-    let kept: Option<Vec<u32>> = kept.map(|mut ids| {
-        ids.sort_unstable();
-        ids.into_iter().map(|i| i as u32).collect()
-    });
+    let kept = kept.map(ascending);
     // The behaviour log-prob by the definition the trainer computes too.
     let (logprob, _) = token_logprob(
         logits,
@@ -100,6 +97,12 @@ fn truncated(scaled: &[f32], params: &SamplingParams) -> Option<Vec<usize>> {
     kept
 }
 
+/// Kept ids as a sampling mask records them: ascending.
+fn ascending(mut ids: Vec<usize>) -> Vec<u32> {
+    ids.sort_unstable();
+    ids.into_iter().map(|i| i as u32).collect()
+}
+
 /// The `n` likeliest ids of the distribution [`sample_token`] draws from with `params`
 /// (tempered, truncated by top-k and top-p, renormalised over what is kept), likeliest
 /// first (ties by id), each with its log-prob under that distribution by the same
@@ -114,10 +117,7 @@ pub fn alternatives(logits: &[f32], params: &SamplingParams, n: usize) -> Vec<(u
     }
     let k = inv_temperature(params.temperature);
     let scaled: Vec<f32> = logits.iter().map(|&l| l * k).collect();
-    let kept = truncated(&scaled, params).map(|mut ids| {
-        ids.sort_unstable();
-        ids.into_iter().map(|i| i as u32).collect::<Vec<u32>>()
-    });
+    let kept = truncated(&scaled, params).map(ascending);
     let mut ids: Vec<usize> = match &kept {
         Some(ids) => ids.iter().map(|&i| i as usize).collect(),
         None => (0..logits.len()).collect(),

@@ -3,9 +3,10 @@
 //! ([`Generator::take_kept`](super::Generator::take_kept)); a later request whose prompt
 //! extends exactly the ids that cache holds continues from it
 //! ([`Generator::admit_continued`](super::Generator::admit_continued)), prefilling only
-//! its new tokens, as a parked episode row resumes. A cache is kept only when one weights version computed all of it, and it
-//! is continued only under that version, so every token is sampled with the log-prob a
-//! fresh prefill under that version gives, bit for bit.
+//! its new tokens, as a parked episode row resumes. A cache is kept only when one weights
+//! version computed all of it, and it is continued only under that version, so every
+//! token is sampled with the log-prob a fresh prefill under that version gives, bit for
+//! bit.
 
 use crate::model::Kernels;
 use crate::model::llama::KvCache;

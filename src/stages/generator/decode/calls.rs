@@ -153,7 +153,7 @@ impl CallSource {
             Ok(Ok(continued)) => {
                 if call.episode.is_some() {
                     let outcome = if continued { "continued" } else { "prefilled" };
-                    crate::metrics::episode_cache(outcome);
+                    crate::metrics::episode_cache(outcome, 1);
                 }
                 self.serve(req.id, call);
                 return Ok(());
@@ -254,8 +254,8 @@ impl RowSource for CallSource {
                 rows.prefill(|g, model, v| g.admit_all_watched(model, v, &reqs, &watches));
             if let Ok(Ok(())) = admitted {
                 let prefilled = calls.iter().filter(|c| c.episode.is_some()).count();
-                for _ in 0..prefilled {
-                    crate::metrics::episode_cache("prefilled");
+                if prefilled > 0 {
+                    crate::metrics::episode_cache("prefilled", prefilled as u64);
                 }
                 for (call, req) in calls.into_iter().zip(&reqs) {
                     self.serve(req.id, call);

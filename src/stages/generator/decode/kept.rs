@@ -84,10 +84,7 @@ impl EpisodeCaches {
 
     /// Frees `episode`'s cache, if it has one.
     pub fn forget(&mut self, episode: &str) {
-        if let Some(e) = self.entries.remove(episode) {
-            self.bytes -= e.bytes;
-            crate::metrics::episode_caches(self.bytes, 0);
-        }
+        self.take(episode);
     }
 
     /// Frees the caches unused for longer than an episode can stay open.
@@ -102,10 +99,5 @@ impl EpisodeCaches {
         for k in old {
             self.forget(&k);
         }
-    }
-
-    /// Bytes held.
-    pub fn bytes(&self) -> usize {
-        self.bytes
     }
 }

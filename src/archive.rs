@@ -140,9 +140,16 @@ impl<W: Write> Writer<W> {
     }
 
     fn put<T: Serialize>(&mut self, value: &T) -> Result<(), ArchiveError> {
+        use rmp::encode::ValueWriteError::{InvalidDataWrite, InvalidMarkerWrite};
         rmp_serde::encode::write_named(&mut self.out, value).map_err(|e| ArchiveError::Io {
             path: self.path.clone(),
-            source: std::io::Error::other(e.to_string()),
+            // The file's own error (a full disk, EFBIG) rather than the encoder's summary.
+            source: match e {
+                rmp_serde::encode::Error::InvalidValueWrite(
+                    InvalidMarkerWrite(io) | InvalidDataWrite(io),
+                ) => io,
+                other => std::io::Error::other(other.to_string()),
+            },
         })
     }
 
@@ -381,20 +388,39 @@ pub async fn dump(
 }
 
 /// The file side of [`dump`]: writes pages until `Done` and puts the file in place; returns
-/// without renaming when the bus side stops early (its error is the one reported).
+/// without renaming when the bus side stops early (its error is the one reported). A file
+/// that was not finished (that error, or one of its own: a full disk) is removed.
 fn write_file(
     path: &Path,
     streams: &[String],
-    mut pages: tokio::sync::mpsc::Receiver<ToFile>,
+    pages: tokio::sync::mpsc::Receiver<ToFile>,
 ) -> Result<(), ArchiveError> {
     let shown = path.display().to_string();
+    let partial = PathBuf::from(format!("{}.partial", path.display()));
+    let written = write_partial(&partial, &shown, streams, pages);
+    if !matches!(written, Ok(true)) {
+        let _ = std::fs::remove_file(&partial);
+        return written.map(|_| ());
+    }
+    std::fs::rename(&partial, path).map_err(|source| ArchiveError::Io {
+        path: shown,
+        source,
+    })
+}
+
+/// Writes the pages to `partial` and syncs it; false when the bus side stopped early.
+fn write_partial(
+    partial: &Path,
+    shown: &str,
+    streams: &[String],
+    mut pages: tokio::sync::mpsc::Receiver<ToFile>,
+) -> Result<bool, ArchiveError> {
     let io = |source| ArchiveError::Io {
-        path: shown.clone(),
+        path: shown.to_string(),
         source,
     };
-    let partial = PathBuf::from(format!("{}.partial", path.display()));
-    let file = std::fs::File::create(&partial).map_err(io)?;
-    let mut w = Writer::new(BufWriter::new(file), streams, &shown)?;
+    let file = std::fs::File::create(partial).map_err(io)?;
+    let mut w = Writer::new(BufWriter::new(file), streams, shown)?;
     loop {
         match pages.blocking_recv() {
             Some(ToFile::Page(i, page)) => {
@@ -403,7 +429,7 @@ fn write_file(
                 }
             }
             Some(ToFile::Done) => break,
-            None => return Ok(()),
+            None => return Ok(false),
         }
     }
     let (_, out) = w.finish()?;
@@ -411,8 +437,7 @@ fn write_file(
         .into_inner()
         .map_err(|e| io(std::io::Error::other(e.to_string())))?;
     file.sync_all().map_err(io)?;
-    std::fs::rename(&partial, path).map_err(io)?;
-    Ok(())
+    Ok(true)
 }
 
 /// A blocking file task's result, a panic in it as an I/O error on `path`.

@@ -94,6 +94,8 @@ crate::settings! {
         /// Seconds a stage keeps retrying while Redis is unreachable (a restart, a network blip) before it stops with an error.
         #[arg(value_name = "SECS")]
         pub redis_patience_s: u64 = 300,
+        /// Stop a stage, with a message that says what was lost, when Redis comes back without its data (restarted without persistence, flushed, a replica without the last writes promoted); by default the stage recreates its consumer groups, reports the loss and goes on.
+        pub redis_stop_on_data_loss: bool = false,
         /// PEM CA certificate of a rediss:// server; the system's trusted roots (or SSL_CERT_FILE) when absent.
         #[arg(value_name = "FILE")]
         pub redis_tls_ca: Option<PathBuf> = None,

@@ -29,6 +29,8 @@ pub const ENV_FAILURES_TOTAL: &str = "rlstream_env_failures_total";
 pub const ENV_STEP_SECONDS: &str = "rlstream_env_step_seconds";
 pub const ENV_STARTS_TOTAL: &str = "rlstream_env_process_starts_total";
 pub const CLAIMED_TOTAL: &str = "rlstream_entries_claimed_total";
+pub const BUS_DATA_LOSS_TOTAL: &str = "rlstream_bus_data_loss_total";
+pub const BUS_LOST_ENTRIES_TOTAL: &str = "rlstream_bus_lost_entries_total";
 pub const STREAM_MEMORY_BYTES: &str = "rlstream_stream_memory_bytes";
 pub const STREAM_TRIMMED_TOTAL: &str = "rlstream_stream_trimmed_entries_total";
 pub const POLICY_VERSION: &str = "rlstream_policy_version";
@@ -247,6 +249,16 @@ fn describe() {
         CLAIMED_TOTAL,
         Unit::Count,
         "Entries claimed from consumers that left them pending too long (crashed or stuck)."
+    );
+    describe_counter!(
+        BUS_DATA_LOSS_TOTAL,
+        Unit::Count,
+        "Times a consumer found Redis without its data (its group gone, or entries handed out again) and recreated its group."
+    );
+    describe_counter!(
+        BUS_LOST_ENTRIES_TOTAL,
+        Unit::Count,
+        "Entries a data loss touched, by state: held (in hand, their pending record gone) or replayed (handed out again, dropped)."
     );
     describe_gauge!(POLICY_VERSION, "Policy version a stage holds.");
     describe_histogram!(
@@ -624,6 +636,19 @@ pub fn error(stage: Stage, kind: &'static str) {
 pub fn dead_lettered(stream: &str, group: &str, reason: &str, n: u64) {
     counter!(DEAD_LETTERS_TOTAL, "stream" => stream.to_string(), "group" => group.to_string(),
         "reason" => reason.to_string())
+    .increment(n);
+}
+
+/// A consumer found Redis without its data and went on.
+pub fn data_loss(stream: &str, group: &str) {
+    counter!(BUS_DATA_LOSS_TOTAL, "stream" => stream.to_string(), "group" => group.to_string())
+        .increment(1);
+}
+
+/// Entries a data loss touched: `held` (in hand) or `replayed` (handed out again, dropped).
+pub fn lost_entries(stream: &str, group: &str, state: &'static str, n: u64) {
+    counter!(BUS_LOST_ENTRIES_TOTAL, "stream" => stream.to_string(),
+        "group" => group.to_string(), "state" => state)
     .increment(n);
 }
 

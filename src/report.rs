@@ -169,11 +169,21 @@ pub enum ReportError {
     Json(#[from] serde_json::Error),
 }
 
+/// Writes `text` to `path` aside (`{path}.partial`), then renames it into place: a write that
+/// fails (a full disk, a file size limit) leaves the file a previous report wrote whole.
 fn write(path: &Path, text: &str) -> Result<(), ReportError> {
-    std::fs::write(path, text).map_err(|source| ReportError::Io {
+    let mut partial = path.as_os_str().to_owned();
+    partial.push(".partial");
+    let partial = PathBuf::from(partial);
+    let io = |source| ReportError::Io {
         path: path.display().to_string(),
         source,
-    })
+    };
+    if let Err(e) = std::fs::write(&partial, text) {
+        let _ = std::fs::remove_file(&partial);
+        return Err(io(e));
+    }
+    std::fs::rename(&partial, path).map_err(io)
 }
 
 /// The files [`write_report`] wrote.

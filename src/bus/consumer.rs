@@ -9,8 +9,13 @@
 //! - [`Consumer::fail`] reports a processing error: the entry stays pending for a retry,
 //!   unless it has used up its deliveries, in which case it is dead-lettered with that error.
 //! - Nothing is acked until the caller says the work is done ([`Consumer::ack`]).
+//! - When Redis comes back without its data, the consumer recreates its group and goes on,
+//!   or stops, as [`OnDataLoss`] says (see [`super::loss`]).
 
-use super::{BusResult, DeadLetterRecord, Entry, EntryId, GroupStart, ReadFrom, SharedBus};
+use super::loss::{LossReport, LossSeen, OnDataLoss};
+use super::{
+    BusError, BusResult, DeadLetterRecord, Entry, EntryId, GroupStart, ReadFrom, SharedBus,
+};
 use crate::schema::{self, DeadLetter, Message, SchemaVersion};
 use bytes::Bytes;
 use std::collections::HashSet;
@@ -32,6 +37,10 @@ pub struct ConsumerOptions {
     pub max_message_bytes: usize,
     /// Where a new group starts reading.
     pub start: GroupStart,
+    /// What to do when Redis lost the stream's data.
+    pub on_data_loss: OnDataLoss,
+    /// Where a loss is reported (absent: logged and counted only).
+    pub report: Option<LossReport>,
 }
 
 impl Default for ConsumerOptions {
@@ -43,6 +52,8 @@ impl Default for ConsumerOptions {
             batch: 16,
             max_message_bytes: schema::DEFAULT_MAX_MESSAGE_BYTES,
             start: GroupStart::Beginning,
+            on_data_loss: OnDataLoss::Recover,
+            report: None,
         }
     }
 }
@@ -98,6 +109,14 @@ pub struct Consumer<M> {
     /// When held entries were last refreshed (see [`Bus::touch`]).
     last_touch: Option<Instant>,
     counts: ConsumerCounts,
+    /// The highest id a read of new entries returned: one at or below it, not in hand,
+    /// is an entry the group hands out again (it lost its last reads).
+    high_water: EntryId,
+    /// Whether the last read of new entries returned entries handed out again (one loss
+    /// is reported once, however many reads it takes to pass them).
+    replaying: bool,
+    /// Whether a loss was recovered from since [`Consumer::take_loss`] last asked.
+    lost: bool,
     _message: PhantomData<fn() -> M>,
 }
 
@@ -127,6 +146,9 @@ impl<M: Message> Consumer<M> {
             held: HashSet::new(),
             last_touch: None,
             counts: ConsumerCounts::default(),
+            high_water: EntryId::ZERO,
+            replaying: false,
+            lost: false,
             _message: PhantomData,
         })
     }
@@ -143,9 +165,25 @@ impl<M: Message> Consumer<M> {
         self.counts
     }
 
+    /// Whether Redis lost this consumer's data since the last call (and it went on): a
+    /// trainer announces its weights again then.
+    pub fn take_loss(&mut self) -> bool {
+        std::mem::take(&mut self.lost)
+    }
+
     /// The next batch: own pending entries after a restart, then claimed idle entries
     /// when a claim is due, else new entries (waiting up to `block`). May be empty.
     pub async fn poll(&mut self) -> BusResult<Vec<Delivery<M>>> {
+        match self.next_batch().await {
+            Err(e) if e.is_data_loss() => {
+                self.recover(e.to_string()).await?;
+                Ok(Vec::new())
+            }
+            r => r,
+        }
+    }
+
+    async fn next_batch(&mut self) -> BusResult<Vec<Delivery<M>>> {
         if self.resume_pending {
             let own = self
                 .bus
@@ -214,7 +252,79 @@ impl<M: Message> Consumer<M> {
                 Some(self.opts.block),
             )
             .await?;
+        let fresh = self.drop_replayed(fresh).await?;
         self.admit(fresh).await
+    }
+
+    /// Recreates the group after Redis lost it (`how` says how it showed), or stops with
+    /// [`BusError::DataLost`] under [`OnDataLoss::Stop`].
+    async fn recover(&mut self, how: String) -> BusResult<()> {
+        if self.opts.on_data_loss == OnDataLoss::Stop {
+            return Err(BusError::DataLost {
+                stream: self.stream.clone(),
+                detail: how,
+            });
+        }
+        self.bus
+            .create_group(&self.stream, &self.group, GroupStart::Beginning)
+            .await?;
+        let seen = LossSeen {
+            stream: self.stream.clone(),
+            group: self.group.clone(),
+            how,
+            held: self.held.len() as u64,
+            replayed: 0,
+        };
+        // What was in hand stays in hand (it is finished as usual; acking it is a no-op).
+        self.held.clear();
+        (self.resume_pending, self.last_touch, self.lost) = (false, None, true);
+        seen.announce(&self.bus, &self.name, self.opts.report.as_ref())
+            .await;
+        Ok(())
+    }
+
+    /// Drops (and acks) new entries at or below the highest id read before and not in
+    /// hand: the group hands them out again because it lost its last reads. They were
+    /// handled once; the first of a run of them is reported as a loss.
+    async fn drop_replayed(&mut self, fresh: Vec<Entry>) -> BusResult<Vec<Entry>> {
+        let (again, fresh): (Vec<Entry>, Vec<Entry>) = fresh
+            .into_iter()
+            .partition(|e| e.id <= self.high_water && !self.held.contains(&e.id));
+        if let Some(last) = fresh.last() {
+            self.high_water = self.high_water.max(last.id);
+        }
+        let Some(newest) = again.last().map(|e| e.id) else {
+            self.replaying = false;
+            return Ok(fresh);
+        };
+        let how = format!(
+            "the group handed out again {} entries up to {newest}, below {} read before",
+            again.len(),
+            self.high_water
+        );
+        if self.opts.on_data_loss == OnDataLoss::Stop {
+            return Err(BusError::DataLost {
+                stream: self.stream.clone(),
+                detail: how,
+            });
+        }
+        let ids: Vec<EntryId> = again.iter().map(|e| e.id).collect();
+        self.bus.ack(&self.stream, &self.group, &ids).await?;
+        if std::mem::replace(&mut self.replaying, true) {
+            crate::metrics::lost_entries(&self.stream, &self.group, "replayed", ids.len() as u64);
+        } else {
+            self.lost = true;
+            let seen = LossSeen {
+                stream: self.stream.clone(),
+                group: self.group.clone(),
+                how,
+                held: 0,
+                replayed: ids.len() as u64,
+            };
+            seen.announce(&self.bus, &self.name, self.opts.report.as_ref())
+                .await;
+        }
+        Ok(fresh)
     }
 
     /// Decodes entries, dead-letters what cannot be used, returns the rest.
@@ -254,7 +364,13 @@ impl<M: Message> Consumer<M> {
 
     /// Acknowledges finished work.
     pub async fn ack(&mut self, ids: &[EntryId]) -> BusResult<u64> {
-        let n = self.bus.ack(&self.stream, &self.group, ids).await?;
+        let n = match self.bus.ack(&self.stream, &self.group, ids).await {
+            Err(e) if e.is_data_loss() => {
+                self.recover(e.to_string()).await?;
+                0
+            }
+            r => r?,
+        };
         for id in ids {
             self.held.remove(id);
         }
@@ -343,9 +459,20 @@ impl<M: Message> Consumer<M> {
         for r in &records {
             self.held.remove(&r.entry_id);
         }
-        self.bus
+        let sent = self
+            .bus
             .dead_letter(&self.stream, &self.group, &self.dead_stream, &records)
-            .await?;
+            .await;
+        match sent {
+            // The group is recreated: the letters go out and their acks are no-ops.
+            Err(e) if e.is_data_loss() => {
+                self.recover(e.to_string()).await?;
+                self.bus
+                    .dead_letter(&self.stream, &self.group, &self.dead_stream, &records)
+                    .await?;
+            }
+            r => r?,
+        }
         self.counts.dead_lettered += records.len() as u64;
         for l in &dead {
             crate::metrics::dead_lettered(&self.stream, &self.group, &l.reason, 1);

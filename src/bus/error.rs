@@ -54,8 +54,32 @@ pub enum BusError {
         key: String,
         detail: String,
     },
-    #[error("no consumer group `{group}` on stream `{stream}` (create it first)")]
+    #[error(
+        "no consumer group `{group}` on stream `{stream}`: create it first, or, if it existed, Redis lost its data (it restarted without persistence, was flushed, or a replica without the last writes was promoted)"
+    )]
     NoGroup { stream: String, group: String },
+    /// The stream a blocked read waited on was deleted under it (`UNBLOCKED`): Redis was
+    /// flushed, or someone deleted the key.
+    #[error(
+        "stream `{stream}` was deleted while a read waited on it: Redis was flushed or the key deleted"
+    )]
+    StreamGone { stream: String },
+    /// Redis lost a stream's data and the stage was told to stop rather than go on
+    /// (`redis_stop_on_data_loss`).
+    #[error(
+        "Redis lost the data of stream `{stream}` ({detail}): it restarted without persistence, was flushed, or a replica without the last writes was promoted. Stopping, as redis_stop_on_data_loss asks; what was in flight on the stream is gone. Start the stages again to go on (they recreate their groups), and feed the prompts again if the prompts stream was lost"
+    )]
+    DataLost { stream: String, detail: String },
+    #[error(
+        "Redis is full (maxmemory reached, policy noeviction) and refused {op} on `{key}`: raise maxmemory, lower the streams' trim budgets, or let the consumers drain the streams"
+    )]
+    Full {
+        op: &'static str,
+        key: String,
+        /// Of a batch of appends, the ids of those Redis took before it refused the rest
+        /// (in order): a retry sends only the rest.
+        written: Vec<super::EntryId>,
+    },
     #[error("bus is closed")]
     Closed,
 }
@@ -63,7 +87,9 @@ pub enum BusError {
 impl BusError {
     pub fn retry_hint(&self) -> RetryHint {
         match self {
-            BusError::Unreachable { .. } | BusError::Timeout { .. } => RetryHint::WithBackoff,
+            BusError::Unreachable { .. } | BusError::Timeout { .. } | BusError::Full { .. } => {
+                RetryHint::WithBackoff
+            }
             BusError::Redis { source, .. } => {
                 if source.is_io_error()
                     || source.is_connection_dropped()
@@ -71,7 +97,7 @@ impl BusError {
                     || source.is_connection_refusal()
                     || matches!(
                         source.code(),
-                        Some("LOADING" | "BUSY" | "TRYAGAIN" | "MASTERDOWN")
+                        Some("LOADING" | "BUSY" | "TRYAGAIN" | "MASTERDOWN" | "READONLY")
                     )
                 {
                     RetryHint::WithBackoff
@@ -81,6 +107,12 @@ impl BusError {
             }
             _ => RetryHint::NoRetry,
         }
+    }
+
+    /// Whether the error says Redis lost a stream or group this consumer was using: its
+    /// group is gone, or the stream was deleted under a blocked read.
+    pub fn is_data_loss(&self) -> bool {
+        matches!(self, BusError::NoGroup { .. } | BusError::StreamGone { .. })
     }
 
     pub fn is_retryable(&self) -> bool {

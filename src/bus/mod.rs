@@ -14,6 +14,7 @@ mod consumer;
 mod entry;
 mod error;
 mod interface;
+mod loss;
 mod memory;
 mod redis;
 mod resilient;
@@ -27,6 +28,7 @@ pub use interface::{
     Bus, ConsumerStats, DeadLetterRecord, GroupStart, GroupStats, Pages, ReadFrom, SCAN_PAGE,
     SharedBus, StreamStats, scan,
 };
+pub use loss::{LossReport, OnDataLoss};
 pub use memory::MemoryBus;
 pub use redis::{RedisBus, RedisOptions, TlsFiles, redact_url};
 pub use resilient::Resilient;

@@ -4,7 +4,8 @@
 //! `patience` runs out; errors retrying cannot fix pass through at once.
 //!
 //! Stages talk to Redis through this, so a Redis restart pauses them instead of stopping
-//! them. Retried writes keep rlstream's at-least-once contract: an `XADD` whose reply was
+//! them. A full Redis (`maxmemory` with `noeviction`) refuses writes but still serves reads
+//! and acks: writers back off here while the consumers drain the streams. Retried writes keep rlstream's at-least-once contract: an `XADD` whose reply was
 //! lost may be applied twice, and the trainer drops the duplicate group by id.
 
 use super::{
@@ -51,7 +52,12 @@ impl Resilient {
                         tracing::warn!(op, error = %e, "the bus is unavailable; retrying with backoff for up to {:?}", self.patience);
                     }
                     failures += 1;
-                    crate::metrics::error_n(Stage::Bus, "retry", 1);
+                    // A full Redis is its own kind: writers wait for consumers to drain it.
+                    let kind = match e {
+                        super::BusError::Full { .. } => "redis_full",
+                        _ => "retry",
+                    };
+                    crate::metrics::error_n(Stage::Bus, kind, 1);
                     tokio::time::sleep(backoff).await;
                     backoff = (backoff * 2).min(MAX_BACKOFF);
                 }
@@ -85,8 +91,30 @@ impl Bus for Resilient {
         payloads: &[Bytes],
         max_len: Option<u64>,
     ) -> BusResult<Vec<EntryId>> {
-        self.retry("publish", || self.inner.publish(stream, payloads, max_len))
-            .await
+        // What a full Redis took of the batch is kept; only the rest is sent again.
+        let written = std::sync::Mutex::new(Vec::with_capacity(payloads.len()));
+        let taken = || written.lock().map_or(0, |w| w.len());
+        self.retry("publish", || async {
+            let rest = &payloads[taken().min(payloads.len())..];
+            let result = self.inner.publish(stream, rest, max_len).await;
+            let mut w = written.lock().map_err(|_| super::BusError::Closed)?;
+            match result {
+                Ok(ids) => {
+                    w.extend(ids);
+                    Ok(std::mem::take(&mut *w))
+                }
+                Err(super::BusError::Full { op, key, written }) => {
+                    w.extend(written);
+                    Err(super::BusError::Full {
+                        op,
+                        key,
+                        written: Vec::new(),
+                    })
+                }
+                Err(e) => Err(e),
+            }
+        })
+        .await
     }
 
     async fn read_group(

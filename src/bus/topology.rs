@@ -38,6 +38,10 @@ pub struct Topology {
     #[serde(default = "default_trim_every_ms")]
     pub trim_every_ms: u64,
     pub streams: BTreeMap<String, StreamSpec>,
+    /// What consumers do when Redis lost a stream's data: the `redis_stop_on_data_loss`
+    /// setting, not the file's.
+    #[serde(skip)]
+    pub on_data_loss: super::OnDataLoss,
 }
 
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -313,6 +317,7 @@ impl Topology {
             max_deliveries: self.max_deliveries,
             block: Duration::from_millis(self.block_ms),
             max_message_bytes: self.max_message_bytes,
+            on_data_loss: self.on_data_loss,
             ..ConsumerOptions::default()
         }
     }

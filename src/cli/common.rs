@@ -49,6 +49,9 @@ pub fn topology(cfg: &Config) -> Result<Topology> {
     if let Some(dir) = &cfg.archive_dir {
         topo.archive_dir = Some(dir.clone());
     }
+    if cfg.redis_stop_on_data_loss {
+        topo.on_data_loss = crate::bus::OnDataLoss::Stop;
+    }
     Ok(topo)
 }
 

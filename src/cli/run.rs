@@ -197,12 +197,20 @@ impl RunCommand {
         eprintln!("run directory {}", opts.out.display());
         let outcome = run::run(&opts, cfg, bus, topo, ranks, shutdown_signal()).await?;
         println!("{}", outcome.summary.paragraph());
+        let report = outcome.report.map_err(|e| {
+            anyhow::anyhow!(
+                "{e}. The run itself finished (its summary is above; the model and checkpoints \
+                 under {} are whole, and a report that was there before is left whole): free \
+                 space, or write the report elsewhere with --report DIR, and run again",
+                opts.out.display()
+            )
+        })?;
         println!(
             "learning curve: {}\nper-step metrics: {} and {}\nsummary: {}",
-            outcome.report.svg.display(),
-            outcome.report.jsonl.display(),
-            outcome.report.csv.display(),
-            outcome.report.summary.display()
+            report.svg.display(),
+            report.jsonl.display(),
+            report.csv.display(),
+            report.summary.display()
         );
         Ok(())
     }

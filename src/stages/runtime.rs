@@ -3,7 +3,7 @@
 //! heartbeat and its standing trim task; and [`StageError`], the one error a stage returns.
 //! Nothing here names a stage's own types.
 
-use crate::bus::{Bus, BusError, Consumer, ConsumerOptions, SharedBus, Topology};
+use crate::bus::{Bus, BusError, Consumer, ConsumerOptions, LossReport, SharedBus, Topology};
 use crate::model::ModelError;
 use crate::roles::{Stage, Stream};
 use crate::schema::CodecError;
@@ -170,12 +170,19 @@ impl<'a> StageContext<'a> {
     /// Joins the consumer group the topology names for `stream`, as this stage's consumer,
     /// with the topology's dead-letter stream. (The future holds no borrow of the context,
     /// so a stage's future stays `Send`.)
+    /// A loss of the stream's data is reported as this stage on the events stream.
     pub fn consumer<M: crate::schema::Message>(
         &self,
         stream: Stream,
-        opts: ConsumerOptions,
+        mut opts: ConsumerOptions,
     ) -> impl Future<Output = Result<Consumer<M>, BusError>> + Send + 'static {
         let (topo, bus, name) = (self.topo, self.bus.clone(), self.name.clone());
+        opts.report = Some(LossReport::new(
+            self.stage,
+            stream,
+            topo.key(Stream::Events),
+            topo.max_len(Stream::Events),
+        ));
         let (key, group, dead) = (
             topo.key(stream),
             topo.group(stream).to_string(),

@@ -419,6 +419,38 @@ pub fn start_redis(dir: &Path, port: u16, extra: &[&str]) -> Redis {
     Redis(child)
 }
 
+/// A Redis Sentinel on `port` (config in `dir`, which it rewrites) monitoring the primary
+/// on `primary` as `name`, with a quorum of 2 and a 1 s `down-after-milliseconds`; waits
+/// until it accepts connections.
+pub fn start_sentinel(dir: &Path, port: u16, primary: u16, name: &str) -> Redis {
+    let conf = dir.join(format!("sentinel-{port}.conf"));
+    std::fs::write(
+        &conf,
+        format!(
+            "port {port}\nbind 127.0.0.1\ndir {}\n\
+             sentinel monitor {name} 127.0.0.1 {primary} 2\n\
+             sentinel down-after-milliseconds {name} 1000\n\
+             sentinel failover-timeout {name} 10000\n",
+            dir.display()
+        ),
+    )
+    .expect("sentinel conf");
+    let log = std::fs::File::create(dir.join(format!("sentinel-{port}.log"))).expect("log");
+    let child = Command::new("redis-server")
+        .arg(&conf)
+        .arg("--sentinel")
+        .stdout(log)
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("redis-server is needed (.ci/run installs it)");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+        assert!(Instant::now() < deadline, "redis sentinel did not start");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    Redis(child)
+}
+
 /// PEM files of a test PKI in one directory: a CA, a server certificate for 127.0.0.1
 /// (only: `localhost` is a name it does not hold), and a client certificate, each signed
 /// by the CA.

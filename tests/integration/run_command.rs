@@ -89,7 +89,7 @@ async fn step_fields(bus: &SharedBus) -> BTreeSet<String> {
 }
 
 fn check_report(o: &RunOutcome, steps: u64) {
-    let jsonl = std::fs::read_to_string(&o.report.jsonl).unwrap();
+    let jsonl = std::fs::read_to_string(&o.report.as_ref().expect("report").jsonl).unwrap();
     let rows: Vec<StepRow> = jsonl
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
@@ -101,13 +101,13 @@ fn check_report(o: &RunOutcome, steps: u64) {
         assert!((r.reward_mean - m.reward_mean).abs() < 1e-12);
     }
     assert!(rows.windows(2).all(|w| w[0].run.time_s <= w[1].run.time_s));
-    let csv = std::fs::read_to_string(&o.report.csv).unwrap();
+    let csv = std::fs::read_to_string(&o.report.as_ref().expect("report").csv).unwrap();
     let lines: Vec<&str> = csv.lines().collect();
     assert_eq!(lines.len() as u64, steps + 1);
     let width = lines[0].split(',').count();
     assert!(lines[0].starts_with("step,time_s,"), "{}", lines[0]);
     assert!(lines.iter().all(|l| l.split(',').count() == width));
-    let svg = std::fs::read_to_string(&o.report.svg).unwrap();
+    let svg = std::fs::read_to_string(&o.report.as_ref().expect("report").svg).unwrap();
     assert!(svg.starts_with("<svg xmlns=\"http://www.w3.org/2000/svg\""));
     assert!(svg.trim_end().ends_with("</svg>"));
     // Two panels × (reward, accuracy) × (raw, smoothed), each with one point per step.
@@ -117,8 +117,10 @@ fn check_report(o: &RunOutcome, steps: u64) {
         let points = p.split('"').next().unwrap().split(' ').count();
         assert_eq!(points as u64, steps);
     }
-    let summary: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(&o.report.summary).unwrap()).unwrap();
+    let summary: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(&o.report.as_ref().expect("report").summary).unwrap(),
+    )
+    .unwrap();
     assert_eq!(summary["steps"], steps);
     assert_eq!(summary["mode"], o.summary.mode);
 }

@@ -9,10 +9,13 @@
 //! Each entry carries the message bytes in a single field, [`PAYLOAD_FIELD`].
 //!
 //! - [`connect`]: the options, TLS files and client a bus opens, and errors naming the URL;
-//! - [`reply`]: Redis replies read back into entries and ids.
+//! - [`reply`]: Redis replies read back into entries and ids;
+//! - [`sentinel`]: the primary named through Sentinel (`redis+sentinel://`), followed
+//!   through failovers.
 
 mod connect;
 mod reply;
+mod sentinel;
 
 pub use connect::{RedisOptions, TlsFiles, redact_url};
 use connect::{blocking_config, open_client, unreachable};
@@ -29,8 +32,10 @@ use async_trait::async_trait;
 use bytes::Bytes;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig, MultiplexedConnection};
 use redis::{Client, Cmd, Pipeline, Value};
+use sentinel::Sentinels;
 use std::collections::HashMap;
-use std::time::Duration;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
 use tokio::sync::Mutex;
 
 /// `XREADGROUP` id meaning "entries never delivered to this group".
@@ -40,21 +45,33 @@ pub const BLOCK_GRACE: Duration = Duration::from_secs(5);
 
 pub struct RedisBus {
     url: String,
+    /// The connections to the node this bus talks to: replaced when Sentinel names another
+    /// primary.
+    link: std::sync::RwLock<Arc<Link>>,
+    /// The sentinels of a `redis+sentinel://` URL.
+    sentinels: Option<Sentinels>,
+    opts: RedisOptions,
+    /// When the sentinels were last asked (at most every [`FOLLOW_EVERY`]).
+    last_asked: Mutex<Option<Instant>>,
+}
+
+/// The connections to one Redis node.
+struct Link {
+    /// `HOST:PORT`, for logs and to tell a new primary from the same one.
+    addr: String,
     client: Client,
     shared: ConnectionManager,
     /// Idle dedicated connections for blocking reads.
     blocking_pool: Mutex<Vec<MultiplexedConnection>>,
-    connect_timeout: Duration,
 }
 
-impl RedisBus {
-    /// Connects and checks that Redis answers; a clear error if it does not.
-    pub async fn connect(url: &str) -> BusResult<Self> {
-        Self::connect_with(url, RedisOptions::default()).await
-    }
+/// Shortest time between two questions to the sentinels.
+const FOLLOW_EVERY: Duration = Duration::from_millis(250);
 
-    pub async fn connect_with(url: &str, opts: RedisOptions) -> BusResult<Self> {
-        let client = open_client(url, &opts.tls)?;
+impl Link {
+    /// Connects to `client`'s node and checks that it answers; a clear error naming `url`
+    /// if it does not.
+    async fn open(client: Client, url: &str, opts: &RedisOptions) -> BusResult<Link> {
         // One connection first, without the shared connection's reconnect attempts: a wrong
         // URL, password or certificate fails here at once. It then serves blocking reads.
         let first = client
@@ -87,12 +104,50 @@ impl RedisBus {
             .get_connection_manager_with_config(config)
             .await
             .map_err(|source| unreachable(url, source))?;
-        Ok(RedisBus {
-            url: redact_url(url),
+        Ok(Link {
+            addr: client.get_connection_info().addr().to_string(),
             client,
             shared,
             blocking_pool: Mutex::new(vec![first]),
-            connect_timeout: opts.connect_timeout,
+        })
+    }
+}
+
+impl RedisBus {
+    /// Connects and checks that Redis answers; a clear error if it does not.
+    pub async fn connect(url: &str) -> BusResult<Self> {
+        Self::connect_with(url, RedisOptions::default()).await
+    }
+
+    /// Connects to the Redis `url` names: a node (`redis://`, `rediss://`), or the primary
+    /// the sentinels of a `redis+sentinel://` URL name, followed through failovers.
+    pub async fn connect_with(url: &str, opts: RedisOptions) -> BusResult<Self> {
+        let redacted = redact_url(url);
+        let sentinels = Sentinels::parse(url, &redacted).transpose()?;
+        let client = match &sentinels {
+            Some(s) => {
+                if !opts.tls.is_empty() {
+                    return Err(BusError::Tls {
+                        url: redacted,
+                        reason: "TLS through Sentinel is not supported: give the primary's rediss:// URL".into(),
+                    });
+                }
+                s.primary()
+                    .await
+                    .map_err(|source| unreachable(url, source))?
+            }
+            None => open_client(url, &opts.tls)?,
+        };
+        let link = Link::open(client, url, &opts).await?;
+        if let Some(s) = &sentinels {
+            tracing::info!(primary = s.name(), addr = %link.addr, "Sentinel names the primary");
+        }
+        Ok(RedisBus {
+            url: redacted,
+            link: std::sync::RwLock::new(Arc::new(link)),
+            sentinels,
+            opts,
+            last_asked: Mutex::new(None),
         })
     }
 
@@ -101,16 +156,77 @@ impl RedisBus {
         &self.url
     }
 
+    fn link(&self) -> Arc<Link> {
+        match self.link.read() {
+            Ok(l) => l.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        }
+    }
+
+    /// After a failure that may mean the primary moved (the node is gone, or answers as a
+    /// replica), asks the sentinels which node is the primary and, if another, moves there.
+    /// Without sentinels, or when they name the same node, nothing changes: the caller's
+    /// error stands and its retry tries again.
+    async fn follow(&self, failure: &redis::RedisError) {
+        let Some(sentinels) = &self.sentinels else {
+            return;
+        };
+        let moved = failure.is_io_error()
+            || failure.is_connection_dropped()
+            || failure.is_connection_refusal()
+            || failure.is_timeout()
+            || matches!(failure.code(), Some("READONLY" | "MASTERDOWN"));
+        if !moved {
+            return;
+        }
+        {
+            let mut last = self.last_asked.lock().await;
+            if last.is_some_and(|t| t.elapsed() < FOLLOW_EVERY) {
+                return;
+            }
+            *last = Some(Instant::now());
+        }
+        let client = match sentinels.primary().await {
+            Ok(c) => c,
+            Err(e) => {
+                tracing::debug!(error = %e, "the sentinels name no primary yet");
+                return;
+            }
+        };
+        let addr = client.get_connection_info().addr().to_string();
+        let old = self.link();
+        if addr == old.addr {
+            return;
+        }
+        match Link::open(client, &self.url, &self.opts).await {
+            Ok(link) => {
+                tracing::warn!(primary = sentinels.name(), from = %old.addr, to = %addr,
+                    "Sentinel promoted another node: following the new primary");
+                crate::metrics::error(crate::roles::Stage::Bus, "failover");
+                if let Ok(mut l) = self.link.write() {
+                    *l = Arc::new(link);
+                }
+            }
+            Err(e) => {
+                tracing::debug!(to = %addr, error = %e, "the new primary does not answer yet")
+            }
+        }
+    }
+
     async fn query<T: redis::FromRedisValue>(
         &self,
         op: &'static str,
         key: &str,
         cmd: &mut Cmd,
     ) -> BusResult<T> {
-        let mut conn = self.shared.clone();
-        cmd.query_async(&mut conn)
-            .await
-            .map_err(|source| redis_err(op, key, source))
+        let mut conn = self.link().shared.clone();
+        match cmd.query_async(&mut conn).await {
+            Ok(v) => Ok(v),
+            Err(source) => {
+                self.follow(&source).await;
+                Err(redis_err(op, key, source))
+            }
+        }
     }
 
     async fn query_pipe(
@@ -119,10 +235,14 @@ impl RedisBus {
         key: &str,
         pipe: &Pipeline,
     ) -> BusResult<Vec<Value>> {
-        let mut conn = self.shared.clone();
-        pipe.query_async(&mut conn)
-            .await
-            .map_err(|source| redis_err(op, key, source))
+        let mut conn = self.link().shared.clone();
+        match pipe.query_async(&mut conn).await {
+            Ok(v) => Ok(v),
+            Err(source) => {
+                self.follow(&source).await;
+                Err(redis_err(op, key, source))
+            }
+        }
     }
 
     /// Runs a blocking read on a dedicated connection.
@@ -133,25 +253,35 @@ impl RedisBus {
         cmd: &Cmd,
         block: Option<Duration>,
     ) -> BusResult<Value> {
-        let pooled = self.blocking_pool.lock().await.pop();
+        let link = self.link();
+        let pooled = link.blocking_pool.lock().await.pop();
         let mut conn = match pooled {
             Some(c) => c,
-            None => self
+            None => match link
                 .client
                 .get_multiplexed_async_connection_with_config(&blocking_config(
-                    self.connect_timeout,
+                    self.opts.connect_timeout,
                 ))
                 .await
-                .map_err(|source| redis_err(op, key, source))?,
+            {
+                Ok(c) => c,
+                Err(source) => {
+                    self.follow(&source).await;
+                    return Err(redis_err(op, key, source));
+                }
+            },
         };
         let limit = block.unwrap_or_default() + BLOCK_GRACE;
         match tokio::time::timeout(limit, cmd.query_async::<Value>(&mut conn)).await {
             Ok(Ok(v)) => {
-                self.blocking_pool.lock().await.push(conn);
+                link.blocking_pool.lock().await.push(conn);
                 Ok(v)
             }
             // On any failure the connection's state is unknown: drop it.
-            Ok(Err(source)) => Err(redis_err(op, key, source)),
+            Ok(Err(source)) => {
+                self.follow(&source).await;
+                Err(redis_err(op, key, source))
+            }
             Err(_) => Err(BusError::Timeout {
                 op,
                 key: key.to_string(),
@@ -256,6 +386,23 @@ fn redis_err(op: &'static str, key: &str, source: redis::RedisError) -> BusError
             group: group.to_string(),
         };
     }
+    if source.code() == Some("UNBLOCKED")
+        && source
+            .detail()
+            .is_some_and(|d| d.contains("no longer exists"))
+    {
+        let stream = key.split_once(' ').map_or(key, |(s, _)| s);
+        return BusError::StreamGone {
+            stream: stream.to_string(),
+        };
+    }
+    if source.code() == Some("OOM") {
+        return BusError::Full {
+            op,
+            key: key.to_string(),
+            written: Vec::new(),
+        };
+    }
     BusError::Redis {
         op,
         key: key.to_string(),
@@ -310,17 +457,29 @@ impl Bus for RedisBus {
             }
             cmd.arg("*").arg(PAYLOAD_FIELD).arg(p.as_ref());
         }
+        // Each reply on its own: a full Redis may take the first appends and refuse the
+        // rest, and a retry must send only the rest.
+        pipe.ignore_errors();
         let replies = self.query_pipe("XADD", stream, &pipe).await?;
-        replies
-            .iter()
-            .map(|v| {
-                parse_id(v).ok_or_else(|| BusError::Protocol {
-                    op: "XADD",
-                    key: stream.to_string(),
-                    detail: format!("{v:?} is not an entry id"),
-                })
-            })
-            .collect()
+        let mut ids = Vec::with_capacity(replies.len());
+        for v in &replies {
+            if let Value::ServerError(e) = v {
+                return Err(match redis_err("XADD", stream, e.clone().into()) {
+                    BusError::Full { op, key, .. } => BusError::Full {
+                        op,
+                        key,
+                        written: ids,
+                    },
+                    other => other,
+                });
+            }
+            ids.push(parse_id(v).ok_or_else(|| BusError::Protocol {
+                op: "XADD",
+                key: stream.to_string(),
+                detail: format!("{v:?} is not an entry id"),
+            })?);
+        }
+        Ok(ids)
     }
 
     async fn read_group(

@@ -56,7 +56,9 @@ use tokio::sync::mpsc;
 pub struct RunOutcome {
     pub summary: RunSummary,
     pub rows: Vec<StepRow>,
-    pub report: ReportFiles,
+    /// The report's files, or why they could not be written (the run itself finished:
+    /// its summary and model are whole).
+    pub report: Result<ReportFiles, report::ReportError>,
 }
 
 /// The defaults `rlstream run` puts under the config file: a small model that learns a
@@ -280,7 +282,7 @@ pub async fn run(
         ),
     };
     let summary = summarize(opts, cfg, &facts);
-    let report = write_report(opts, &rows, &summary)?;
+    let report = write_report(opts, &rows, &summary);
     Ok(RunOutcome {
         summary,
         rows,
@@ -294,7 +296,7 @@ fn write_report(
     opts: &RunOptions,
     rows: &[StepRow],
     summary: &RunSummary,
-) -> Result<ReportFiles, StageError> {
+) -> Result<ReportFiles, report::ReportError> {
     let dir = opts
         .report
         .clone()
@@ -316,7 +318,6 @@ fn write_report(
         })
         .collect();
     report::write_report(&dir, rows, &markers, summary, &title)
-        .map_err(|e| StageError::Other(e.to_string()))
 }
 
 /// What the feeder draws from, and the held-out set (none with `run.eval_prompts = 0`):

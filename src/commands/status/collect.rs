@@ -2,8 +2,8 @@
 //! weights announce and dead letter, and the events of the window, grouped by process.
 
 use super::snapshot::{
-    ConsumerStatus, DeadLetterStatus, GroupStatus, ProcessStatus, Status, StreamStatus,
-    TrainerStatus, WeightsStatus,
+    ConsumerStatus, DataLossStatus, DeadLetterStatus, GroupStatus, ProcessStatus, Status,
+    StreamStatus, TrainerStatus, WeightsStatus,
 };
 use crate::bus::{Bus, BusError, EntryId, RangeBound, Topology};
 use crate::roles::{Stage, Stream};
@@ -157,6 +157,7 @@ async fn read_events(
 #[derive(Default)]
 struct EventsPart {
     processes: Vec<ProcessStatus>,
+    losses: Vec<DataLossStatus>,
     trainer: Option<TrainerStatus>,
     generated: f64,
     scored: f64,
@@ -202,6 +203,15 @@ impl EventsPart {
         let Some(last) = evs.last() else { return };
         let of_kind = |k: &str| -> Vec<&Event> { evs.iter().filter(|e| e.kind == k).collect() };
         let (beats, steps) = (of_kind("heartbeat"), of_kind("step"));
+        self.losses
+            .extend(of_kind("data_loss").into_iter().map(|e| DataLossStatus {
+                stage: stage.clone(),
+                source: source.clone(),
+                what: e.text.clone().unwrap_or_default(),
+                held: e.fields.get("held").map_or(0, |v| *v as u64),
+                replayed: e.fields.get("replayed").map_or(0, |v| *v as u64),
+                age_s: age_s(now_us, e.time_us),
+            }));
         let role = Stage::from_name(stage);
         let (rate, rate_unit) = match role {
             Some(Stage::Gen) => (count_rate(&beats, "tokens"), "tok/s generated"),
@@ -268,6 +278,11 @@ pub async fn collect(
         weights: streams.weights,
         dead_letters: streams.dead_letters,
         last_dead_letter: streams.last_dead_letter,
+        data_losses: {
+            let mut losses = events.losses;
+            losses.sort_by(|a, b| b.age_s.total_cmp(&a.age_s));
+            losses
+        },
         generated_tokens_per_s: events.generated,
         scored_groups_per_s: events.scored,
         trained_tokens_per_s: events.trained,

@@ -17,8 +17,8 @@ mod snapshot;
 pub use collect::collect;
 pub use render::render;
 pub use snapshot::{
-    ConsumerStatus, DeadLetterStatus, GroupStatus, ProcessStatus, Status, StreamStatus,
-    TrainerStatus, WeightsStatus, bytes,
+    ConsumerStatus, DataLossStatus, DeadLetterStatus, GroupStatus, ProcessStatus, Status,
+    StreamStatus, TrainerStatus, WeightsStatus, bytes,
 };
 
 #[cfg(test)]

@@ -225,4 +225,19 @@ fn flow_and_dead_letters(o: &mut String, s: &Status) {
             let _ = writeln!(o, "dead      {} entries", s.dead_letters);
         }
     }
+    if let Some(newest) = s.data_losses.last() {
+        let (held, replayed) = s
+            .data_losses
+            .iter()
+            .fold((0, 0), |(h, r), l| (h + l.held, r + l.replayed));
+        let _ = writeln!(
+            o,
+            "LOST      Redis lost its data {} times in the window ({held} entries in hand, {replayed} handed out again); newest {} ago, seen by {} {}: {}",
+            s.data_losses.len(),
+            seconds(newest.age_s),
+            newest.stage,
+            newest.source,
+            newest.what
+        );
+    }
 }

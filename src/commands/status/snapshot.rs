@@ -23,6 +23,9 @@ pub struct Status {
     pub weights: Option<WeightsStatus>,
     pub dead_letters: u64,
     pub last_dead_letter: Option<DeadLetterStatus>,
+    /// Times, in the window, a consumer found Redis without its data and went on, oldest
+    /// first.
+    pub data_losses: Vec<DataLossStatus>,
     /// Totals over the window: generated and trained tokens per second, scored groups per
     /// second.
     pub generated_tokens_per_s: f64,
@@ -107,6 +110,19 @@ pub struct DeadLetterStatus {
     pub source_id: String,
     pub reason: String,
     pub error: String,
+    pub age_s: f64,
+}
+
+/// A consumer that found Redis without its data (a `data_loss` event).
+#[derive(Debug, Clone, Serialize, PartialEq)]
+pub struct DataLossStatus {
+    pub stage: String,
+    pub source: String,
+    /// The stream and group, and how the loss showed.
+    pub what: String,
+    /// Entries in the consumer's hand, and entries handed out again and dropped.
+    pub held: u64,
+    pub replayed: u64,
     pub age_s: f64,
 }
 

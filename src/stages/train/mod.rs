@@ -215,6 +215,15 @@ async fn run_loop(
             _ = ctx.shutdown() => break,
             b = lp.consumer.poll() => b?,
         };
+        if lp.consumer.take_loss() && lp.trainer.state.version > 0 {
+            // Redis lost its data, the weights' announces with it: announce the current
+            // version again so that a generator that starts now can fetch it.
+            tracing::warn!(
+                version = lp.trainer.state.version,
+                "announcing the weights again after Redis lost its data"
+            );
+            lp.publish_weights().await?;
+        }
         lp.admit(batch).await?;
         lp.keep_alive()?;
         while !lp.done() {

@@ -7,7 +7,10 @@
   the one the dashboard's datasource variable resolves to (the default datasource);
 - `promtool check config` accepts prometheus.yml;
 - every stage is found by DNS service discovery (all replicas of a scaled service);
-- .dockerignore leaves the build output, virtual environments and runs out of the context.
+- .dockerignore leaves the build output, virtual environments and runs out of the context;
+- docker-compose.sentinel.yml overrides only stages the base file has, mounts files that
+  exist, and its stages' `redis+sentinel://` URL names every sentinel service and the
+  primary name sentinel.conf monitors.
 """
 import json
 import pathlib
@@ -113,7 +116,33 @@ def main():
                        capture_output=True, text=True)
     if r.returncode != 0:
         fail(f"promtool check config:\n{r.stdout}{r.stderr}")
+    check_sentinel(services)
     print(f"ops files consistent: {len(services)} services, targets {sorted(targets)}")
+
+
+def check_sentinel(base):
+    over = yaml.safe_load((OPS / "docker-compose.sentinel.yml").read_text())["services"]
+    sentinels = sorted(n for n in over if n.startswith("sentinel-"))
+    if len(sentinels) < 3:
+        fail("docker-compose.sentinel.yml needs three sentinels (a quorum of 2 that survives one)")
+    monitor = re.search(r"^sentinel monitor (\S+) (\S+) (\d+) (\d+)$",
+                        (OPS / "sentinel.conf").read_text(), re.M)
+    if not monitor or monitor.group(2) not in base:
+        fail("sentinel.conf must monitor the compose `redis` service")
+    for name, svc in over.items():
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith(".") and not (OPS / src).resolve().exists():
+                fail(f"service {name} mounts {src}, which does not exist")
+        env = svc.get("environment")
+        if name in ["feed", "gen", "score", "train"]:
+            if name not in base:
+                fail(f"docker-compose.sentinel.yml overrides `{name}`, which the base file lacks")
+            url = (env or {}).get("RLSTREAM__REDIS", "")
+            m = re.fullmatch(r"redis\+sentinel://([^/]+)/(\S+)", url)
+            hosts = sorted(h.split(":")[0] for h in m.group(1).split(",")) if m else []
+            if not m or hosts != sentinels or m.group(2) != monitor.group(1):
+                fail(f"{name}'s RLSTREAM__REDIS `{url}` must name {sentinels} and `{monitor.group(1)}`")
 
 
 if __name__ == "__main__":

@@ -88,7 +88,7 @@ pub enum ConfigError {
 crate::settings! {
     /// The whole file: the connection settings at the top level, a section per stage.
     pub struct Config, flags CommonArgs, section "" {
-        /// Redis URL (redis://, rediss:// for TLS, redis://user:pass@host for ACL users); redis://127.0.0.1:6379 when absent, and `run` uses its embedded bus unless given.
+        /// Redis URL (redis://, rediss:// for TLS, redis://user:pass@host for ACL users, redis+sentinel://HOST:PORT,HOST:PORT/PRIMARY to follow Sentinel failovers); redis://127.0.0.1:6379 when absent, and `run` uses its embedded bus unless given.
         #[arg(value_name = "URL")]
         pub redis: Option<String> = None,
         /// Seconds a stage keeps retrying while Redis is unreachable (a restart, a network blip) before it stops with an error.

@@ -428,7 +428,10 @@ async fn the_stages_follow_a_sentinel_failover() {
     crate::common::wait_until("the run to follow the new primary", &log, || {
         std::fs::read_to_string(&log).is_ok_and(|t| t.contains("following the new primary"))
     });
-    eprintln!("followed the promoted replica {:?} after the kill", killed.elapsed());
+    eprintln!(
+        "followed the promoted replica {:?} after the kill",
+        killed.elapsed()
+    );
 
     let deadline = Instant::now() + Duration::from_secs(120);
     let status = loop {
@@ -456,4 +459,48 @@ async fn the_stages_follow_a_sentinel_failover() {
     );
     let summary = std::fs::read_to_string(out.join("report/summary.json")).expect("summary");
     assert!(summary.contains("\"steps\": 40"), "{summary}");
+}
+
+/// A paced feed finds its saved schedule gone after Redis lost its data: it says so, tops
+/// the backlog up again and saves its schedule anew.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_paced_feed_refills_its_backlog_after_redis_loses_its_data() {
+    let dir = tempfile::tempdir().expect("tmp");
+    let port = free_port();
+    let url = format!("redis://127.0.0.1:{port}");
+    let _redis = start_redis(dir.path(), port, &EPHEMERAL);
+    let log = dir.path().join("feed.log");
+    let args = [
+        "feed",
+        "--redis",
+        &url,
+        "--task",
+        "add",
+        "--count",
+        "1000",
+        "--reoffer",
+        "0.5",
+        "--backlog",
+        "8",
+    ]
+    .map(String::from);
+    let feed = spawn(&args, &log);
+    let exists = |key: &str| redis_cli(port, &["EXISTS", key]).trim() == "1";
+    let length = || {
+        redis_cli(port, &["XLEN", "rl:prompts"])
+            .trim()
+            .parse::<u64>()
+            .unwrap_or(0)
+    };
+    crate::common::wait_until("the feed to save its schedule", &log, || {
+        exists("rl:feed:difficulty") && length() >= 8
+    });
+    assert_eq!(redis_cli(port, &["FLUSHALL"]).trim(), "OK");
+    crate::common::wait_until("the feed to refill its backlog", &log, || {
+        std::fs::read_to_string(&log).is_ok_and(|t| t.contains("saved schedule"))
+            && exists("rl:feed:difficulty")
+            && length() >= 8
+    });
+    let out = interrupt(feed, "feed", &log);
+    assert!(out.status.success());
 }

@@ -177,6 +177,48 @@ pub async fn run(
     })
 }
 
+/// How often a paced feed checks that its saved state is still on the bus.
+const STATE_CHECK_EVERY: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// A paced feed's check for a Redis that came back without its data: the state it saved
+/// is gone. The feed keeps its schedule in memory and saves it again with its next
+/// publish; the backlog it tops up replaces the prompts that waited on the stream.
+#[derive(Default)]
+struct LossCheck {
+    saved: bool,
+    last: Option<std::time::Instant>,
+}
+
+impl LossCheck {
+    fn saved(&mut self) {
+        self.saved = true;
+    }
+
+    async fn check(
+        &mut self,
+        bus: &dyn crate::bus::Bus,
+        key: &str,
+        backlog: u64,
+    ) -> Result<(), StageError> {
+        if !self.saved || self.last.is_some_and(|t| t.elapsed() < STATE_CHECK_EVERY) {
+            return Ok(());
+        }
+        self.last = Some(std::time::Instant::now());
+        let kept = bus.get_blobs(&[key.to_string()]).await?;
+        if kept.first().is_some_and(Option::is_none) {
+            self.saved = false;
+            crate::metrics::data_loss(key, "feed");
+            tracing::warn!(
+                "Redis lost its data: the feed's saved schedule ({key}) is gone, and with it \
+                 up to {backlog} prompts that waited on the prompts stream. The feed goes on \
+                 from its schedule, tops the backlog up again and saves the schedule with its \
+                 next publish"
+            );
+        }
+        Ok(())
+    }
+}
+
 /// The bus key of a paced feed's state.
 pub fn state_key(topo: &Topology) -> String {
     topo.key("feed:difficulty")
@@ -213,7 +255,9 @@ async fn paced(
     let mut fresh = || items.next();
     let (fresh_before, again_before) = (pool.state().fresh, pool.state().reoffered);
     let builtin = cfg.task.is_some();
+    let mut saved = LossCheck::default();
     loop {
+        saved.check(bus.as_ref(), &key, cfg.backlog).await?;
         pool.read_outcomes(bus.as_ref(), topo).await?;
         let waiting =
             super::waiting(bus.as_ref(), topo, Stream::Prompts, true, WAITING_SCAN_CAP).await;
@@ -229,6 +273,7 @@ async fn paced(
             let state = rmp_serde::to_vec(pool.state())
                 .map_err(|e| StageError::Other(format!("the feed's state: {e}")))?;
             bus.put_blobs(&[(key.clone(), Bytes::from(state))]).await?;
+            saved.saved();
         }
         tokio::select! {
             biased;

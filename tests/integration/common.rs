@@ -388,7 +388,7 @@ impl Drop for Redis {
 pub fn start_redis(dir: &Path, port: u16, extra: &[&str]) -> Redis {
     let log_path = dir.join(format!("redis-{port}.log"));
     let log = std::fs::File::create(&log_path).expect("redis log");
-    let mut child = Command::new("redis-server")
+    let child = Command::new("redis-server")
         .args(["--port", &port.to_string(), "--bind", "127.0.0.1"])
         .args([
             "--appendonly",
@@ -405,12 +405,18 @@ pub fn start_redis(dir: &Path, port: u16, extra: &[&str]) -> Redis {
         .stderr(Stdio::null())
         .spawn()
         .expect("redis-server is needed (.ci/run installs it)");
+    listening(child, port, &log_path)
+}
+
+/// `child` (a redis-server) once it accepts connections on `port`; its log at `log_path`
+/// if it exits first.
+fn listening(mut child: Child, port: u16, log_path: &Path) -> Redis {
     let deadline = Instant::now() + Duration::from_secs(20);
     while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
         if let Ok(Some(status)) = child.try_wait() {
             panic!(
                 "redis-server exited ({status}):\n{}",
-                std::fs::read_to_string(&log_path).unwrap_or_default()
+                std::fs::read_to_string(log_path).unwrap_or_default()
             );
         }
         assert!(Instant::now() < deadline, "redis-server did not start");
@@ -435,7 +441,8 @@ pub fn start_sentinel(dir: &Path, port: u16, primary: u16, name: &str) -> Redis 
         ),
     )
     .expect("sentinel conf");
-    let log = std::fs::File::create(dir.join(format!("sentinel-{port}.log"))).expect("log");
+    let log_path = dir.join(format!("sentinel-{port}.log"));
+    let log = std::fs::File::create(&log_path).expect("log");
     let child = Command::new("redis-server")
         .arg(&conf)
         .arg("--sentinel")
@@ -443,12 +450,7 @@ pub fn start_sentinel(dir: &Path, port: u16, primary: u16, name: &str) -> Redis 
         .stderr(Stdio::null())
         .spawn()
         .expect("redis-server is needed (.ci/run installs it)");
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
-        assert!(Instant::now() < deadline, "redis sentinel did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    Redis(child)
+    listening(child, port, &log_path)
 }
 
 /// PEM files of a test PKI in one directory: a CA, a server certificate for 127.0.0.1

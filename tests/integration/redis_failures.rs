@@ -6,6 +6,7 @@ use crate::common::{free_port, interrupt, run_ok, spawn, start_redis};
 use rlstream::bus::{Bus, Consumer, ConsumerOptions, RangeBound, RedisBus, SharedBus};
 use rlstream::schema::{self, Event, Prompt, WeightsAnnounce};
 use std::path::Path;
+use std::process::ExitStatus;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -31,6 +32,22 @@ fn losses_told(log: &Path) -> usize {
         .count()
 }
 
+/// Waits up to `secs` for `proc` to exit; its status.
+async fn exited(proc: &mut crate::common::Proc, what: &str, log: &Path, secs: u64) -> ExitStatus {
+    let deadline = Instant::now() + Duration::from_secs(secs);
+    loop {
+        if let Some(s) = proc.try_wait() {
+            return s;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what} did not finish:\n{}",
+            std::fs::read_to_string(log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
 /// No persistence (`--appendonly no`, as `.ci/run` starts Redis): a restart loses it all.
 const EPHEMERAL: [&str; 2] = ["--appendonly", "no"];
 
@@ -47,11 +64,7 @@ async fn the_stages_go_on_when_redis_restarts_without_its_data() {
     let feed = |n: &str| run_ok(&["feed", "--redis", &url, "--task", "sort", "--count", n]);
     assert!(feed("400").starts_with("fed 400"));
     let log = |n: &str| d.join(format!("{n}.log"));
-    let args = |v: &[&str]| {
-        let mut a: Vec<String> = v.iter().map(|s| s.to_string()).collect();
-        a.extend(["--redis".to_string(), url.clone()]);
-        a
-    };
+    let args = |v: &[&str]| crate::common::on_bus(v, &url, "rl");
     let generator = spawn(
         &args(&["gen", "--model", m, "--max-new-tokens", "9"]),
         &log("gen"),
@@ -170,24 +183,10 @@ async fn a_stage_told_to_stop_on_data_loss_stops_with_what_was_lost() {
     .to_vec();
     let mut score = spawn(&args, &log);
     crate::common::wait_until("the scorer to join its group", &log, || {
-        std::process::Command::new("redis-cli")
-            .args(["-p", &port.to_string(), "EXISTS", "rl:rollouts"])
-            .output()
-            .is_ok_and(|o| String::from_utf8_lossy(&o.stdout).trim() == "1")
+        redis_cli(port, &["EXISTS", "rl:rollouts"]).trim() == "1"
     });
-    let flushed = std::process::Command::new("redis-cli")
-        .args(["-p", &port.to_string(), "FLUSHALL"])
-        .output()
-        .expect("redis-cli");
-    assert!(flushed.status.success());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(s) = score.try_wait() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "the scorer did not stop");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    assert_eq!(redis_cli(port, &["FLUSHALL"]).trim(), "OK");
+    let status = exited(&mut score, "the scorer", &log, 20).await;
     let text = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(!status.success(), "{text}");
     assert!(
@@ -319,19 +318,11 @@ async fn writers_wait_while_redis_is_full() {
     );
     assert!(feed.try_wait().is_none(), "the feed waits");
 
-    let room = std::process::Command::new("redis-cli")
-        .args(["-p", &port.to_string(), "CONFIG", "SET", "maxmemory", "0"])
-        .output()
-        .expect("redis-cli");
-    assert!(room.status.success());
-    let deadline = Instant::now() + Duration::from_secs(60);
-    let status = loop {
-        if let Some(s) = feed.try_wait() {
-            break s;
-        }
-        assert!(Instant::now() < deadline, "the feed did not finish");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
+    assert_eq!(
+        redis_cli(port, &["CONFIG", "SET", "maxmemory", "0"]).trim(),
+        "OK"
+    );
+    let status = exited(&mut feed, "the feed", &log, 60).await;
     let said = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(status.success(), "{said}");
     assert!(said.contains("the bus is back"), "{said}");
@@ -433,18 +424,7 @@ async fn the_stages_follow_a_sentinel_failover() {
         killed.elapsed()
     );
 
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let status = loop {
-        if let Some(s) = run.try_wait() {
-            break s;
-        }
-        assert!(
-            Instant::now() < deadline,
-            "the run did not finish:\n{}",
-            std::fs::read_to_string(&log).unwrap_or_default()
-        );
-        tokio::time::sleep(Duration::from_millis(200)).await;
-    };
+    let status = exited(&mut run, "the run", &log, 120).await;
     let said = std::fs::read_to_string(&log).unwrap_or_default();
     assert!(status.success(), "{said}");
     assert!(said.contains("following the new primary"), "{said}");

@@ -317,6 +317,19 @@ async fn writers_wait_while_redis_is_full() {
         10
     );
     assert!(feed.try_wait().is_none(), "the feed waits");
+    // A dead letter (an atomic XADD and XACK) is refused as full too, so it is retried.
+    let letter = rlstream::bus::DeadLetterRecord {
+        entry_id: ids[0],
+        letter: bytes::Bytes::from_static(b"x"),
+    };
+    let refused = bus
+        .dead_letter("rl:prompts", "gen", "rl:dead", &[letter])
+        .await
+        .expect_err("full");
+    assert!(
+        matches!(refused, rlstream::bus::BusError::Full { .. }),
+        "{refused:?}"
+    );
 
     assert_eq!(
         redis_cli(port, &["CONFIG", "SET", "maxmemory", "0"]).trim(),

@@ -396,7 +396,13 @@ fn redis_err(op: &'static str, key: &str, source: redis::RedisError) -> BusError
             stream: stream.to_string(),
         };
     }
-    if source.code() == Some("OOM") {
+    // A transaction Redis aborted because a queued write was refused for memory is full too.
+    let full = source.code() == Some("OOM")
+        || source
+            .clone()
+            .into_server_errors()
+            .is_some_and(|errs| errs.iter().any(|(_, e)| e.code() == "OOM"));
+    if full {
         return BusError::Full {
             op,
             key: key.to_string(),

@@ -14,4 +14,6 @@ pub mod runtime;
 pub mod score;
 pub mod train;
 
-pub use runtime::{HEARTBEAT_EVERY, Heartbeat, Shutdown, StageContext, StageError, waiting};
+pub use runtime::{
+    HEARTBEAT_EVERY, Heartbeat, Shutdown, StageContext, StageError, held_version, waiting,
+};

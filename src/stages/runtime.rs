@@ -138,6 +138,42 @@ impl Heartbeat {
     }
 }
 
+/// The newest policy version `stage`'s processes reported in their heartbeats over the last
+/// `within` of the events stream (what live generators hold). Unlike the weights stream's
+/// announces, this comes back within a heartbeat after Redis lost its data.
+pub async fn held_version(
+    bus: &dyn Bus,
+    topo: &Topology,
+    stage: Stage,
+    within: std::time::Duration,
+) -> Result<Option<u64>, BusError> {
+    let key = topo.key(Stream::Events);
+    let Some(last) = bus.stats(&key).await?.last_id else {
+        return Ok(None);
+    };
+    let since = crate::bus::EntryId::new(last.ms.saturating_sub(within.as_millis() as u64), 0);
+    let mut newest = None;
+    crate::bus::scan(
+        bus,
+        &key,
+        crate::bus::RangeBound::Inclusive(since),
+        crate::bus::RangeBound::Open,
+        |page| {
+            for e in page {
+                if let Ok(ev) = crate::schema::decode::<crate::schema::Event>(&e.payload)
+                    && ev.kind == "heartbeat"
+                    && ev.stage == stage.as_str()
+                {
+                    newest = newest.max(Some(ev.version));
+                }
+            }
+            true
+        },
+    )
+    .await?;
+    Ok(newest)
+}
+
 /// A stage's shutdown signal: completes when the stage should finish what it holds and stop.
 pub type Shutdown<'a> = Pin<Box<dyn Future<Output = ()> + Send + 'a>>;
 

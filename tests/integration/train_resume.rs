@@ -181,3 +181,51 @@ async fn versions_continue_above_what_a_crashed_trainer_published() {
     assert_eq!(announced, vec![1, 2, 3, 4, 5, 6]);
     assert_eq!((resumed.steps, resumed.version), (4, 6));
 }
+
+/// When Redis lost the weights stream, generators' heartbeats still say what they hold: a
+/// trainer that starts below that version numbers on above it, so the generators take its
+/// weights instead of ignoring them as older.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn versions_continue_above_what_generators_hold_when_the_announces_are_gone() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = crate::common::tiny_llama(dir.path(), 4);
+    let bus: SharedBus = Arc::new(MemoryBus::new());
+    let topo = Topology {
+        block_ms: 50,
+        ..Topology::default()
+    };
+    let payloads: Vec<Bytes> = (0..4)
+        .map(|i| Bytes::from(schema::encode(&scored(&model, i)).unwrap()))
+        .collect();
+    bus.publish(&topo.key("scored"), &payloads, None)
+        .await
+        .unwrap();
+    let beat = schema::Event::new("heartbeat", "gen", "gen-0", 5);
+    bus.publish(
+        &topo.key("events"),
+        &[Bytes::from(schema::encode(&beat).unwrap())],
+        None,
+    )
+    .await
+    .unwrap();
+    let tc = TrainerSettings {
+        policy: PolicySettings {
+            model: Some(dir.path().join("model")),
+            groups_per_step: 4,
+            max_lag: 100,
+            ..PolicySettings::default()
+        },
+        train: TrainConfig {
+            checkpoint_dir: dir.path().join("ckpt"),
+            steps: 1,
+            ..TrainConfig::default()
+        },
+    };
+    let never = std::future::pending::<()>();
+    let summary = crate::common::train_alone(&tc, (bus.clone(), &topo), Transport::Bus, never)
+        .await
+        .unwrap();
+    // The fresh model announced as 6, above the generators' 5, then the step as 7.
+    assert_eq!(announced_versions(&bus, &topo).await, vec![6, 7]);
+    assert_eq!(summary.version, 7);
+}

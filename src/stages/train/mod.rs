@@ -57,6 +57,10 @@ use std::time::{Duration, Instant};
 /// unmounted) before it stops with the store's error.
 const STORE_PATIENCE: Duration = Duration::from_secs(300);
 
+/// How far back a starting trainer reads generators' heartbeats for the version they hold
+/// (they beat every [`super::HEARTBEAT_EVERY`]).
+const HELD_WITHIN: Duration = Duration::from_secs(10);
+
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
 pub struct TrainSummary {
     pub steps: u64,
@@ -290,23 +294,31 @@ impl<'a> Loop<'a> {
     }
 
     /// A trainer that died after its last checkpoint may have published versions whose
-    /// steps are now lost; generators hold them and ignore anything not newer. Number on
+    /// steps are now lost; generators hold them and ignore anything not newer (the
+    /// announces say so, or, when Redis lost them, the generators' heartbeats). Number on
     /// from above them, so versions never go backwards and generators take the resumed
     /// weights at once. A resumed trainer publishes its weights, so generators that start
     /// from the initial model (or whose weights stream was trimmed) catch up instead of
     /// producing groups too stale to train on.
     async fn resume_versions(&mut self) -> Result<(), StageError> {
+        let announced = crate::weights::newest_announce(self.bus.as_ref(), self.topo)
+            .await?
+            .map(|a| a.version);
+        // Generators' heartbeats say what they hold even when Redis lost the announces.
+        let held =
+            super::held_version(self.bus.as_ref(), self.topo, Stage::Gen, HELD_WITHIN).await?;
         let state = &mut self.trainer.state;
-        if let Some(newest) = crate::weights::newest_announce(self.bus.as_ref(), self.topo).await?
-            && newest.version > state.version
+        if let Some(newest) = announced.max(held)
+            && newest > state.version
         {
             tracing::warn!(
                 checkpoint_version = state.version,
-                published = newest.version,
-                "versions past the checkpoint were published before a restart; continuing at {}",
-                newest.version + 1
+                published = newest,
+                "versions past the checkpoint were published (or are held by generators) \
+                 before a restart; continuing at {}",
+                newest + 1
             );
-            state.version = newest.version + 1;
+            state.version = newest + 1;
         }
         if state.version > 0 {
             self.publish_weights().await?;

@@ -3,7 +3,7 @@
 
 use bytes::Bytes;
 use rlstream::bus::{MemoryBus, SharedBus, Topology};
-use rlstream::config::{PolicySettings, TrainConfig};
+use rlstream::config::TrainConfig;
 use rlstream::model::{InferBackend, Policy};
 use rlstream::schema::{self, ScoredGroup};
 use rlstream::stages::train;
@@ -40,6 +40,14 @@ fn scored(model: &Policy<InferBackend>, i: u64) -> ScoredGroup {
         i,
         rewards,
     )
+}
+
+/// [`small_trainer`](crate::common::small_trainer) with the lag unbounded for the test's
+/// groups.
+fn settings(dir: &std::path::Path, steps: u64, checkpoint_every: u64) -> TrainerSettings {
+    let mut tc = crate::common::small_trainer(dir, steps, checkpoint_every);
+    tc.policy.max_lag = 100;
+    tc
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -130,20 +138,7 @@ async fn versions_continue_above_what_a_crashed_trainer_published() {
     bus.publish(&topo.key("scored"), &payloads, None)
         .await
         .unwrap();
-    let tc = TrainerSettings {
-        policy: PolicySettings {
-            model: Some(dir.path().join("model")),
-            groups_per_step: 4,
-            max_lag: 100,
-            ..PolicySettings::default()
-        },
-        train: TrainConfig {
-            checkpoint_every: 2,
-            checkpoint_dir: dir.path().join("ckpt"),
-            steps: 3,
-            ..TrainConfig::default()
-        },
-    };
+    let tc = settings(dir.path(), 3, 2);
     let never = || std::future::pending::<()>();
     crate::common::train_alone(&tc, (bus.clone(), &topo), Transport::Bus, never())
         .await
@@ -208,19 +203,7 @@ async fn versions_continue_above_what_generators_hold_when_the_announces_are_gon
     )
     .await
     .unwrap();
-    let tc = TrainerSettings {
-        policy: PolicySettings {
-            model: Some(dir.path().join("model")),
-            groups_per_step: 4,
-            max_lag: 100,
-            ..PolicySettings::default()
-        },
-        train: TrainConfig {
-            checkpoint_dir: dir.path().join("ckpt"),
-            steps: 1,
-            ..TrainConfig::default()
-        },
-    };
+    let tc = settings(dir.path(), 1, TrainConfig::default().checkpoint_every);
     let never = std::future::pending::<()>();
     let summary = crate::common::train_alone(&tc, (bus.clone(), &topo), Transport::Bus, never)
         .await

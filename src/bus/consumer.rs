@@ -277,6 +277,9 @@ impl<M: Message> Consumer<M> {
         };
         // What was in hand stays in hand (it is finished as usual; acking it is a no-op).
         self.held.clear();
+        // The new group's entries are not a replay of the old one's, whatever their ids: a
+        // Redis that came back empty on a host whose clock is behind numbers them lower.
+        self.high_water = EntryId::ZERO;
         (self.resume_pending, self.last_touch, self.lost) = (false, None, true);
         seen.announce(&self.bus, &self.name, self.opts.report.as_ref())
             .await;

@@ -48,6 +48,20 @@ async fn exited(proc: &mut crate::common::Proc, what: &str, log: &Path, secs: u6
     }
 }
 
+/// Prompt `p{i}`, encoded.
+fn prompt_bytes(i: u64) -> bytes::Bytes {
+    let p = Prompt {
+        schema: schema::SchemaVersion::CURRENT,
+        prompt_id: format!("p{i}"),
+        task: "sort".into(),
+        text: format!("text {i}"),
+        prompt_tokens: None,
+        meta: Default::default(),
+        created_us: 1,
+    };
+    bytes::Bytes::from(schema::encode(&p).expect("encode"))
+}
+
 /// No persistence (`--appendonly no`, as `.ci/run` starts Redis): a restart loses it all.
 const EPHEMERAL: [&str; 2] = ["--appendonly", "no"];
 
@@ -207,18 +221,7 @@ async fn entries_handed_out_again_are_dropped_once_reported() {
     let url = format!("redis://127.0.0.1:{port}");
     let _redis = start_redis(dir.path(), port, &EPHEMERAL);
     let bus: SharedBus = Arc::new(RedisBus::connect(&url).await.expect("redis"));
-    let prompt = |i: usize| {
-        let p = Prompt {
-            schema: schema::SchemaVersion::CURRENT,
-            prompt_id: format!("p{i}"),
-            task: "sort".into(),
-            text: format!("text {i}"),
-            prompt_tokens: None,
-            meta: Default::default(),
-            created_us: 1,
-        };
-        bytes::Bytes::from(schema::encode(&p).expect("encode"))
-    };
+    let prompt = |i: usize| prompt_bytes(i as u64);
     let opts = ConsumerOptions {
         block: Duration::from_millis(50),
         ..ConsumerOptions::default()
@@ -496,4 +499,52 @@ async fn a_paced_feed_refills_its_backlog_after_redis_loses_its_data() {
     });
     let out = interrupt(feed, "feed", &log);
     assert!(out.status.success());
+}
+
+/// A group recreated after a loss takes the new stream's entries whatever their ids: a
+/// Redis that came back empty on a host whose clock is behind numbers them below what the
+/// consumer read before, and they are new work, not a replay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_recreated_group_takes_entries_numbered_below_what_was_read() {
+    use rlstream::bus::EntryId;
+    let ns = crate::common::unique_ns("lowids");
+    let bus = crate::common::redis_bus().await;
+    let stream = format!("{ns}:s");
+    let prompt = prompt_bytes;
+    let opts = ConsumerOptions {
+        block: Duration::from_millis(50),
+        ..ConsumerOptions::default()
+    };
+    let mut c = Consumer::<Prompt>::join(bus.clone(), &stream, "g", "c", "dead", opts)
+        .await
+        .expect("join");
+    let high: Vec<_> = (0..3)
+        .map(|i| (EntryId::new(9_000_000_000_000, i), prompt(i)))
+        .collect();
+    bus.append(&stream, &high).await.expect("append");
+    let read = c.poll().await.expect("poll");
+    let ids: Vec<_> = read.iter().map(|d| d.id).collect();
+    c.ack(&ids).await.expect("ack");
+
+    // The stream is gone (a flush), and comes back with lower ids.
+    bus.delete(std::slice::from_ref(&stream))
+        .await
+        .expect("delete");
+    assert!(c.poll().await.expect("recovers").is_empty());
+    let low: Vec<_> = (3..5)
+        .map(|i| (EntryId::new(1_000, i), prompt(i)))
+        .collect();
+    bus.append(&stream, &low).await.expect("append");
+    let mut got = Vec::new();
+    for _ in 0..3 {
+        got.extend(c.poll().await.expect("poll"));
+    }
+    assert_eq!(
+        got.iter()
+            .map(|d| d.message.prompt_id.as_str())
+            .collect::<Vec<_>>(),
+        ["p3", "p4"]
+    );
+    assert!(c.take_loss());
+    crate::common::drop_namespace(&ns).await;
 }

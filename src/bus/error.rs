@@ -91,14 +91,8 @@ impl BusError {
                 RetryHint::WithBackoff
             }
             BusError::Redis { source, .. } => {
-                if source.is_io_error()
-                    || source.is_connection_dropped()
-                    || source.is_timeout()
-                    || source.is_connection_refusal()
-                    || matches!(
-                        source.code(),
-                        Some("LOADING" | "BUSY" | "TRYAGAIN" | "MASTERDOWN" | "READONLY")
-                    )
+                if node_lost(source)
+                    || matches!(source.code(), Some("LOADING" | "BUSY" | "TRYAGAIN"))
                 {
                     RetryHint::WithBackoff
                 } else {
@@ -121,3 +115,14 @@ impl BusError {
 }
 
 pub type BusResult<T> = Result<T, BusError>;
+
+/// Whether a failure says the node is gone or is no longer the primary (it dropped, refused
+/// or timed out the connection, or answers `READONLY`/`MASTERDOWN`): worth a retry, and,
+/// through Sentinel, asking which node is the primary now.
+pub(crate) fn node_lost(e: &redis::RedisError) -> bool {
+    e.is_io_error()
+        || e.is_connection_dropped()
+        || e.is_timeout()
+        || e.is_connection_refusal()
+        || matches!(e.code(), Some("READONLY" | "MASTERDOWN"))
+}

@@ -42,6 +42,25 @@ fn scored(model: &Policy<InferBackend>, i: u64) -> ScoredGroup {
     )
 }
 
+/// Scored groups `ids`, encoded.
+fn groups(model: &Policy<InferBackend>, ids: std::ops::Range<u64>) -> Vec<Bytes> {
+    ids.map(|i| Bytes::from(schema::encode(&scored(model, i)).unwrap()))
+        .collect()
+}
+
+/// An embedded bus (50 ms reads) with `payloads` on its scored stream.
+async fn bus_with(payloads: &[Bytes]) -> (SharedBus, Topology) {
+    let bus: SharedBus = Arc::new(MemoryBus::new());
+    let topo = Topology {
+        block_ms: 50,
+        ..Topology::default()
+    };
+    bus.publish(&topo.key("scored"), payloads, None)
+        .await
+        .unwrap();
+    (bus, topo)
+}
+
 /// [`small_trainer`](crate::common::small_trainer) with the lag unbounded for the test's
 /// groups.
 fn settings(dir: &std::path::Path, steps: u64, checkpoint_every: u64) -> TrainerSettings {
@@ -54,19 +73,10 @@ fn settings(dir: &std::path::Path, steps: u64, checkpoint_every: u64) -> Trainer
 async fn resumes_from_checkpoint_without_training_twice() {
     let dir = tempfile::tempdir().unwrap();
     let model = crate::common::tiny_llama(dir.path(), 4);
-    let bus: SharedBus = Arc::new(MemoryBus::new());
-    let topo = Topology {
-        block_ms: 50,
-        ..Topology::default()
-    };
     // Group 5 is published twice (an upstream retry): it must be trained once.
-    let mut payloads: Vec<Bytes> = (0..12)
-        .map(|i| Bytes::from(schema::encode(&scored(&model, i)).unwrap()))
-        .collect();
+    let mut payloads = groups(&model, 0..12);
     payloads.insert(7, payloads[5].clone());
-    bus.publish(&topo.key("scored"), &payloads, None)
-        .await
-        .unwrap();
+    let (bus, topo) = bus_with(&payloads).await;
 
     let tc = crate::common::small_trainer(dir.path(), 2, 1);
     let never = std::future::pending::<()>();
@@ -127,17 +137,8 @@ async fn resumes_from_checkpoint_without_training_twice() {
 async fn versions_continue_above_what_a_crashed_trainer_published() {
     let dir = tempfile::tempdir().unwrap();
     let model = crate::common::tiny_llama(dir.path(), 4);
-    let bus: SharedBus = Arc::new(MemoryBus::new());
-    let topo = Topology {
-        block_ms: 50,
-        ..Topology::default()
-    };
-    let payloads: Vec<Bytes> = (0..16)
-        .map(|i| Bytes::from(schema::encode(&scored(&model, i)).unwrap()))
-        .collect();
-    bus.publish(&topo.key("scored"), &payloads, None)
-        .await
-        .unwrap();
+    let payloads = groups(&model, 0..16);
+    let (bus, topo) = bus_with(&payloads).await;
     let tc = settings(dir.path(), 3, 2);
     let never = || std::future::pending::<()>();
     crate::common::train_alone(&tc, (bus.clone(), &topo), Transport::Bus, never())
@@ -184,17 +185,7 @@ async fn versions_continue_above_what_a_crashed_trainer_published() {
 async fn versions_continue_above_what_generators_hold_when_the_announces_are_gone() {
     let dir = tempfile::tempdir().unwrap();
     let model = crate::common::tiny_llama(dir.path(), 4);
-    let bus: SharedBus = Arc::new(MemoryBus::new());
-    let topo = Topology {
-        block_ms: 50,
-        ..Topology::default()
-    };
-    let payloads: Vec<Bytes> = (0..4)
-        .map(|i| Bytes::from(schema::encode(&scored(&model, i)).unwrap()))
-        .collect();
-    bus.publish(&topo.key("scored"), &payloads, None)
-        .await
-        .unwrap();
+    let (bus, topo) = bus_with(&groups(&model, 0..4)).await;
     let beat = schema::Event::new("heartbeat", "gen", "gen-0", 5);
     bus.publish(
         &topo.key("events"),

@@ -171,12 +171,7 @@ impl RedisBus {
         let Some(sentinels) = &self.sentinels else {
             return;
         };
-        let moved = failure.is_io_error()
-            || failure.is_connection_dropped()
-            || failure.is_connection_refusal()
-            || failure.is_timeout()
-            || matches!(failure.code(), Some("READONLY" | "MASTERDOWN"));
-        if !moved {
+        if !crate::bus::error::node_lost(failure) {
             return;
         }
         {
@@ -213,6 +208,12 @@ impl RedisBus {
         }
     }
 
+    /// The error of a failed command, after following the primary if it moved.
+    async fn failed(&self, op: &'static str, key: &str, source: redis::RedisError) -> BusError {
+        self.follow(&source).await;
+        redis_err(op, key, source)
+    }
+
     async fn query<T: redis::FromRedisValue>(
         &self,
         op: &'static str,
@@ -222,10 +223,7 @@ impl RedisBus {
         let mut conn = self.link().shared.clone();
         match cmd.query_async(&mut conn).await {
             Ok(v) => Ok(v),
-            Err(source) => {
-                self.follow(&source).await;
-                Err(redis_err(op, key, source))
-            }
+            Err(source) => Err(self.failed(op, key, source).await),
         }
     }
 
@@ -238,10 +236,7 @@ impl RedisBus {
         let mut conn = self.link().shared.clone();
         match pipe.query_async(&mut conn).await {
             Ok(v) => Ok(v),
-            Err(source) => {
-                self.follow(&source).await;
-                Err(redis_err(op, key, source))
-            }
+            Err(source) => Err(self.failed(op, key, source).await),
         }
     }
 
@@ -265,10 +260,7 @@ impl RedisBus {
                 .await
             {
                 Ok(c) => c,
-                Err(source) => {
-                    self.follow(&source).await;
-                    return Err(redis_err(op, key, source));
-                }
+                Err(source) => return Err(self.failed(op, key, source).await),
             },
         };
         let limit = block.unwrap_or_default() + BLOCK_GRACE;
@@ -278,10 +270,7 @@ impl RedisBus {
                 Ok(v)
             }
             // On any failure the connection's state is unknown: drop it.
-            Ok(Err(source)) => {
-                self.follow(&source).await;
-                Err(redis_err(op, key, source))
-            }
+            Ok(Err(source)) => Err(self.failed(op, key, source).await),
             Err(_) => Err(BusError::Timeout {
                 op,
                 key: key.to_string(),

@@ -12,8 +12,9 @@
 //! A few rows (a decode step) multiply every weight once, so their speed is how fast the
 //! weights stream from memory: here the weight streams through once, each of its rows
 //! shared by three input rows while it sits in L1, four weight rows at a time, the output
-//! columns split over the cores. Many rows (prefill, training) go in blocks of rows split
-//! over the cores, both operands packed so that each register tile reads one contiguous
+//! columns split over the cores. Many rows (prefill, training) go by panels of weight rows
+//! split over the cores, each panel packed into the core's cache and run against every
+//! block of input rows, both operands packed so that each register tile reads one contiguous
 //! run of each; with AVX-512 each 512-bit register carries two outputs, eight lanes each,
 //! so the sums are the AVX2 path's.
 //!
@@ -34,6 +35,9 @@ const TASK_WEIGHTS: usize = 1 << 18;
 
 /// Input values per block of rows in the many-rows path (256 KiB of f32, half an L2).
 const BLOCK_VALUES: usize = 1 << 16;
+
+/// Weight values one task of the many-rows path packs and keeps in cache (512 KiB of f32).
+const PANEL_VALUES: usize = 1 << 17;
 
 /// A weight's element as held in memory: f32, or bf16 kept as its 16 bits (`u16`), the
 /// top half of an f32. Widening is exact, so a bf16 weight gives the f32 path's bits for the
@@ -123,8 +127,9 @@ pub(super) fn rows_by_transposed<E: Elem>(
 
 /// [`rows_by_transposed`] for more than [`FEW_ROWS`] rows.
 fn many_rows(x: &[f32], rows: usize, wt: &[f32], n: usize, k: usize) -> Vec<f32> {
-    if let Some(packed) = PackedWeight::new(wt, n, k) {
-        return rows_by_packed(x, rows, &packed);
+    #[cfg(target_arch = "x86_64")]
+    if let Some(t) = tiles().filter(|_| k >= 8) {
+        return by_panels(x, rows, wt, n, k, t);
     }
     let (mut y, per_block) = (vec![0f32; rows * n], rows_per_block(k));
     y.par_chunks_mut(per_block * n)
@@ -134,6 +139,63 @@ fn many_rows(x: &[f32], rows: usize, wt: &[f32], n: usize, k: usize) -> Vec<f32>
             block(xb, xb.len() / k, k, wt, out, strides);
         });
     y
+}
+
+/// [`many_rows`] on the CPU's tiles with no packed copy of the whole weight: the input
+/// packed once in blocks of rows, then each task packs a panel of weight rows (about
+/// [`PANEL_VALUES`], so it stays in the core's cache) and runs every block of rows over it.
+/// The weight is read from memory once, and nothing as large as it is allocated (a fresh
+/// copy of a 0.5B model's weights is 2 GB of pages the kernel must zero). The same tiles as
+/// [`rows_by_packed`], so the same bits.
+#[cfg(target_arch = "x86_64")]
+fn by_panels(x: &[f32], rows: usize, wt: &[f32], n: usize, k: usize, t: Tiles) -> Vec<f32> {
+    let per_block = rows_per_block(k);
+    let blocks: Vec<Vec<f32>> = x
+        .par_chunks(per_block * k)
+        .map(|xb| pack(xb, xb.len() / k, k, t.rows))
+        .collect();
+    // At least four tasks a core, so that a narrow layer does not leave a core idle.
+    let cols = (PANEL_VALUES / k)
+        .min(n.div_ceil(4 * rayon::current_num_threads()))
+        .max(1)
+        .next_multiple_of(t.cols);
+    let panels: Vec<Vec<f32>> = wt
+        .par_chunks(cols * k)
+        .map(|w| {
+            let pc = w.len() / k;
+            let (wp, tails) = (pack(w, pc, k, t.cols), tails(w, k));
+            let mut out = vec![0f32; rows * pc];
+            let parts = blocks
+                .iter()
+                .zip(x.chunks(per_block * k))
+                .zip(out.chunks_mut(per_block * pc));
+            for ((xp, xb), ob) in parts {
+                // SAFETY: `tiles()` chose tiles this CPU has; `xp` and `wp` are `pack`'s
+                // layouts of `xb` `[nr, k]` and the panel `[pc, k]` in the tiles' shape,
+                // `tails` `[pc, k % 8]`, `ob` `[nr, pc]`, `k >= 8`.
+                unsafe { (t.product)(xp, xb, xb.len() / k, &wp, &tails, pc, k, ob) };
+            }
+            out
+        })
+        .collect();
+    let mut y = vec![0f32; rows * n];
+    y.par_chunks_mut(n).enumerate().for_each(|(r, yr)| {
+        let mut c = 0;
+        for p in &panels {
+            let pc = p.len() / rows;
+            yr[c..c + pc].copy_from_slice(&p[r * pc..(r + 1) * pc]);
+            c += pc;
+        }
+    });
+    y
+}
+
+#[cfg(target_arch = "x86_64")]
+/// Each row's last `k % 8` values of `wt` `[n, k]`, `[n, k % 8]`: the part the tiles
+/// leave to a scalar tail.
+fn tails(wt: &[f32], k: usize) -> Vec<f32> {
+    let k8 = k - k % 8;
+    wt.chunks_exact(k).flat_map(|r| &r[k8..]).copied().collect()
 }
 
 /// Input rows per block of the many-rows path (about [`BLOCK_VALUES`] values), a multiple
@@ -198,14 +260,12 @@ impl PackedWeight {
         #[cfg(target_arch = "x86_64")]
         if k >= 8 && n > 0 {
             let tiles = tiles()?;
-            let k8 = k - k % 8;
-            let tails = wt.chunks_exact(k).flat_map(|r| &r[k8..]).copied().collect();
             let packed = pack(wt, n, k, tiles.cols);
             return Some(PackedWeight {
                 n,
                 k,
                 packed,
-                tails,
+                tails: tails(wt, k),
                 tiles,
             });
         }
@@ -395,6 +455,26 @@ mod tests {
                 );
             }
         }
+    }
+
+    /// Many rows by panels (several panels, the last one short, several blocks of rows, `k`
+    /// with a tail) give the bits of the whole weight packed at once.
+    #[test]
+    fn panels_give_the_bits_of_a_whole_packed_weight() {
+        let (rows, n, k) = (300, 1003, 601);
+        let (x, wt) = (values(rows * k, 11), values(n * k, 12));
+        let Some(packed) = PackedWeight::new(&wt, n, k) else {
+            return; // no tiles on this CPU: nothing is packed
+        };
+        assert!(
+            n > PANEL_VALUES / k && rows > rows_per_block(k),
+            "several of each"
+        );
+        let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
+        assert_eq!(
+            bits(&rows_by_transposed(&x, rows, &wt, n, k)),
+            bits(&rows_by_packed(&x, rows, &packed))
+        );
     }
 
     /// A row's outputs are the same bits alone, in a group of three, and amid 12 others.

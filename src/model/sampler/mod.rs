@@ -35,7 +35,6 @@ pub use kept::{KeptCache, Watch};
 pub use request::{Completion, Drawn, Request, Resumed, Turn, TurnLimits};
 
 use super::draw::{Draw, alternatives, sample_token};
-use super::kernels::PackOnce;
 use super::llama::{KvCache, Policy};
 use super::{Kernels, ModelError};
 use crate::schema::{
@@ -462,7 +461,7 @@ impl<B: Kernels> Generator<B> {
     /// Admits every request of `reqs` as [`Generator::admit`] does, their prompts prefilled
     /// together: prompts of similar lengths share one pass (shorter ones left-padded, the
     /// padding masked out; at most [`PREFILL_TOKENS`] tokens a pass), so each weight is read
-    /// once for all of them (and packed once, when they take several passes). Each
+    /// once a pass for all of them. Each
     /// completion is the bits it would be admitted alone: every
     /// row's products, norms and attention are its own. Nothing changes unless every
     /// request is admitted; a prompt the model cannot take refuses the whole call before any
@@ -499,29 +498,30 @@ impl<B: Kernels> Generator<B> {
             .iter()
             .map(|r| checked_prompt(model, r))
             .collect::<Result<Vec<_>, _>>()?;
+        let began = std::time::Instant::now();
         let mut order: Vec<usize> = (0..reqs.len()).collect();
         order.sort_by_key(|&i| prompts[i].len());
         let mut prefilled = Vec::with_capacity(reqs.len());
         let passes = passes(&order, |i| prompts[i].len());
-        // Several passes read the same weights: each is packed once for all of them (the
-        // packings are dropped with the guard, after the last pass).
-        let _packed = (passes.len() > 1).then(PackOnce::open);
         let passes_run = passes.len();
         for pass in passes {
             let feeds: Vec<&[u32]> = pass.iter().map(|&i| prompts[i].as_slice()).collect();
             prefilled.extend(pass.iter().copied().zip(prefill_together(model, &feeds)?));
         }
-        tracing::debug!(
-            prompts = reqs.len(),
-            passes = passes_run,
-            tokens = prompts.iter().map(Vec::len).sum::<usize>(),
-            "prompts prefilled together"
-        );
+        let prefill_ms = began.elapsed().as_millis() as u64;
         prefilled.sort_by_key(|(i, _)| *i);
         for (i, p) in prefilled {
             let watch = watched.map(|w| w.get(i).copied().unwrap_or_default());
             self.spread(model, version, &reqs[i], &prompts[i], p, None, watch);
         }
+        tracing::debug!(
+            prompts = reqs.len(),
+            passes = passes_run,
+            tokens = prompts.iter().map(Vec::len).sum::<usize>(),
+            prefill_ms,
+            ms = began.elapsed().as_millis() as u64,
+            "prompts admitted together"
+        );
         Ok(())
     }
 

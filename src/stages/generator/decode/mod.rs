@@ -238,6 +238,11 @@ impl Decoder {
         let done = self
             .generator
             .sample(host.as_deref().unwrap_or(&[]), current.version, vocab);
+        tracing::trace!(
+            rows = requests.len(),
+            ms = busy.elapsed().as_millis() as u64,
+            "decode pass"
+        );
         self.stats.busy_s += busy.elapsed().as_secs_f64();
         self.hand_back(current, done);
         Ok(())

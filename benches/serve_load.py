@@ -3,7 +3,8 @@
 concurrent OpenAI clients.
 
     .venv/bin/python benches/serve_load.py [--sizes small,0.5b] [--clients 1,8,32]
-        [--requests N] [--max-tokens T] [--redis URL] [--features F]
+        [--requests N] [--max-tokens T] [--repeat R] [--redis URL] [--features F]
+        [--out DIR] [--results FILE] [--rlstream BINARY]
 
 For each size one `rlstream gen --serve` process (release build) serves; for each client
 count C, C threads of the real `openai` client (one shared client, as an agent framework
@@ -50,6 +51,8 @@ def model_dir(size, rlstream, scale, out):
         subprocess.run([rlstream, "sft", "--task", "sort", "--out", d, "--steps", "400"],
                        check=True, stdout=subprocess.DEVNULL)
         return d
+    if scale is None:
+        raise SystemExit(f"no model in {d}: run once without --rlstream to write it")
     subprocess.run([scale, "write", "0.5b", d], check=True, stdout=subprocess.DEVNULL)
     tok = os.path.join(ROOT, "tests", "fixtures", "tokenizers", "qwen3")
     for name in ["tokenizer.json", "tokenizer_config.json"]:
@@ -161,9 +164,20 @@ def main():
     ap.add_argument("--max-tokens", type=int, default=32)
     ap.add_argument("--redis", default="redis://127.0.0.1:6379")
     ap.add_argument("--features", default="", help="cargo features of the build")
-    ap.add_argument("--out", default=None)
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each client count, each beside its own one call (a machine "
+                    "shared with others moves single runs by 10-20%%)")
+    ap.add_argument("--rlstream", default=None,
+                    help="a built binary to serve with instead of this tree's release build "
+                    "(another commit's, side by side); the 0.5b model must be in --out already")
+    ap.add_argument("--out", default=None, help="where models and logs go (kept between runs)")
+    ap.add_argument("--results", default=os.path.join(ROOT, "benches", "results", "serve_load.json"),
+                    help="where the raw lines are written")
     args = ap.parse_args()
-    rlstream, scale = build(("--features", args.features) if args.features else ())
+    if args.rlstream:
+        rlstream, scale = args.rlstream, None
+    else:
+        rlstream, scale = build(("--features", args.features) if args.features else ())
     out = args.out or tempfile.mkdtemp(prefix="serve-load-")
     results = []
     for size in args.sizes.split(","):
@@ -184,16 +198,24 @@ def main():
             one_run(client, model, 1, 2, args.max_tokens, proc.pid)  # warm-up
             for c in [int(x) for x in args.clients.split(",")]:
                 per = args.requests or max(2, (16 if size == "small" else 4) * 8 // max(c, 8))
-                r = one_run(client, model, c, per, args.max_tokens, proc.pid)
-                r.update({"size": size, "max_tokens": args.max_tokens})
-                r.update(one_call(client, model, c, args.max_tokens))
-                print(json.dumps(r), flush=True)
-                results.append(r)
+                shares = []
+                for _ in range(args.repeat):
+                    r = one_run(client, model, c, per, args.max_tokens, proc.pid)
+                    r.update({"size": size, "max_tokens": args.max_tokens})
+                    r.update(one_call(client, model, c, args.max_tokens))
+                    r["share"] = round(r["tokens_per_s"] / r["one_call_tokens_per_s"], 3)
+                    shares.append(r["share"])
+                    print(json.dumps(r), flush=True)
+                    results.append(r)
+                if args.repeat > 1:
+                    print(f"{size}, {c} clients: median share of one call "
+                          f"{statistics.median(shares):.3f} over {args.repeat} runs "
+                          f"({', '.join(f'{x:.3f}' for x in shares)})", flush=True)
         finally:
             proc.terminate()
             proc.wait()
     machine = f"{platform.machine()}, {os.cpu_count()} cores"
-    path = os.path.join(ROOT, "benches", "results", "serve_load.json")
+    path = args.results
     with open(path, "w") as f:
         json.dump({"machine": machine, "features": args.features, "runs": results}, f, indent=1)
     print(f"wrote {path}")

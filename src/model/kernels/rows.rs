@@ -23,7 +23,6 @@
 //! a decode step streams half the bytes.
 
 use rayon::prelude::*;
-use std::borrow::Cow;
 
 /// Up to this many rows go by columns (each task a run of weight rows, all the input
 /// rows); more go by blocks of input rows. Both sum every output in the same order.
@@ -47,8 +46,6 @@ pub(crate) trait Elem: Copy + Send + Sync + 'static {
     const BF16: bool;
     /// The element's f32 value.
     fn widen(self) -> f32;
-    /// A run of elements as f32 values (borrowed when they are f32).
-    fn widened(w: &[Self]) -> Cow<'_, [f32]>;
 }
 
 impl Elem for f32 {
@@ -57,9 +54,6 @@ impl Elem for f32 {
     fn widen(self) -> f32 {
         self
     }
-    fn widened(w: &[f32]) -> Cow<'_, [f32]> {
-        Cow::Borrowed(w)
-    }
 }
 
 impl Elem for u16 {
@@ -67,9 +61,6 @@ impl Elem for u16 {
     #[inline(always)]
     fn widen(self) -> f32 {
         f32::from_bits(u32::from(self) << 16)
-    }
-    fn widened(w: &[u16]) -> Cow<'_, [f32]> {
-        Cow::Owned(w.par_iter().map(|v| v.widen()).collect())
     }
 }
 
@@ -94,8 +85,7 @@ pub(super) fn rows_by_transposed<E: Elem>(
         return vec![0.0; rows * n];
     }
     if rows > FEW_ROWS {
-        // Many rows reuse each weight value many times: a bf16 weight is widened once.
-        return many_rows(x, rows, &E::widened(wt), n, k);
+        return many_rows(x, rows, wt, n, k);
     }
     // Written transposed, `[n, rows]`, so that each task's columns are one contiguous run.
     let mut yt = vec![0f32; n * rows];
@@ -126,7 +116,7 @@ pub(super) fn rows_by_transposed<E: Elem>(
 }
 
 /// [`rows_by_transposed`] for more than [`FEW_ROWS`] rows.
-fn many_rows(x: &[f32], rows: usize, wt: &[f32], n: usize, k: usize) -> Vec<f32> {
+fn many_rows<E: Elem>(x: &[f32], rows: usize, wt: &[E], n: usize, k: usize) -> Vec<f32> {
     #[cfg(target_arch = "x86_64")]
     if let Some(t) = tiles().filter(|_| k >= 8) {
         return by_panels(x, rows, wt, n, k, t);
@@ -145,10 +135,10 @@ fn many_rows(x: &[f32], rows: usize, wt: &[f32], n: usize, k: usize) -> Vec<f32>
 /// packed once in blocks of rows, then each task packs a panel of weight rows (about
 /// [`PANEL_VALUES`], so it stays in the core's cache) and runs every block of rows over it.
 /// The weight is read from memory once, and nothing as large as it is allocated (a fresh
-/// copy of a 0.5B model's weights is 2 GB of pages the kernel must zero). The same tiles as
-/// [`rows_by_packed`], so the same bits.
+/// copy of a 0.5B model's weights is 2 GB of pages the kernel must zero). A bf16 weight is
+/// widened as its panel is packed. The same tiles as [`rows_by_packed`], so the same bits.
 #[cfg(target_arch = "x86_64")]
-fn by_panels(x: &[f32], rows: usize, wt: &[f32], n: usize, k: usize, t: Tiles) -> Vec<f32> {
+fn by_panels<E: Elem>(x: &[f32], rows: usize, wt: &[E], n: usize, k: usize, t: Tiles) -> Vec<f32> {
     let per_block = rows_per_block(k);
     let blocks: Vec<Vec<f32>> = x
         .par_chunks(per_block * k)
@@ -193,9 +183,12 @@ fn by_panels(x: &[f32], rows: usize, wt: &[f32], n: usize, k: usize, t: Tiles) -
 #[cfg(target_arch = "x86_64")]
 /// Each row's last `k % 8` values of `wt` `[n, k]`, `[n, k % 8]`: the part the tiles
 /// leave to a scalar tail.
-fn tails(wt: &[f32], k: usize) -> Vec<f32> {
+fn tails<E: Elem>(wt: &[E], k: usize) -> Vec<f32> {
     let k8 = k - k % 8;
-    wt.chunks_exact(k).flat_map(|r| &r[k8..]).copied().collect()
+    wt.chunks_exact(k)
+        .flat_map(|r| &r[k8..])
+        .map(|v| v.widen())
+        .collect()
 }
 
 /// Input rows per block of the many-rows path (about [`BLOCK_VALUES`] values), a multiple
@@ -358,7 +351,7 @@ type PackedTiles = unsafe fn(&[f32], &[f32], usize, &[f32], &[f32], usize, usize
 /// interleaved by eights (row 0's first eight, row 1's, …, then each row's next eight), a
 /// short last group padded with its last row: one contiguous run per tile.
 #[cfg(target_arch = "x86_64")]
-fn pack(m: &[f32], rows: usize, k: usize, group: usize) -> Vec<f32> {
+fn pack<E: Elem>(m: &[E], rows: usize, k: usize, group: usize) -> Vec<f32> {
     let k8 = k - k % 8;
     let groups = rows.div_ceil(group);
     let mut out = Vec::with_capacity(groups * group * k8);
@@ -366,7 +359,7 @@ fn pack(m: &[f32], rows: usize, k: usize, group: usize) -> Vec<f32> {
         for i in (0..k8).step_by(8) {
             for j in 0..group {
                 let r = (g * group + j).min(rows - 1);
-                out.extend_from_slice(&m[r * k + i..r * k + i + 8]);
+                out.extend(m[r * k + i..r * k + i + 8].iter().map(|v| v.widen()));
             }
         }
     }
@@ -541,7 +534,7 @@ mod tests {
     }
 
     /// A weight held in bf16 gives the bits of the f32 weight with the same values, at a
-    /// few rows (its own loads) and at many (widened first), on every path.
+    /// few rows (its own loads) and at many (widened as each panel is packed), on every path.
     #[test]
     fn bf16_weights_give_the_f32_bits_of_their_values() {
         let (n, k) = (23, 91);
@@ -551,7 +544,7 @@ mod tests {
             .collect();
         let wide: Vec<f32> = half.iter().map(|h| h.widen()).collect();
         let bits = |v: &[f32]| v.iter().map(|f| f.to_bits()).collect::<Vec<_>>();
-        for rows in [1, 5, 64, 70] {
+        for rows in [1, 5, 64, 70, 300] {
             let x = values(rows * k, 12);
             let want = rows_by_transposed(&x, rows, &wide, n, k);
             assert_eq!(

@@ -461,9 +461,8 @@ impl<B: Kernels> Generator<B> {
     /// Admits every request of `reqs` as [`Generator::admit`] does, their prompts prefilled
     /// together: prompts of similar lengths share one pass (shorter ones left-padded, the
     /// padding masked out; at most [`PREFILL_TOKENS`] tokens a pass), so each weight is read
-    /// once a pass for all of them. Each
-    /// completion is the bits it would be admitted alone: every
-    /// row's products, norms and attention are its own. Nothing changes unless every
+    /// once a pass for all of them. Each completion is the bits it would be admitted alone:
+    /// every row's products, norms and attention are its own. Nothing changes unless every
     /// request is admitted; a prompt the model cannot take refuses the whole call before any
     /// tensor is built.
     pub fn admit_all(

@@ -238,12 +238,13 @@ impl Decoder {
         let done = self
             .generator
             .sample(host.as_deref().unwrap_or(&[]), current.version, vocab);
+        let took = busy.elapsed();
         tracing::trace!(
             rows = requests.len(),
-            ms = busy.elapsed().as_millis() as u64,
+            ms = took.as_millis() as u64,
             "decode pass"
         );
-        self.stats.busy_s += busy.elapsed().as_secs_f64();
+        self.stats.busy_s += took.as_secs_f64();
         self.hand_back(current, done);
         Ok(())
     }

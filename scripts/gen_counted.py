@@ -2,7 +2,8 @@
 """Generates src/model/counted/delegate/ (one file per group of traits, each under the
 line limit, and their mod.rs): every method of burn's backend traits
 (`Backend` and the `*Ops` traits, provided methods included) delegated from
-`Counted<B>` to `B`, with the host-data crossings counted.
+`Counted<B>` to `B`, with the host-data crossings counted and every operation over zero
+elements refused (`counted::nonempty`: a kernel launch with no blocks, which CUDA refuses).
 
 Delegating the provided methods too matters: a default such as `float_zeros` builds host
 data and uploads it, where a device backend overrides it with a fill on the device; the
@@ -33,6 +34,11 @@ TRAITS = [
 WRITES = {"float_from_data", "int_from_data", "bool_from_data", "q_from_data"}
 READS = {"float_into_data", "int_into_data", "bool_into_data", "q_into_data"}
 SKIP = {"tr_execute"}
+# Tensor types whose element count is checked, as arguments and results.
+TENSOR = r"(FloatTensor|IntTensor|BoolTensor|QuantizedTensor|TensorPrimitive)<B>"
+# Operations that launch no kernel even over zero elements, so they are not refused:
+# allocation without a fill, the host transfers, device moves and autodiff markers.
+NO_LAUNCH = re.compile(r"_(empty|from_data|into_data|device|to_device|detach|require_grad)$")
 # Results that are structs generic over the backend: rebuilt for `Counted<B>` field by field.
 STRUCTS = {
     "DeformConv2dBackward": ["x_grad", "offset_grad", "weight_grad", "mask_grad", "bias_grad"],
@@ -156,12 +162,13 @@ def parse(sig: str):
             if paren == 0:
                 break
     params = sig[k + 1 : end]
-    args = []
+    args, types = [], []
     for p in split_top(params):
         pat, ty = (x.strip() for x in p.split(":", 1))
         if pat in ("&self", "self", "&mut self"):
             raise SystemExit(f"method with self: {sig}")
         pat = pat.replace("mut ", "").strip()
+        types.append((pat, ty))
         # Structs generic over the backend are other types for `B`: rebuilt field by field.
         if ty.startswith("TensorPrimitive<"):
             pat = f"counted::inner_primitive({pat})"
@@ -176,7 +183,34 @@ def parse(sig: str):
             g = g.strip()
             if not g.startswith("'"):
                 type_params.append(re.split(r"[:\s]", g)[0])
-    return name, generics, args, type_params
+    return name, generics, args, type_params, types
+
+
+def checks(name: str, types, ret: str):
+    """The zero-element checks of a method: its tensor arguments' (before the call) and its
+    tensor results' (after): `(before, after)` lines, empty for an operation that launches
+    nothing; `after` is `["made"]` for one tensor result (the call goes through
+    `counted::made`)."""
+    if NO_LAUNCH.search(name):
+        return [], []
+    op = f'"{name}"'
+    before, single = [], [pat for pat, ty in types if re.fullmatch(TENSOR, ty)]
+    if len(single) == 1:
+        before.append(f"counted::nonempty({op}, &{single[0]});")
+    elif single:
+        before.append(f"counted::operands({op}, ({', '.join('&' + a for a in single)}));")
+    for pat, ty in types:
+        if re.fullmatch(r"Vec<" + TENSOR + r">", ty):
+            before.append(f"{pat}.iter().for_each(|t| counted::nonempty({op}, t));")
+    ret = ret.strip().removeprefix("->").strip()
+    after = []
+    if re.fullmatch(TENSOR, ret):
+        after.append("made")
+    elif re.fullmatch(r"Vec<" + TENSOR + r">", ret):
+        after.append(f"out.iter().for_each(|t| counted::nonempty({op}, t));")
+    elif ret.startswith("(") and all(re.fullmatch(TENSOR, t) for t in split_top(ret[1:-1])):
+        after += [f"counted::nonempty({op}, &out.{i});" for i in range(len(split_top(ret[1:-1])))]
+    return before, after
 
 
 def self_types(s: str) -> str:
@@ -184,7 +218,7 @@ def self_types(s: str) -> str:
 
 
 def emit(trait: str, attrs, sig: str) -> str:
-    name, _generics, args, type_params = parse(sig)
+    name, _generics, args, type_params, types = parse(sig)
     assert name not in SKIP
     target = "B"
     call_args = ", ".join(a for a in args)
@@ -210,6 +244,13 @@ def emit(trait: str, attrs, sig: str) -> str:
         body = f"let read = {call};\n        async move {{\n            let data = read.await;\n            if let Ok(d) = &data {{\n                counted::read(d);\n            }}\n            data\n        }}"
     else:
         body = call
+    before, after = checks(name, types, ret)
+    if after == ["made"]:
+        body = f"counted::made(\"{name}\", {body})"
+    elif after:
+        body = f"let out = {body};\n        " + "\n        ".join(after) + "\n        out"
+    if before:
+        body = "\n        ".join(before) + "\n        " + body
     lines = [f"    {a}" for a in attrs]
     lines.append(f"    {sig_out} {{\n        {body}\n    }}")
     return "\n".join(lines)
@@ -218,9 +259,11 @@ def emit(trait: str, attrs, sig: str) -> str:
 # The files of the delegate module and the traits each holds.
 FILES = {
     "float": ["FloatTensorOps"],
-    "int": ["IntTensorOps", "BoolTensorOps"],
+    "int": ["IntTensorOps"],
+    "bool": ["BoolTensorOps"],
     "quant": ["QTensorOps"],
-    "module": ["ModuleOps", "ActivationOps", "TransactionOps", "Backend"],
+    "module": ["ModuleOps"],
+    "backend": ["ActivationOps", "TransactionOps", "Backend"],
 }
 
 HEADER = [

@@ -32,6 +32,9 @@ pub enum CollectiveError {
     NoMpi { launcher: String, world: usize },
     #[error("cannot start MPI: {0}")]
     Init(String),
+    /// A device buffer that could not be read to the host for a collective.
+    #[error("{what}: cannot read the gradients on the device: {detail}")]
+    Device { what: String, detail: String },
     /// A message between ranks that does not decode: ranks of different builds.
     #[error(
         "rank {rank} sent a {what} this rank cannot read ({detail}); run one rlstream build on every rank"
@@ -41,6 +44,42 @@ pub enum CollectiveError {
         what: &'static str,
         detail: String,
     },
+}
+
+/// f32 values in a backend's memory (a bucket of gradients on a GPU), which
+/// [`Collective::all_reduce_device`] sums over the ranks in place.
+pub trait DeviceBuffer {
+    /// How many values.
+    fn len(&self) -> usize;
+    /// Whether there are none.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The address of the values in CUDA memory of this process's primary context, once the
+    /// device work that writes them is done, when they live there (the `cuda` build's
+    /// backend): NCCL then sums them where they are. `None` elsewhere.
+    fn cuda_address(&mut self) -> Option<u64>;
+    /// The values, copied to the host.
+    fn read(&mut self) -> Result<Vec<f32>, String>;
+    /// Replaces the values by `values` (as many).
+    fn write(&mut self, values: Vec<f32>);
+}
+
+/// [`Collective::all_reduce_device`] through the host: the values read, summed by
+/// `all_reduce_sum`, written back. What a collective that cannot read device memory does.
+pub fn all_reduce_staged(
+    c: &mut dyn Collective,
+    what: &str,
+    buf: &mut dyn DeviceBuffer,
+    dtype: ReduceDtype,
+) -> Result<(), CollectiveError> {
+    let mut host = buf.read().map_err(|detail| CollectiveError::Device {
+        what: what.to_string(),
+        detail,
+    })?;
+    c.all_reduce_sum(what, &mut host, dtype);
+    buf.write(host);
+    Ok(())
 }
 
 /// What trainer ranks do together. Every call returns once every rank has made the same
@@ -57,6 +96,14 @@ pub trait Collective: Send + Sync {
     /// Replaces `buf` by its sum over the ranks, carried as `dtype`. `what` names the call
     /// in errors ("the all-reduce of step 7's gradients").
     fn all_reduce_sum(&mut self, what: &str, buf: &mut [f32], dtype: ReduceDtype);
+    /// [`Collective::all_reduce_sum`] of values in a backend's memory, in place. By default
+    /// through the host ([`all_reduce_staged`]); NCCL sums CUDA memory where it is.
+    fn all_reduce_device(
+        &mut self,
+        what: &str,
+        buf: &mut dyn DeviceBuffer,
+        dtype: ReduceDtype,
+    ) -> Result<(), CollectiveError>;
     /// Replaces `bytes` on every rank by rank `root`'s.
     fn broadcast(&mut self, what: &str, root: usize, bytes: &mut Vec<u8>);
     /// Every rank's `bytes`, in rank order.
@@ -97,6 +144,14 @@ impl Collective for Solo {
                 *x = half::bf16::from_f32(*x).to_f32();
             }
         }
+    }
+    fn all_reduce_device(
+        &mut self,
+        what: &str,
+        buf: &mut dyn DeviceBuffer,
+        dtype: ReduceDtype,
+    ) -> Result<(), CollectiveError> {
+        all_reduce_staged(self, what, buf, dtype)
     }
     fn broadcast(&mut self, _: &str, _: usize, _: &mut Vec<u8>) {}
     fn all_gather(&mut self, _: &str, bytes: &[u8]) -> Vec<Vec<u8>> {

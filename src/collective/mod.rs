@@ -27,7 +27,9 @@ mod nccl;
 pub mod rendezvous;
 pub mod shards;
 
-pub use self::contract::{Collective, CollectiveError, ReduceDtype, Solo};
+pub use self::contract::{
+    Collective, CollectiveError, DeviceBuffer, ReduceDtype, Solo, all_reduce_staged,
+};
 #[cfg(feature = "mpi")]
 pub use self::mpi::Mpi;
 #[cfg(feature = "cuda")]
@@ -233,9 +235,37 @@ fn launched() -> Option<(String, usize)> {
     })
 }
 
-/// Sums `pieces` over the ranks in buckets of at most `bucket_values` values: each bucket
-/// is one all-reduce, so a gradient set of any size moves through a bounded buffer, and
-/// many small tensors share one call.
+/// One run of a bucket: (piece, offset in it, length).
+pub type Run = (usize, usize, usize);
+
+/// The buckets of at most `cap` values (at least 1) that pieces of `lens` values fill in
+/// order, each as its runs: a bucket takes whole pieces while they fit and splits the one
+/// that does not, so a gradient set of any size moves through a bounded buffer and many
+/// small tensors share one call. No run is empty.
+pub fn bucket_runs(lens: &[usize], cap: usize) -> Vec<Vec<Run>> {
+    let cap = cap.max(1);
+    let (mut out, mut bucket, mut filled) = (Vec::new(), Vec::new(), 0);
+    for (i, &n) in lens.iter().enumerate() {
+        let mut off = 0;
+        while off < n {
+            let len = (cap - filled).min(n - off);
+            bucket.push((i, off, len));
+            off += len;
+            filled += len;
+            if filled == cap {
+                out.push(std::mem::take(&mut bucket));
+                filled = 0;
+            }
+        }
+    }
+    if !bucket.is_empty() {
+        out.push(bucket);
+    }
+    out
+}
+
+/// Sums `pieces` over the ranks in buckets of at most `bucket_values` values
+/// ([`bucket_runs`]), one all-reduce each. `what` names the calls ("... (bucket 2)").
 pub fn all_reduce_pieces(
     c: &mut dyn Collective,
     what: &str,
@@ -243,60 +273,20 @@ pub fn all_reduce_pieces(
     dtype: ReduceDtype,
     bucket_values: usize,
 ) {
-    let cap = bucket_values.max(1);
-    let total: usize = pieces.iter().map(Vec::len).sum();
-    let mut b = Bucket {
-        values: Vec::with_capacity(cap.min(total)),
-        runs: Vec::new(),
-        sent: 0,
-    };
-    for i in 0..pieces.len() {
-        let mut off = 0;
-        while off < pieces[i].len() {
-            let len = (cap - b.values.len()).min(pieces[i].len() - off);
-            b.values.extend_from_slice(&pieces[i][off..off + len]);
-            b.runs.push((i, off, len));
-            off += len;
-            if b.values.len() == cap {
-                b.flush(c, what, pieces, dtype);
-            }
+    let lens: Vec<usize> = pieces.iter().map(Vec::len).collect();
+    let total: usize = lens.iter().sum();
+    let mut values = Vec::with_capacity(bucket_values.max(1).min(total));
+    for (k, runs) in bucket_runs(&lens, bucket_values).into_iter().enumerate() {
+        values.clear();
+        for &(i, off, len) in &runs {
+            values.extend_from_slice(&pieces[i][off..off + len]);
         }
-    }
-    if !b.values.is_empty() {
-        b.flush(c, what, pieces, dtype);
-    }
-}
-
-/// One bucket of [`all_reduce_pieces`] being filled.
-struct Bucket {
-    values: Vec<f32>,
-    /// (piece, offset in it, length) of each run in `values`.
-    runs: Vec<(usize, usize, usize)>,
-    /// Buckets summed so far.
-    sent: usize,
-}
-
-impl Bucket {
-    /// Sums the bucket over the ranks and hands each run back to its piece.
-    fn flush(
-        &mut self,
-        c: &mut dyn Collective,
-        what: &str,
-        pieces: &mut [Vec<f32>],
-        dtype: ReduceDtype,
-    ) {
-        self.sent += 1;
-        c.all_reduce_sum(
-            &format!("{what} (bucket {})", self.sent),
-            &mut self.values,
-            dtype,
-        );
+        c.all_reduce_sum(&format!("{what} (bucket {})", k + 1), &mut values, dtype);
         let mut at = 0;
-        for (i, off, len) in self.runs.drain(..) {
-            pieces[i][off..off + len].copy_from_slice(&self.values[at..at + len]);
+        for (i, off, len) in runs {
+            pieces[i][off..off + len].copy_from_slice(&values[at..at + len]);
             at += len;
         }
-        self.values.clear();
     }
 }
 
@@ -382,6 +372,22 @@ mod tests {
         assert_eq!(s, vec![vec![0, 5], vec![1, 2, 3, 4]]);
         assert_eq!(shares(&[5], 3), vec![vec![0], vec![], vec![]]);
         assert_eq!(shares(&[], 2), vec![Vec::<usize>::new(), vec![]]);
+    }
+
+    #[test]
+    fn buckets_fill_in_order_and_split_what_does_not_fit() {
+        let b = bucket_runs(&[3, 0, 7, 1], 4);
+        assert_eq!(
+            b,
+            vec![
+                vec![(0, 0, 3), (2, 0, 1)],
+                vec![(2, 1, 4)],
+                vec![(2, 5, 2), (3, 0, 1)],
+            ]
+        );
+        assert_eq!(bucket_runs(&[2, 2], 4), vec![vec![(0, 0, 2), (1, 0, 2)]]);
+        assert_eq!(bucket_runs(&[], 4), Vec::<Vec<Run>>::new());
+        assert_eq!(bucket_runs(&[2], 0), vec![vec![(0, 0, 1)], vec![(0, 1, 1)]]);
     }
 
     #[test]

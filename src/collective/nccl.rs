@@ -2,14 +2,19 @@
 //! started by any launcher (`srun`, `torchrun`, a job array) rather than `mpirun`: the ranks
 //! meet through the rendezvous on Redis ([`super::rendezvous`]).
 //!
-//! Host buffers are copied to the rank's GPU, reduced there by NCCL and copied back; each
-//! call's completion is polled on a CUDA event until it completes or its deadline passes.
+//! Host buffers are copied to the rank's GPU, reduced there by NCCL and copied back;
+//! gradients already in CUDA memory (`all_reduce_device` on the `cuda` backend's buckets)
+//! are summed where they are, with no copy. Each call's completion is polled on a CUDA
+//! event until it completes or its deadline passes.
 //! NCCL cannot say which rank is missing: past the deadline the rank says that a rank is
 //! lost or stopped and exits (every rank has the same deadline, so all stop); the
 //! launcher's log names a rank that died. Nothing is lost: restart every rank.
 
-use super::contract::{Collective, CollectiveError, ReduceDtype};
-use cudarc::driver::{CudaContext, CudaSlice, CudaStream, DeviceRepr, ValidAsZeroBits};
+use super::contract::{Collective, CollectiveError, DeviceBuffer, ReduceDtype, all_reduce_staged};
+use cudarc::driver::{
+    CudaContext, CudaSlice, CudaStream, DevicePtrMut, DeviceRepr, DeviceSlice, SyncOnDrop,
+    ValidAsZeroBits,
+};
 use cudarc::nccl::safe::{Comm, Id, NcclType, ReduceOp};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -211,6 +216,34 @@ impl Nccl {
     }
 }
 
+/// f32 values in CUDA memory that another runtime (CubeCL's) owns, lent to NCCL for one
+/// call: the owner keeps them alive and has finished writing them.
+struct Lent {
+    address: u64,
+    len: usize,
+    stream: Arc<CudaStream>,
+}
+
+impl DeviceSlice<f32> for Lent {
+    fn len(&self) -> usize {
+        self.len
+    }
+    fn stream(&self) -> &Arc<CudaStream> {
+        &self.stream
+    }
+}
+
+impl DevicePtrMut<f32> for Lent {
+    fn device_ptr_mut<'a>(
+        &'a mut self,
+        _: &'a CudaStream,
+    ) -> (cudarc::driver::sys::CUdeviceptr, SyncOnDrop<'a>) {
+        // The owner finished its writes before lending (`DeviceBuffer::cuda_address`), and
+        // the call is waited for (`Nccl::wait`) before the owner uses the values again.
+        (self.address, SyncOnDrop::Sync(None))
+    }
+}
+
 /// `Comm` handed from the thread that waited for every rank to join.
 struct SendComm(Comm);
 // SAFETY: the communicator is handed over once, and used by one thread at a time after.
@@ -245,6 +278,36 @@ impl Collective for Nccl {
                 }
             }
         }
+    }
+
+    /// In place when the values are in CUDA memory and travel as f32; else through the
+    /// host (a bf16 sum rounds on the host, as `all_reduce_sum` does).
+    fn all_reduce_device(
+        &mut self,
+        what: &str,
+        buf: &mut dyn DeviceBuffer,
+        dtype: ReduceDtype,
+    ) -> Result<(), CollectiveError> {
+        if buf.is_empty() {
+            return Ok(());
+        }
+        let address = match dtype {
+            ReduceDtype::F32 => buf.cuda_address(),
+            ReduceDtype::Bf16 => None,
+        };
+        let Some(address) = address else {
+            return all_reduce_staged(self, what, buf, dtype);
+        };
+        let mut lent = Lent {
+            address,
+            len: buf.len(),
+            stream: self.stream.clone(),
+        };
+        if let Err(e) = self.comm.all_reduce_in_place(&mut lent, &ReduceOp::Sum) {
+            self.lost(what, &format!("{e:?}"));
+        }
+        self.wait(what);
+        Ok(())
     }
 
     fn broadcast(&mut self, what: &str, root: usize, bytes: &mut Vec<u8>) {

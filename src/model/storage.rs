@@ -128,6 +128,15 @@ pub trait WeightStorage: Backend {
     /// device, and a step reads back its statistics only.
     const HOST_MEMORY: bool = false;
 
+    /// The address of `t`'s f32 values in CUDA memory of this process's primary context,
+    /// when this backend keeps them there (the `cuda` build) and they are contiguous: a
+    /// collective on the same GPU sums them in place. The tensor keeps the memory alive;
+    /// the caller waits for the backend's pending work (`Backend::sync`) before another
+    /// stream touches it. `None` by default.
+    fn cuda_address(_t: &Tensor<Self, 1>) -> Option<u64> {
+        None
+    }
+
     /// A linear weight of a model built for generation (no gradients), `[in, out]`, from
     /// the checkpoint's row-major `[out, in]` values. By default a contiguous `[in, out]`
     /// copy, as every model gets; the native CPU kernels keep the stored order instead, read
@@ -336,7 +345,20 @@ impl<B: WeightStorage, C: burn::backend::autodiff::checkpoint::strategy::Checkpo
     const HOST_MEMORY: bool = B::HOST_MEMORY;
 }
 
+/// CubeCL's CUDA runtime keeps tensors in the primary context's memory, where NCCL (on the
+/// same context, `collective::Nccl`) reads and writes them.
 #[cfg(feature = "cuda")]
-impl WeightStorage for burn::backend::Cuda {}
+impl WeightStorage for burn::backend::Cuda {
+    fn cuda_address(t: &Tensor<Self, 1>) -> Option<u64> {
+        let t = t.clone().into_primitive().tensor();
+        if !t.is_contiguous() {
+            return None;
+        }
+        let held = t.client.get_resource(t.handle.clone()).ok()?;
+        let r = held.resource();
+        let bytes = (t.meta.shape().num_elements() * t.dtype.size()) as u64;
+        (t.dtype == burn::tensor::DType::F32 && r.size >= bytes).then_some(r.ptr)
+    }
+}
 #[cfg(feature = "wgpu")]
 impl WeightStorage for burn::backend::Wgpu {}

@@ -18,6 +18,7 @@ mod decode_kernels;
 mod difficulty_feed;
 mod distill;
 mod docs;
+mod empty_launches;
 mod endpoint_abuse;
 mod episodes;
 mod full_disk;

@@ -187,6 +187,47 @@ async fn two_and_three_ranks_train_to_one_trainers_weights() {
     assert!(rel < 5e-3, "bf16 all-reduce: {name} differs by {rel:e}");
 }
 
+/// The gradients' all-reduce with its buckets filled on the backend's device
+/// (`--grad-buffers device`) against the host path: 2 ranks on the same groups end with the
+/// same bits. On the CPU build the CPU backend's tensors stand in for a device's (MPI reads
+/// each bucket through the host); in CI's CubeCL run they are the wgpu backend's buffers.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_gradient_buckets_sum_to_the_host_paths_bits() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = tiny_llama(dir.path(), 5);
+    let bus = redis_bus().await;
+    let mut ends = Vec::new();
+    for buffers in ["host", "device"] {
+        let ns = unique_ns(&format!("grad-buffers-{buffers}"));
+        publish_groups(&bus, &ns, &model, 4).await;
+        let ckpt = dir.path().join(format!("ckpt-{buffers}"));
+        let args = train_args(dir.path(), &ns, &ckpt, 2, &["--grad-buffers", buffers]);
+        let stdout = ok(&run_mpi(2, &args), &format!("2 ranks, {buffers} buffers"));
+        assert!(
+            stdout.contains("trained 2 steps to version 2 on 4 groups"),
+            "{stdout}"
+        );
+        ends.push(weights(&ckpt));
+    }
+    let start = read_safetensors_file(&dir.path().join("model/model.safetensors")).unwrap();
+    assert!(
+        worst_relative(&ends[0], &start).1 > 1e-3,
+        "training moved the weights"
+    );
+    for (name, host) in &ends[0] {
+        let device = &ends[1][name];
+        let same = host
+            .data
+            .iter()
+            .zip(&device.data)
+            .all(|(a, b)| a.to_bits() == b.to_bits());
+        assert!(
+            same,
+            "{name}: the device buckets' sums differ from the host's"
+        );
+    }
+}
+
 /// Optimizer state and gradients sharded over the ranks (`--shard`): 2 ranks sharding the
 /// optimizer and 3 sharding the gradients too (the third rank has no group in any step) end
 /// within 1e-6 of one trainer on the same 16 groups; so do a run whose sharded checkpoint of

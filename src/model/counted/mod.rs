@@ -12,13 +12,22 @@
 //!
 //! The counters are process-wide: a measurement takes [`transfers`] before and after
 //! and reads the difference, with nothing else running on a backend meanwhile.
+//!
+//! It also refuses, with a panic that names the operation, every operation that takes or
+//! makes a tensor of zero elements ([`nonempty`]), allocation without a fill, host transfers and
+//! device moves excepted. On CUDA such an operation launches a kernel with no blocks, which
+//! the driver refuses (`CUDA_ERROR_INVALID_VALUE`), while wgpu and the CPU backends accept it;
+//! whether a view (a reshape, a slice) launches one depends on its strides and alignment, so
+//! those are refused too. The model, sampler, episode and trainer tests that run through
+//! this wrapper (`tests/integration/empty_launches.rs`, and every test on `Counted`) fail on
+//! the CPU where the CUDA build would.
 
 mod delegate;
 
 use burn::tensor::TensorData;
 use burn::tensor::backend::Backend;
-use burn_backend::TensorPrimitive;
 use burn_backend::tensor::quantization::QuantizationParametersPrimitive;
+use burn_backend::{TensorMetadata, TensorPrimitive};
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -52,6 +61,52 @@ fn wrote(data: &TensorData) {
 fn read(data: &TensorData) {
     READS.fetch_add(1, Ordering::Relaxed);
     READ_BYTES.fetch_add(data.bytes.len() as u64, Ordering::Relaxed);
+}
+
+/// Panics when the tensor `op` takes or makes has no elements: on CUDA, `op` would launch
+/// a kernel over an empty grid, which the driver refuses (see the module's documentation).
+/// The fix is in the caller: skip the operation when there is nothing to compute.
+pub fn nonempty(op: &str, t: &impl TensorMetadata) {
+    let shape = t.shape();
+    if shape.num_elements() == 0 {
+        panic!(
+            "{op} over a tensor of shape {:?}, which has no elements: on CUDA this launches a \
+             kernel with no blocks, which the driver refuses (CUDA_ERROR_INVALID_VALUE); skip \
+             the operation when there is nothing to compute",
+            shape.as_slice()
+        );
+    }
+}
+
+/// `t`, made by `op`, after [`nonempty`] checked it.
+pub fn made<T: TensorMetadata>(op: &str, t: T) -> T {
+    nonempty(op, &t);
+    t
+}
+
+/// The tensors an operation takes, each checked by [`nonempty`] (a tuple of references).
+pub trait Operands {
+    fn check(&self, op: &str);
+}
+
+macro_rules! operands {
+    ($($t:ident $i:tt),+) => {
+        impl<$($t: TensorMetadata),+> Operands for ($(&$t,)+) {
+            fn check(&self, op: &str) {
+                $(nonempty(op, self.$i);)+
+            }
+        }
+    };
+}
+operands!(A 0, B 1);
+operands!(A 0, B 1, C 2);
+operands!(A 0, B 1, C 2, D 3);
+operands!(A 0, B 1, C 2, D 3, E 4);
+operands!(A 0, B 1, C 2, D 3, E 4, F 5);
+
+/// Checks every tensor of `tensors` by [`nonempty`].
+pub fn operands(op: &str, tensors: impl Operands) {
+    tensors.check(op);
 }
 
 /// `B`'s primitive as `Counted<B>`'s (the same tensor).

@@ -88,6 +88,19 @@ pub enum Sharding {
 }
 crate::enum_setting!(Sharding);
 
+/// Where unsharded trainer ranks gather their gradients for the all-reduce.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "lowercase")]
+pub enum GradBuffers {
+    /// On the device for a GPU backend, in host memory for the CPU's.
+    Auto,
+    /// Each gradient copied to host memory, the buckets filled there (what MPI reads).
+    Host,
+    /// The buckets concatenated on the backend's device; NCCL on CUDA sums them where they are, a collective that cannot read device memory (MPI) copies each bucket through the host.
+    Device,
+}
+crate::enum_setting!(GradBuffers);
+
 /// Which experts a mixture-of-experts policy's tokens run through in the trainer.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "lowercase")]
@@ -204,6 +217,8 @@ crate::settings! {
         pub allreduce_dtype: crate::collective::ReduceDtype = crate::collective::ReduceDtype::F32,
         /// Trainer ranks: gradients are summed in buckets of this many MiB, one collective call each.
         pub allreduce_bucket_mb: usize = 64,
+        /// Trainer ranks, unsharded: where the gradient buckets are filled, auto (on a GPU backend's device, where NCCL sums them in place; in host memory on the CPU), host or device.
+        pub grad_buffers: GradBuffers = GradBuffers::Auto,
         /// Trainer ranks: what each rank keeps of the optimizer's state and of the gradients. `none` (every rank all of it), `optimizer` (each rank the AdamW moments of its 1/N of the parameters; checkpoints hold one optimizer file per rank and resume at any number of ranks) or `gradients` (also the gradients reduce-scattered, each rank receiving its 1/N).
         pub shard: Sharding = Sharding::None,
         /// Consumer name, unique per trainer process.

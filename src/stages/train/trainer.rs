@@ -4,7 +4,7 @@
 use super::TrainerSettings;
 use super::adamw::{FusedAdamW, GradScaleHandle, SquaredNorm};
 use super::checkpoint::{self, CheckpointError, MODEL_RECORD, OPTIM_RECORD};
-use super::config::Sharding;
+use super::config::{GradBuffers, Sharding};
 use super::loss::{self, Pass, Proximal, Samples};
 use super::sharded::{self, ShardedAdamW, ShardedStep};
 use super::state::{REMEMBERED_GROUPS, TrainerState};
@@ -553,7 +553,8 @@ impl<B: TrainOn> TrainerOn<B> {
     /// Sums `grads` over the trainer ranks of `c`, in buckets of `bucket_values` values:
     /// every parameter that has a gradient on any rank has the sum of them on every rank
     /// afterwards (a rank without one adds zeros), as one trainer would have from all the
-    /// step's groups. `what` names the step in errors.
+    /// step's groups. The buckets are filled in host memory, or on the device
+    /// (`train.grad_buffers`, [`super::exchange`]). `what` names the step in errors.
     pub fn all_reduce(
         &self,
         grads: &mut GradientsParams,
@@ -576,6 +577,23 @@ impl<B: TrainOn> TrainerOn<B> {
             &mut has,
             ReduceDtype::F32,
         );
+        let on_device = match self.cfg.train.grad_buffers {
+            GradBuffers::Auto => !B::HOST_MEMORY,
+            GradBuffers::Host => false,
+            GradBuffers::Device => true,
+        };
+        if on_device {
+            let model = self.model();
+            return super::exchange::all_reduce_on_device(
+                model,
+                grads,
+                &has,
+                c,
+                what,
+                dtype,
+                bucket_values,
+            );
+        }
         let mut take = TakeGrads {
             grads,
             has: has.iter(),

@@ -24,13 +24,22 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         device: &Device<Self>,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_random(shape, distribution, device, dtype)
+        counted::made(
+            "float_random",
+            <B as FloatTensorOps<B>>::float_random(shape, distribution, device, dtype),
+        )
     }
     fn float_zeros(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_zeros(shape, device, dtype)
+        counted::made(
+            "float_zeros",
+            <B as FloatTensorOps<B>>::float_zeros(shape, device, dtype),
+        )
     }
     fn float_ones(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_ones(shape, device, dtype)
+        counted::made(
+            "float_ones",
+            <B as FloatTensorOps<B>>::float_ones(shape, device, dtype),
+        )
     }
     fn float_full(
         shape: Shape,
@@ -38,7 +47,10 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         device: &Device<Self>,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_full(shape, fill_value, device, dtype)
+        counted::made(
+            "float_full",
+            <B as FloatTensorOps<B>>::float_full(shape, fill_value, device, dtype),
+        )
     }
     fn float_into_data(
         tensor: FloatTensor<Self>,
@@ -59,90 +71,172 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         <B as FloatTensorOps<B>>::float_to_device(tensor, device)
     }
     fn float_into_int(tensor: FloatTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
-        <B as FloatTensorOps<B>>::float_into_int(tensor, out_dtype)
+        counted::nonempty("float_into_int", &tensor);
+        counted::made(
+            "float_into_int",
+            <B as FloatTensorOps<B>>::float_into_int(tensor, out_dtype),
+        )
     }
     fn float_empty(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
         <B as FloatTensorOps<B>>::float_empty(shape, device, dtype)
     }
     fn float_repeat_dim(tensor: FloatTensor<Self>, dim: usize, times: usize) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_repeat_dim(tensor, dim, times)
+        counted::nonempty("float_repeat_dim", &tensor);
+        counted::made(
+            "float_repeat_dim",
+            <B as FloatTensorOps<B>>::float_repeat_dim(tensor, dim, times),
+        )
     }
     fn float_add(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_add(lhs, rhs)
+        counted::operands("float_add", (&lhs, &rhs));
+        counted::made("float_add", <B as FloatTensorOps<B>>::float_add(lhs, rhs))
     }
     fn float_add_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_add_scalar(lhs, rhs)
+        counted::nonempty("float_add_scalar", &lhs);
+        counted::made(
+            "float_add_scalar",
+            <B as FloatTensorOps<B>>::float_add_scalar(lhs, rhs),
+        )
     }
     fn float_clamp_min(tensor: FloatTensor<Self>, min: Scalar) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_clamp_min(tensor, min)
+        counted::nonempty("float_clamp_min", &tensor);
+        counted::made(
+            "float_clamp_min",
+            <B as FloatTensorOps<B>>::float_clamp_min(tensor, min),
+        )
     }
     fn float_clamp_max(tensor: FloatTensor<Self>, max: Scalar) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_clamp_max(tensor, max)
+        counted::nonempty("float_clamp_max", &tensor);
+        counted::made(
+            "float_clamp_max",
+            <B as FloatTensorOps<B>>::float_clamp_max(tensor, max),
+        )
     }
     fn float_clamp(tensor: FloatTensor<Self>, min: Scalar, max: Scalar) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_clamp(tensor, min, max)
+        counted::nonempty("float_clamp", &tensor);
+        counted::made(
+            "float_clamp",
+            <B as FloatTensorOps<B>>::float_clamp(tensor, min, max),
+        )
     }
     fn float_sub(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_sub(lhs, rhs)
+        counted::operands("float_sub", (&lhs, &rhs));
+        counted::made("float_sub", <B as FloatTensorOps<B>>::float_sub(lhs, rhs))
     }
     fn float_sub_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_sub_scalar(lhs, rhs)
+        counted::nonempty("float_sub_scalar", &lhs);
+        counted::made(
+            "float_sub_scalar",
+            <B as FloatTensorOps<B>>::float_sub_scalar(lhs, rhs),
+        )
     }
     fn float_mul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_mul(lhs, rhs)
+        counted::operands("float_mul", (&lhs, &rhs));
+        counted::made("float_mul", <B as FloatTensorOps<B>>::float_mul(lhs, rhs))
     }
     fn float_mul_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_mul_scalar(lhs, rhs)
+        counted::nonempty("float_mul_scalar", &lhs);
+        counted::made(
+            "float_mul_scalar",
+            <B as FloatTensorOps<B>>::float_mul_scalar(lhs, rhs),
+        )
     }
     fn float_div(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_div(lhs, rhs)
+        counted::operands("float_div", (&lhs, &rhs));
+        counted::made("float_div", <B as FloatTensorOps<B>>::float_div(lhs, rhs))
     }
     fn float_div_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_div_scalar(lhs, rhs)
+        counted::nonempty("float_div_scalar", &lhs);
+        counted::made(
+            "float_div_scalar",
+            <B as FloatTensorOps<B>>::float_div_scalar(lhs, rhs),
+        )
     }
     fn float_remainder(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_remainder(lhs, rhs)
+        counted::operands("float_remainder", (&lhs, &rhs));
+        counted::made(
+            "float_remainder",
+            <B as FloatTensorOps<B>>::float_remainder(lhs, rhs),
+        )
     }
     fn float_remainder_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_remainder_scalar(lhs, rhs)
+        counted::nonempty("float_remainder_scalar", &lhs);
+        counted::made(
+            "float_remainder_scalar",
+            <B as FloatTensorOps<B>>::float_remainder_scalar(lhs, rhs),
+        )
     }
     fn float_matmul(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_matmul(lhs, rhs)
+        counted::operands("float_matmul", (&lhs, &rhs));
+        counted::made(
+            "float_matmul",
+            <B as FloatTensorOps<B>>::float_matmul(lhs, rhs),
+        )
     }
     fn float_cross(
         lhs: FloatTensor<Self>,
         rhs: FloatTensor<Self>,
         dim: usize,
     ) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_cross(lhs, rhs, dim)
+        counted::operands("float_cross", (&lhs, &rhs));
+        counted::made(
+            "float_cross",
+            <B as FloatTensorOps<B>>::float_cross(lhs, rhs, dim),
+        )
     }
     fn float_neg(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_neg(tensor)
+        counted::nonempty("float_neg", &tensor);
+        counted::made("float_neg", <B as FloatTensorOps<B>>::float_neg(tensor))
     }
     fn float_recip(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_recip(tensor)
+        counted::nonempty("float_recip", &tensor);
+        counted::made("float_recip", <B as FloatTensorOps<B>>::float_recip(tensor))
     }
     fn float_transpose(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_transpose(tensor)
+        counted::nonempty("float_transpose", &tensor);
+        counted::made(
+            "float_transpose",
+            <B as FloatTensorOps<B>>::float_transpose(tensor),
+        )
     }
     fn float_swap_dims(tensor: FloatTensor<Self>, dim1: usize, dim2: usize) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_swap_dims(tensor, dim1, dim2)
+        counted::nonempty("float_swap_dims", &tensor);
+        counted::made(
+            "float_swap_dims",
+            <B as FloatTensorOps<B>>::float_swap_dims(tensor, dim1, dim2),
+        )
     }
     fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_permute(tensor, axes)
+        counted::nonempty("float_permute", &tensor);
+        counted::made(
+            "float_permute",
+            <B as FloatTensorOps<B>>::float_permute(tensor, axes),
+        )
     }
     fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_flip(tensor, axes)
+        counted::nonempty("float_flip", &tensor);
+        counted::made(
+            "float_flip",
+            <B as FloatTensorOps<B>>::float_flip(tensor, axes),
+        )
     }
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_reshape(tensor, shape)
+        counted::nonempty("float_reshape", &tensor);
+        counted::made(
+            "float_reshape",
+            <B as FloatTensorOps<B>>::float_reshape(tensor, shape),
+        )
     }
     fn float_gather(
         dim: usize,
         tensor: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_gather(dim, tensor, indices)
+        counted::operands("float_gather", (&tensor, &indices));
+        counted::made(
+            "float_gather",
+            <B as FloatTensorOps<B>>::float_gather(dim, tensor, indices),
+        )
     }
     fn float_scatter_add(
         dim: usize,
@@ -150,7 +244,11 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         indices: IntTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_scatter_add(dim, tensor, indices, value)
+        counted::operands("float_scatter_add", (&tensor, &indices, &value));
+        counted::made(
+            "float_scatter_add",
+            <B as FloatTensorOps<B>>::float_scatter_add(dim, tensor, indices, value),
+        )
     }
     fn float_scatter_nd(
         _data: FloatTensor<Self>,
@@ -158,17 +256,29 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         _values: FloatTensor<Self>,
         _reduction: burn_backend::tensor::IndexingUpdateOp,
     ) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_scatter_nd(_data, _indices, _values, _reduction)
+        counted::operands("float_scatter_nd", (&_data, &_indices, &_values));
+        counted::made(
+            "float_scatter_nd",
+            <B as FloatTensorOps<B>>::float_scatter_nd(_data, _indices, _values, _reduction),
+        )
     }
     fn float_gather_nd(_data: FloatTensor<Self>, _indices: IntTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_gather_nd(_data, _indices)
+        counted::operands("float_gather_nd", (&_data, &_indices));
+        counted::made(
+            "float_gather_nd",
+            <B as FloatTensorOps<B>>::float_gather_nd(_data, _indices),
+        )
     }
     fn float_select(
         tensor: FloatTensor<Self>,
         dim: usize,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_select(tensor, dim, indices)
+        counted::operands("float_select", (&tensor, &indices));
+        counted::made(
+            "float_select",
+            <B as FloatTensorOps<B>>::float_select(tensor, dim, indices),
+        )
     }
     fn float_select_add(
         tensor: FloatTensor<Self>,
@@ -176,115 +286,183 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         indices: IntTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_select_add(tensor, dim, indices, value)
+        counted::operands("float_select_add", (&tensor, &indices, &value));
+        counted::made(
+            "float_select_add",
+            <B as FloatTensorOps<B>>::float_select_add(tensor, dim, indices, value),
+        )
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_slice(tensor, slices)
+        counted::nonempty("float_slice", &tensor);
+        counted::made(
+            "float_slice",
+            <B as FloatTensorOps<B>>::float_slice(tensor, slices),
+        )
     }
     fn float_slice_assign(
         tensor: FloatTensor<Self>,
         slices: &[Slice],
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_slice_assign(tensor, slices, value)
+        counted::operands("float_slice_assign", (&tensor, &value));
+        counted::made(
+            "float_slice_assign",
+            <B as FloatTensorOps<B>>::float_slice_assign(tensor, slices, value),
+        )
     }
     fn float_mask_where(
         tensor: FloatTensor<Self>,
         mask: BoolTensor<Self>,
         value: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_mask_where(tensor, mask, value)
+        counted::operands("float_mask_where", (&tensor, &mask, &value));
+        counted::made(
+            "float_mask_where",
+            <B as FloatTensorOps<B>>::float_mask_where(tensor, mask, value),
+        )
     }
     fn float_mask_fill(
         tensor: FloatTensor<Self>,
         mask: BoolTensor<Self>,
         value: Scalar,
     ) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_mask_fill(tensor, mask, value)
+        counted::operands("float_mask_fill", (&tensor, &mask));
+        counted::made(
+            "float_mask_fill",
+            <B as FloatTensorOps<B>>::float_mask_fill(tensor, mask, value),
+        )
     }
     fn float_equal(
         lhs: FloatTensor<Self>,
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_equal(lhs, rhs, out_dtype)
+        counted::operands("float_equal", (&lhs, &rhs));
+        counted::made(
+            "float_equal",
+            <B as FloatTensorOps<B>>::float_equal(lhs, rhs, out_dtype),
+        )
     }
     fn float_not_equal(
         lhs: FloatTensor<Self>,
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_not_equal(lhs, rhs, out_dtype)
+        counted::operands("float_not_equal", (&lhs, &rhs));
+        counted::made(
+            "float_not_equal",
+            <B as FloatTensorOps<B>>::float_not_equal(lhs, rhs, out_dtype),
+        )
     }
     fn float_equal_elem(
         lhs: FloatTensor<Self>,
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_equal_elem(lhs, rhs, out_dtype)
+        counted::nonempty("float_equal_elem", &lhs);
+        counted::made(
+            "float_equal_elem",
+            <B as FloatTensorOps<B>>::float_equal_elem(lhs, rhs, out_dtype),
+        )
     }
     fn float_not_equal_elem(
         lhs: FloatTensor<Self>,
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_not_equal_elem(lhs, rhs, out_dtype)
+        counted::nonempty("float_not_equal_elem", &lhs);
+        counted::made(
+            "float_not_equal_elem",
+            <B as FloatTensorOps<B>>::float_not_equal_elem(lhs, rhs, out_dtype),
+        )
     }
     fn float_greater(
         lhs: FloatTensor<Self>,
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_greater(lhs, rhs, out_dtype)
+        counted::operands("float_greater", (&lhs, &rhs));
+        counted::made(
+            "float_greater",
+            <B as FloatTensorOps<B>>::float_greater(lhs, rhs, out_dtype),
+        )
     }
     fn float_greater_elem(
         lhs: FloatTensor<Self>,
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_greater_elem(lhs, rhs, out_dtype)
+        counted::nonempty("float_greater_elem", &lhs);
+        counted::made(
+            "float_greater_elem",
+            <B as FloatTensorOps<B>>::float_greater_elem(lhs, rhs, out_dtype),
+        )
     }
     fn float_greater_equal(
         lhs: FloatTensor<Self>,
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_greater_equal(lhs, rhs, out_dtype)
+        counted::operands("float_greater_equal", (&lhs, &rhs));
+        counted::made(
+            "float_greater_equal",
+            <B as FloatTensorOps<B>>::float_greater_equal(lhs, rhs, out_dtype),
+        )
     }
     fn float_greater_equal_elem(
         lhs: FloatTensor<Self>,
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_greater_equal_elem(lhs, rhs, out_dtype)
+        counted::nonempty("float_greater_equal_elem", &lhs);
+        counted::made(
+            "float_greater_equal_elem",
+            <B as FloatTensorOps<B>>::float_greater_equal_elem(lhs, rhs, out_dtype),
+        )
     }
     fn float_lower(
         lhs: FloatTensor<Self>,
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_lower(lhs, rhs, out_dtype)
+        counted::operands("float_lower", (&lhs, &rhs));
+        counted::made(
+            "float_lower",
+            <B as FloatTensorOps<B>>::float_lower(lhs, rhs, out_dtype),
+        )
     }
     fn float_lower_elem(
         lhs: FloatTensor<Self>,
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_lower_elem(lhs, rhs, out_dtype)
+        counted::nonempty("float_lower_elem", &lhs);
+        counted::made(
+            "float_lower_elem",
+            <B as FloatTensorOps<B>>::float_lower_elem(lhs, rhs, out_dtype),
+        )
     }
     fn float_lower_equal(
         lhs: FloatTensor<Self>,
         rhs: FloatTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_lower_equal(lhs, rhs, out_dtype)
+        counted::operands("float_lower_equal", (&lhs, &rhs));
+        counted::made(
+            "float_lower_equal",
+            <B as FloatTensorOps<B>>::float_lower_equal(lhs, rhs, out_dtype),
+        )
     }
     fn float_lower_equal_elem(
         lhs: FloatTensor<Self>,
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_lower_equal_elem(lhs, rhs, out_dtype)
+        counted::nonempty("float_lower_equal_elem", &lhs);
+        counted::made(
+            "float_lower_equal_elem",
+            <B as FloatTensorOps<B>>::float_lower_equal_elem(lhs, rhs, out_dtype),
+        )
     }
     fn float_detach(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
         <B as FloatTensorOps<B>>::float_detach(tensor)
@@ -296,130 +474,219 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         <B as FloatTensorOps<B>>::float_is_require_grad(_tensor)
     }
     fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_sum(tensor)
+        counted::nonempty("float_sum", &tensor);
+        counted::made("float_sum", <B as FloatTensorOps<B>>::float_sum(tensor))
     }
     fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_sum_dim(tensor, dim)
+        counted::nonempty("float_sum_dim", &tensor);
+        counted::made(
+            "float_sum_dim",
+            <B as FloatTensorOps<B>>::float_sum_dim(tensor, dim),
+        )
     }
     fn float_prod(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_prod(tensor)
+        counted::nonempty("float_prod", &tensor);
+        counted::made("float_prod", <B as FloatTensorOps<B>>::float_prod(tensor))
     }
     fn float_prod_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_prod_dim(tensor, dim)
+        counted::nonempty("float_prod_dim", &tensor);
+        counted::made(
+            "float_prod_dim",
+            <B as FloatTensorOps<B>>::float_prod_dim(tensor, dim),
+        )
     }
     fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_mean(tensor)
+        counted::nonempty("float_mean", &tensor);
+        counted::made("float_mean", <B as FloatTensorOps<B>>::float_mean(tensor))
     }
     fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_mean_dim(tensor, dim)
+        counted::nonempty("float_mean_dim", &tensor);
+        counted::made(
+            "float_mean_dim",
+            <B as FloatTensorOps<B>>::float_mean_dim(tensor, dim),
+        )
     }
     fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_cumsum(tensor, dim)
+        counted::nonempty("float_cumsum", &tensor);
+        counted::made(
+            "float_cumsum",
+            <B as FloatTensorOps<B>>::float_cumsum(tensor, dim),
+        )
     }
     fn float_cumprod(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_cumprod(tensor, dim)
+        counted::nonempty("float_cumprod", &tensor);
+        counted::made(
+            "float_cumprod",
+            <B as FloatTensorOps<B>>::float_cumprod(tensor, dim),
+        )
     }
     fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_cummin(tensor, dim)
+        counted::nonempty("float_cummin", &tensor);
+        counted::made(
+            "float_cummin",
+            <B as FloatTensorOps<B>>::float_cummin(tensor, dim),
+        )
     }
     fn float_cummax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_cummax(tensor, dim)
+        counted::nonempty("float_cummax", &tensor);
+        counted::made(
+            "float_cummax",
+            <B as FloatTensorOps<B>>::float_cummax(tensor, dim),
+        )
     }
     fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_cast(tensor, dtype)
+        counted::nonempty("float_cast", &tensor);
+        counted::made(
+            "float_cast",
+            <B as FloatTensorOps<B>>::float_cast(tensor, dtype),
+        )
     }
     fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_exp(tensor)
+        counted::nonempty("float_exp", &tensor);
+        counted::made("float_exp", <B as FloatTensorOps<B>>::float_exp(tensor))
     }
     fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_log(tensor)
+        counted::nonempty("float_log", &tensor);
+        counted::made("float_log", <B as FloatTensorOps<B>>::float_log(tensor))
     }
     fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_log1p(tensor)
+        counted::nonempty("float_log1p", &tensor);
+        counted::made("float_log1p", <B as FloatTensorOps<B>>::float_log1p(tensor))
     }
     fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_powf(lhs, rhs)
+        counted::operands("float_powf", (&lhs, &rhs));
+        counted::made("float_powf", <B as FloatTensorOps<B>>::float_powf(lhs, rhs))
     }
     fn float_powi(lhs: FloatTensor<Self>, rhs: IntTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_powi(lhs, rhs)
+        counted::operands("float_powi", (&lhs, &rhs));
+        counted::made("float_powi", <B as FloatTensorOps<B>>::float_powi(lhs, rhs))
     }
     fn float_powi_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_powi_scalar(lhs, rhs)
+        counted::nonempty("float_powi_scalar", &lhs);
+        counted::made(
+            "float_powi_scalar",
+            <B as FloatTensorOps<B>>::float_powi_scalar(lhs, rhs),
+        )
     }
     fn float_powi_scalar_impl(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_powi_scalar_impl(lhs, rhs)
+        counted::nonempty("float_powi_scalar_impl", &lhs);
+        counted::made(
+            "float_powi_scalar_impl",
+            <B as FloatTensorOps<B>>::float_powi_scalar_impl(lhs, rhs),
+        )
     }
     fn float_powf_scalar(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_powf_scalar(tensor, value)
+        counted::nonempty("float_powf_scalar", &tensor);
+        counted::made(
+            "float_powf_scalar",
+            <B as FloatTensorOps<B>>::float_powf_scalar(tensor, value),
+        )
     }
     fn float_powf_scalar_impl(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_powf_scalar_impl(tensor, value)
+        counted::nonempty("float_powf_scalar_impl", &tensor);
+        counted::made(
+            "float_powf_scalar_impl",
+            <B as FloatTensorOps<B>>::float_powf_scalar_impl(tensor, value),
+        )
     }
     fn float_sqrt(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_sqrt(tensor)
+        counted::nonempty("float_sqrt", &tensor);
+        counted::made("float_sqrt", <B as FloatTensorOps<B>>::float_sqrt(tensor))
     }
     fn float_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_abs(tensor)
+        counted::nonempty("float_abs", &tensor);
+        counted::made("float_abs", <B as FloatTensorOps<B>>::float_abs(tensor))
     }
     fn float_cos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_cos(tensor)
+        counted::nonempty("float_cos", &tensor);
+        counted::made("float_cos", <B as FloatTensorOps<B>>::float_cos(tensor))
     }
     fn float_sin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_sin(tensor)
+        counted::nonempty("float_sin", &tensor);
+        counted::made("float_sin", <B as FloatTensorOps<B>>::float_sin(tensor))
     }
     fn float_tan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_tan(tensor)
+        counted::nonempty("float_tan", &tensor);
+        counted::made("float_tan", <B as FloatTensorOps<B>>::float_tan(tensor))
     }
     fn float_cosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_cosh(tensor)
+        counted::nonempty("float_cosh", &tensor);
+        counted::made("float_cosh", <B as FloatTensorOps<B>>::float_cosh(tensor))
     }
     fn float_sinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_sinh(tensor)
+        counted::nonempty("float_sinh", &tensor);
+        counted::made("float_sinh", <B as FloatTensorOps<B>>::float_sinh(tensor))
     }
     fn float_tanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_tanh(tensor)
+        counted::nonempty("float_tanh", &tensor);
+        counted::made("float_tanh", <B as FloatTensorOps<B>>::float_tanh(tensor))
     }
     fn float_acos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_acos(tensor)
+        counted::nonempty("float_acos", &tensor);
+        counted::made("float_acos", <B as FloatTensorOps<B>>::float_acos(tensor))
     }
     fn float_acosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_acosh(tensor)
+        counted::nonempty("float_acosh", &tensor);
+        counted::made("float_acosh", <B as FloatTensorOps<B>>::float_acosh(tensor))
     }
     fn float_asin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_asin(tensor)
+        counted::nonempty("float_asin", &tensor);
+        counted::made("float_asin", <B as FloatTensorOps<B>>::float_asin(tensor))
     }
     fn float_asinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_asinh(tensor)
+        counted::nonempty("float_asinh", &tensor);
+        counted::made("float_asinh", <B as FloatTensorOps<B>>::float_asinh(tensor))
     }
     fn float_atan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_atan(tensor)
+        counted::nonempty("float_atan", &tensor);
+        counted::made("float_atan", <B as FloatTensorOps<B>>::float_atan(tensor))
     }
     fn float_atanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_atanh(tensor)
+        counted::nonempty("float_atanh", &tensor);
+        counted::made("float_atanh", <B as FloatTensorOps<B>>::float_atanh(tensor))
     }
     fn float_atan2(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_atan2(lhs, rhs)
+        counted::operands("float_atan2", (&lhs, &rhs));
+        counted::made(
+            "float_atan2",
+            <B as FloatTensorOps<B>>::float_atan2(lhs, rhs),
+        )
     }
     fn float_round(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_round(tensor)
+        counted::nonempty("float_round", &tensor);
+        counted::made("float_round", <B as FloatTensorOps<B>>::float_round(tensor))
     }
     fn float_floor(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_floor(tensor)
+        counted::nonempty("float_floor", &tensor);
+        counted::made("float_floor", <B as FloatTensorOps<B>>::float_floor(tensor))
     }
     fn float_ceil(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_ceil(tensor)
+        counted::nonempty("float_ceil", &tensor);
+        counted::made("float_ceil", <B as FloatTensorOps<B>>::float_ceil(tensor))
     }
     fn float_trunc(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_trunc(tensor)
+        counted::nonempty("float_trunc", &tensor);
+        counted::made("float_trunc", <B as FloatTensorOps<B>>::float_trunc(tensor))
     }
     fn float_erf(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_erf(tensor)
+        counted::nonempty("float_erf", &tensor);
+        counted::made("float_erf", <B as FloatTensorOps<B>>::float_erf(tensor))
     }
     fn float_cat(tensors: Vec<FloatTensor<Self>>, dim: usize) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_cat(tensors, dim)
+        tensors
+            .iter()
+            .for_each(|t| counted::nonempty("float_cat", t));
+        counted::made(
+            "float_cat",
+            <B as FloatTensorOps<B>>::float_cat(tensors, dim),
+        )
     }
     fn float_argmax(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
-        <B as FloatTensorOps<B>>::float_argmax(tensor, dim, out_dtype)
+        counted::nonempty("float_argmax", &tensor);
+        counted::made(
+            "float_argmax",
+            <B as FloatTensorOps<B>>::float_argmax(tensor, dim, out_dtype),
+        )
     }
     fn float_argtopk(
         tensor: FloatTensor<Self>,
@@ -427,74 +694,131 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         k: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
-        <B as FloatTensorOps<B>>::float_argtopk(tensor, dim, k, out_dtype)
+        counted::nonempty("float_argtopk", &tensor);
+        counted::made(
+            "float_argtopk",
+            <B as FloatTensorOps<B>>::float_argtopk(tensor, dim, k, out_dtype),
+        )
     }
     fn float_topk(tensor: FloatTensor<Self>, dim: usize, k: usize) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_topk(tensor, dim, k)
+        counted::nonempty("float_topk", &tensor);
+        counted::made(
+            "float_topk",
+            <B as FloatTensorOps<B>>::float_topk(tensor, dim, k),
+        )
     }
     fn float_argmin(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
-        <B as FloatTensorOps<B>>::float_argmin(tensor, dim, out_dtype)
+        counted::nonempty("float_argmin", &tensor);
+        counted::made(
+            "float_argmin",
+            <B as FloatTensorOps<B>>::float_argmin(tensor, dim, out_dtype),
+        )
     }
     fn float_max(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_max(tensor)
+        counted::nonempty("float_max", &tensor);
+        counted::made("float_max", <B as FloatTensorOps<B>>::float_max(tensor))
     }
     fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_max_dim(tensor, dim)
+        counted::nonempty("float_max_dim", &tensor);
+        counted::made(
+            "float_max_dim",
+            <B as FloatTensorOps<B>>::float_max_dim(tensor, dim),
+        )
     }
     fn float_max_dim_with_indices(
         tensor: FloatTensor<Self>,
         dim: usize,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        counted::nonempty("float_max_dim_with_indices", &tensor);
         <B as FloatTensorOps<B>>::float_max_dim_with_indices(tensor, dim, indices_dtype)
     }
     fn float_min(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_min(tensor)
+        counted::nonempty("float_min", &tensor);
+        counted::made("float_min", <B as FloatTensorOps<B>>::float_min(tensor))
     }
     fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_min_dim(tensor, dim)
+        counted::nonempty("float_min_dim", &tensor);
+        counted::made(
+            "float_min_dim",
+            <B as FloatTensorOps<B>>::float_min_dim(tensor, dim),
+        )
     }
     fn float_min_dim_with_indices(
         tensor: FloatTensor<Self>,
         dim: usize,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        counted::nonempty("float_min_dim_with_indices", &tensor);
         <B as FloatTensorOps<B>>::float_min_dim_with_indices(tensor, dim, indices_dtype)
     }
     fn float_max_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_max_abs(tensor)
+        counted::nonempty("float_max_abs", &tensor);
+        counted::made(
+            "float_max_abs",
+            <B as FloatTensorOps<B>>::float_max_abs(tensor),
+        )
     }
     fn float_max_abs_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_max_abs_dim(tensor, dim)
+        counted::nonempty("float_max_abs_dim", &tensor);
+        counted::made(
+            "float_max_abs_dim",
+            <B as FloatTensorOps<B>>::float_max_abs_dim(tensor, dim),
+        )
     }
     fn float_any(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_any(tensor, out_dtype)
+        counted::nonempty("float_any", &tensor);
+        counted::made(
+            "float_any",
+            <B as FloatTensorOps<B>>::float_any(tensor, out_dtype),
+        )
     }
     fn float_any_dim(
         tensor: FloatTensor<Self>,
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_any_dim(tensor, dim, out_dtype)
+        counted::nonempty("float_any_dim", &tensor);
+        counted::made(
+            "float_any_dim",
+            <B as FloatTensorOps<B>>::float_any_dim(tensor, dim, out_dtype),
+        )
     }
     fn float_all(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_all(tensor, out_dtype)
+        counted::nonempty("float_all", &tensor);
+        counted::made(
+            "float_all",
+            <B as FloatTensorOps<B>>::float_all(tensor, out_dtype),
+        )
     }
     fn float_all_dim(
         tensor: FloatTensor<Self>,
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_all_dim(tensor, dim, out_dtype)
+        counted::nonempty("float_all_dim", &tensor);
+        counted::made(
+            "float_all_dim",
+            <B as FloatTensorOps<B>>::float_all_dim(tensor, dim, out_dtype),
+        )
     }
     fn float_sign(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_sign(tensor)
+        counted::nonempty("float_sign", &tensor);
+        counted::made("float_sign", <B as FloatTensorOps<B>>::float_sign(tensor))
     }
     fn float_expand(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_expand(tensor, shape)
+        counted::nonempty("float_expand", &tensor);
+        counted::made(
+            "float_expand",
+            <B as FloatTensorOps<B>>::float_expand(tensor, shape),
+        )
     }
     fn float_sort(tensor: FloatTensor<Self>, dim: usize, descending: bool) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_sort(tensor, dim, descending)
+        counted::nonempty("float_sort", &tensor);
+        counted::made(
+            "float_sort",
+            <B as FloatTensorOps<B>>::float_sort(tensor, dim, descending),
+        )
     }
     fn float_sort_with_indices(
         tensor: FloatTensor<Self>,
@@ -502,6 +826,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         descending: bool,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
+        counted::nonempty("float_sort_with_indices", &tensor);
         <B as FloatTensorOps<B>>::float_sort_with_indices(tensor, dim, descending, indices_dtype)
     }
     fn float_argsort(
@@ -510,14 +835,22 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         descending: bool,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
-        <B as FloatTensorOps<B>>::float_argsort(tensor, dim, descending, out_dtype)
+        counted::nonempty("float_argsort", &tensor);
+        counted::made(
+            "float_argsort",
+            <B as FloatTensorOps<B>>::float_argsort(tensor, dim, descending, out_dtype),
+        )
     }
     fn float_grid_sample_2d(
         tensor: FloatTensor<Self>,
         grid: FloatTensor<Self>,
         options: GridSampleOptions,
     ) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_grid_sample_2d(tensor, grid, options)
+        counted::operands("float_grid_sample_2d", (&tensor, &grid));
+        counted::made(
+            "float_grid_sample_2d",
+            <B as FloatTensorOps<B>>::float_grid_sample_2d(tensor, grid, options),
+        )
     }
     fn float_unfold(
         tensor: FloatTensor<Self>,
@@ -525,12 +858,24 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         size: usize,
         step: usize,
     ) -> FloatTensor<Self> {
-        <B as FloatTensorOps<B>>::float_unfold(tensor, dim, size, step)
+        counted::nonempty("float_unfold", &tensor);
+        counted::made(
+            "float_unfold",
+            <B as FloatTensorOps<B>>::float_unfold(tensor, dim, size, step),
+        )
     }
     fn float_is_nan(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_is_nan(tensor, out_dtype)
+        counted::nonempty("float_is_nan", &tensor);
+        counted::made(
+            "float_is_nan",
+            <B as FloatTensorOps<B>>::float_is_nan(tensor, out_dtype),
+        )
     }
     fn float_is_inf(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        <B as FloatTensorOps<B>>::float_is_inf(tensor, out_dtype)
+        counted::nonempty("float_is_inf", &tensor);
+        counted::made(
+            "float_is_inf",
+            <B as FloatTensorOps<B>>::float_is_inf(tensor, out_dtype),
+        )
     }
 }

@@ -40,41 +40,69 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         <B as IntTensorOps<B>>::int_to_device(tensor, device)
     }
     fn int_reshape(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_reshape(tensor, shape)
+        counted::nonempty("int_reshape", &tensor);
+        counted::made(
+            "int_reshape",
+            <B as IntTensorOps<B>>::int_reshape(tensor, shape),
+        )
     }
     fn int_slice(tensor: IntTensor<Self>, slices: &[Slice]) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_slice(tensor, slices)
+        counted::nonempty("int_slice", &tensor);
+        counted::made(
+            "int_slice",
+            <B as IntTensorOps<B>>::int_slice(tensor, slices),
+        )
     }
     fn int_slice_assign(
         tensor: IntTensor<Self>,
         slices: &[Slice],
         value: IntTensor<Self>,
     ) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_slice_assign(tensor, slices, value)
+        counted::operands("int_slice_assign", (&tensor, &value));
+        counted::made(
+            "int_slice_assign",
+            <B as IntTensorOps<B>>::int_slice_assign(tensor, slices, value),
+        )
     }
     fn int_into_float(tensor: IntTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
-        <B as IntTensorOps<B>>::int_into_float(tensor, out_dtype)
+        counted::nonempty("int_into_float", &tensor);
+        counted::made(
+            "int_into_float",
+            <B as IntTensorOps<B>>::int_into_float(tensor, out_dtype),
+        )
     }
     fn int_mask_where(
         tensor: IntTensor<Self>,
         mask: BoolTensor<Self>,
         value: IntTensor<Self>,
     ) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_mask_where(tensor, mask, value)
+        counted::operands("int_mask_where", (&tensor, &mask, &value));
+        counted::made(
+            "int_mask_where",
+            <B as IntTensorOps<B>>::int_mask_where(tensor, mask, value),
+        )
     }
     fn int_mask_fill(
         tensor: IntTensor<Self>,
         mask: BoolTensor<Self>,
         value: Scalar,
     ) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_mask_fill(tensor, mask, value)
+        counted::operands("int_mask_fill", (&tensor, &mask));
+        counted::made(
+            "int_mask_fill",
+            <B as IntTensorOps<B>>::int_mask_fill(tensor, mask, value),
+        )
     }
     fn int_gather(
         dim: usize,
         tensor: IntTensor<Self>,
         indices: IntTensor<Self>,
     ) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_gather(dim, tensor, indices)
+        counted::operands("int_gather", (&tensor, &indices));
+        counted::made(
+            "int_gather",
+            <B as IntTensorOps<B>>::int_gather(dim, tensor, indices),
+        )
     }
     fn int_scatter_add(
         dim: usize,
@@ -82,7 +110,11 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         indices: IntTensor<Self>,
         value: IntTensor<Self>,
     ) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_scatter_add(dim, tensor, indices, value)
+        counted::operands("int_scatter_add", (&tensor, &indices, &value));
+        counted::made(
+            "int_scatter_add",
+            <B as IntTensorOps<B>>::int_scatter_add(dim, tensor, indices, value),
+        )
     }
     fn int_scatter_nd(
         _data: IntTensor<Self>,
@@ -90,17 +122,29 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         _values: IntTensor<Self>,
         _reduction: burn_backend::tensor::IndexingUpdateOp,
     ) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_scatter_nd(_data, _indices, _values, _reduction)
+        counted::operands("int_scatter_nd", (&_data, &_indices, &_values));
+        counted::made(
+            "int_scatter_nd",
+            <B as IntTensorOps<B>>::int_scatter_nd(_data, _indices, _values, _reduction),
+        )
     }
     fn int_gather_nd(_data: IntTensor<Self>, _indices: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_gather_nd(_data, _indices)
+        counted::operands("int_gather_nd", (&_data, &_indices));
+        counted::made(
+            "int_gather_nd",
+            <B as IntTensorOps<B>>::int_gather_nd(_data, _indices),
+        )
     }
     fn int_select(
         tensor: IntTensor<Self>,
         dim: usize,
         indices: IntTensor<Self>,
     ) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_select(tensor, dim, indices)
+        counted::operands("int_select", (&tensor, &indices));
+        counted::made(
+            "int_select",
+            <B as IntTensorOps<B>>::int_select(tensor, dim, indices),
+        )
     }
     fn int_select_add(
         tensor: IntTensor<Self>,
@@ -108,149 +152,263 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         indices: IntTensor<Self>,
         value: IntTensor<Self>,
     ) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_select_add(tensor, dim, indices, value)
+        counted::operands("int_select_add", (&tensor, &indices, &value));
+        counted::made(
+            "int_select_add",
+            <B as IntTensorOps<B>>::int_select_add(tensor, dim, indices, value),
+        )
     }
     fn int_repeat_dim(tensor: IntTensor<Self>, dim: usize, times: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_repeat_dim(tensor, dim, times)
+        counted::nonempty("int_repeat_dim", &tensor);
+        counted::made(
+            "int_repeat_dim",
+            <B as IntTensorOps<B>>::int_repeat_dim(tensor, dim, times),
+        )
     }
     fn int_cat(tensors: Vec<IntTensor<Self>>, dim: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_cat(tensors, dim)
+        tensors.iter().for_each(|t| counted::nonempty("int_cat", t));
+        counted::made("int_cat", <B as IntTensorOps<B>>::int_cat(tensors, dim))
     }
     fn int_equal(
         lhs: IntTensor<Self>,
         rhs: IntTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as IntTensorOps<B>>::int_equal(lhs, rhs, out_dtype)
+        counted::operands("int_equal", (&lhs, &rhs));
+        counted::made(
+            "int_equal",
+            <B as IntTensorOps<B>>::int_equal(lhs, rhs, out_dtype),
+        )
     }
     fn int_not_equal(
         lhs: IntTensor<Self>,
         rhs: IntTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as IntTensorOps<B>>::int_not_equal(lhs, rhs, out_dtype)
+        counted::operands("int_not_equal", (&lhs, &rhs));
+        counted::made(
+            "int_not_equal",
+            <B as IntTensorOps<B>>::int_not_equal(lhs, rhs, out_dtype),
+        )
     }
     fn int_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
-        <B as IntTensorOps<B>>::int_equal_elem(lhs, rhs, out_dtype)
+        counted::nonempty("int_equal_elem", &lhs);
+        counted::made(
+            "int_equal_elem",
+            <B as IntTensorOps<B>>::int_equal_elem(lhs, rhs, out_dtype),
+        )
     }
     fn int_not_equal_elem(
         lhs: IntTensor<Self>,
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as IntTensorOps<B>>::int_not_equal_elem(lhs, rhs, out_dtype)
+        counted::nonempty("int_not_equal_elem", &lhs);
+        counted::made(
+            "int_not_equal_elem",
+            <B as IntTensorOps<B>>::int_not_equal_elem(lhs, rhs, out_dtype),
+        )
     }
     fn int_greater(
         lhs: IntTensor<Self>,
         rhs: IntTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as IntTensorOps<B>>::int_greater(lhs, rhs, out_dtype)
+        counted::operands("int_greater", (&lhs, &rhs));
+        counted::made(
+            "int_greater",
+            <B as IntTensorOps<B>>::int_greater(lhs, rhs, out_dtype),
+        )
     }
     fn int_greater_elem(
         lhs: IntTensor<Self>,
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as IntTensorOps<B>>::int_greater_elem(lhs, rhs, out_dtype)
+        counted::nonempty("int_greater_elem", &lhs);
+        counted::made(
+            "int_greater_elem",
+            <B as IntTensorOps<B>>::int_greater_elem(lhs, rhs, out_dtype),
+        )
     }
     fn int_greater_equal(
         lhs: IntTensor<Self>,
         rhs: IntTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as IntTensorOps<B>>::int_greater_equal(lhs, rhs, out_dtype)
+        counted::operands("int_greater_equal", (&lhs, &rhs));
+        counted::made(
+            "int_greater_equal",
+            <B as IntTensorOps<B>>::int_greater_equal(lhs, rhs, out_dtype),
+        )
     }
     fn int_greater_equal_elem(
         lhs: IntTensor<Self>,
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as IntTensorOps<B>>::int_greater_equal_elem(lhs, rhs, out_dtype)
+        counted::nonempty("int_greater_equal_elem", &lhs);
+        counted::made(
+            "int_greater_equal_elem",
+            <B as IntTensorOps<B>>::int_greater_equal_elem(lhs, rhs, out_dtype),
+        )
     }
     fn int_lower(
         lhs: IntTensor<Self>,
         rhs: IntTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as IntTensorOps<B>>::int_lower(lhs, rhs, out_dtype)
+        counted::operands("int_lower", (&lhs, &rhs));
+        counted::made(
+            "int_lower",
+            <B as IntTensorOps<B>>::int_lower(lhs, rhs, out_dtype),
+        )
     }
     fn int_lower_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
-        <B as IntTensorOps<B>>::int_lower_elem(lhs, rhs, out_dtype)
+        counted::nonempty("int_lower_elem", &lhs);
+        counted::made(
+            "int_lower_elem",
+            <B as IntTensorOps<B>>::int_lower_elem(lhs, rhs, out_dtype),
+        )
     }
     fn int_lower_equal(
         lhs: IntTensor<Self>,
         rhs: IntTensor<Self>,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as IntTensorOps<B>>::int_lower_equal(lhs, rhs, out_dtype)
+        counted::operands("int_lower_equal", (&lhs, &rhs));
+        counted::made(
+            "int_lower_equal",
+            <B as IntTensorOps<B>>::int_lower_equal(lhs, rhs, out_dtype),
+        )
     }
     fn int_lower_equal_elem(
         lhs: IntTensor<Self>,
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        <B as IntTensorOps<B>>::int_lower_equal_elem(lhs, rhs, out_dtype)
+        counted::nonempty("int_lower_equal_elem", &lhs);
+        counted::made(
+            "int_lower_equal_elem",
+            <B as IntTensorOps<B>>::int_lower_equal_elem(lhs, rhs, out_dtype),
+        )
     }
     fn int_add(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_add(lhs, rhs)
+        counted::operands("int_add", (&lhs, &rhs));
+        counted::made("int_add", <B as IntTensorOps<B>>::int_add(lhs, rhs))
     }
     fn int_add_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_add_scalar(lhs, rhs)
+        counted::nonempty("int_add_scalar", &lhs);
+        counted::made(
+            "int_add_scalar",
+            <B as IntTensorOps<B>>::int_add_scalar(lhs, rhs),
+        )
     }
     fn int_powi(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_powi(lhs, rhs)
+        counted::operands("int_powi", (&lhs, &rhs));
+        counted::made("int_powi", <B as IntTensorOps<B>>::int_powi(lhs, rhs))
     }
     fn int_powi_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_powi_scalar(lhs, rhs)
+        counted::nonempty("int_powi_scalar", &lhs);
+        counted::made(
+            "int_powi_scalar",
+            <B as IntTensorOps<B>>::int_powi_scalar(lhs, rhs),
+        )
     }
     fn int_powi_scalar_impl(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_powi_scalar_impl(lhs, rhs)
+        counted::nonempty("int_powi_scalar_impl", &lhs);
+        counted::made(
+            "int_powi_scalar_impl",
+            <B as IntTensorOps<B>>::int_powi_scalar_impl(lhs, rhs),
+        )
     }
     fn int_clamp_min(tensor: IntTensor<Self>, min: Scalar) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_clamp_min(tensor, min)
+        counted::nonempty("int_clamp_min", &tensor);
+        counted::made(
+            "int_clamp_min",
+            <B as IntTensorOps<B>>::int_clamp_min(tensor, min),
+        )
     }
     fn int_clamp_max(tensor: IntTensor<Self>, max: Scalar) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_clamp_max(tensor, max)
+        counted::nonempty("int_clamp_max", &tensor);
+        counted::made(
+            "int_clamp_max",
+            <B as IntTensorOps<B>>::int_clamp_max(tensor, max),
+        )
     }
     fn int_clamp(tensor: IntTensor<Self>, min: Scalar, max: Scalar) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_clamp(tensor, min, max)
+        counted::nonempty("int_clamp", &tensor);
+        counted::made(
+            "int_clamp",
+            <B as IntTensorOps<B>>::int_clamp(tensor, min, max),
+        )
     }
     fn int_sub(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_sub(lhs, rhs)
+        counted::operands("int_sub", (&lhs, &rhs));
+        counted::made("int_sub", <B as IntTensorOps<B>>::int_sub(lhs, rhs))
     }
     fn int_sub_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_sub_scalar(lhs, rhs)
+        counted::nonempty("int_sub_scalar", &lhs);
+        counted::made(
+            "int_sub_scalar",
+            <B as IntTensorOps<B>>::int_sub_scalar(lhs, rhs),
+        )
     }
     fn int_mul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_mul(lhs, rhs)
+        counted::operands("int_mul", (&lhs, &rhs));
+        counted::made("int_mul", <B as IntTensorOps<B>>::int_mul(lhs, rhs))
     }
     fn int_mul_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_mul_scalar(lhs, rhs)
+        counted::nonempty("int_mul_scalar", &lhs);
+        counted::made(
+            "int_mul_scalar",
+            <B as IntTensorOps<B>>::int_mul_scalar(lhs, rhs),
+        )
     }
     fn int_div(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_div(lhs, rhs)
+        counted::operands("int_div", (&lhs, &rhs));
+        counted::made("int_div", <B as IntTensorOps<B>>::int_div(lhs, rhs))
     }
     fn int_div_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_div_scalar(lhs, rhs)
+        counted::nonempty("int_div_scalar", &lhs);
+        counted::made(
+            "int_div_scalar",
+            <B as IntTensorOps<B>>::int_div_scalar(lhs, rhs),
+        )
     }
     fn int_remainder(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_remainder(lhs, rhs)
+        counted::operands("int_remainder", (&lhs, &rhs));
+        counted::made(
+            "int_remainder",
+            <B as IntTensorOps<B>>::int_remainder(lhs, rhs),
+        )
     }
     fn int_remainder_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_remainder_scalar(lhs, rhs)
+        counted::nonempty("int_remainder_scalar", &lhs);
+        counted::made(
+            "int_remainder_scalar",
+            <B as IntTensorOps<B>>::int_remainder_scalar(lhs, rhs),
+        )
     }
     fn int_matmul(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_matmul(lhs, rhs)
+        counted::operands("int_matmul", (&lhs, &rhs));
+        counted::made("int_matmul", <B as IntTensorOps<B>>::int_matmul(lhs, rhs))
     }
     fn int_neg(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_neg(tensor)
+        counted::nonempty("int_neg", &tensor);
+        counted::made("int_neg", <B as IntTensorOps<B>>::int_neg(tensor))
     }
     fn int_zeros(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_zeros(shape, device, dtype)
+        counted::made(
+            "int_zeros",
+            <B as IntTensorOps<B>>::int_zeros(shape, device, dtype),
+        )
     }
     fn int_ones(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_ones(shape, device, dtype)
+        counted::made(
+            "int_ones",
+            <B as IntTensorOps<B>>::int_ones(shape, device, dtype),
+        )
     }
     fn int_full(
         shape: Shape,
@@ -258,94 +416,172 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         device: &Device<Self>,
         dtype: IntDType,
     ) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_full(shape, fill_value, device, dtype)
+        counted::made(
+            "int_full",
+            <B as IntTensorOps<B>>::int_full(shape, fill_value, device, dtype),
+        )
     }
     fn int_sum(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_sum(tensor)
+        counted::nonempty("int_sum", &tensor);
+        counted::made("int_sum", <B as IntTensorOps<B>>::int_sum(tensor))
     }
     fn int_sum_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_sum_dim(tensor, dim)
+        counted::nonempty("int_sum_dim", &tensor);
+        counted::made(
+            "int_sum_dim",
+            <B as IntTensorOps<B>>::int_sum_dim(tensor, dim),
+        )
     }
     fn int_prod(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_prod(tensor)
+        counted::nonempty("int_prod", &tensor);
+        counted::made("int_prod", <B as IntTensorOps<B>>::int_prod(tensor))
     }
     fn int_prod_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_prod_dim(tensor, dim)
+        counted::nonempty("int_prod_dim", &tensor);
+        counted::made(
+            "int_prod_dim",
+            <B as IntTensorOps<B>>::int_prod_dim(tensor, dim),
+        )
     }
     fn int_mean(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_mean(tensor)
+        counted::nonempty("int_mean", &tensor);
+        counted::made("int_mean", <B as IntTensorOps<B>>::int_mean(tensor))
     }
     fn int_mean_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_mean_dim(tensor, dim)
+        counted::nonempty("int_mean_dim", &tensor);
+        counted::made(
+            "int_mean_dim",
+            <B as IntTensorOps<B>>::int_mean_dim(tensor, dim),
+        )
     }
     fn int_cumsum(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_cumsum(tensor, dim)
+        counted::nonempty("int_cumsum", &tensor);
+        counted::made(
+            "int_cumsum",
+            <B as IntTensorOps<B>>::int_cumsum(tensor, dim),
+        )
     }
     fn int_cumprod(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_cumprod(tensor, dim)
+        counted::nonempty("int_cumprod", &tensor);
+        counted::made(
+            "int_cumprod",
+            <B as IntTensorOps<B>>::int_cumprod(tensor, dim),
+        )
     }
     fn int_cummin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_cummin(tensor, dim)
+        counted::nonempty("int_cummin", &tensor);
+        counted::made(
+            "int_cummin",
+            <B as IntTensorOps<B>>::int_cummin(tensor, dim),
+        )
     }
     fn int_cummax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_cummax(tensor, dim)
+        counted::nonempty("int_cummax", &tensor);
+        counted::made(
+            "int_cummax",
+            <B as IntTensorOps<B>>::int_cummax(tensor, dim),
+        )
     }
     fn int_argmax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_argmax(tensor, dim)
+        counted::nonempty("int_argmax", &tensor);
+        counted::made(
+            "int_argmax",
+            <B as IntTensorOps<B>>::int_argmax(tensor, dim),
+        )
     }
     fn int_argtopk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_argtopk(tensor, dim, k)
+        counted::nonempty("int_argtopk", &tensor);
+        counted::made(
+            "int_argtopk",
+            <B as IntTensorOps<B>>::int_argtopk(tensor, dim, k),
+        )
     }
     fn int_topk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_topk(tensor, dim, k)
+        counted::nonempty("int_topk", &tensor);
+        counted::made("int_topk", <B as IntTensorOps<B>>::int_topk(tensor, dim, k))
     }
     fn int_argmin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_argmin(tensor, dim)
+        counted::nonempty("int_argmin", &tensor);
+        counted::made(
+            "int_argmin",
+            <B as IntTensorOps<B>>::int_argmin(tensor, dim),
+        )
     }
     fn int_max(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_max(tensor)
+        counted::nonempty("int_max", &tensor);
+        counted::made("int_max", <B as IntTensorOps<B>>::int_max(tensor))
     }
     fn int_max_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_max_dim(tensor, dim)
+        counted::nonempty("int_max_dim", &tensor);
+        counted::made(
+            "int_max_dim",
+            <B as IntTensorOps<B>>::int_max_dim(tensor, dim),
+        )
     }
     fn int_max_dim_with_indices(
         tensor: IntTensor<Self>,
         dim: usize,
     ) -> (IntTensor<Self>, IntTensor<Self>) {
+        counted::nonempty("int_max_dim_with_indices", &tensor);
         <B as IntTensorOps<B>>::int_max_dim_with_indices(tensor, dim)
     }
     fn int_max_abs(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_max_abs(tensor)
+        counted::nonempty("int_max_abs", &tensor);
+        counted::made("int_max_abs", <B as IntTensorOps<B>>::int_max_abs(tensor))
     }
     fn int_max_abs_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_max_abs_dim(tensor, dim)
+        counted::nonempty("int_max_abs_dim", &tensor);
+        counted::made(
+            "int_max_abs_dim",
+            <B as IntTensorOps<B>>::int_max_abs_dim(tensor, dim),
+        )
     }
     fn int_min(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_min(tensor)
+        counted::nonempty("int_min", &tensor);
+        counted::made("int_min", <B as IntTensorOps<B>>::int_min(tensor))
     }
     fn int_min_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_min_dim(tensor, dim)
+        counted::nonempty("int_min_dim", &tensor);
+        counted::made(
+            "int_min_dim",
+            <B as IntTensorOps<B>>::int_min_dim(tensor, dim),
+        )
     }
     fn int_min_dim_with_indices(
         tensor: IntTensor<Self>,
         dim: usize,
     ) -> (IntTensor<Self>, IntTensor<Self>) {
+        counted::nonempty("int_min_dim_with_indices", &tensor);
         <B as IntTensorOps<B>>::int_min_dim_with_indices(tensor, dim)
     }
     fn int_abs(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_abs(tensor)
+        counted::nonempty("int_abs", &tensor);
+        counted::made("int_abs", <B as IntTensorOps<B>>::int_abs(tensor))
     }
     fn int_transpose(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_transpose(tensor)
+        counted::nonempty("int_transpose", &tensor);
+        counted::made(
+            "int_transpose",
+            <B as IntTensorOps<B>>::int_transpose(tensor),
+        )
     }
     fn int_swap_dims(tensor: IntTensor<Self>, dim1: usize, dim2: usize) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_swap_dims(tensor, dim1, dim2)
+        counted::nonempty("int_swap_dims", &tensor);
+        counted::made(
+            "int_swap_dims",
+            <B as IntTensorOps<B>>::int_swap_dims(tensor, dim1, dim2),
+        )
     }
     fn int_permute(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_permute(tensor, axes)
+        counted::nonempty("int_permute", &tensor);
+        counted::made(
+            "int_permute",
+            <B as IntTensorOps<B>>::int_permute(tensor, axes),
+        )
     }
     fn int_flip(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_flip(tensor, axes)
+        counted::nonempty("int_flip", &tensor);
+        counted::made("int_flip", <B as IntTensorOps<B>>::int_flip(tensor, axes))
     }
     fn int_random(
         shape: Shape,
@@ -353,7 +589,10 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         device: &Device<Self>,
         dtype: IntDType,
     ) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_random(shape, distribution, device, dtype)
+        counted::made(
+            "int_random",
+            <B as IntTensorOps<B>>::int_random(shape, distribution, device, dtype),
+        )
     }
     fn int_arange_step(
         range: Range<i64>,
@@ -361,77 +600,146 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         device: &Device<Self>,
         dtype: IntDType,
     ) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_arange_step(range, step, device, dtype)
+        counted::made(
+            "int_arange_step",
+            <B as IntTensorOps<B>>::int_arange_step(range, step, device, dtype),
+        )
     }
     fn int_arange(range: Range<i64>, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_arange(range, device, dtype)
+        counted::made(
+            "int_arange",
+            <B as IntTensorOps<B>>::int_arange(range, device, dtype),
+        )
     }
     fn int_any(tensor: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        <B as IntTensorOps<B>>::int_any(tensor, out_dtype)
+        counted::nonempty("int_any", &tensor);
+        counted::made(
+            "int_any",
+            <B as IntTensorOps<B>>::int_any(tensor, out_dtype),
+        )
     }
     fn int_any_dim(tensor: IntTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
-        <B as IntTensorOps<B>>::int_any_dim(tensor, dim, out_dtype)
+        counted::nonempty("int_any_dim", &tensor);
+        counted::made(
+            "int_any_dim",
+            <B as IntTensorOps<B>>::int_any_dim(tensor, dim, out_dtype),
+        )
     }
     fn int_all(tensor: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        <B as IntTensorOps<B>>::int_all(tensor, out_dtype)
+        counted::nonempty("int_all", &tensor);
+        counted::made(
+            "int_all",
+            <B as IntTensorOps<B>>::int_all(tensor, out_dtype),
+        )
     }
     fn int_all_dim(tensor: IntTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
-        <B as IntTensorOps<B>>::int_all_dim(tensor, dim, out_dtype)
+        counted::nonempty("int_all_dim", &tensor);
+        counted::made(
+            "int_all_dim",
+            <B as IntTensorOps<B>>::int_all_dim(tensor, dim, out_dtype),
+        )
     }
     fn int_sign(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_sign(tensor)
+        counted::nonempty("int_sign", &tensor);
+        counted::made("int_sign", <B as IntTensorOps<B>>::int_sign(tensor))
     }
     fn int_expand(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_expand(tensor, shape)
+        counted::nonempty("int_expand", &tensor);
+        counted::made(
+            "int_expand",
+            <B as IntTensorOps<B>>::int_expand(tensor, shape),
+        )
     }
     fn int_sort(tensor: IntTensor<Self>, dim: usize, descending: bool) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_sort(tensor, dim, descending)
+        counted::nonempty("int_sort", &tensor);
+        counted::made(
+            "int_sort",
+            <B as IntTensorOps<B>>::int_sort(tensor, dim, descending),
+        )
     }
     fn int_sort_with_indices(
         tensor: IntTensor<Self>,
         dim: usize,
         descending: bool,
     ) -> (IntTensor<Self>, IntTensor<Self>) {
+        counted::nonempty("int_sort_with_indices", &tensor);
         <B as IntTensorOps<B>>::int_sort_with_indices(tensor, dim, descending)
     }
     fn int_argsort(tensor: IntTensor<Self>, dim: usize, descending: bool) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_argsort(tensor, dim, descending)
+        counted::nonempty("int_argsort", &tensor);
+        counted::made(
+            "int_argsort",
+            <B as IntTensorOps<B>>::int_argsort(tensor, dim, descending),
+        )
     }
     fn bitwise_and(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::bitwise_and(lhs, rhs)
+        counted::operands("bitwise_and", (&lhs, &rhs));
+        counted::made("bitwise_and", <B as IntTensorOps<B>>::bitwise_and(lhs, rhs))
     }
     fn bitwise_and_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::bitwise_and_scalar(lhs, rhs)
+        counted::nonempty("bitwise_and_scalar", &lhs);
+        counted::made(
+            "bitwise_and_scalar",
+            <B as IntTensorOps<B>>::bitwise_and_scalar(lhs, rhs),
+        )
     }
     fn bitwise_or(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::bitwise_or(lhs, rhs)
+        counted::operands("bitwise_or", (&lhs, &rhs));
+        counted::made("bitwise_or", <B as IntTensorOps<B>>::bitwise_or(lhs, rhs))
     }
     fn bitwise_or_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::bitwise_or_scalar(lhs, rhs)
+        counted::nonempty("bitwise_or_scalar", &lhs);
+        counted::made(
+            "bitwise_or_scalar",
+            <B as IntTensorOps<B>>::bitwise_or_scalar(lhs, rhs),
+        )
     }
     fn bitwise_xor(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::bitwise_xor(lhs, rhs)
+        counted::operands("bitwise_xor", (&lhs, &rhs));
+        counted::made("bitwise_xor", <B as IntTensorOps<B>>::bitwise_xor(lhs, rhs))
     }
     fn bitwise_xor_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::bitwise_xor_scalar(lhs, rhs)
+        counted::nonempty("bitwise_xor_scalar", &lhs);
+        counted::made(
+            "bitwise_xor_scalar",
+            <B as IntTensorOps<B>>::bitwise_xor_scalar(lhs, rhs),
+        )
     }
     fn bitwise_not(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::bitwise_not(tensor)
+        counted::nonempty("bitwise_not", &tensor);
+        counted::made("bitwise_not", <B as IntTensorOps<B>>::bitwise_not(tensor))
     }
     fn bitwise_left_shift(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::bitwise_left_shift(lhs, rhs)
+        counted::operands("bitwise_left_shift", (&lhs, &rhs));
+        counted::made(
+            "bitwise_left_shift",
+            <B as IntTensorOps<B>>::bitwise_left_shift(lhs, rhs),
+        )
     }
     fn bitwise_left_shift_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::bitwise_left_shift_scalar(lhs, rhs)
+        counted::nonempty("bitwise_left_shift_scalar", &lhs);
+        counted::made(
+            "bitwise_left_shift_scalar",
+            <B as IntTensorOps<B>>::bitwise_left_shift_scalar(lhs, rhs),
+        )
     }
     fn bitwise_right_shift(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::bitwise_right_shift(lhs, rhs)
+        counted::operands("bitwise_right_shift", (&lhs, &rhs));
+        counted::made(
+            "bitwise_right_shift",
+            <B as IntTensorOps<B>>::bitwise_right_shift(lhs, rhs),
+        )
     }
     fn bitwise_right_shift_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::bitwise_right_shift_scalar(lhs, rhs)
+        counted::nonempty("bitwise_right_shift_scalar", &lhs);
+        counted::made(
+            "bitwise_right_shift_scalar",
+            <B as IntTensorOps<B>>::bitwise_right_shift_scalar(lhs, rhs),
+        )
     }
     fn int_cast(tensor: IntTensor<Self>, dtype: IntDType) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_cast(tensor, dtype)
+        counted::nonempty("int_cast", &tensor);
+        counted::made("int_cast", <B as IntTensorOps<B>>::int_cast(tensor, dtype))
     }
     fn int_unfold(
         tensor: IntTensor<Self>,
@@ -439,174 +747,10 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         size: usize,
         step: usize,
     ) -> IntTensor<Self> {
-        <B as IntTensorOps<B>>::int_unfold(tensor, dim, size, step)
-    }
-}
-
-impl<B: Backend> BoolTensorOps<Self> for Counted<B> {
-    fn bool_empty(shape: Shape, device: &Device<Self>, dtype: BoolDType) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_empty(shape, device, dtype)
-    }
-    fn bool_zeros(shape: Shape, device: &Device<Self>, dtype: BoolDType) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_zeros(shape, device, dtype)
-    }
-    fn bool_ones(shape: Shape, device: &Device<Self>, dtype: BoolDType) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_ones(shape, device, dtype)
-    }
-    fn bool_into_data(
-        tensor: BoolTensor<Self>,
-    ) -> impl Future<Output = Result<TensorData, ExecutionError>> + Send {
-        let read = <B as BoolTensorOps<B>>::bool_into_data(tensor);
-        async move {
-            let data = read.await;
-            if let Ok(d) = &data {
-                counted::read(d);
-            }
-            data
-        }
-    }
-    fn bool_from_data(data: TensorData, device: &Device<Self>) -> BoolTensor<Self> {
-        counted::wrote(&data);
-        <B as BoolTensorOps<B>>::bool_from_data(data, device)
-    }
-    fn bool_into_int(tensor: BoolTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_into_int(tensor, out_dtype)
-    }
-    fn bool_into_float(tensor: BoolTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_into_float(tensor, out_dtype)
-    }
-    fn bool_device(tensor: &BoolTensor<Self>) -> Device<Self> {
-        <B as BoolTensorOps<B>>::bool_device(tensor)
-    }
-    fn bool_to_device(tensor: BoolTensor<Self>, device: &Device<Self>) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_to_device(tensor, device)
-    }
-    fn bool_reshape(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_reshape(tensor, shape)
-    }
-    fn bool_slice(tensor: BoolTensor<Self>, slices: &[Slice]) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_slice(tensor, slices)
-    }
-    fn bool_slice_assign(
-        tensor: BoolTensor<Self>,
-        slices: &[Slice],
-        value: BoolTensor<Self>,
-    ) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_slice_assign(tensor, slices, value)
-    }
-    fn bool_mask_where(
-        tensor: BoolTensor<Self>,
-        mask: BoolTensor<Self>,
-        value: BoolTensor<Self>,
-    ) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_mask_where(tensor, mask, value)
-    }
-    fn bool_mask_fill(
-        tensor: BoolTensor<Self>,
-        mask: BoolTensor<Self>,
-        value: Scalar,
-    ) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_mask_fill(tensor, mask, value)
-    }
-    fn bool_gather(
-        dim: usize,
-        tensor: BoolTensor<Self>,
-        indices: IntTensor<Self>,
-    ) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_gather(dim, tensor, indices)
-    }
-    fn bool_scatter_or(
-        dim: usize,
-        tensor: BoolTensor<Self>,
-        indices: IntTensor<Self>,
-        value: BoolTensor<Self>,
-    ) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_scatter_or(dim, tensor, indices, value)
-    }
-    fn bool_select(
-        tensor: BoolTensor<Self>,
-        dim: usize,
-        indices: IntTensor<Self>,
-    ) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_select(tensor, dim, indices)
-    }
-    fn bool_select_or(
-        tensor: BoolTensor<Self>,
-        dim: usize,
-        indices: IntTensor<Self>,
-        value: BoolTensor<Self>,
-    ) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_select_or(tensor, dim, indices, value)
-    }
-    fn bool_repeat_dim(tensor: BoolTensor<Self>, dim: usize, times: usize) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_repeat_dim(tensor, dim, times)
-    }
-    fn bool_cat(tensors: Vec<BoolTensor<Self>>, dim: usize) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_cat(tensors, dim)
-    }
-    fn bool_equal(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_equal(lhs, rhs)
-    }
-    fn bool_not_equal(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_not_equal(lhs, rhs)
-    }
-    fn bool_equal_elem(lhs: BoolTensor<Self>, rhs: Scalar) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_equal_elem(lhs, rhs)
-    }
-    fn bool_not_equal_elem(lhs: BoolTensor<Self>, rhs: Scalar) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_not_equal_elem(lhs, rhs)
-    }
-    fn bool_not(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_not(tensor)
-    }
-    fn bool_and(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_and(lhs, rhs)
-    }
-    fn bool_or(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_or(lhs, rhs)
-    }
-    fn bool_xor(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_xor(lhs, rhs)
-    }
-    fn bool_transpose(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_transpose(tensor)
-    }
-    fn bool_swap_dims(tensor: BoolTensor<Self>, dim1: usize, dim2: usize) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_swap_dims(tensor, dim1, dim2)
-    }
-    fn bool_permute(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_permute(tensor, axes)
-    }
-    fn bool_flip(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_flip(tensor, axes)
-    }
-    fn bool_any(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_any(tensor)
-    }
-    fn bool_any_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_any_dim(tensor, dim)
-    }
-    fn bool_all(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_all(tensor)
-    }
-    fn bool_all_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_all_dim(tensor, dim)
-    }
-    fn bool_argwhere(
-        tensor: BoolTensor<Self>,
-        out_dtype: IntDType,
-    ) -> impl Future<Output = IntTensor<Self>> + 'static + Send {
-        <B as BoolTensorOps<B>>::bool_argwhere(tensor, out_dtype)
-    }
-    fn bool_expand(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_expand(tensor, shape)
-    }
-    fn bool_unfold(
-        tensor: BoolTensor<Self>,
-        dim: usize,
-        size: usize,
-        step: usize,
-    ) -> BoolTensor<Self> {
-        <B as BoolTensorOps<B>>::bool_unfold(tensor, dim, size, step)
+        counted::nonempty("int_unfold", &tensor);
+        counted::made(
+            "int_unfold",
+            <B as IntTensorOps<B>>::int_unfold(tensor, dim, size, step),
+        )
     }
 }

@@ -2,6 +2,8 @@
 //! `Counted<B>`'s backend traits, each method delegated to `B` (one file per group
 //! of traits).
 
+mod backend;
+mod bool;
 mod float;
 mod int;
 mod module;

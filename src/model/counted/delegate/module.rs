@@ -15,36 +15,57 @@ use core::ops::Range;
 
 impl<B: Backend> ModuleOps<Self> for Counted<B> {
     fn embedding(weights: FloatTensor<Self>, indices: IntTensor<Self>) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::embedding(weights, indices)
+        counted::operands("embedding", (&weights, &indices));
+        counted::made(
+            "embedding",
+            <B as ModuleOps<B>>::embedding(weights, indices),
+        )
     }
     fn embedding_backward(
         weights: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::embedding_backward(weights, output_grad, indices)
+        counted::operands("embedding_backward", (&weights, &output_grad, &indices));
+        counted::made(
+            "embedding_backward",
+            <B as ModuleOps<B>>::embedding_backward(weights, output_grad, indices),
+        )
     }
     fn linear(
         x: FloatTensor<Self>,
         weight: FloatTensor<Self>,
         bias: Option<FloatTensor<Self>>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::linear(x, weight, bias)
+        counted::operands("linear", (&x, &weight));
+        counted::made("linear", <B as ModuleOps<B>>::linear(x, weight, bias))
     }
     fn linear_x_backward(
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::linear_x_backward(weight, output_grad)
+        counted::operands("linear_x_backward", (&weight, &output_grad));
+        counted::made(
+            "linear_x_backward",
+            <B as ModuleOps<B>>::linear_x_backward(weight, output_grad),
+        )
     }
     fn linear_weight_backward(
         x: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::linear_weight_backward(x, output_grad)
+        counted::operands("linear_weight_backward", (&x, &output_grad));
+        counted::made(
+            "linear_weight_backward",
+            <B as ModuleOps<B>>::linear_weight_backward(x, output_grad),
+        )
     }
     fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::linear_bias_backward(output_grad)
+        counted::nonempty("linear_bias_backward", &output_grad);
+        counted::made(
+            "linear_bias_backward",
+            <B as ModuleOps<B>>::linear_bias_backward(output_grad),
+        )
     }
     fn conv1d(
         x: FloatTensor<Self>,
@@ -52,7 +73,11 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<1>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv1d(x, weight, bias, options)
+        counted::operands("conv1d", (&x, &weight));
+        counted::made(
+            "conv1d",
+            <B as ModuleOps<B>>::conv1d(x, weight, bias, options),
+        )
     }
     fn conv1d_x_backward(
         x: FloatTensor<Self>,
@@ -60,7 +85,11 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<1>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv1d_x_backward(x, weight, output_grad, options)
+        counted::operands("conv1d_x_backward", (&x, &weight, &output_grad));
+        counted::made(
+            "conv1d_x_backward",
+            <B as ModuleOps<B>>::conv1d_x_backward(x, weight, output_grad, options),
+        )
     }
     fn conv1d_weight_backward(
         x: FloatTensor<Self>,
@@ -68,14 +97,22 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<1>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv1d_weight_backward(x, weight, output_grad, options)
+        counted::operands("conv1d_weight_backward", (&x, &weight, &output_grad));
+        counted::made(
+            "conv1d_weight_backward",
+            <B as ModuleOps<B>>::conv1d_weight_backward(x, weight, output_grad, options),
+        )
     }
     fn conv1d_bias_backward(
         x: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv1d_bias_backward(x, bias, output_grad)
+        counted::operands("conv1d_bias_backward", (&x, &bias, &output_grad));
+        counted::made(
+            "conv1d_bias_backward",
+            <B as ModuleOps<B>>::conv1d_bias_backward(x, bias, output_grad),
+        )
     }
     fn conv2d(
         x: FloatTensor<Self>,
@@ -83,7 +120,11 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv2d(x, weight, bias, options)
+        counted::operands("conv2d", (&x, &weight));
+        counted::made(
+            "conv2d",
+            <B as ModuleOps<B>>::conv2d(x, weight, bias, options),
+        )
     }
     fn conv2d_x_backward(
         x: FloatTensor<Self>,
@@ -91,7 +132,11 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv2d_x_backward(x, weight, output_grad, options)
+        counted::operands("conv2d_x_backward", (&x, &weight, &output_grad));
+        counted::made(
+            "conv2d_x_backward",
+            <B as ModuleOps<B>>::conv2d_x_backward(x, weight, output_grad, options),
+        )
     }
     fn conv2d_weight_backward(
         x: FloatTensor<Self>,
@@ -99,14 +144,22 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<2>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv2d_weight_backward(x, weight, output_grad, options)
+        counted::operands("conv2d_weight_backward", (&x, &weight, &output_grad));
+        counted::made(
+            "conv2d_weight_backward",
+            <B as ModuleOps<B>>::conv2d_weight_backward(x, weight, output_grad, options),
+        )
     }
     fn conv2d_bias_backward(
         x: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv2d_bias_backward(x, bias, output_grad)
+        counted::operands("conv2d_bias_backward", (&x, &bias, &output_grad));
+        counted::made(
+            "conv2d_bias_backward",
+            <B as ModuleOps<B>>::conv2d_bias_backward(x, bias, output_grad),
+        )
     }
     fn deform_conv2d(
         x: FloatTensor<Self>,
@@ -116,7 +169,11 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         bias: Option<FloatTensor<Self>>,
         options: DeformConvOptions<2>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::deform_conv2d(x, offset, weight, mask, bias, options)
+        counted::operands("deform_conv2d", (&x, &offset, &weight));
+        counted::made(
+            "deform_conv2d",
+            <B as ModuleOps<B>>::deform_conv2d(x, offset, weight, mask, bias, options),
+        )
     }
     fn deform_conv2d_backward(
         x: FloatTensor<Self>,
@@ -127,6 +184,10 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         output_grad: FloatTensor<Self>,
         options: DeformConvOptions<2>,
     ) -> DeformConv2dBackward<Self> {
+        counted::operands(
+            "deform_conv2d_backward",
+            (&x, &offset, &weight, &output_grad),
+        );
         let r = <B as ModuleOps<B>>::deform_conv2d_backward(
             x,
             offset,
@@ -150,7 +211,11 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvOptions<3>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv3d(x, weight, bias, options)
+        counted::operands("conv3d", (&x, &weight));
+        counted::made(
+            "conv3d",
+            <B as ModuleOps<B>>::conv3d(x, weight, bias, options),
+        )
     }
     fn conv3d_x_backward(
         x: FloatTensor<Self>,
@@ -158,7 +223,11 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<3>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv3d_x_backward(x, weight, output_grad, options)
+        counted::operands("conv3d_x_backward", (&x, &weight, &output_grad));
+        counted::made(
+            "conv3d_x_backward",
+            <B as ModuleOps<B>>::conv3d_x_backward(x, weight, output_grad, options),
+        )
     }
     fn conv3d_weight_backward(
         x: FloatTensor<Self>,
@@ -166,14 +235,22 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         output_grad: FloatTensor<Self>,
         options: ConvOptions<3>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv3d_weight_backward(x, weight, output_grad, options)
+        counted::operands("conv3d_weight_backward", (&x, &weight, &output_grad));
+        counted::made(
+            "conv3d_weight_backward",
+            <B as ModuleOps<B>>::conv3d_weight_backward(x, weight, output_grad, options),
+        )
     }
     fn conv3d_bias_backward(
         x: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv3d_bias_backward(x, bias, output_grad)
+        counted::operands("conv3d_bias_backward", (&x, &bias, &output_grad));
+        counted::made(
+            "conv3d_bias_backward",
+            <B as ModuleOps<B>>::conv3d_bias_backward(x, bias, output_grad),
+        )
     }
     fn conv_transpose1d(
         x: FloatTensor<Self>,
@@ -181,14 +258,22 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv_transpose1d(x, weight, bias, options)
+        counted::operands("conv_transpose1d", (&x, &weight));
+        counted::made(
+            "conv_transpose1d",
+            <B as ModuleOps<B>>::conv_transpose1d(x, weight, bias, options),
+        )
     }
     fn conv_transpose1d_x_backward(
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv_transpose1d_x_backward(weight, output_grad, options)
+        counted::operands("conv_transpose1d_x_backward", (&weight, &output_grad));
+        counted::made(
+            "conv_transpose1d_x_backward",
+            <B as ModuleOps<B>>::conv_transpose1d_x_backward(weight, output_grad, options),
+        )
     }
     fn conv_transpose1d_weight_backward(
         x: FloatTensor<Self>,
@@ -196,14 +281,25 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<1>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv_transpose1d_weight_backward(x, weight, output_grad, options)
+        counted::operands(
+            "conv_transpose1d_weight_backward",
+            (&x, &weight, &output_grad),
+        );
+        counted::made(
+            "conv_transpose1d_weight_backward",
+            <B as ModuleOps<B>>::conv_transpose1d_weight_backward(x, weight, output_grad, options),
+        )
     }
     fn conv_transpose1d_bias_backward(
         x: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv_transpose1d_bias_backward(x, bias, output_grad)
+        counted::operands("conv_transpose1d_bias_backward", (&x, &bias, &output_grad));
+        counted::made(
+            "conv_transpose1d_bias_backward",
+            <B as ModuleOps<B>>::conv_transpose1d_bias_backward(x, bias, output_grad),
+        )
     }
     fn conv_transpose2d(
         x: FloatTensor<Self>,
@@ -211,14 +307,22 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv_transpose2d(x, weight, bias, options)
+        counted::operands("conv_transpose2d", (&x, &weight));
+        counted::made(
+            "conv_transpose2d",
+            <B as ModuleOps<B>>::conv_transpose2d(x, weight, bias, options),
+        )
     }
     fn conv_transpose2d_x_backward(
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv_transpose2d_x_backward(weight, output_grad, options)
+        counted::operands("conv_transpose2d_x_backward", (&weight, &output_grad));
+        counted::made(
+            "conv_transpose2d_x_backward",
+            <B as ModuleOps<B>>::conv_transpose2d_x_backward(weight, output_grad, options),
+        )
     }
     fn conv_transpose2d_weight_backward(
         x: FloatTensor<Self>,
@@ -226,14 +330,25 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<2>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv_transpose2d_weight_backward(x, weight, output_grad, options)
+        counted::operands(
+            "conv_transpose2d_weight_backward",
+            (&x, &weight, &output_grad),
+        );
+        counted::made(
+            "conv_transpose2d_weight_backward",
+            <B as ModuleOps<B>>::conv_transpose2d_weight_backward(x, weight, output_grad, options),
+        )
     }
     fn conv_transpose2d_bias_backward(
         x: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv_transpose2d_bias_backward(x, bias, output_grad)
+        counted::operands("conv_transpose2d_bias_backward", (&x, &bias, &output_grad));
+        counted::made(
+            "conv_transpose2d_bias_backward",
+            <B as ModuleOps<B>>::conv_transpose2d_bias_backward(x, bias, output_grad),
+        )
     }
     fn conv_transpose3d(
         x: FloatTensor<Self>,
@@ -241,14 +356,22 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         bias: Option<FloatTensor<Self>>,
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv_transpose3d(x, weight, bias, options)
+        counted::operands("conv_transpose3d", (&x, &weight));
+        counted::made(
+            "conv_transpose3d",
+            <B as ModuleOps<B>>::conv_transpose3d(x, weight, bias, options),
+        )
     }
     fn conv_transpose3d_x_backward(
         weight: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv_transpose3d_x_backward(weight, output_grad, options)
+        counted::operands("conv_transpose3d_x_backward", (&weight, &output_grad));
+        counted::made(
+            "conv_transpose3d_x_backward",
+            <B as ModuleOps<B>>::conv_transpose3d_x_backward(weight, output_grad, options),
+        )
     }
     fn conv_transpose3d_weight_backward(
         x: FloatTensor<Self>,
@@ -256,21 +379,36 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         output_grad: FloatTensor<Self>,
         options: ConvTransposeOptions<3>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv_transpose3d_weight_backward(x, weight, output_grad, options)
+        counted::operands(
+            "conv_transpose3d_weight_backward",
+            (&x, &weight, &output_grad),
+        );
+        counted::made(
+            "conv_transpose3d_weight_backward",
+            <B as ModuleOps<B>>::conv_transpose3d_weight_backward(x, weight, output_grad, options),
+        )
     }
     fn conv_transpose3d_bias_backward(
         x: FloatTensor<Self>,
         bias: FloatTensor<Self>,
         output_grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::conv_transpose3d_bias_backward(x, bias, output_grad)
+        counted::operands("conv_transpose3d_bias_backward", (&x, &bias, &output_grad));
+        counted::made(
+            "conv_transpose3d_bias_backward",
+            <B as ModuleOps<B>>::conv_transpose3d_bias_backward(x, bias, output_grad),
+        )
     }
     fn unfold4d(
         x: FloatTensor<Self>,
         kernel_size: [usize; 2],
         options: UnfoldOptions,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::unfold4d(x, kernel_size, options)
+        counted::nonempty("unfold4d", &x);
+        counted::made(
+            "unfold4d",
+            <B as ModuleOps<B>>::unfold4d(x, kernel_size, options),
+        )
     }
     fn avg_pool1d(
         x: FloatTensor<Self>,
@@ -280,13 +418,17 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::avg_pool1d(
-            x,
-            kernel_size,
-            stride,
-            padding,
-            count_include_pad,
-            ceil_mode,
+        counted::nonempty("avg_pool1d", &x);
+        counted::made(
+            "avg_pool1d",
+            <B as ModuleOps<B>>::avg_pool1d(
+                x,
+                kernel_size,
+                stride,
+                padding,
+                count_include_pad,
+                ceil_mode,
+            ),
         )
     }
     fn avg_pool1d_backward(
@@ -298,14 +440,18 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::avg_pool1d_backward(
-            x,
-            grad,
-            kernel_size,
-            stride,
-            padding,
-            count_include_pad,
-            ceil_mode,
+        counted::operands("avg_pool1d_backward", (&x, &grad));
+        counted::made(
+            "avg_pool1d_backward",
+            <B as ModuleOps<B>>::avg_pool1d_backward(
+                x,
+                grad,
+                kernel_size,
+                stride,
+                padding,
+                count_include_pad,
+                ceil_mode,
+            ),
         )
     }
     fn avg_pool2d(
@@ -316,13 +462,17 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::avg_pool2d(
-            x,
-            kernel_size,
-            stride,
-            padding,
-            count_include_pad,
-            ceil_mode,
+        counted::nonempty("avg_pool2d", &x);
+        counted::made(
+            "avg_pool2d",
+            <B as ModuleOps<B>>::avg_pool2d(
+                x,
+                kernel_size,
+                stride,
+                padding,
+                count_include_pad,
+                ceil_mode,
+            ),
         )
     }
     fn avg_pool2d_backward(
@@ -334,33 +484,53 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::avg_pool2d_backward(
-            x,
-            grad,
-            kernel_size,
-            stride,
-            padding,
-            count_include_pad,
-            ceil_mode,
+        counted::operands("avg_pool2d_backward", (&x, &grad));
+        counted::made(
+            "avg_pool2d_backward",
+            <B as ModuleOps<B>>::avg_pool2d_backward(
+                x,
+                grad,
+                kernel_size,
+                stride,
+                padding,
+                count_include_pad,
+                ceil_mode,
+            ),
         )
     }
     fn adaptive_avg_pool2d(x: FloatTensor<Self>, output_size: [usize; 2]) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::adaptive_avg_pool2d(x, output_size)
+        counted::nonempty("adaptive_avg_pool2d", &x);
+        counted::made(
+            "adaptive_avg_pool2d",
+            <B as ModuleOps<B>>::adaptive_avg_pool2d(x, output_size),
+        )
     }
     fn adaptive_avg_pool2d_backward(
         x: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::adaptive_avg_pool2d_backward(x, grad)
+        counted::operands("adaptive_avg_pool2d_backward", (&x, &grad));
+        counted::made(
+            "adaptive_avg_pool2d_backward",
+            <B as ModuleOps<B>>::adaptive_avg_pool2d_backward(x, grad),
+        )
     }
     fn adaptive_avg_pool1d(x: FloatTensor<Self>, output_size: usize) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::adaptive_avg_pool1d(x, output_size)
+        counted::nonempty("adaptive_avg_pool1d", &x);
+        counted::made(
+            "adaptive_avg_pool1d",
+            <B as ModuleOps<B>>::adaptive_avg_pool1d(x, output_size),
+        )
     }
     fn adaptive_avg_pool1d_backward(
         x: FloatTensor<Self>,
         grad: FloatTensor<Self>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::adaptive_avg_pool1d_backward(x, grad)
+        counted::operands("adaptive_avg_pool1d_backward", (&x, &grad));
+        counted::made(
+            "adaptive_avg_pool1d_backward",
+            <B as ModuleOps<B>>::adaptive_avg_pool1d_backward(x, grad),
+        )
     }
     fn max_pool1d(
         x: FloatTensor<Self>,
@@ -370,7 +540,11 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         dilation: usize,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::max_pool1d(x, kernel_size, stride, padding, dilation, ceil_mode)
+        counted::nonempty("max_pool1d", &x);
+        counted::made(
+            "max_pool1d",
+            <B as ModuleOps<B>>::max_pool1d(x, kernel_size, stride, padding, dilation, ceil_mode),
+        )
     }
     fn max_pool1d_with_indices(
         x: FloatTensor<Self>,
@@ -380,6 +554,7 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         dilation: usize,
         ceil_mode: bool,
     ) -> MaxPool1dWithIndices<Self> {
+        counted::nonempty("max_pool1d_with_indices", &x);
         let r = <B as ModuleOps<B>>::max_pool1d_with_indices(
             x,
             kernel_size,
@@ -403,6 +578,10 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> MaxPool1dBackward<Self> {
+        counted::operands(
+            "max_pool1d_with_indices_backward",
+            (&x, &output_grad, &indices),
+        );
         let r = <B as ModuleOps<B>>::max_pool1d_with_indices_backward(
             x,
             kernel_size,
@@ -423,7 +602,11 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         dilation: [usize; 2],
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode)
+        counted::nonempty("max_pool2d", &x);
+        counted::made(
+            "max_pool2d",
+            <B as ModuleOps<B>>::max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode),
+        )
     }
     fn max_pool2d_with_indices(
         x: FloatTensor<Self>,
@@ -433,6 +616,7 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         dilation: [usize; 2],
         ceil_mode: bool,
     ) -> MaxPool2dWithIndices<Self> {
+        counted::nonempty("max_pool2d_with_indices", &x);
         let r = <B as ModuleOps<B>>::max_pool2d_with_indices(
             x,
             kernel_size,
@@ -456,6 +640,10 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         output_grad: FloatTensor<Self>,
         indices: IntTensor<Self>,
     ) -> MaxPool2dBackward<Self> {
+        counted::operands(
+            "max_pool2d_with_indices_backward",
+            (&x, &output_grad, &indices),
+        );
         let r = <B as ModuleOps<B>>::max_pool2d_with_indices_backward(
             x,
             kernel_size,
@@ -473,7 +661,11 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         output_size: [usize; 2],
         options: InterpolateOptions,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::interpolate(x, output_size, options)
+        counted::nonempty("interpolate", &x);
+        counted::made(
+            "interpolate",
+            <B as ModuleOps<B>>::interpolate(x, output_size, options),
+        )
     }
     fn interpolate_backward(
         x: FloatTensor<Self>,
@@ -481,7 +673,11 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         output_size: [usize; 2],
         options: InterpolateOptions,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::interpolate_backward(x, grad, output_size, options)
+        counted::operands("interpolate_backward", (&x, &grad));
+        counted::made(
+            "interpolate_backward",
+            <B as ModuleOps<B>>::interpolate_backward(x, grad, output_size, options),
+        )
     }
     fn attention(
         query: FloatTensor<Self>,
@@ -491,7 +687,11 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         attn_bias: Option<FloatTensor<Self>>,
         options: AttentionModuleOptions,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::attention(query, key, value, mask, attn_bias, options)
+        counted::operands("attention", (&query, &key, &value));
+        counted::made(
+            "attention",
+            <B as ModuleOps<B>>::attention(query, key, value, mask, attn_bias, options),
+        )
     }
     fn layer_norm(
         tensor: FloatTensor<Self>,
@@ -499,7 +699,11 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         beta: Option<FloatTensor<Self>>,
         epsilon: f64,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::layer_norm(tensor, gamma, beta, epsilon)
+        counted::operands("layer_norm", (&tensor, &gamma));
+        counted::made(
+            "layer_norm",
+            <B as ModuleOps<B>>::layer_norm(tensor, gamma, beta, epsilon),
+        )
     }
     fn ctc_loss(
         log_probs: FloatTensor<Self>,
@@ -508,7 +712,14 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         target_lengths: IntTensor<Self>,
         blank: usize,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::ctc_loss(log_probs, targets, input_lengths, target_lengths, blank)
+        counted::operands(
+            "ctc_loss",
+            (&log_probs, &targets, &input_lengths, &target_lengths),
+        );
+        counted::made(
+            "ctc_loss",
+            <B as ModuleOps<B>>::ctc_loss(log_probs, targets, input_lengths, target_lengths, blank),
+        )
     }
     fn has_ctc_loss_backward() -> bool {
         <B as ModuleOps<B>>::has_ctc_loss_backward()
@@ -521,13 +732,26 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         _grad_loss: FloatTensor<Self>,
         _blank: usize,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::ctc_loss_backward(
-            _log_probs,
-            _targets,
-            _input_lengths,
-            _target_lengths,
-            _grad_loss,
-            _blank,
+        counted::operands(
+            "ctc_loss_backward",
+            (
+                &_log_probs,
+                &_targets,
+                &_input_lengths,
+                &_target_lengths,
+                &_grad_loss,
+            ),
+        );
+        counted::made(
+            "ctc_loss_backward",
+            <B as ModuleOps<B>>::ctc_loss_backward(
+                _log_probs,
+                _targets,
+                _input_lengths,
+                _target_lengths,
+                _grad_loss,
+                _blank,
+            ),
         )
     }
     fn rfft(
@@ -535,6 +759,7 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         dim: usize,
         n: Option<usize>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
+        counted::nonempty("rfft", &signal);
         <B as ModuleOps<B>>::rfft(signal, dim, n)
     }
     fn irfft(
@@ -543,97 +768,10 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         dim: usize,
         n: Option<usize>,
     ) -> FloatTensor<Self> {
-        <B as ModuleOps<B>>::irfft(spectrum_re, spectrum_im, dim, n)
-    }
-}
-
-impl<B: Backend> ActivationOps<Self> for Counted<B> {
-    fn leaky_relu(tensor: FloatTensor<Self>, negative_slope: Scalar) -> FloatTensor<Self> {
-        <B as ActivationOps<B>>::leaky_relu(tensor, negative_slope)
-    }
-    fn relu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as ActivationOps<B>>::relu(tensor)
-    }
-    fn relu_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as ActivationOps<B>>::relu_backward(output, grad)
-    }
-    fn gelu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as ActivationOps<B>>::gelu(tensor)
-    }
-    fn prelu(tensor: FloatTensor<Self>, alpha: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as ActivationOps<B>>::prelu(tensor, alpha)
-    }
-    fn gelu_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as ActivationOps<B>>::gelu_backward(x, grad)
-    }
-    fn sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as ActivationOps<B>>::sigmoid(tensor)
-    }
-    fn sigmoid_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as ActivationOps<B>>::sigmoid_backward(output, grad)
-    }
-    fn hard_sigmoid(tensor: FloatTensor<Self>, alpha: Scalar, beta: Scalar) -> FloatTensor<Self> {
-        <B as ActivationOps<B>>::hard_sigmoid(tensor, alpha, beta)
-    }
-    fn log_sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as ActivationOps<B>>::log_sigmoid(tensor)
-    }
-    fn softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <B as ActivationOps<B>>::softmax(tensor, dim)
-    }
-    fn log_softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <B as ActivationOps<B>>::log_softmax(tensor, dim)
-    }
-    fn softmin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        <B as ActivationOps<B>>::softmin(tensor, dim)
-    }
-    fn log_sigmoid_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        <B as ActivationOps<B>>::log_sigmoid_backward(x, grad)
-    }
-}
-
-impl<B: Backend> TransactionOps<Self> for Counted<B> {}
-
-impl<B: Backend> Backend for Counted<B> {
-    fn ad_enabled(_device: &B::Device) -> bool {
-        <B as Backend>::ad_enabled(_device)
-    }
-    fn memory_persistent_allocations<
-        Output: Send,
-        Input: Send,
-        Func: Fn(Input) -> Output + Send,
-    >(
-        device: &B::Device,
-        input: Input,
-        func: Func,
-    ) -> Output {
-        <B as Backend>::memory_persistent_allocations::<Output, Input, Func>(device, input, func)
-    }
-    fn memory_cleanup(device: &B::Device) {
-        <B as Backend>::memory_cleanup(device)
-    }
-    fn name(device: &B::Device) -> String {
-        <B as Backend>::name(device)
-    }
-    fn seed(device: &B::Device, seed: u64) {
-        <B as Backend>::seed(device, seed)
-    }
-    fn sync(_device: &B::Device) -> Result<(), ExecutionError> {
-        <B as Backend>::sync(_device)
-    }
-    fn staging<'a, Iter>(_data: Iter, _device: &B::Device)
-    where
-        Iter: Iterator<Item = &'a mut TensorData>,
-    {
-        <B as Backend>::staging::<Iter>(_data, _device)
-    }
-    fn supports_dtype(device: &B::Device, dtype: DType) -> bool {
-        <B as Backend>::supports_dtype(device, dtype)
-    }
-    fn dtype_usage(device: &B::Device, dtype: DType) -> DTypeUsageSet {
-        <B as Backend>::dtype_usage(device, dtype)
-    }
-    fn device_count(type_id: u16) -> usize {
-        <B as Backend>::device_count(type_id)
+        counted::operands("irfft", (&spectrum_re, &spectrum_im));
+        counted::made(
+            "irfft",
+            <B as ModuleOps<B>>::irfft(spectrum_re, spectrum_im, dim, n),
+        )
     }
 }

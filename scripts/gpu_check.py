@@ -17,7 +17,8 @@ config with --size small), then:
    bfloat16;
 5. training: the bench binary's `step` (forward, backward, AdamW) for a few steps against
    benches/torch_train_step.py;
-6. nccl: one NCCL rank's all-reduce of a model's worth of gradients (the bench's `nccl`).
+6. nccl: one NCCL rank's all-reduce of a model's worth of gradients (the bench's `nccl`),
+   from host buffers and in place in the backend's CUDA memory (`--grad-buffers`).
 
     python3 scripts/gpu_check.py --bin dist/rlstream --bench-bin dist/train_scale [--size 0.5b]
 

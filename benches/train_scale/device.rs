@@ -79,28 +79,70 @@ pub fn measure(dir: &Path) {
 }
 
 /// `nccl VALUES`: one NCCL rank on GPU 0 sums VALUES floats (a gradient's worth) with
-/// itself, as the trainer's all-reduce does; the time and whether the values came back.
+/// itself, as the trainer's all-reduce does, both ways it can: from host buffers (each
+/// bucket read from the device, copied to the GPU by the collective and back, and written to
+/// the device again: `--grad-buffers host`) and in place in the backend's CUDA memory
+/// (`--grad-buffers device`). The times and whether the values came back.
 #[cfg(feature = "cuda")]
 pub fn nccl(values: usize) {
-    use rlstream::collective::{Collective, Nccl, ReduceDtype};
+    use burn::tensor::backend::Backend;
+    use burn::tensor::{Tensor, TensorData};
+    use rlstream::collective::{Collective, DeviceBuffer, Nccl, ReduceDtype};
+    use rlstream::model::host_f32;
+    use rlstream::stages::train::exchange::Bucket;
     use std::time::{Duration, Instant};
     let t = Instant::now();
     let id = Nccl::new_id().expect("an NCCL id");
     let mut c = Nccl::join(0, 1, &id, 0, Duration::from_secs(60)).expect("NCCL join");
     let join_s = t.elapsed().as_secs_f64();
-    let mut buf: Vec<f32> = (0..values).map(|i| (i % 1000) as f32 * 0.5).collect();
-    let want = buf.clone();
-    c.all_reduce_sum("the check's all-reduce", &mut buf, ReduceDtype::F32);
-    let t = Instant::now();
-    c.all_reduce_sum("the check's all-reduce", &mut buf, ReduceDtype::F32);
-    let secs = t.elapsed().as_secs_f64();
-    let same = buf == want;
+    let want: Vec<f32> = (0..values).map(|i| (i % 1000) as f32 * 0.5).collect();
+    let device = Default::default();
+    let on_device =
+        || Tensor::<InferBackend, 1>::from_data(TensorData::new(want.clone(), [values]), &device);
+    let what = "the check's all-reduce";
+    // From host buffers, as the host path runs it on a device backend.
+    let host_path = |t: Tensor<InferBackend, 1>, c: &mut Nccl| {
+        let mut buf = host_f32(t.into_data()).expect("read");
+        c.all_reduce_sum(what, &mut buf, ReduceDtype::F32);
+        Tensor::<InferBackend, 1>::from_data(TensorData::new(buf, [values]), &device)
+    };
+    let mut t = host_path(on_device(), &mut c);
+    InferBackend::sync(&device).expect("sync");
+    let start = Instant::now();
+    t = host_path(t, &mut c);
+    InferBackend::sync(&device).expect("sync");
+    let host_s = start.elapsed().as_secs_f64();
+    let host_kept = host_f32(t.into_data()).expect("read") == want;
+    // In place on the device.
+    let mut bucket = Bucket::new(on_device());
+    let in_place = bucket.cuda_address().is_some();
+    c.all_reduce_device(what, &mut bucket, ReduceDtype::F32)
+        .expect("device all-reduce");
+    let start = Instant::now();
+    c.all_reduce_device(what, &mut bucket, ReduceDtype::F32)
+        .expect("device all-reduce");
+    InferBackend::sync(&device).expect("sync");
+    let device_s = start.elapsed().as_secs_f64();
+    let device_kept = host_f32(bucket.into_values().into_data()).expect("read") == want;
+    let rate = |s: f64| (values * 4) as f64 / s / 1e9;
     println!(
         "{{\"nccl_world\": 1, \"values\": {values}, \"join_s\": {join_s:.3}, \
-         \"all_reduce_s\": {secs:.4}, \"gb_per_s\": {:.2}, \"values_kept\": {same}}}",
-        (values * 4) as f64 / secs / 1e9
+         \"all_reduce_s\": {host_s:.4}, \"gb_per_s\": {:.2}, \"values_kept\": {host_kept}, \
+         \"device_in_place\": {in_place}, \"device_all_reduce_s\": {device_s:.4}, \
+         \"device_gb_per_s\": {:.2}, \"device_values_kept\": {device_kept}, \
+         \"device_speedup\": {:.2}}}",
+        rate(host_s),
+        rate(device_s),
+        host_s / device_s
     );
-    assert!(same, "a one-rank all-reduce changed the values");
+    assert!(
+        host_kept,
+        "a one-rank all-reduce from host buffers changed the values"
+    );
+    assert!(
+        device_kept,
+        "a one-rank all-reduce in device memory changed the values"
+    );
 }
 
 /// Without `cuda` there is no NCCL: says so, for the check to record.

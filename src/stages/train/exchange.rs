@@ -16,9 +16,20 @@ use burn::optim::GradientsParams;
 use burn::tensor::backend::{AutodiffBackend, Backend};
 use burn::tensor::{Tensor, TensorData};
 
-/// A bucket of gradients on the backend's device.
-struct Bucket<B: Backend> {
+/// A bucket of gradients on the backend's device, as a collective's [`DeviceBuffer`].
+pub struct Bucket<B: Backend> {
     values: Tensor<B, 1>,
+}
+
+impl<B: Backend> Bucket<B> {
+    pub fn new(values: Tensor<B, 1>) -> Self {
+        Bucket { values }
+    }
+
+    /// The values, summed once the collective returned.
+    pub fn into_values(self) -> Tensor<B, 1> {
+        self.values
+    }
 }
 
 impl<B: WeightStorage> DeviceBuffer for Bucket<B> {
@@ -46,7 +57,7 @@ impl<B: WeightStorage> DeviceBuffer for Bucket<B> {
 /// Sums `grads` over the ranks of `c` on the device, in buckets of `bucket_values` values:
 /// `has` says, per parameter in visiting order, whether any rank has its gradient (a rank
 /// without one adds zeros). `what` names the calls in errors.
-pub(super) fn all_reduce_on_device<B>(
+pub fn all_reduce_on_device<B>(
     model: &Policy<B>,
     grads: &mut GradientsParams,
     has: &[f32],

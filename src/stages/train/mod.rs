@@ -14,14 +14,14 @@
 //! - [`loss`]: the objective and the step's statistics;
 //! - [`trainer`]: model, optimizer, state, steps;
 //! - [`adamw`]: the optimizer's update, one in-place pass per parameter;
-//! - `exchange`: trainer ranks' gradient all-reduce with the buckets on the device;
+//! - [`exchange`]: trainer ranks' gradient all-reduce with the buckets on the device;
 //! - [`checkpoint`]: the checkpoint layout `run` and `replay` share.
 
 pub mod adamw;
 pub mod checkpoint;
 mod config;
 pub mod credit;
-mod exchange;
+pub mod exchange;
 pub mod intake;
 mod loss;
 pub mod objective;

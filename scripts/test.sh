@@ -56,7 +56,7 @@ fi
 # its whole flow on this build. RLSTREAM_TEST_WGPU=0 skips all of it (a machine without
 # Vulkan).
 wgpu_tests='binary(integration) & (test(/^model_parity::/) | test(/^grad_parity::/) | test(/^routing::/) | test(/^train_step::/)
-  | test(/^transfers::/) | test(/^empty_launches::/)
+  | test(/^transfers::/)
   | test(=trainer_ranks::device_gradient_buckets_sum_to_the_host_paths_bits)
   | test(/^lora::/) - test(=lora::generators_sample_from_the_announced_adapter_never_the_base) - test(=lora::run_trains_an_adapter_end_to_end)
   | test(=model_sampling::sampling_is_reproducible_from_the_seed) | test(=model_sampling::a_swap_between_passes_is_tagged_on_later_tokens)

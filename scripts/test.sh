@@ -47,7 +47,8 @@ fi
 # The model, sampler and trainer tests again on burn's CubeCL backend over wgpu, on Mesa's
 # lavapipe (a Vulkan driver on the CPU): the runtime, fusion and kernels the `cuda` build
 # shares, exercised where no GPU is, and the host-traffic bounds (tests/integration/
-# transfers.rs) counted on it. Built in the same target directory (only this crate
+# transfers.rs) counted on it, and two MPI ranks summing the wgpu trainer's gradients in
+# buckets on the device against the host path. Built in the same target directory (only this crate
 # rebuilds), without the lint wrapper (the lint pass above covers the code). The bitwise
 # tests stay on the CPU backend: their exact equalities are a property of its fixed-order
 # kernels (BENCHMARKS.md, "The CubeCL backend on lavapipe"); the slow end-to-end runs

@@ -188,28 +188,34 @@ def parse(sig: str):
 
 def checks(name: str, types, ret: str):
     """The zero-element checks of a method: its tensor arguments' (before the call) and its
-    tensor results' (after): `(before, after)` lines, empty for an operation that launches
-    nothing; `after` is `["made"]` for one tensor result (the call goes through
-    `counted::made`)."""
+    tensor results' (after), as `(before, after)` lines, empty for an operation that launches
+    nothing. The first check also counts the operation (`counted::operations`): a check of
+    one argument is `counted::takes`, of several `counted::operands`, of a single result
+    made from no tensor `counted::makes`; `after` is `["made"]` or `["makes"]` for one tensor
+    result (the call goes through that function)."""
     if NO_LAUNCH.search(name):
         return [], []
     op = f'"{name}"'
     before, single = [], [pat for pat, ty in types if re.fullmatch(TENSOR, ty)]
     if len(single) == 1:
-        before.append(f"counted::nonempty({op}, &{single[0]});")
+        before.append(f"counted::takes({op}, &{single[0]});")
     elif single:
         before.append(f"counted::operands({op}, ({', '.join('&' + a for a in single)}));")
     for pat, ty in types:
         if re.fullmatch(r"Vec<" + TENSOR + r">", ty):
+            if not before:
+                before.append(f"counted::count({op});")
             before.append(f"{pat}.iter().for_each(|t| counted::nonempty({op}, t));")
     ret = ret.strip().removeprefix("->").strip()
     after = []
     if re.fullmatch(TENSOR, ret):
-        after.append("made")
+        after.append("made" if before else "makes")
     elif re.fullmatch(r"Vec<" + TENSOR + r">", ret):
         after.append(f"out.iter().for_each(|t| counted::nonempty({op}, t));")
     elif ret.startswith("(") and all(re.fullmatch(TENSOR, t) for t in split_top(ret[1:-1])):
         after += [f"counted::nonempty({op}, &out.{i});" for i in range(len(split_top(ret[1:-1])))]
+    if after and not before and after[0] not in ("made", "makes"):
+        before.append(f"counted::count({op});")
     return before, after
 
 
@@ -245,8 +251,8 @@ def emit(trait: str, attrs, sig: str) -> str:
     else:
         body = call
     before, after = checks(name, types, ret)
-    if after == ["made"]:
-        body = f"counted::made(\"{name}\", {body})"
+    if after in (["made"], ["makes"]):
+        body = f"counted::{after[0]}(\"{name}\", {body})"
     elif after:
         body = f"let out = {body};\n        " + "\n        ".join(after) + "\n        out"
     if before:

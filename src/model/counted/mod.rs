@@ -28,6 +28,7 @@ use burn::tensor::TensorData;
 use burn::tensor::backend::Backend;
 use burn_backend::tensor::quantization::QuantizationParametersPrimitive;
 use burn_backend::{TensorMetadata, TensorPrimitive};
+use std::collections::BTreeMap;
 use std::marker::PhantomData;
 use std::sync::atomic::{AtomicU64, Ordering};
 
@@ -84,6 +85,41 @@ pub fn made<T: TensorMetadata>(op: &str, t: T) -> T {
     t
 }
 
+/// [`made`] for an operation that takes no tensor (a fill, a range): counted too.
+pub fn makes<T: TensorMetadata>(op: &'static str, t: T) -> T {
+    count(op);
+    made(op, t)
+}
+
+/// Counts `op` and checks its one tensor argument by [`nonempty`].
+pub fn takes(op: &'static str, t: &impl TensorMetadata) {
+    count(op);
+    nonempty(op, t);
+}
+
+static OPERATIONS: std::sync::Mutex<BTreeMap<&'static str, u64>> =
+    std::sync::Mutex::new(BTreeMap::new());
+
+/// Counts one call of `op`, an operation that is not an allocation, a host transfer or a
+/// device move: on burn's CubeCL backend (without fusion, as the `cuda` and `wgpu` builds
+/// use it) each launches at least one kernel, a view (a reshape or slice that moves
+/// nothing) excepted, and the CPU backend runs the same calls.
+pub fn count(op: &'static str) {
+    let mut counts = OPERATIONS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    *counts.entry(op).or_default() += 1;
+}
+
+/// The operations counted so far through every [`Counted`] backend in this process, by
+/// name ([`count`]). A measurement reads them before and after, as [`transfers`].
+pub fn operations() -> BTreeMap<&'static str, u64> {
+    OPERATIONS
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone()
+}
+
 /// The tensors an operation takes, each checked by [`nonempty`] (a tuple of references).
 pub trait Operands {
     fn check(&self, op: &str);
@@ -104,8 +140,9 @@ operands!(A 0, B 1, C 2, D 3);
 operands!(A 0, B 1, C 2, D 3, E 4);
 operands!(A 0, B 1, C 2, D 3, E 4, F 5);
 
-/// Checks every tensor of `tensors` by [`nonempty`].
-pub fn operands(op: &str, tensors: impl Operands) {
+/// Counts `op` and checks every tensor of `tensors` by [`nonempty`].
+pub fn operands(op: &'static str, tensors: impl Operands) {
+    count(op);
     tensors.check(op);
 }
 

@@ -260,12 +260,21 @@ impl FusedAdamW {
         };
         let (b1, b2, eps) = (self.beta_1, self.beta_2, self.epsilon);
         let f = self.factors(time, lr, self.grad_scale());
-        let g = grad.mul_scalar(f.scale);
+        // A factor of 1 (no clipping this step, no weight decay) is left out: x · 1 is x,
+        // and each operation here is a kernel launch per parameter on a GPU.
+        let by = |t: Tensor<B, D>, factor: f32| {
+            if factor == 1.0 {
+                t
+            } else {
+                t.mul_scalar(factor)
+            }
+        };
+        let g = by(grad, f.scale);
         let m = m.mul_scalar(b1) + g.clone().mul_scalar(1.0 - b1);
         let v = v.mul_scalar(b2) + (g.clone() * g).mul_scalar(1.0 - b2);
         let delta =
             m.clone().div_scalar(f.c1) / (v.clone().div_scalar(f.c2).sqrt().add_scalar(eps));
-        let p = tensor.mul_scalar(f.keep) - delta.mul_scalar(f.lr);
+        let p = by(tensor, f.keep) - delta.mul_scalar(f.lr);
         let state = AdamWState {
             momentum: AdaptiveMomentumState::new(time, m, v),
         };

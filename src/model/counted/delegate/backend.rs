@@ -15,14 +15,14 @@ use core::ops::Range;
 
 impl<B: Backend> ActivationOps<Self> for Counted<B> {
     fn leaky_relu(tensor: FloatTensor<Self>, negative_slope: Scalar) -> FloatTensor<Self> {
-        counted::nonempty("leaky_relu", &tensor);
+        counted::takes("leaky_relu", &tensor);
         counted::made(
             "leaky_relu",
             <B as ActivationOps<B>>::leaky_relu(tensor, negative_slope),
         )
     }
     fn relu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("relu", &tensor);
+        counted::takes("relu", &tensor);
         counted::made("relu", <B as ActivationOps<B>>::relu(tensor))
     }
     fn relu_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -33,7 +33,7 @@ impl<B: Backend> ActivationOps<Self> for Counted<B> {
         )
     }
     fn gelu(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("gelu", &tensor);
+        counted::takes("gelu", &tensor);
         counted::made("gelu", <B as ActivationOps<B>>::gelu(tensor))
     }
     fn prelu(tensor: FloatTensor<Self>, alpha: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -48,7 +48,7 @@ impl<B: Backend> ActivationOps<Self> for Counted<B> {
         )
     }
     fn sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("sigmoid", &tensor);
+        counted::takes("sigmoid", &tensor);
         counted::made("sigmoid", <B as ActivationOps<B>>::sigmoid(tensor))
     }
     fn sigmoid_backward(output: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -59,29 +59,29 @@ impl<B: Backend> ActivationOps<Self> for Counted<B> {
         )
     }
     fn hard_sigmoid(tensor: FloatTensor<Self>, alpha: Scalar, beta: Scalar) -> FloatTensor<Self> {
-        counted::nonempty("hard_sigmoid", &tensor);
+        counted::takes("hard_sigmoid", &tensor);
         counted::made(
             "hard_sigmoid",
             <B as ActivationOps<B>>::hard_sigmoid(tensor, alpha, beta),
         )
     }
     fn log_sigmoid(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("log_sigmoid", &tensor);
+        counted::takes("log_sigmoid", &tensor);
         counted::made("log_sigmoid", <B as ActivationOps<B>>::log_sigmoid(tensor))
     }
     fn softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        counted::nonempty("softmax", &tensor);
+        counted::takes("softmax", &tensor);
         counted::made("softmax", <B as ActivationOps<B>>::softmax(tensor, dim))
     }
     fn log_softmax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        counted::nonempty("log_softmax", &tensor);
+        counted::takes("log_softmax", &tensor);
         counted::made(
             "log_softmax",
             <B as ActivationOps<B>>::log_softmax(tensor, dim),
         )
     }
     fn softmin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        counted::nonempty("softmin", &tensor);
+        counted::takes("softmin", &tensor);
         counted::made("softmin", <B as ActivationOps<B>>::softmin(tensor, dim))
     }
     fn log_sigmoid_backward(x: FloatTensor<Self>, grad: FloatTensor<Self>) -> FloatTensor<Self> {

@@ -18,13 +18,13 @@ impl<B: Backend> BoolTensorOps<Self> for Counted<B> {
         <B as BoolTensorOps<B>>::bool_empty(shape, device, dtype)
     }
     fn bool_zeros(shape: Shape, device: &Device<Self>, dtype: BoolDType) -> BoolTensor<Self> {
-        counted::made(
+        counted::makes(
             "bool_zeros",
             <B as BoolTensorOps<B>>::bool_zeros(shape, device, dtype),
         )
     }
     fn bool_ones(shape: Shape, device: &Device<Self>, dtype: BoolDType) -> BoolTensor<Self> {
-        counted::made(
+        counted::makes(
             "bool_ones",
             <B as BoolTensorOps<B>>::bool_ones(shape, device, dtype),
         )
@@ -46,14 +46,14 @@ impl<B: Backend> BoolTensorOps<Self> for Counted<B> {
         <B as BoolTensorOps<B>>::bool_from_data(data, device)
     }
     fn bool_into_int(tensor: BoolTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
-        counted::nonempty("bool_into_int", &tensor);
+        counted::takes("bool_into_int", &tensor);
         counted::made(
             "bool_into_int",
             <B as BoolTensorOps<B>>::bool_into_int(tensor, out_dtype),
         )
     }
     fn bool_into_float(tensor: BoolTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
-        counted::nonempty("bool_into_float", &tensor);
+        counted::takes("bool_into_float", &tensor);
         counted::made(
             "bool_into_float",
             <B as BoolTensorOps<B>>::bool_into_float(tensor, out_dtype),
@@ -66,14 +66,14 @@ impl<B: Backend> BoolTensorOps<Self> for Counted<B> {
         <B as BoolTensorOps<B>>::bool_to_device(tensor, device)
     }
     fn bool_reshape(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
-        counted::nonempty("bool_reshape", &tensor);
+        counted::takes("bool_reshape", &tensor);
         counted::made(
             "bool_reshape",
             <B as BoolTensorOps<B>>::bool_reshape(tensor, shape),
         )
     }
     fn bool_slice(tensor: BoolTensor<Self>, slices: &[Slice]) -> BoolTensor<Self> {
-        counted::nonempty("bool_slice", &tensor);
+        counted::takes("bool_slice", &tensor);
         counted::made(
             "bool_slice",
             <B as BoolTensorOps<B>>::bool_slice(tensor, slices),
@@ -159,13 +159,14 @@ impl<B: Backend> BoolTensorOps<Self> for Counted<B> {
         )
     }
     fn bool_repeat_dim(tensor: BoolTensor<Self>, dim: usize, times: usize) -> BoolTensor<Self> {
-        counted::nonempty("bool_repeat_dim", &tensor);
+        counted::takes("bool_repeat_dim", &tensor);
         counted::made(
             "bool_repeat_dim",
             <B as BoolTensorOps<B>>::bool_repeat_dim(tensor, dim, times),
         )
     }
     fn bool_cat(tensors: Vec<BoolTensor<Self>>, dim: usize) -> BoolTensor<Self> {
+        counted::count("bool_cat");
         tensors
             .iter()
             .for_each(|t| counted::nonempty("bool_cat", t));
@@ -183,21 +184,21 @@ impl<B: Backend> BoolTensorOps<Self> for Counted<B> {
         )
     }
     fn bool_equal_elem(lhs: BoolTensor<Self>, rhs: Scalar) -> BoolTensor<Self> {
-        counted::nonempty("bool_equal_elem", &lhs);
+        counted::takes("bool_equal_elem", &lhs);
         counted::made(
             "bool_equal_elem",
             <B as BoolTensorOps<B>>::bool_equal_elem(lhs, rhs),
         )
     }
     fn bool_not_equal_elem(lhs: BoolTensor<Self>, rhs: Scalar) -> BoolTensor<Self> {
-        counted::nonempty("bool_not_equal_elem", &lhs);
+        counted::takes("bool_not_equal_elem", &lhs);
         counted::made(
             "bool_not_equal_elem",
             <B as BoolTensorOps<B>>::bool_not_equal_elem(lhs, rhs),
         )
     }
     fn bool_not(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
-        counted::nonempty("bool_not", &tensor);
+        counted::takes("bool_not", &tensor);
         counted::made("bool_not", <B as BoolTensorOps<B>>::bool_not(tensor))
     }
     fn bool_and(lhs: BoolTensor<Self>, rhs: BoolTensor<Self>) -> BoolTensor<Self> {
@@ -213,50 +214,50 @@ impl<B: Backend> BoolTensorOps<Self> for Counted<B> {
         counted::made("bool_xor", <B as BoolTensorOps<B>>::bool_xor(lhs, rhs))
     }
     fn bool_transpose(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
-        counted::nonempty("bool_transpose", &tensor);
+        counted::takes("bool_transpose", &tensor);
         counted::made(
             "bool_transpose",
             <B as BoolTensorOps<B>>::bool_transpose(tensor),
         )
     }
     fn bool_swap_dims(tensor: BoolTensor<Self>, dim1: usize, dim2: usize) -> BoolTensor<Self> {
-        counted::nonempty("bool_swap_dims", &tensor);
+        counted::takes("bool_swap_dims", &tensor);
         counted::made(
             "bool_swap_dims",
             <B as BoolTensorOps<B>>::bool_swap_dims(tensor, dim1, dim2),
         )
     }
     fn bool_permute(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
-        counted::nonempty("bool_permute", &tensor);
+        counted::takes("bool_permute", &tensor);
         counted::made(
             "bool_permute",
             <B as BoolTensorOps<B>>::bool_permute(tensor, axes),
         )
     }
     fn bool_flip(tensor: BoolTensor<Self>, axes: &[usize]) -> BoolTensor<Self> {
-        counted::nonempty("bool_flip", &tensor);
+        counted::takes("bool_flip", &tensor);
         counted::made(
             "bool_flip",
             <B as BoolTensorOps<B>>::bool_flip(tensor, axes),
         )
     }
     fn bool_any(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
-        counted::nonempty("bool_any", &tensor);
+        counted::takes("bool_any", &tensor);
         counted::made("bool_any", <B as BoolTensorOps<B>>::bool_any(tensor))
     }
     fn bool_any_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self> {
-        counted::nonempty("bool_any_dim", &tensor);
+        counted::takes("bool_any_dim", &tensor);
         counted::made(
             "bool_any_dim",
             <B as BoolTensorOps<B>>::bool_any_dim(tensor, dim),
         )
     }
     fn bool_all(tensor: BoolTensor<Self>) -> BoolTensor<Self> {
-        counted::nonempty("bool_all", &tensor);
+        counted::takes("bool_all", &tensor);
         counted::made("bool_all", <B as BoolTensorOps<B>>::bool_all(tensor))
     }
     fn bool_all_dim(tensor: BoolTensor<Self>, dim: usize) -> BoolTensor<Self> {
-        counted::nonempty("bool_all_dim", &tensor);
+        counted::takes("bool_all_dim", &tensor);
         counted::made(
             "bool_all_dim",
             <B as BoolTensorOps<B>>::bool_all_dim(tensor, dim),
@@ -266,11 +267,11 @@ impl<B: Backend> BoolTensorOps<Self> for Counted<B> {
         tensor: BoolTensor<Self>,
         out_dtype: IntDType,
     ) -> impl Future<Output = IntTensor<Self>> + 'static + Send {
-        counted::nonempty("bool_argwhere", &tensor);
+        counted::takes("bool_argwhere", &tensor);
         <B as BoolTensorOps<B>>::bool_argwhere(tensor, out_dtype)
     }
     fn bool_expand(tensor: BoolTensor<Self>, shape: Shape) -> BoolTensor<Self> {
-        counted::nonempty("bool_expand", &tensor);
+        counted::takes("bool_expand", &tensor);
         counted::made(
             "bool_expand",
             <B as BoolTensorOps<B>>::bool_expand(tensor, shape),
@@ -282,7 +283,7 @@ impl<B: Backend> BoolTensorOps<Self> for Counted<B> {
         size: usize,
         step: usize,
     ) -> BoolTensor<Self> {
-        counted::nonempty("bool_unfold", &tensor);
+        counted::takes("bool_unfold", &tensor);
         counted::made(
             "bool_unfold",
             <B as BoolTensorOps<B>>::bool_unfold(tensor, dim, size, step),

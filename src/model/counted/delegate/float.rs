@@ -24,19 +24,19 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         device: &Device<Self>,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
-        counted::made(
+        counted::makes(
             "float_random",
             <B as FloatTensorOps<B>>::float_random(shape, distribution, device, dtype),
         )
     }
     fn float_zeros(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
-        counted::made(
+        counted::makes(
             "float_zeros",
             <B as FloatTensorOps<B>>::float_zeros(shape, device, dtype),
         )
     }
     fn float_ones(shape: Shape, device: &Device<Self>, dtype: FloatDType) -> FloatTensor<Self> {
-        counted::made(
+        counted::makes(
             "float_ones",
             <B as FloatTensorOps<B>>::float_ones(shape, device, dtype),
         )
@@ -47,7 +47,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         device: &Device<Self>,
         dtype: FloatDType,
     ) -> FloatTensor<Self> {
-        counted::made(
+        counted::makes(
             "float_full",
             <B as FloatTensorOps<B>>::float_full(shape, fill_value, device, dtype),
         )
@@ -71,7 +71,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         <B as FloatTensorOps<B>>::float_to_device(tensor, device)
     }
     fn float_into_int(tensor: FloatTensor<Self>, out_dtype: IntDType) -> IntTensor<Self> {
-        counted::nonempty("float_into_int", &tensor);
+        counted::takes("float_into_int", &tensor);
         counted::made(
             "float_into_int",
             <B as FloatTensorOps<B>>::float_into_int(tensor, out_dtype),
@@ -81,7 +81,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         <B as FloatTensorOps<B>>::float_empty(shape, device, dtype)
     }
     fn float_repeat_dim(tensor: FloatTensor<Self>, dim: usize, times: usize) -> FloatTensor<Self> {
-        counted::nonempty("float_repeat_dim", &tensor);
+        counted::takes("float_repeat_dim", &tensor);
         counted::made(
             "float_repeat_dim",
             <B as FloatTensorOps<B>>::float_repeat_dim(tensor, dim, times),
@@ -92,28 +92,28 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         counted::made("float_add", <B as FloatTensorOps<B>>::float_add(lhs, rhs))
     }
     fn float_add_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        counted::nonempty("float_add_scalar", &lhs);
+        counted::takes("float_add_scalar", &lhs);
         counted::made(
             "float_add_scalar",
             <B as FloatTensorOps<B>>::float_add_scalar(lhs, rhs),
         )
     }
     fn float_clamp_min(tensor: FloatTensor<Self>, min: Scalar) -> FloatTensor<Self> {
-        counted::nonempty("float_clamp_min", &tensor);
+        counted::takes("float_clamp_min", &tensor);
         counted::made(
             "float_clamp_min",
             <B as FloatTensorOps<B>>::float_clamp_min(tensor, min),
         )
     }
     fn float_clamp_max(tensor: FloatTensor<Self>, max: Scalar) -> FloatTensor<Self> {
-        counted::nonempty("float_clamp_max", &tensor);
+        counted::takes("float_clamp_max", &tensor);
         counted::made(
             "float_clamp_max",
             <B as FloatTensorOps<B>>::float_clamp_max(tensor, max),
         )
     }
     fn float_clamp(tensor: FloatTensor<Self>, min: Scalar, max: Scalar) -> FloatTensor<Self> {
-        counted::nonempty("float_clamp", &tensor);
+        counted::takes("float_clamp", &tensor);
         counted::made(
             "float_clamp",
             <B as FloatTensorOps<B>>::float_clamp(tensor, min, max),
@@ -124,7 +124,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         counted::made("float_sub", <B as FloatTensorOps<B>>::float_sub(lhs, rhs))
     }
     fn float_sub_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        counted::nonempty("float_sub_scalar", &lhs);
+        counted::takes("float_sub_scalar", &lhs);
         counted::made(
             "float_sub_scalar",
             <B as FloatTensorOps<B>>::float_sub_scalar(lhs, rhs),
@@ -135,7 +135,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         counted::made("float_mul", <B as FloatTensorOps<B>>::float_mul(lhs, rhs))
     }
     fn float_mul_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        counted::nonempty("float_mul_scalar", &lhs);
+        counted::takes("float_mul_scalar", &lhs);
         counted::made(
             "float_mul_scalar",
             <B as FloatTensorOps<B>>::float_mul_scalar(lhs, rhs),
@@ -146,7 +146,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         counted::made("float_div", <B as FloatTensorOps<B>>::float_div(lhs, rhs))
     }
     fn float_div_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        counted::nonempty("float_div_scalar", &lhs);
+        counted::takes("float_div_scalar", &lhs);
         counted::made(
             "float_div_scalar",
             <B as FloatTensorOps<B>>::float_div_scalar(lhs, rhs),
@@ -160,7 +160,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         )
     }
     fn float_remainder_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        counted::nonempty("float_remainder_scalar", &lhs);
+        counted::takes("float_remainder_scalar", &lhs);
         counted::made(
             "float_remainder_scalar",
             <B as FloatTensorOps<B>>::float_remainder_scalar(lhs, rhs),
@@ -185,43 +185,43 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         )
     }
     fn float_neg(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_neg", &tensor);
+        counted::takes("float_neg", &tensor);
         counted::made("float_neg", <B as FloatTensorOps<B>>::float_neg(tensor))
     }
     fn float_recip(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_recip", &tensor);
+        counted::takes("float_recip", &tensor);
         counted::made("float_recip", <B as FloatTensorOps<B>>::float_recip(tensor))
     }
     fn float_transpose(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_transpose", &tensor);
+        counted::takes("float_transpose", &tensor);
         counted::made(
             "float_transpose",
             <B as FloatTensorOps<B>>::float_transpose(tensor),
         )
     }
     fn float_swap_dims(tensor: FloatTensor<Self>, dim1: usize, dim2: usize) -> FloatTensor<Self> {
-        counted::nonempty("float_swap_dims", &tensor);
+        counted::takes("float_swap_dims", &tensor);
         counted::made(
             "float_swap_dims",
             <B as FloatTensorOps<B>>::float_swap_dims(tensor, dim1, dim2),
         )
     }
     fn float_permute(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
-        counted::nonempty("float_permute", &tensor);
+        counted::takes("float_permute", &tensor);
         counted::made(
             "float_permute",
             <B as FloatTensorOps<B>>::float_permute(tensor, axes),
         )
     }
     fn float_flip(tensor: FloatTensor<Self>, axes: &[usize]) -> FloatTensor<Self> {
-        counted::nonempty("float_flip", &tensor);
+        counted::takes("float_flip", &tensor);
         counted::made(
             "float_flip",
             <B as FloatTensorOps<B>>::float_flip(tensor, axes),
         )
     }
     fn float_reshape(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
-        counted::nonempty("float_reshape", &tensor);
+        counted::takes("float_reshape", &tensor);
         counted::made(
             "float_reshape",
             <B as FloatTensorOps<B>>::float_reshape(tensor, shape),
@@ -293,7 +293,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         )
     }
     fn float_slice(tensor: FloatTensor<Self>, slices: &[Slice]) -> FloatTensor<Self> {
-        counted::nonempty("float_slice", &tensor);
+        counted::takes("float_slice", &tensor);
         counted::made(
             "float_slice",
             <B as FloatTensorOps<B>>::float_slice(tensor, slices),
@@ -359,7 +359,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        counted::nonempty("float_equal_elem", &lhs);
+        counted::takes("float_equal_elem", &lhs);
         counted::made(
             "float_equal_elem",
             <B as FloatTensorOps<B>>::float_equal_elem(lhs, rhs, out_dtype),
@@ -370,7 +370,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        counted::nonempty("float_not_equal_elem", &lhs);
+        counted::takes("float_not_equal_elem", &lhs);
         counted::made(
             "float_not_equal_elem",
             <B as FloatTensorOps<B>>::float_not_equal_elem(lhs, rhs, out_dtype),
@@ -392,7 +392,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        counted::nonempty("float_greater_elem", &lhs);
+        counted::takes("float_greater_elem", &lhs);
         counted::made(
             "float_greater_elem",
             <B as FloatTensorOps<B>>::float_greater_elem(lhs, rhs, out_dtype),
@@ -414,7 +414,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        counted::nonempty("float_greater_equal_elem", &lhs);
+        counted::takes("float_greater_equal_elem", &lhs);
         counted::made(
             "float_greater_equal_elem",
             <B as FloatTensorOps<B>>::float_greater_equal_elem(lhs, rhs, out_dtype),
@@ -436,7 +436,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        counted::nonempty("float_lower_elem", &lhs);
+        counted::takes("float_lower_elem", &lhs);
         counted::made(
             "float_lower_elem",
             <B as FloatTensorOps<B>>::float_lower_elem(lhs, rhs, out_dtype),
@@ -458,7 +458,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        counted::nonempty("float_lower_equal_elem", &lhs);
+        counted::takes("float_lower_equal_elem", &lhs);
         counted::made(
             "float_lower_equal_elem",
             <B as FloatTensorOps<B>>::float_lower_equal_elem(lhs, rhs, out_dtype),
@@ -474,83 +474,83 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         <B as FloatTensorOps<B>>::float_is_require_grad(_tensor)
     }
     fn float_sum(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_sum", &tensor);
+        counted::takes("float_sum", &tensor);
         counted::made("float_sum", <B as FloatTensorOps<B>>::float_sum(tensor))
     }
     fn float_sum_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        counted::nonempty("float_sum_dim", &tensor);
+        counted::takes("float_sum_dim", &tensor);
         counted::made(
             "float_sum_dim",
             <B as FloatTensorOps<B>>::float_sum_dim(tensor, dim),
         )
     }
     fn float_prod(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_prod", &tensor);
+        counted::takes("float_prod", &tensor);
         counted::made("float_prod", <B as FloatTensorOps<B>>::float_prod(tensor))
     }
     fn float_prod_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        counted::nonempty("float_prod_dim", &tensor);
+        counted::takes("float_prod_dim", &tensor);
         counted::made(
             "float_prod_dim",
             <B as FloatTensorOps<B>>::float_prod_dim(tensor, dim),
         )
     }
     fn float_mean(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_mean", &tensor);
+        counted::takes("float_mean", &tensor);
         counted::made("float_mean", <B as FloatTensorOps<B>>::float_mean(tensor))
     }
     fn float_mean_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        counted::nonempty("float_mean_dim", &tensor);
+        counted::takes("float_mean_dim", &tensor);
         counted::made(
             "float_mean_dim",
             <B as FloatTensorOps<B>>::float_mean_dim(tensor, dim),
         )
     }
     fn float_cumsum(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        counted::nonempty("float_cumsum", &tensor);
+        counted::takes("float_cumsum", &tensor);
         counted::made(
             "float_cumsum",
             <B as FloatTensorOps<B>>::float_cumsum(tensor, dim),
         )
     }
     fn float_cumprod(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        counted::nonempty("float_cumprod", &tensor);
+        counted::takes("float_cumprod", &tensor);
         counted::made(
             "float_cumprod",
             <B as FloatTensorOps<B>>::float_cumprod(tensor, dim),
         )
     }
     fn float_cummin(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        counted::nonempty("float_cummin", &tensor);
+        counted::takes("float_cummin", &tensor);
         counted::made(
             "float_cummin",
             <B as FloatTensorOps<B>>::float_cummin(tensor, dim),
         )
     }
     fn float_cummax(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        counted::nonempty("float_cummax", &tensor);
+        counted::takes("float_cummax", &tensor);
         counted::made(
             "float_cummax",
             <B as FloatTensorOps<B>>::float_cummax(tensor, dim),
         )
     }
     fn float_cast(tensor: FloatTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
-        counted::nonempty("float_cast", &tensor);
+        counted::takes("float_cast", &tensor);
         counted::made(
             "float_cast",
             <B as FloatTensorOps<B>>::float_cast(tensor, dtype),
         )
     }
     fn float_exp(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_exp", &tensor);
+        counted::takes("float_exp", &tensor);
         counted::made("float_exp", <B as FloatTensorOps<B>>::float_exp(tensor))
     }
     fn float_log(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_log", &tensor);
+        counted::takes("float_log", &tensor);
         counted::made("float_log", <B as FloatTensorOps<B>>::float_log(tensor))
     }
     fn float_log1p(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_log1p", &tensor);
+        counted::takes("float_log1p", &tensor);
         counted::made("float_log1p", <B as FloatTensorOps<B>>::float_log1p(tensor))
     }
     fn float_powf(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -562,87 +562,87 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         counted::made("float_powi", <B as FloatTensorOps<B>>::float_powi(lhs, rhs))
     }
     fn float_powi_scalar(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        counted::nonempty("float_powi_scalar", &lhs);
+        counted::takes("float_powi_scalar", &lhs);
         counted::made(
             "float_powi_scalar",
             <B as FloatTensorOps<B>>::float_powi_scalar(lhs, rhs),
         )
     }
     fn float_powi_scalar_impl(lhs: FloatTensor<Self>, rhs: Scalar) -> FloatTensor<Self> {
-        counted::nonempty("float_powi_scalar_impl", &lhs);
+        counted::takes("float_powi_scalar_impl", &lhs);
         counted::made(
             "float_powi_scalar_impl",
             <B as FloatTensorOps<B>>::float_powi_scalar_impl(lhs, rhs),
         )
     }
     fn float_powf_scalar(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
-        counted::nonempty("float_powf_scalar", &tensor);
+        counted::takes("float_powf_scalar", &tensor);
         counted::made(
             "float_powf_scalar",
             <B as FloatTensorOps<B>>::float_powf_scalar(tensor, value),
         )
     }
     fn float_powf_scalar_impl(tensor: FloatTensor<Self>, value: Scalar) -> FloatTensor<Self> {
-        counted::nonempty("float_powf_scalar_impl", &tensor);
+        counted::takes("float_powf_scalar_impl", &tensor);
         counted::made(
             "float_powf_scalar_impl",
             <B as FloatTensorOps<B>>::float_powf_scalar_impl(tensor, value),
         )
     }
     fn float_sqrt(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_sqrt", &tensor);
+        counted::takes("float_sqrt", &tensor);
         counted::made("float_sqrt", <B as FloatTensorOps<B>>::float_sqrt(tensor))
     }
     fn float_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_abs", &tensor);
+        counted::takes("float_abs", &tensor);
         counted::made("float_abs", <B as FloatTensorOps<B>>::float_abs(tensor))
     }
     fn float_cos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_cos", &tensor);
+        counted::takes("float_cos", &tensor);
         counted::made("float_cos", <B as FloatTensorOps<B>>::float_cos(tensor))
     }
     fn float_sin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_sin", &tensor);
+        counted::takes("float_sin", &tensor);
         counted::made("float_sin", <B as FloatTensorOps<B>>::float_sin(tensor))
     }
     fn float_tan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_tan", &tensor);
+        counted::takes("float_tan", &tensor);
         counted::made("float_tan", <B as FloatTensorOps<B>>::float_tan(tensor))
     }
     fn float_cosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_cosh", &tensor);
+        counted::takes("float_cosh", &tensor);
         counted::made("float_cosh", <B as FloatTensorOps<B>>::float_cosh(tensor))
     }
     fn float_sinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_sinh", &tensor);
+        counted::takes("float_sinh", &tensor);
         counted::made("float_sinh", <B as FloatTensorOps<B>>::float_sinh(tensor))
     }
     fn float_tanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_tanh", &tensor);
+        counted::takes("float_tanh", &tensor);
         counted::made("float_tanh", <B as FloatTensorOps<B>>::float_tanh(tensor))
     }
     fn float_acos(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_acos", &tensor);
+        counted::takes("float_acos", &tensor);
         counted::made("float_acos", <B as FloatTensorOps<B>>::float_acos(tensor))
     }
     fn float_acosh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_acosh", &tensor);
+        counted::takes("float_acosh", &tensor);
         counted::made("float_acosh", <B as FloatTensorOps<B>>::float_acosh(tensor))
     }
     fn float_asin(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_asin", &tensor);
+        counted::takes("float_asin", &tensor);
         counted::made("float_asin", <B as FloatTensorOps<B>>::float_asin(tensor))
     }
     fn float_asinh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_asinh", &tensor);
+        counted::takes("float_asinh", &tensor);
         counted::made("float_asinh", <B as FloatTensorOps<B>>::float_asinh(tensor))
     }
     fn float_atan(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_atan", &tensor);
+        counted::takes("float_atan", &tensor);
         counted::made("float_atan", <B as FloatTensorOps<B>>::float_atan(tensor))
     }
     fn float_atanh(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_atanh", &tensor);
+        counted::takes("float_atanh", &tensor);
         counted::made("float_atanh", <B as FloatTensorOps<B>>::float_atanh(tensor))
     }
     fn float_atan2(lhs: FloatTensor<Self>, rhs: FloatTensor<Self>) -> FloatTensor<Self> {
@@ -653,26 +653,27 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         )
     }
     fn float_round(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_round", &tensor);
+        counted::takes("float_round", &tensor);
         counted::made("float_round", <B as FloatTensorOps<B>>::float_round(tensor))
     }
     fn float_floor(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_floor", &tensor);
+        counted::takes("float_floor", &tensor);
         counted::made("float_floor", <B as FloatTensorOps<B>>::float_floor(tensor))
     }
     fn float_ceil(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_ceil", &tensor);
+        counted::takes("float_ceil", &tensor);
         counted::made("float_ceil", <B as FloatTensorOps<B>>::float_ceil(tensor))
     }
     fn float_trunc(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_trunc", &tensor);
+        counted::takes("float_trunc", &tensor);
         counted::made("float_trunc", <B as FloatTensorOps<B>>::float_trunc(tensor))
     }
     fn float_erf(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_erf", &tensor);
+        counted::takes("float_erf", &tensor);
         counted::made("float_erf", <B as FloatTensorOps<B>>::float_erf(tensor))
     }
     fn float_cat(tensors: Vec<FloatTensor<Self>>, dim: usize) -> FloatTensor<Self> {
+        counted::count("float_cat");
         tensors
             .iter()
             .for_each(|t| counted::nonempty("float_cat", t));
@@ -682,7 +683,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         )
     }
     fn float_argmax(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
-        counted::nonempty("float_argmax", &tensor);
+        counted::takes("float_argmax", &tensor);
         counted::made(
             "float_argmax",
             <B as FloatTensorOps<B>>::float_argmax(tensor, dim, out_dtype),
@@ -694,32 +695,32 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         k: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
-        counted::nonempty("float_argtopk", &tensor);
+        counted::takes("float_argtopk", &tensor);
         counted::made(
             "float_argtopk",
             <B as FloatTensorOps<B>>::float_argtopk(tensor, dim, k, out_dtype),
         )
     }
     fn float_topk(tensor: FloatTensor<Self>, dim: usize, k: usize) -> FloatTensor<Self> {
-        counted::nonempty("float_topk", &tensor);
+        counted::takes("float_topk", &tensor);
         counted::made(
             "float_topk",
             <B as FloatTensorOps<B>>::float_topk(tensor, dim, k),
         )
     }
     fn float_argmin(tensor: FloatTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
-        counted::nonempty("float_argmin", &tensor);
+        counted::takes("float_argmin", &tensor);
         counted::made(
             "float_argmin",
             <B as FloatTensorOps<B>>::float_argmin(tensor, dim, out_dtype),
         )
     }
     fn float_max(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_max", &tensor);
+        counted::takes("float_max", &tensor);
         counted::made("float_max", <B as FloatTensorOps<B>>::float_max(tensor))
     }
     fn float_max_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        counted::nonempty("float_max_dim", &tensor);
+        counted::takes("float_max_dim", &tensor);
         counted::made(
             "float_max_dim",
             <B as FloatTensorOps<B>>::float_max_dim(tensor, dim),
@@ -730,15 +731,15 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         dim: usize,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
-        counted::nonempty("float_max_dim_with_indices", &tensor);
+        counted::takes("float_max_dim_with_indices", &tensor);
         <B as FloatTensorOps<B>>::float_max_dim_with_indices(tensor, dim, indices_dtype)
     }
     fn float_min(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_min", &tensor);
+        counted::takes("float_min", &tensor);
         counted::made("float_min", <B as FloatTensorOps<B>>::float_min(tensor))
     }
     fn float_min_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        counted::nonempty("float_min_dim", &tensor);
+        counted::takes("float_min_dim", &tensor);
         counted::made(
             "float_min_dim",
             <B as FloatTensorOps<B>>::float_min_dim(tensor, dim),
@@ -749,25 +750,25 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         dim: usize,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
-        counted::nonempty("float_min_dim_with_indices", &tensor);
+        counted::takes("float_min_dim_with_indices", &tensor);
         <B as FloatTensorOps<B>>::float_min_dim_with_indices(tensor, dim, indices_dtype)
     }
     fn float_max_abs(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_max_abs", &tensor);
+        counted::takes("float_max_abs", &tensor);
         counted::made(
             "float_max_abs",
             <B as FloatTensorOps<B>>::float_max_abs(tensor),
         )
     }
     fn float_max_abs_dim(tensor: FloatTensor<Self>, dim: usize) -> FloatTensor<Self> {
-        counted::nonempty("float_max_abs_dim", &tensor);
+        counted::takes("float_max_abs_dim", &tensor);
         counted::made(
             "float_max_abs_dim",
             <B as FloatTensorOps<B>>::float_max_abs_dim(tensor, dim),
         )
     }
     fn float_any(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        counted::nonempty("float_any", &tensor);
+        counted::takes("float_any", &tensor);
         counted::made(
             "float_any",
             <B as FloatTensorOps<B>>::float_any(tensor, out_dtype),
@@ -778,14 +779,14 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        counted::nonempty("float_any_dim", &tensor);
+        counted::takes("float_any_dim", &tensor);
         counted::made(
             "float_any_dim",
             <B as FloatTensorOps<B>>::float_any_dim(tensor, dim, out_dtype),
         )
     }
     fn float_all(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        counted::nonempty("float_all", &tensor);
+        counted::takes("float_all", &tensor);
         counted::made(
             "float_all",
             <B as FloatTensorOps<B>>::float_all(tensor, out_dtype),
@@ -796,25 +797,25 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        counted::nonempty("float_all_dim", &tensor);
+        counted::takes("float_all_dim", &tensor);
         counted::made(
             "float_all_dim",
             <B as FloatTensorOps<B>>::float_all_dim(tensor, dim, out_dtype),
         )
     }
     fn float_sign(tensor: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("float_sign", &tensor);
+        counted::takes("float_sign", &tensor);
         counted::made("float_sign", <B as FloatTensorOps<B>>::float_sign(tensor))
     }
     fn float_expand(tensor: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
-        counted::nonempty("float_expand", &tensor);
+        counted::takes("float_expand", &tensor);
         counted::made(
             "float_expand",
             <B as FloatTensorOps<B>>::float_expand(tensor, shape),
         )
     }
     fn float_sort(tensor: FloatTensor<Self>, dim: usize, descending: bool) -> FloatTensor<Self> {
-        counted::nonempty("float_sort", &tensor);
+        counted::takes("float_sort", &tensor);
         counted::made(
             "float_sort",
             <B as FloatTensorOps<B>>::float_sort(tensor, dim, descending),
@@ -826,7 +827,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         descending: bool,
         indices_dtype: IntDType,
     ) -> (FloatTensor<Self>, IntTensor<Self>) {
-        counted::nonempty("float_sort_with_indices", &tensor);
+        counted::takes("float_sort_with_indices", &tensor);
         <B as FloatTensorOps<B>>::float_sort_with_indices(tensor, dim, descending, indices_dtype)
     }
     fn float_argsort(
@@ -835,7 +836,7 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         descending: bool,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
-        counted::nonempty("float_argsort", &tensor);
+        counted::takes("float_argsort", &tensor);
         counted::made(
             "float_argsort",
             <B as FloatTensorOps<B>>::float_argsort(tensor, dim, descending, out_dtype),
@@ -858,21 +859,21 @@ impl<B: Backend> FloatTensorOps<Self> for Counted<B> {
         size: usize,
         step: usize,
     ) -> FloatTensor<Self> {
-        counted::nonempty("float_unfold", &tensor);
+        counted::takes("float_unfold", &tensor);
         counted::made(
             "float_unfold",
             <B as FloatTensorOps<B>>::float_unfold(tensor, dim, size, step),
         )
     }
     fn float_is_nan(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        counted::nonempty("float_is_nan", &tensor);
+        counted::takes("float_is_nan", &tensor);
         counted::made(
             "float_is_nan",
             <B as FloatTensorOps<B>>::float_is_nan(tensor, out_dtype),
         )
     }
     fn float_is_inf(tensor: FloatTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        counted::nonempty("float_is_inf", &tensor);
+        counted::takes("float_is_inf", &tensor);
         counted::made(
             "float_is_inf",
             <B as FloatTensorOps<B>>::float_is_inf(tensor, out_dtype),

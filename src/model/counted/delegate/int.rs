@@ -40,14 +40,14 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         <B as IntTensorOps<B>>::int_to_device(tensor, device)
     }
     fn int_reshape(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
-        counted::nonempty("int_reshape", &tensor);
+        counted::takes("int_reshape", &tensor);
         counted::made(
             "int_reshape",
             <B as IntTensorOps<B>>::int_reshape(tensor, shape),
         )
     }
     fn int_slice(tensor: IntTensor<Self>, slices: &[Slice]) -> IntTensor<Self> {
-        counted::nonempty("int_slice", &tensor);
+        counted::takes("int_slice", &tensor);
         counted::made(
             "int_slice",
             <B as IntTensorOps<B>>::int_slice(tensor, slices),
@@ -65,7 +65,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         )
     }
     fn int_into_float(tensor: IntTensor<Self>, out_dtype: FloatDType) -> FloatTensor<Self> {
-        counted::nonempty("int_into_float", &tensor);
+        counted::takes("int_into_float", &tensor);
         counted::made(
             "int_into_float",
             <B as IntTensorOps<B>>::int_into_float(tensor, out_dtype),
@@ -159,13 +159,14 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         )
     }
     fn int_repeat_dim(tensor: IntTensor<Self>, dim: usize, times: usize) -> IntTensor<Self> {
-        counted::nonempty("int_repeat_dim", &tensor);
+        counted::takes("int_repeat_dim", &tensor);
         counted::made(
             "int_repeat_dim",
             <B as IntTensorOps<B>>::int_repeat_dim(tensor, dim, times),
         )
     }
     fn int_cat(tensors: Vec<IntTensor<Self>>, dim: usize) -> IntTensor<Self> {
+        counted::count("int_cat");
         tensors.iter().for_each(|t| counted::nonempty("int_cat", t));
         counted::made("int_cat", <B as IntTensorOps<B>>::int_cat(tensors, dim))
     }
@@ -192,7 +193,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         )
     }
     fn int_equal_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
-        counted::nonempty("int_equal_elem", &lhs);
+        counted::takes("int_equal_elem", &lhs);
         counted::made(
             "int_equal_elem",
             <B as IntTensorOps<B>>::int_equal_elem(lhs, rhs, out_dtype),
@@ -203,7 +204,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        counted::nonempty("int_not_equal_elem", &lhs);
+        counted::takes("int_not_equal_elem", &lhs);
         counted::made(
             "int_not_equal_elem",
             <B as IntTensorOps<B>>::int_not_equal_elem(lhs, rhs, out_dtype),
@@ -225,7 +226,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        counted::nonempty("int_greater_elem", &lhs);
+        counted::takes("int_greater_elem", &lhs);
         counted::made(
             "int_greater_elem",
             <B as IntTensorOps<B>>::int_greater_elem(lhs, rhs, out_dtype),
@@ -247,7 +248,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        counted::nonempty("int_greater_equal_elem", &lhs);
+        counted::takes("int_greater_equal_elem", &lhs);
         counted::made(
             "int_greater_equal_elem",
             <B as IntTensorOps<B>>::int_greater_equal_elem(lhs, rhs, out_dtype),
@@ -265,7 +266,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         )
     }
     fn int_lower_elem(lhs: IntTensor<Self>, rhs: Scalar, out_dtype: BoolDType) -> BoolTensor<Self> {
-        counted::nonempty("int_lower_elem", &lhs);
+        counted::takes("int_lower_elem", &lhs);
         counted::made(
             "int_lower_elem",
             <B as IntTensorOps<B>>::int_lower_elem(lhs, rhs, out_dtype),
@@ -287,7 +288,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         rhs: Scalar,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        counted::nonempty("int_lower_equal_elem", &lhs);
+        counted::takes("int_lower_equal_elem", &lhs);
         counted::made(
             "int_lower_equal_elem",
             <B as IntTensorOps<B>>::int_lower_equal_elem(lhs, rhs, out_dtype),
@@ -298,7 +299,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         counted::made("int_add", <B as IntTensorOps<B>>::int_add(lhs, rhs))
     }
     fn int_add_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        counted::nonempty("int_add_scalar", &lhs);
+        counted::takes("int_add_scalar", &lhs);
         counted::made(
             "int_add_scalar",
             <B as IntTensorOps<B>>::int_add_scalar(lhs, rhs),
@@ -309,35 +310,35 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         counted::made("int_powi", <B as IntTensorOps<B>>::int_powi(lhs, rhs))
     }
     fn int_powi_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        counted::nonempty("int_powi_scalar", &lhs);
+        counted::takes("int_powi_scalar", &lhs);
         counted::made(
             "int_powi_scalar",
             <B as IntTensorOps<B>>::int_powi_scalar(lhs, rhs),
         )
     }
     fn int_powi_scalar_impl(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        counted::nonempty("int_powi_scalar_impl", &lhs);
+        counted::takes("int_powi_scalar_impl", &lhs);
         counted::made(
             "int_powi_scalar_impl",
             <B as IntTensorOps<B>>::int_powi_scalar_impl(lhs, rhs),
         )
     }
     fn int_clamp_min(tensor: IntTensor<Self>, min: Scalar) -> IntTensor<Self> {
-        counted::nonempty("int_clamp_min", &tensor);
+        counted::takes("int_clamp_min", &tensor);
         counted::made(
             "int_clamp_min",
             <B as IntTensorOps<B>>::int_clamp_min(tensor, min),
         )
     }
     fn int_clamp_max(tensor: IntTensor<Self>, max: Scalar) -> IntTensor<Self> {
-        counted::nonempty("int_clamp_max", &tensor);
+        counted::takes("int_clamp_max", &tensor);
         counted::made(
             "int_clamp_max",
             <B as IntTensorOps<B>>::int_clamp_max(tensor, max),
         )
     }
     fn int_clamp(tensor: IntTensor<Self>, min: Scalar, max: Scalar) -> IntTensor<Self> {
-        counted::nonempty("int_clamp", &tensor);
+        counted::takes("int_clamp", &tensor);
         counted::made(
             "int_clamp",
             <B as IntTensorOps<B>>::int_clamp(tensor, min, max),
@@ -348,7 +349,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         counted::made("int_sub", <B as IntTensorOps<B>>::int_sub(lhs, rhs))
     }
     fn int_sub_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        counted::nonempty("int_sub_scalar", &lhs);
+        counted::takes("int_sub_scalar", &lhs);
         counted::made(
             "int_sub_scalar",
             <B as IntTensorOps<B>>::int_sub_scalar(lhs, rhs),
@@ -359,7 +360,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         counted::made("int_mul", <B as IntTensorOps<B>>::int_mul(lhs, rhs))
     }
     fn int_mul_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        counted::nonempty("int_mul_scalar", &lhs);
+        counted::takes("int_mul_scalar", &lhs);
         counted::made(
             "int_mul_scalar",
             <B as IntTensorOps<B>>::int_mul_scalar(lhs, rhs),
@@ -370,7 +371,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         counted::made("int_div", <B as IntTensorOps<B>>::int_div(lhs, rhs))
     }
     fn int_div_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        counted::nonempty("int_div_scalar", &lhs);
+        counted::takes("int_div_scalar", &lhs);
         counted::made(
             "int_div_scalar",
             <B as IntTensorOps<B>>::int_div_scalar(lhs, rhs),
@@ -384,7 +385,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         )
     }
     fn int_remainder_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        counted::nonempty("int_remainder_scalar", &lhs);
+        counted::takes("int_remainder_scalar", &lhs);
         counted::made(
             "int_remainder_scalar",
             <B as IntTensorOps<B>>::int_remainder_scalar(lhs, rhs),
@@ -395,17 +396,17 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         counted::made("int_matmul", <B as IntTensorOps<B>>::int_matmul(lhs, rhs))
     }
     fn int_neg(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        counted::nonempty("int_neg", &tensor);
+        counted::takes("int_neg", &tensor);
         counted::made("int_neg", <B as IntTensorOps<B>>::int_neg(tensor))
     }
     fn int_zeros(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
-        counted::made(
+        counted::makes(
             "int_zeros",
             <B as IntTensorOps<B>>::int_zeros(shape, device, dtype),
         )
     }
     fn int_ones(shape: Shape, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
-        counted::made(
+        counted::makes(
             "int_ones",
             <B as IntTensorOps<B>>::int_ones(shape, device, dtype),
         )
@@ -416,103 +417,103 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         device: &Device<Self>,
         dtype: IntDType,
     ) -> IntTensor<Self> {
-        counted::made(
+        counted::makes(
             "int_full",
             <B as IntTensorOps<B>>::int_full(shape, fill_value, device, dtype),
         )
     }
     fn int_sum(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        counted::nonempty("int_sum", &tensor);
+        counted::takes("int_sum", &tensor);
         counted::made("int_sum", <B as IntTensorOps<B>>::int_sum(tensor))
     }
     fn int_sum_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        counted::nonempty("int_sum_dim", &tensor);
+        counted::takes("int_sum_dim", &tensor);
         counted::made(
             "int_sum_dim",
             <B as IntTensorOps<B>>::int_sum_dim(tensor, dim),
         )
     }
     fn int_prod(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        counted::nonempty("int_prod", &tensor);
+        counted::takes("int_prod", &tensor);
         counted::made("int_prod", <B as IntTensorOps<B>>::int_prod(tensor))
     }
     fn int_prod_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        counted::nonempty("int_prod_dim", &tensor);
+        counted::takes("int_prod_dim", &tensor);
         counted::made(
             "int_prod_dim",
             <B as IntTensorOps<B>>::int_prod_dim(tensor, dim),
         )
     }
     fn int_mean(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        counted::nonempty("int_mean", &tensor);
+        counted::takes("int_mean", &tensor);
         counted::made("int_mean", <B as IntTensorOps<B>>::int_mean(tensor))
     }
     fn int_mean_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        counted::nonempty("int_mean_dim", &tensor);
+        counted::takes("int_mean_dim", &tensor);
         counted::made(
             "int_mean_dim",
             <B as IntTensorOps<B>>::int_mean_dim(tensor, dim),
         )
     }
     fn int_cumsum(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        counted::nonempty("int_cumsum", &tensor);
+        counted::takes("int_cumsum", &tensor);
         counted::made(
             "int_cumsum",
             <B as IntTensorOps<B>>::int_cumsum(tensor, dim),
         )
     }
     fn int_cumprod(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        counted::nonempty("int_cumprod", &tensor);
+        counted::takes("int_cumprod", &tensor);
         counted::made(
             "int_cumprod",
             <B as IntTensorOps<B>>::int_cumprod(tensor, dim),
         )
     }
     fn int_cummin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        counted::nonempty("int_cummin", &tensor);
+        counted::takes("int_cummin", &tensor);
         counted::made(
             "int_cummin",
             <B as IntTensorOps<B>>::int_cummin(tensor, dim),
         )
     }
     fn int_cummax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        counted::nonempty("int_cummax", &tensor);
+        counted::takes("int_cummax", &tensor);
         counted::made(
             "int_cummax",
             <B as IntTensorOps<B>>::int_cummax(tensor, dim),
         )
     }
     fn int_argmax(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        counted::nonempty("int_argmax", &tensor);
+        counted::takes("int_argmax", &tensor);
         counted::made(
             "int_argmax",
             <B as IntTensorOps<B>>::int_argmax(tensor, dim),
         )
     }
     fn int_argtopk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
-        counted::nonempty("int_argtopk", &tensor);
+        counted::takes("int_argtopk", &tensor);
         counted::made(
             "int_argtopk",
             <B as IntTensorOps<B>>::int_argtopk(tensor, dim, k),
         )
     }
     fn int_topk(tensor: IntTensor<Self>, dim: usize, k: usize) -> IntTensor<Self> {
-        counted::nonempty("int_topk", &tensor);
+        counted::takes("int_topk", &tensor);
         counted::made("int_topk", <B as IntTensorOps<B>>::int_topk(tensor, dim, k))
     }
     fn int_argmin(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        counted::nonempty("int_argmin", &tensor);
+        counted::takes("int_argmin", &tensor);
         counted::made(
             "int_argmin",
             <B as IntTensorOps<B>>::int_argmin(tensor, dim),
         )
     }
     fn int_max(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        counted::nonempty("int_max", &tensor);
+        counted::takes("int_max", &tensor);
         counted::made("int_max", <B as IntTensorOps<B>>::int_max(tensor))
     }
     fn int_max_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        counted::nonempty("int_max_dim", &tensor);
+        counted::takes("int_max_dim", &tensor);
         counted::made(
             "int_max_dim",
             <B as IntTensorOps<B>>::int_max_dim(tensor, dim),
@@ -522,26 +523,26 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         tensor: IntTensor<Self>,
         dim: usize,
     ) -> (IntTensor<Self>, IntTensor<Self>) {
-        counted::nonempty("int_max_dim_with_indices", &tensor);
+        counted::takes("int_max_dim_with_indices", &tensor);
         <B as IntTensorOps<B>>::int_max_dim_with_indices(tensor, dim)
     }
     fn int_max_abs(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        counted::nonempty("int_max_abs", &tensor);
+        counted::takes("int_max_abs", &tensor);
         counted::made("int_max_abs", <B as IntTensorOps<B>>::int_max_abs(tensor))
     }
     fn int_max_abs_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        counted::nonempty("int_max_abs_dim", &tensor);
+        counted::takes("int_max_abs_dim", &tensor);
         counted::made(
             "int_max_abs_dim",
             <B as IntTensorOps<B>>::int_max_abs_dim(tensor, dim),
         )
     }
     fn int_min(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        counted::nonempty("int_min", &tensor);
+        counted::takes("int_min", &tensor);
         counted::made("int_min", <B as IntTensorOps<B>>::int_min(tensor))
     }
     fn int_min_dim(tensor: IntTensor<Self>, dim: usize) -> IntTensor<Self> {
-        counted::nonempty("int_min_dim", &tensor);
+        counted::takes("int_min_dim", &tensor);
         counted::made(
             "int_min_dim",
             <B as IntTensorOps<B>>::int_min_dim(tensor, dim),
@@ -551,36 +552,36 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         tensor: IntTensor<Self>,
         dim: usize,
     ) -> (IntTensor<Self>, IntTensor<Self>) {
-        counted::nonempty("int_min_dim_with_indices", &tensor);
+        counted::takes("int_min_dim_with_indices", &tensor);
         <B as IntTensorOps<B>>::int_min_dim_with_indices(tensor, dim)
     }
     fn int_abs(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        counted::nonempty("int_abs", &tensor);
+        counted::takes("int_abs", &tensor);
         counted::made("int_abs", <B as IntTensorOps<B>>::int_abs(tensor))
     }
     fn int_transpose(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        counted::nonempty("int_transpose", &tensor);
+        counted::takes("int_transpose", &tensor);
         counted::made(
             "int_transpose",
             <B as IntTensorOps<B>>::int_transpose(tensor),
         )
     }
     fn int_swap_dims(tensor: IntTensor<Self>, dim1: usize, dim2: usize) -> IntTensor<Self> {
-        counted::nonempty("int_swap_dims", &tensor);
+        counted::takes("int_swap_dims", &tensor);
         counted::made(
             "int_swap_dims",
             <B as IntTensorOps<B>>::int_swap_dims(tensor, dim1, dim2),
         )
     }
     fn int_permute(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
-        counted::nonempty("int_permute", &tensor);
+        counted::takes("int_permute", &tensor);
         counted::made(
             "int_permute",
             <B as IntTensorOps<B>>::int_permute(tensor, axes),
         )
     }
     fn int_flip(tensor: IntTensor<Self>, axes: &[usize]) -> IntTensor<Self> {
-        counted::nonempty("int_flip", &tensor);
+        counted::takes("int_flip", &tensor);
         counted::made("int_flip", <B as IntTensorOps<B>>::int_flip(tensor, axes))
     }
     fn int_random(
@@ -589,7 +590,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         device: &Device<Self>,
         dtype: IntDType,
     ) -> IntTensor<Self> {
-        counted::made(
+        counted::makes(
             "int_random",
             <B as IntTensorOps<B>>::int_random(shape, distribution, device, dtype),
         )
@@ -600,58 +601,58 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         device: &Device<Self>,
         dtype: IntDType,
     ) -> IntTensor<Self> {
-        counted::made(
+        counted::makes(
             "int_arange_step",
             <B as IntTensorOps<B>>::int_arange_step(range, step, device, dtype),
         )
     }
     fn int_arange(range: Range<i64>, device: &Device<Self>, dtype: IntDType) -> IntTensor<Self> {
-        counted::made(
+        counted::makes(
             "int_arange",
             <B as IntTensorOps<B>>::int_arange(range, device, dtype),
         )
     }
     fn int_any(tensor: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        counted::nonempty("int_any", &tensor);
+        counted::takes("int_any", &tensor);
         counted::made(
             "int_any",
             <B as IntTensorOps<B>>::int_any(tensor, out_dtype),
         )
     }
     fn int_any_dim(tensor: IntTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
-        counted::nonempty("int_any_dim", &tensor);
+        counted::takes("int_any_dim", &tensor);
         counted::made(
             "int_any_dim",
             <B as IntTensorOps<B>>::int_any_dim(tensor, dim, out_dtype),
         )
     }
     fn int_all(tensor: IntTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        counted::nonempty("int_all", &tensor);
+        counted::takes("int_all", &tensor);
         counted::made(
             "int_all",
             <B as IntTensorOps<B>>::int_all(tensor, out_dtype),
         )
     }
     fn int_all_dim(tensor: IntTensor<Self>, dim: usize, out_dtype: BoolDType) -> BoolTensor<Self> {
-        counted::nonempty("int_all_dim", &tensor);
+        counted::takes("int_all_dim", &tensor);
         counted::made(
             "int_all_dim",
             <B as IntTensorOps<B>>::int_all_dim(tensor, dim, out_dtype),
         )
     }
     fn int_sign(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        counted::nonempty("int_sign", &tensor);
+        counted::takes("int_sign", &tensor);
         counted::made("int_sign", <B as IntTensorOps<B>>::int_sign(tensor))
     }
     fn int_expand(tensor: IntTensor<Self>, shape: Shape) -> IntTensor<Self> {
-        counted::nonempty("int_expand", &tensor);
+        counted::takes("int_expand", &tensor);
         counted::made(
             "int_expand",
             <B as IntTensorOps<B>>::int_expand(tensor, shape),
         )
     }
     fn int_sort(tensor: IntTensor<Self>, dim: usize, descending: bool) -> IntTensor<Self> {
-        counted::nonempty("int_sort", &tensor);
+        counted::takes("int_sort", &tensor);
         counted::made(
             "int_sort",
             <B as IntTensorOps<B>>::int_sort(tensor, dim, descending),
@@ -662,11 +663,11 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         dim: usize,
         descending: bool,
     ) -> (IntTensor<Self>, IntTensor<Self>) {
-        counted::nonempty("int_sort_with_indices", &tensor);
+        counted::takes("int_sort_with_indices", &tensor);
         <B as IntTensorOps<B>>::int_sort_with_indices(tensor, dim, descending)
     }
     fn int_argsort(tensor: IntTensor<Self>, dim: usize, descending: bool) -> IntTensor<Self> {
-        counted::nonempty("int_argsort", &tensor);
+        counted::takes("int_argsort", &tensor);
         counted::made(
             "int_argsort",
             <B as IntTensorOps<B>>::int_argsort(tensor, dim, descending),
@@ -677,7 +678,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         counted::made("bitwise_and", <B as IntTensorOps<B>>::bitwise_and(lhs, rhs))
     }
     fn bitwise_and_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        counted::nonempty("bitwise_and_scalar", &lhs);
+        counted::takes("bitwise_and_scalar", &lhs);
         counted::made(
             "bitwise_and_scalar",
             <B as IntTensorOps<B>>::bitwise_and_scalar(lhs, rhs),
@@ -688,7 +689,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         counted::made("bitwise_or", <B as IntTensorOps<B>>::bitwise_or(lhs, rhs))
     }
     fn bitwise_or_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        counted::nonempty("bitwise_or_scalar", &lhs);
+        counted::takes("bitwise_or_scalar", &lhs);
         counted::made(
             "bitwise_or_scalar",
             <B as IntTensorOps<B>>::bitwise_or_scalar(lhs, rhs),
@@ -699,14 +700,14 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         counted::made("bitwise_xor", <B as IntTensorOps<B>>::bitwise_xor(lhs, rhs))
     }
     fn bitwise_xor_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        counted::nonempty("bitwise_xor_scalar", &lhs);
+        counted::takes("bitwise_xor_scalar", &lhs);
         counted::made(
             "bitwise_xor_scalar",
             <B as IntTensorOps<B>>::bitwise_xor_scalar(lhs, rhs),
         )
     }
     fn bitwise_not(tensor: IntTensor<Self>) -> IntTensor<Self> {
-        counted::nonempty("bitwise_not", &tensor);
+        counted::takes("bitwise_not", &tensor);
         counted::made("bitwise_not", <B as IntTensorOps<B>>::bitwise_not(tensor))
     }
     fn bitwise_left_shift(lhs: IntTensor<Self>, rhs: IntTensor<Self>) -> IntTensor<Self> {
@@ -717,7 +718,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         )
     }
     fn bitwise_left_shift_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        counted::nonempty("bitwise_left_shift_scalar", &lhs);
+        counted::takes("bitwise_left_shift_scalar", &lhs);
         counted::made(
             "bitwise_left_shift_scalar",
             <B as IntTensorOps<B>>::bitwise_left_shift_scalar(lhs, rhs),
@@ -731,14 +732,14 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         )
     }
     fn bitwise_right_shift_scalar(lhs: IntTensor<Self>, rhs: Scalar) -> IntTensor<Self> {
-        counted::nonempty("bitwise_right_shift_scalar", &lhs);
+        counted::takes("bitwise_right_shift_scalar", &lhs);
         counted::made(
             "bitwise_right_shift_scalar",
             <B as IntTensorOps<B>>::bitwise_right_shift_scalar(lhs, rhs),
         )
     }
     fn int_cast(tensor: IntTensor<Self>, dtype: IntDType) -> IntTensor<Self> {
-        counted::nonempty("int_cast", &tensor);
+        counted::takes("int_cast", &tensor);
         counted::made("int_cast", <B as IntTensorOps<B>>::int_cast(tensor, dtype))
     }
     fn int_unfold(
@@ -747,7 +748,7 @@ impl<B: Backend> IntTensorOps<Self> for Counted<B> {
         size: usize,
         step: usize,
     ) -> IntTensor<Self> {
-        counted::nonempty("int_unfold", &tensor);
+        counted::takes("int_unfold", &tensor);
         counted::made(
             "int_unfold",
             <B as IntTensorOps<B>>::int_unfold(tensor, dim, size, step),

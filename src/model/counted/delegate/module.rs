@@ -61,7 +61,7 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         )
     }
     fn linear_bias_backward(output_grad: FloatTensor<Self>) -> FloatTensor<Self> {
-        counted::nonempty("linear_bias_backward", &output_grad);
+        counted::takes("linear_bias_backward", &output_grad);
         counted::made(
             "linear_bias_backward",
             <B as ModuleOps<B>>::linear_bias_backward(output_grad),
@@ -404,7 +404,7 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         kernel_size: [usize; 2],
         options: UnfoldOptions,
     ) -> FloatTensor<Self> {
-        counted::nonempty("unfold4d", &x);
+        counted::takes("unfold4d", &x);
         counted::made(
             "unfold4d",
             <B as ModuleOps<B>>::unfold4d(x, kernel_size, options),
@@ -418,7 +418,7 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
-        counted::nonempty("avg_pool1d", &x);
+        counted::takes("avg_pool1d", &x);
         counted::made(
             "avg_pool1d",
             <B as ModuleOps<B>>::avg_pool1d(
@@ -462,7 +462,7 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         count_include_pad: bool,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
-        counted::nonempty("avg_pool2d", &x);
+        counted::takes("avg_pool2d", &x);
         counted::made(
             "avg_pool2d",
             <B as ModuleOps<B>>::avg_pool2d(
@@ -499,7 +499,7 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         )
     }
     fn adaptive_avg_pool2d(x: FloatTensor<Self>, output_size: [usize; 2]) -> FloatTensor<Self> {
-        counted::nonempty("adaptive_avg_pool2d", &x);
+        counted::takes("adaptive_avg_pool2d", &x);
         counted::made(
             "adaptive_avg_pool2d",
             <B as ModuleOps<B>>::adaptive_avg_pool2d(x, output_size),
@@ -516,7 +516,7 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         )
     }
     fn adaptive_avg_pool1d(x: FloatTensor<Self>, output_size: usize) -> FloatTensor<Self> {
-        counted::nonempty("adaptive_avg_pool1d", &x);
+        counted::takes("adaptive_avg_pool1d", &x);
         counted::made(
             "adaptive_avg_pool1d",
             <B as ModuleOps<B>>::adaptive_avg_pool1d(x, output_size),
@@ -540,7 +540,7 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         dilation: usize,
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
-        counted::nonempty("max_pool1d", &x);
+        counted::takes("max_pool1d", &x);
         counted::made(
             "max_pool1d",
             <B as ModuleOps<B>>::max_pool1d(x, kernel_size, stride, padding, dilation, ceil_mode),
@@ -554,7 +554,7 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         dilation: usize,
         ceil_mode: bool,
     ) -> MaxPool1dWithIndices<Self> {
-        counted::nonempty("max_pool1d_with_indices", &x);
+        counted::takes("max_pool1d_with_indices", &x);
         let r = <B as ModuleOps<B>>::max_pool1d_with_indices(
             x,
             kernel_size,
@@ -602,7 +602,7 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         dilation: [usize; 2],
         ceil_mode: bool,
     ) -> FloatTensor<Self> {
-        counted::nonempty("max_pool2d", &x);
+        counted::takes("max_pool2d", &x);
         counted::made(
             "max_pool2d",
             <B as ModuleOps<B>>::max_pool2d(x, kernel_size, stride, padding, dilation, ceil_mode),
@@ -616,7 +616,7 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         dilation: [usize; 2],
         ceil_mode: bool,
     ) -> MaxPool2dWithIndices<Self> {
-        counted::nonempty("max_pool2d_with_indices", &x);
+        counted::takes("max_pool2d_with_indices", &x);
         let r = <B as ModuleOps<B>>::max_pool2d_with_indices(
             x,
             kernel_size,
@@ -661,7 +661,7 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         output_size: [usize; 2],
         options: InterpolateOptions,
     ) -> FloatTensor<Self> {
-        counted::nonempty("interpolate", &x);
+        counted::takes("interpolate", &x);
         counted::made(
             "interpolate",
             <B as ModuleOps<B>>::interpolate(x, output_size, options),
@@ -759,7 +759,7 @@ impl<B: Backend> ModuleOps<Self> for Counted<B> {
         dim: usize,
         n: Option<usize>,
     ) -> (FloatTensor<Self>, FloatTensor<Self>) {
-        counted::nonempty("rfft", &signal);
+        counted::takes("rfft", &signal);
         <B as ModuleOps<B>>::rfft(signal, dim, n)
     }
     fn irfft(

@@ -23,21 +23,21 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         scheme: &QuantScheme,
         qparams: QuantizationParametersPrimitive<Self>,
     ) -> QuantizedTensor<Self> {
-        counted::nonempty("quantize", &tensor);
+        counted::takes("quantize", &tensor);
         counted::made(
             "quantize",
             <B as QTensorOps<B>>::quantize(tensor, scheme, counted::inner_qparams(qparams)),
         )
     }
     fn quantize_dynamic(tensor: FloatTensor<Self>, scheme: &QuantScheme) -> QuantizedTensor<Self> {
-        counted::nonempty("quantize_dynamic", &tensor);
+        counted::takes("quantize_dynamic", &tensor);
         counted::made(
             "quantize_dynamic",
             <B as QTensorOps<B>>::quantize_dynamic(tensor, scheme),
         )
     }
     fn dequantize(tensor: QuantizedTensor<Self>, dtype: FloatDType) -> FloatTensor<Self> {
-        counted::nonempty("dequantize", &tensor);
+        counted::takes("dequantize", &tensor);
         counted::made(
             "dequantize",
             <B as QTensorOps<B>>::dequantize(tensor, dtype),
@@ -50,7 +50,7 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         <B as QTensorOps<B>>::q_to_device(tensor, device)
     }
     fn q_reshape(tensor: QuantizedTensor<Self>, shape: Shape) -> QuantizedTensor<Self> {
-        counted::nonempty("q_reshape", &tensor);
+        counted::takes("q_reshape", &tensor);
         counted::made("q_reshape", <B as QTensorOps<B>>::q_reshape(tensor, shape))
     }
     fn q_into_data(
@@ -78,11 +78,11 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         <B as QTensorOps<B>>::q_is_require_grad(_tensor)
     }
     fn q_expand(tensor: QuantizedTensor<Self>, shape: Shape) -> QuantizedTensor<Self> {
-        counted::nonempty("q_expand", &tensor);
+        counted::takes("q_expand", &tensor);
         counted::made("q_expand", <B as QTensorOps<B>>::q_expand(tensor, shape))
     }
     fn q_transpose(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
-        counted::nonempty("q_transpose", &tensor);
+        counted::takes("q_transpose", &tensor);
         counted::made("q_transpose", <B as QTensorOps<B>>::q_transpose(tensor))
     }
     fn q_swap_dims(
@@ -90,18 +90,18 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         dim1: usize,
         dim2: usize,
     ) -> QuantizedTensor<Self> {
-        counted::nonempty("q_swap_dims", &tensor);
+        counted::takes("q_swap_dims", &tensor);
         counted::made(
             "q_swap_dims",
             <B as QTensorOps<B>>::q_swap_dims(tensor, dim1, dim2),
         )
     }
     fn q_permute(tensor: QuantizedTensor<Self>, axes: &[usize]) -> QuantizedTensor<Self> {
-        counted::nonempty("q_permute", &tensor);
+        counted::takes("q_permute", &tensor);
         counted::made("q_permute", <B as QTensorOps<B>>::q_permute(tensor, axes))
     }
     fn q_flip(tensor: QuantizedTensor<Self>, axes: &[usize]) -> QuantizedTensor<Self> {
-        counted::nonempty("q_flip", &tensor);
+        counted::takes("q_flip", &tensor);
         counted::made("q_flip", <B as QTensorOps<B>>::q_flip(tensor, axes))
     }
     fn q_select(
@@ -116,7 +116,7 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         )
     }
     fn q_slice(tensor: QuantizedTensor<Self>, slices: &[Slice]) -> QuantizedTensor<Self> {
-        counted::nonempty("q_slice", &tensor);
+        counted::takes("q_slice", &tensor);
         counted::made("q_slice", <B as QTensorOps<B>>::q_slice(tensor, slices))
     }
     fn q_gather(
@@ -135,7 +135,7 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         dim: usize,
         times: usize,
     ) -> QuantizedTensor<Self> {
-        counted::nonempty("q_repeat_dim", &tensor);
+        counted::takes("q_repeat_dim", &tensor);
         counted::made(
             "q_repeat_dim",
             <B as QTensorOps<B>>::q_repeat_dim(tensor, dim, times),
@@ -149,28 +149,28 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         )
     }
     fn q_add_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
-        counted::nonempty("q_add_scalar", &lhs);
+        counted::takes("q_add_scalar", &lhs);
         counted::made(
             "q_add_scalar",
             counted::primitive(<B as QTensorOps<B>>::q_add_scalar(lhs, rhs)),
         )
     }
     fn q_clamp_min(tensor: QuantizedTensor<Self>, min: Scalar) -> TensorPrimitive<Self> {
-        counted::nonempty("q_clamp_min", &tensor);
+        counted::takes("q_clamp_min", &tensor);
         counted::made(
             "q_clamp_min",
             counted::primitive(<B as QTensorOps<B>>::q_clamp_min(tensor, min)),
         )
     }
     fn q_clamp_max(tensor: QuantizedTensor<Self>, max: Scalar) -> TensorPrimitive<Self> {
-        counted::nonempty("q_clamp_max", &tensor);
+        counted::takes("q_clamp_max", &tensor);
         counted::made(
             "q_clamp_max",
             counted::primitive(<B as QTensorOps<B>>::q_clamp_max(tensor, max)),
         )
     }
     fn q_clamp(tensor: QuantizedTensor<Self>, min: Scalar, max: Scalar) -> TensorPrimitive<Self> {
-        counted::nonempty("q_clamp", &tensor);
+        counted::takes("q_clamp", &tensor);
         counted::made(
             "q_clamp",
             counted::primitive(<B as QTensorOps<B>>::q_clamp(tensor, min, max)),
@@ -184,7 +184,7 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         )
     }
     fn q_sub_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
-        counted::nonempty("q_sub_scalar", &lhs);
+        counted::takes("q_sub_scalar", &lhs);
         counted::made(
             "q_sub_scalar",
             counted::primitive(<B as QTensorOps<B>>::q_sub_scalar(lhs, rhs)),
@@ -198,7 +198,7 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         )
     }
     fn q_mul_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
-        counted::nonempty("q_mul_scalar", &lhs);
+        counted::takes("q_mul_scalar", &lhs);
         counted::made(
             "q_mul_scalar",
             counted::primitive(<B as QTensorOps<B>>::q_mul_scalar(lhs, rhs)),
@@ -212,7 +212,7 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         )
     }
     fn q_div_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
-        counted::nonempty("q_div_scalar", &lhs);
+        counted::takes("q_div_scalar", &lhs);
         counted::made(
             "q_div_scalar",
             counted::primitive(<B as QTensorOps<B>>::q_div_scalar(lhs, rhs)),
@@ -229,105 +229,105 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         )
     }
     fn q_neg(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        counted::nonempty("q_neg", &tensor);
+        counted::takes("q_neg", &tensor);
         counted::made(
             "q_neg",
             counted::primitive(<B as QTensorOps<B>>::q_neg(tensor)),
         )
     }
     fn q_recip(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        counted::nonempty("q_recip", &tensor);
+        counted::takes("q_recip", &tensor);
         counted::made(
             "q_recip",
             counted::primitive(<B as QTensorOps<B>>::q_recip(tensor)),
         )
     }
     fn q_sum(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        counted::nonempty("q_sum", &tensor);
+        counted::takes("q_sum", &tensor);
         counted::made(
             "q_sum",
             counted::primitive(<B as QTensorOps<B>>::q_sum(tensor)),
         )
     }
     fn q_sum_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        counted::nonempty("q_sum_dim", &tensor);
+        counted::takes("q_sum_dim", &tensor);
         counted::made(
             "q_sum_dim",
             counted::primitive(<B as QTensorOps<B>>::q_sum_dim(tensor, dim)),
         )
     }
     fn q_prod(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        counted::nonempty("q_prod", &tensor);
+        counted::takes("q_prod", &tensor);
         counted::made(
             "q_prod",
             counted::primitive(<B as QTensorOps<B>>::q_prod(tensor)),
         )
     }
     fn q_prod_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        counted::nonempty("q_prod_dim", &tensor);
+        counted::takes("q_prod_dim", &tensor);
         counted::made(
             "q_prod_dim",
             counted::primitive(<B as QTensorOps<B>>::q_prod_dim(tensor, dim)),
         )
     }
     fn q_mean(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        counted::nonempty("q_mean", &tensor);
+        counted::takes("q_mean", &tensor);
         counted::made(
             "q_mean",
             counted::primitive(<B as QTensorOps<B>>::q_mean(tensor)),
         )
     }
     fn q_mean_dim(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        counted::nonempty("q_mean_dim", &tensor);
+        counted::takes("q_mean_dim", &tensor);
         counted::made(
             "q_mean_dim",
             counted::primitive(<B as QTensorOps<B>>::q_mean_dim(tensor, dim)),
         )
     }
     fn q_cumsum(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        counted::nonempty("q_cumsum", &tensor);
+        counted::takes("q_cumsum", &tensor);
         counted::made(
             "q_cumsum",
             counted::primitive(<B as QTensorOps<B>>::q_cumsum(tensor, dim)),
         )
     }
     fn q_cumprod(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        counted::nonempty("q_cumprod", &tensor);
+        counted::takes("q_cumprod", &tensor);
         counted::made(
             "q_cumprod",
             counted::primitive(<B as QTensorOps<B>>::q_cumprod(tensor, dim)),
         )
     }
     fn q_cummin(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        counted::nonempty("q_cummin", &tensor);
+        counted::takes("q_cummin", &tensor);
         counted::made(
             "q_cummin",
             counted::primitive(<B as QTensorOps<B>>::q_cummin(tensor, dim)),
         )
     }
     fn q_cummax(tensor: QuantizedTensor<Self>, dim: usize) -> TensorPrimitive<Self> {
-        counted::nonempty("q_cummax", &tensor);
+        counted::takes("q_cummax", &tensor);
         counted::made(
             "q_cummax",
             counted::primitive(<B as QTensorOps<B>>::q_cummax(tensor, dim)),
         )
     }
     fn q_exp(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        counted::nonempty("q_exp", &tensor);
+        counted::takes("q_exp", &tensor);
         counted::made(
             "q_exp",
             counted::primitive(<B as QTensorOps<B>>::q_exp(tensor)),
         )
     }
     fn q_log(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        counted::nonempty("q_log", &tensor);
+        counted::takes("q_log", &tensor);
         counted::made(
             "q_log",
             counted::primitive(<B as QTensorOps<B>>::q_log(tensor)),
         )
     }
     fn q_log1p(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        counted::nonempty("q_log1p", &tensor);
+        counted::takes("q_log1p", &tensor);
         counted::made(
             "q_log1p",
             counted::primitive(<B as QTensorOps<B>>::q_log1p(tensor)),
@@ -348,85 +348,86 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         )
     }
     fn q_powi_scalar(lhs: QuantizedTensor<Self>, rhs: Scalar) -> TensorPrimitive<Self> {
-        counted::nonempty("q_powi_scalar", &lhs);
+        counted::takes("q_powi_scalar", &lhs);
         counted::made(
             "q_powi_scalar",
             counted::primitive(<B as QTensorOps<B>>::q_powi_scalar(lhs, rhs)),
         )
     }
     fn q_powf_scalar(tensor: QuantizedTensor<Self>, value: Scalar) -> TensorPrimitive<Self> {
-        counted::nonempty("q_powf_scalar", &tensor);
+        counted::takes("q_powf_scalar", &tensor);
         counted::made(
             "q_powf_scalar",
             counted::primitive(<B as QTensorOps<B>>::q_powf_scalar(tensor, value)),
         )
     }
     fn q_sqrt(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        counted::nonempty("q_sqrt", &tensor);
+        counted::takes("q_sqrt", &tensor);
         counted::made(
             "q_sqrt",
             counted::primitive(<B as QTensorOps<B>>::q_sqrt(tensor)),
         )
     }
     fn q_abs(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
-        counted::nonempty("q_abs", &tensor);
+        counted::takes("q_abs", &tensor);
         counted::made("q_abs", <B as QTensorOps<B>>::q_abs(tensor))
     }
     fn q_cos(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        counted::nonempty("q_cos", &tensor);
+        counted::takes("q_cos", &tensor);
         counted::made(
             "q_cos",
             counted::primitive(<B as QTensorOps<B>>::q_cos(tensor)),
         )
     }
     fn q_sin(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        counted::nonempty("q_sin", &tensor);
+        counted::takes("q_sin", &tensor);
         counted::made(
             "q_sin",
             counted::primitive(<B as QTensorOps<B>>::q_sin(tensor)),
         )
     }
     fn q_tan(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        counted::nonempty("q_tan", &tensor);
+        counted::takes("q_tan", &tensor);
         counted::made(
             "q_tan",
             counted::primitive(<B as QTensorOps<B>>::q_tan(tensor)),
         )
     }
     fn q_cosh(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        counted::nonempty("q_cosh", &tensor);
+        counted::takes("q_cosh", &tensor);
         counted::made(
             "q_cosh",
             counted::primitive(<B as QTensorOps<B>>::q_cosh(tensor)),
         )
     }
     fn q_sinh(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        counted::nonempty("q_sinh", &tensor);
+        counted::takes("q_sinh", &tensor);
         counted::made(
             "q_sinh",
             counted::primitive(<B as QTensorOps<B>>::q_sinh(tensor)),
         )
     }
     fn q_tanh(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        counted::nonempty("q_tanh", &tensor);
+        counted::takes("q_tanh", &tensor);
         counted::made(
             "q_tanh",
             counted::primitive(<B as QTensorOps<B>>::q_tanh(tensor)),
         )
     }
     fn q_erf(tensor: QuantizedTensor<Self>) -> TensorPrimitive<Self> {
-        counted::nonempty("q_erf", &tensor);
+        counted::takes("q_erf", &tensor);
         counted::made(
             "q_erf",
             counted::primitive(<B as QTensorOps<B>>::q_erf(tensor)),
         )
     }
     fn q_cat(tensors: Vec<QuantizedTensor<Self>>, dim: usize) -> QuantizedTensor<Self> {
+        counted::count("q_cat");
         tensors.iter().for_each(|t| counted::nonempty("q_cat", t));
         counted::made("q_cat", <B as QTensorOps<B>>::q_cat(tensors, dim))
     }
     fn q_argmax(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
-        counted::nonempty("q_argmax", &tensor);
+        counted::takes("q_argmax", &tensor);
         counted::made(
             "q_argmax",
             <B as QTensorOps<B>>::q_argmax(tensor, dim, out_dtype),
@@ -438,29 +439,29 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         k: usize,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
-        counted::nonempty("q_argtopk", &tensor);
+        counted::takes("q_argtopk", &tensor);
         counted::made(
             "q_argtopk",
             <B as QTensorOps<B>>::q_argtopk(tensor, dim, k, out_dtype),
         )
     }
     fn q_topk(tensor: QuantizedTensor<Self>, dim: usize, k: usize) -> QuantizedTensor<Self> {
-        counted::nonempty("q_topk", &tensor);
+        counted::takes("q_topk", &tensor);
         counted::made("q_topk", <B as QTensorOps<B>>::q_topk(tensor, dim, k))
     }
     fn q_argmin(tensor: QuantizedTensor<Self>, dim: usize, out_dtype: IntDType) -> IntTensor<Self> {
-        counted::nonempty("q_argmin", &tensor);
+        counted::takes("q_argmin", &tensor);
         counted::made(
             "q_argmin",
             <B as QTensorOps<B>>::q_argmin(tensor, dim, out_dtype),
         )
     }
     fn q_max(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
-        counted::nonempty("q_max", &tensor);
+        counted::takes("q_max", &tensor);
         counted::made("q_max", <B as QTensorOps<B>>::q_max(tensor))
     }
     fn q_max_dim(tensor: QuantizedTensor<Self>, dim: usize) -> QuantizedTensor<Self> {
-        counted::nonempty("q_max_dim", &tensor);
+        counted::takes("q_max_dim", &tensor);
         counted::made("q_max_dim", <B as QTensorOps<B>>::q_max_dim(tensor, dim))
     }
     fn q_max_dim_with_indices(
@@ -468,15 +469,15 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         dim: usize,
         out_dtype: IntDType,
     ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
-        counted::nonempty("q_max_dim_with_indices", &tensor);
+        counted::takes("q_max_dim_with_indices", &tensor);
         <B as QTensorOps<B>>::q_max_dim_with_indices(tensor, dim, out_dtype)
     }
     fn q_min(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
-        counted::nonempty("q_min", &tensor);
+        counted::takes("q_min", &tensor);
         counted::made("q_min", <B as QTensorOps<B>>::q_min(tensor))
     }
     fn q_min_dim(tensor: QuantizedTensor<Self>, dim: usize) -> QuantizedTensor<Self> {
-        counted::nonempty("q_min_dim", &tensor);
+        counted::takes("q_min_dim", &tensor);
         counted::made("q_min_dim", <B as QTensorOps<B>>::q_min_dim(tensor, dim))
     }
     fn q_min_dim_with_indices(
@@ -484,22 +485,22 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         dim: usize,
         out_dtype: IntDType,
     ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
-        counted::nonempty("q_min_dim_with_indices", &tensor);
+        counted::takes("q_min_dim_with_indices", &tensor);
         <B as QTensorOps<B>>::q_min_dim_with_indices(tensor, dim, out_dtype)
     }
     fn q_max_abs(tensor: QuantizedTensor<Self>) -> QuantizedTensor<Self> {
-        counted::nonempty("q_max_abs", &tensor);
+        counted::takes("q_max_abs", &tensor);
         counted::made("q_max_abs", <B as QTensorOps<B>>::q_max_abs(tensor))
     }
     fn q_max_abs_dim(tensor: QuantizedTensor<Self>, dim: usize) -> QuantizedTensor<Self> {
-        counted::nonempty("q_max_abs_dim", &tensor);
+        counted::takes("q_max_abs_dim", &tensor);
         counted::made(
             "q_max_abs_dim",
             <B as QTensorOps<B>>::q_max_abs_dim(tensor, dim),
         )
     }
     fn q_any(tensor: QuantizedTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        counted::nonempty("q_any", &tensor);
+        counted::takes("q_any", &tensor);
         counted::made("q_any", <B as QTensorOps<B>>::q_any(tensor, out_dtype))
     }
     fn q_any_dim(
@@ -507,14 +508,14 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        counted::nonempty("q_any_dim", &tensor);
+        counted::takes("q_any_dim", &tensor);
         counted::made(
             "q_any_dim",
             <B as QTensorOps<B>>::q_any_dim(tensor, dim, out_dtype),
         )
     }
     fn q_all(tensor: QuantizedTensor<Self>, out_dtype: BoolDType) -> BoolTensor<Self> {
-        counted::nonempty("q_all", &tensor);
+        counted::takes("q_all", &tensor);
         counted::made("q_all", <B as QTensorOps<B>>::q_all(tensor, out_dtype))
     }
     fn q_all_dim(
@@ -522,7 +523,7 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         dim: usize,
         out_dtype: BoolDType,
     ) -> BoolTensor<Self> {
-        counted::nonempty("q_all_dim", &tensor);
+        counted::takes("q_all_dim", &tensor);
         counted::made(
             "q_all_dim",
             <B as QTensorOps<B>>::q_all_dim(tensor, dim, out_dtype),
@@ -533,7 +534,7 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         dim: usize,
         descending: bool,
     ) -> QuantizedTensor<Self> {
-        counted::nonempty("q_sort", &tensor);
+        counted::takes("q_sort", &tensor);
         counted::made(
             "q_sort",
             <B as QTensorOps<B>>::q_sort(tensor, dim, descending),
@@ -545,7 +546,7 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         descending: bool,
         out_dtype: IntDType,
     ) -> (QuantizedTensor<Self>, IntTensor<Self>) {
-        counted::nonempty("q_sort_with_indices", &tensor);
+        counted::takes("q_sort_with_indices", &tensor);
         <B as QTensorOps<B>>::q_sort_with_indices(tensor, dim, descending, out_dtype)
     }
     fn q_argsort(
@@ -554,7 +555,7 @@ impl<B: Backend> QTensorOps<Self> for Counted<B> {
         descending: bool,
         out_dtype: IntDType,
     ) -> IntTensor<Self> {
-        counted::nonempty("q_argsort", &tensor);
+        counted::takes("q_argsort", &tensor);
         counted::made(
             "q_argsort",
             <B as QTensorOps<B>>::q_argsort(tensor, dim, descending, out_dtype),

@@ -5,7 +5,7 @@ use rlstream::bus::{EntryId, RangeBound, RedisBus, SharedBus};
 use rlstream::config::{PolicySettings, TrainConfig};
 use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
 use rlstream::model::sampler::{Generator, Request};
-use rlstream::model::{Architecture, InferBackend, ModelConfig, Policy};
+use rlstream::model::{Architecture, InferBackend, Kernels, ModelConfig, Policy};
 use rlstream::schema::{
     self as schema_mod, Prompt, RolloutGroup, Sample, SamplingParams, SchemaVersion, ScoredGroup,
 };
@@ -81,6 +81,17 @@ pub fn sampled_group(
         stop_tokens: vec![],
         seed,
     };
+    group_sampled_with(model, group_id, prompt, params, rewards)
+}
+
+/// [`sampled_group`] on any backend, with any sampling settings.
+pub fn group_sampled_with<B: Kernels>(
+    model: &Policy<B>,
+    group_id: &str,
+    prompt: Vec<u32>,
+    params: SamplingParams,
+    rewards: Vec<f32>,
+) -> ScoredGroup {
     let req = Request {
         id: 0,
         prompt: prompt.clone(),

@@ -12,10 +12,8 @@ use burn::backend::Autodiff;
 use burn::tensor::{Int, Tensor};
 use rlstream::config::{PolicySettings, TrainConfig};
 use rlstream::model::counted::Counted;
-use rlstream::model::sampler::{Generator, Request};
 use rlstream::model::{Architecture, InferBackend, ModelConfig, MoeConfig, Policy};
-use rlstream::schema::{RolloutGroup, Sample, SamplingParams, SchemaVersion, ScoredGroup};
-use rlstream::stages::score::{AdvantageKind, advantages};
+use rlstream::schema::{SamplingParams, ScoredGroup};
 use rlstream::stages::train::{IsMask, LossAgg, LossKind, RoutingMode, TrainerOn, TrainerSettings};
 use std::panic::{AssertUnwindSafe, catch_unwind};
 
@@ -80,7 +78,7 @@ fn an_operation_over_no_elements_is_refused_and_named() {
     assert!(msg.contains("float_greater_elem"), "{msg}");
 }
 
-/// A group of `n` completions of `prompt` sampled on the checked backend (so generation is
+/// A group of 4 completions of `prompt` sampled on the checked backend (so generation is
 /// checked too): stop tokens end some early, top-k records kept sets, and the rewards
 /// differ unless `flat`.
 fn group(
@@ -98,15 +96,7 @@ fn group(
         stop_tokens: (0..6).collect(),
         seed: prompt.len() as u64,
     };
-    let n = 4;
-    let req = Request {
-        id: 0,
-        prompt: prompt.clone(),
-        n,
-        params: params.clone(),
-    };
-    let done = Generator::generate(model, 0, &[req]).expect("generation");
-    let rewards: Vec<f32> = (0..n)
+    let rewards = (0..4)
         .map(|i| {
             if flat {
                 1.0
@@ -115,31 +105,7 @@ fn group(
             }
         })
         .collect();
-    ScoredGroup {
-        schema: SchemaVersion::CURRENT,
-        rollout: RolloutGroup {
-            schema: SchemaVersion::CURRENT,
-            group_id: id.to_string(),
-            prompt_id: format!("prompt-{id}"),
-            task: "test".into(),
-            prompt_tokens: prompt.into(),
-            prompt_routing: done
-                .first()
-                .and_then(|c| c.prompt_routing.as_deref().cloned()),
-            samples: done.into_iter().map(Sample::from).collect(),
-            sampling: params,
-            gen_id: "gen".into(),
-            started_us: 0,
-            finished_us: 0,
-            meta: Default::default(),
-        },
-        advantages: advantages(&rewards, AdvantageKind::Grpo),
-        rewards,
-        token_rewards: None,
-        ref_logprobs: None,
-        scorer_id: "score".into(),
-        scored_us: 0,
-    }
+    crate::common::group_sampled_with(model, id, prompt, params, rewards)
 }
 
 /// Two steps of a trainer on `cfg`'s model with `train`'s objective and batch shape, on

@@ -103,9 +103,9 @@ fn a_training_step_moves_the_batch_and_its_statistics_not_the_model() {
     );
 }
 
-/// The transfers of one decode step of `rows` rows on `cfg`, after the prompts' prefill
-/// and a first step.
-fn decode_step(cfg: &ModelConfig, rows: usize) -> Transfers {
+/// The transfers and the backend operations of one decode step of `rows` rows on `cfg`,
+/// after the prompts' prefill and a first step.
+fn decode_step(cfg: &ModelConfig, rows: usize) -> (Transfers, BTreeMap<&'static str, u64>) {
     let model = Policy::<Device>::random(cfg, 8, &Default::default()).unwrap();
     let mut g = Generator::<Device>::new();
     let req = Request {
@@ -124,14 +124,14 @@ fn decode_step(cfg: &ModelConfig, rows: usize) -> Transfers {
     g.admit(&model, 0, &req).unwrap();
     g.step(&model, 0).unwrap();
     let before = transfers();
-    g.step(&model, 0).unwrap();
-    transfers().since(before)
+    let ops = operations_in(|| drop(g.step(&model, 0).unwrap()));
+    (transfers().since(before), ops)
 }
 
 #[test]
 fn a_decode_step_reads_the_logits_and_writes_the_next_tokens() {
     let rows = 4;
-    let [small, big] = models().map(|cfg| decode_step(&cfg, rows));
+    let [small, big] = models().map(|cfg| decode_step(&cfg, rows).0);
     eprintln!("decode step, {rows} rows: {small:?}, {big:?}");
     assert_eq!(
         small, big,
@@ -184,26 +184,7 @@ fn per_layer(what: &str, [small, big]: [BTreeMap<&'static str, u64>; 2]) -> (u64
 fn a_decode_step_and_a_training_step_launch_a_bounded_number_of_operations() {
     let g = group();
     let train = models().map(|cfg| train_step(&cfg, &g).2);
-    let decode = models().map(|cfg| {
-        let model = Policy::<Device>::random(&cfg, 8, &Default::default()).unwrap();
-        let mut g = Generator::<Device>::new();
-        let req = Request {
-            id: 0,
-            prompt: vec![3, 4, 5, 6],
-            n: 4,
-            params: SamplingParams {
-                temperature: 1.0,
-                top_k: 0,
-                top_p: 1.0,
-                max_new_tokens: 16,
-                stop_tokens: vec![],
-                seed: 2,
-            },
-        };
-        g.admit(&model, 0, &req).unwrap();
-        g.step(&model, 0).unwrap();
-        operations_in(|| drop(g.step(&model, 0).unwrap()))
-    });
+    let decode = models().map(|cfg| decode_step(&cfg, 4).1);
     let (decode_layer, decode_rest) = per_layer("decode step, 4 rows", decode);
     let (train_layer, train_rest) = per_layer("training step", train);
     // Measured when this test was written: lower these as the counts come down. The

@@ -110,11 +110,15 @@ fn slow_oversized_and_idle_clients_cannot_hold_the_endpoint() {
     };
 
     let idle: Vec<TcpStream> = (0..8).map(|_| TcpStream::connect(&addr).unwrap()).collect();
+    // The slow clients say when they hold their connection: the burst below comes after,
+    // so none of them is among the connections past the bound on a loaded machine.
+    let (connected, slow_clients) = std::sync::mpsc::channel::<()>();
     let slowloris: Vec<_> = (0..4)
         .map(|_| {
-            let addr = addr.clone();
+            let (addr, connected) = (addr.clone(), connected.clone());
             std::thread::spawn(move || {
                 let mut s = TcpStream::connect(&addr).unwrap();
+                connected.send(()).ok();
                 let head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nX-Slow: aaaaaaaaaaaaaaaa";
                 for b in head {
                     if s.write_all(&[*b]).is_err() {
@@ -133,6 +137,7 @@ fn slow_oversized_and_idle_clients_cannot_hold_the_endpoint() {
             let mut s = TcpStream::connect(&addr).unwrap();
             let head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"model\"";
             s.write_all(head.as_bytes()).unwrap();
+            connected.send(()).ok();
             s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
             let mut answer = vec![0u8; 4096];
             let n = s.read(&mut answer).unwrap_or(0);
@@ -158,6 +163,11 @@ fn slow_oversized_and_idle_clients_cannot_hold_the_endpoint() {
     assert_eq!(status, 413, "{body}");
 
     // A burst past the connection bound: the extra connections are closed at once.
+    for _ in 0..5 {
+        slow_clients
+            .recv_timeout(Duration::from_secs(10))
+            .expect("the slow clients connect");
+    }
     let mut burst: Vec<TcpStream> = (0..40)
         .filter_map(|_| TcpStream::connect(&addr).ok())
         .collect();

@@ -158,17 +158,26 @@ def phase_calls(client, a):
 
 def completion_alternatives(client, a):
     """`logprobs: N` lists up to N alternatives per token, whole and streamed: a
-    text-to-log-prob object per token (of two ids with one text, the likelier)."""
-    whole_r = client.completions.create(model=a.model, prompt="12+3=", max_tokens=6, logprobs=5)
-    lp = whole_r.choices[0].logprobs
-    listed = 0
-    for i, (text, own, top) in enumerate(zip(lp.tokens, lp.token_logprobs, lp.top_logprobs)):
-        values = sorted(top.values(), reverse=True)
-        check(1 <= len(values) <= 5, f"token {i}: {len(values)} alternatives of 5 asked")
-        check(sum(math.exp(v) for v in values) <= 1 + 1e-5, f"token {i}: more than all the mass")
-        if text in top:
-            check(top[text] >= own, f"token {i}: the drawn token's log-prob {own} vs {top[text]}")
-        listed += len(values)
+    text-to-log-prob object per token (of two ids with one text, the likelier). Seeded calls
+    until one has at least two tokens (a draw may stop at the first)."""
+    listed = tokens = 0
+    for seed in range(8):
+        whole_r = client.completions.create(model=a.model, prompt="12+3=", max_tokens=6,
+                                            logprobs=5, seed=seed)
+        lp = whole_r.choices[0].logprobs
+        for i, (text, own, top) in enumerate(zip(lp.tokens, lp.token_logprobs,
+                                                 lp.top_logprobs)):
+            values = sorted(top.values(), reverse=True)
+            check(1 <= len(values) <= 5, f"token {i}: {len(values)} alternatives of 5 asked")
+            check(sum(math.exp(v) for v in values) <= 1 + 1e-5,
+                  f"token {i}: more than all the mass")
+            if text in top:
+                check(top[text] >= own,
+                      f"token {i}: the drawn token's log-prob {own} vs {top[text]}")
+            listed += len(values)
+        tokens = max(tokens, len(lp.tokens))
+        if tokens >= 2:
+            break
     s = client.completions.create(model=a.model, prompt="12+3=", max_tokens=6, logprobs=3,
                                   stream=True)
     chunks = 0

@@ -76,9 +76,10 @@ pub enum BusError {
     Full {
         op: &'static str,
         key: String,
-        /// Of a batch of appends, the ids of those Redis took before it refused the rest
-        /// (in order): a retry sends only the rest.
-        written: Vec<super::EntryId>,
+        /// Of a batch of appends, those Redis took, as (place in the batch, id): a full
+        /// Redis can refuse one append and take a later one (memory freed in between), so a
+        /// retry sends exactly the ones not here.
+        written: Vec<(usize, super::EntryId)>,
     },
     #[error("bus is closed")]
     Closed,

@@ -92,19 +92,28 @@ impl Bus for Resilient {
         max_len: Option<u64>,
     ) -> BusResult<Vec<EntryId>> {
         // What a full Redis took of the batch is kept; only the rest is sent again.
-        let written = std::sync::Mutex::new(Vec::with_capacity(payloads.len()));
-        let taken = || written.lock().map_or(0, |w| w.len());
+        let written = std::sync::Mutex::new(vec![None; payloads.len()]);
         self.retry("publish", || async {
-            let rest = &payloads[taken().min(payloads.len())..];
-            let result = self.inner.publish(stream, rest, max_len).await;
+            let pending: Vec<usize> = {
+                let w = written.lock().map_err(|_| super::BusError::Closed)?;
+                (0..payloads.len()).filter(|&i| w[i].is_none()).collect()
+            };
+            let rest: Vec<Bytes> = pending.iter().map(|&i| payloads[i].clone()).collect();
+            let result = self.inner.publish(stream, &rest, max_len).await;
             let mut w = written.lock().map_err(|_| super::BusError::Closed)?;
             match result {
                 Ok(ids) => {
-                    w.extend(ids);
-                    Ok(std::mem::take(&mut *w))
+                    for (&i, id) in pending.iter().zip(ids) {
+                        w[i] = Some(id);
+                    }
+                    Ok(w.iter().flatten().copied().collect())
                 }
                 Err(super::BusError::Full { op, key, written }) => {
-                    w.extend(written);
+                    for (at, id) in written {
+                        if let Some(&i) = pending.get(at) {
+                            w[i] = Some(id);
+                        }
+                    }
                     Err(super::BusError::Full {
                         op,
                         key,

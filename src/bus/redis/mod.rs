@@ -452,29 +452,36 @@ impl Bus for RedisBus {
             }
             cmd.arg("*").arg(PAYLOAD_FIELD).arg(p.as_ref());
         }
-        // Each reply on its own: a full Redis may take the first appends and refuse the
-        // rest, and a retry must send only the rest.
+        // Each reply on its own: a full Redis may refuse some appends and take others (not
+        // only a prefix: memory can be freed between two), and a retry must send exactly
+        // the refused ones.
         pipe.ignore_errors();
         let replies = self.query_pipe("XADD", stream, &pipe).await?;
         let mut ids = Vec::with_capacity(replies.len());
-        for v in &replies {
+        let mut full = None;
+        for (i, v) in replies.iter().enumerate() {
             if let Value::ServerError(e) = v {
-                return Err(match redis_err("XADD", stream, e.clone().into()) {
-                    BusError::Full { op, key, .. } => BusError::Full {
-                        op,
-                        key,
-                        written: ids,
-                    },
-                    other => other,
-                });
+                match redis_err("XADD", stream, e.clone().into()) {
+                    BusError::Full { op, key, .. } => full = Some((op, key)),
+                    other => return Err(other),
+                }
+                continue;
             }
-            ids.push(parse_id(v).ok_or_else(|| BusError::Protocol {
+            let id = parse_id(v).ok_or_else(|| BusError::Protocol {
                 op: "XADD",
                 key: stream.to_string(),
                 detail: format!("{v:?} is not an entry id"),
-            })?);
+            })?;
+            ids.push((i, id));
         }
-        Ok(ids)
+        match full {
+            Some((op, key)) => Err(BusError::Full {
+                op,
+                key,
+                written: ids,
+            }),
+            None => Ok(ids.into_iter().map(|(_, id)| id).collect()),
+        }
     }
 
     async fn read_group(

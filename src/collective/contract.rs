@@ -67,8 +67,8 @@ pub trait DeviceBuffer {
 
 /// [`Collective::all_reduce_device`] through the host: the values read, summed by
 /// `all_reduce_sum`, written back. What a collective that cannot read device memory does.
-pub fn all_reduce_staged(
-    c: &mut dyn Collective,
+pub fn all_reduce_staged<C: Collective + ?Sized>(
+    c: &mut C,
     what: &str,
     buf: &mut dyn DeviceBuffer,
     dtype: ReduceDtype,
@@ -97,13 +97,17 @@ pub trait Collective: Send + Sync {
     /// in errors ("the all-reduce of step 7's gradients").
     fn all_reduce_sum(&mut self, what: &str, buf: &mut [f32], dtype: ReduceDtype);
     /// [`Collective::all_reduce_sum`] of values in a backend's memory, in place. By default
-    /// through the host ([`all_reduce_staged`]); NCCL sums CUDA memory where it is.
+    /// through the host ([`all_reduce_staged`]), as MPI and one rank alone do (a CUDA-aware
+    /// MPI could read device memory; rlstream's ranks on GPUs use NCCL, which sums CUDA
+    /// memory where it is).
     fn all_reduce_device(
         &mut self,
         what: &str,
         buf: &mut dyn DeviceBuffer,
         dtype: ReduceDtype,
-    ) -> Result<(), CollectiveError>;
+    ) -> Result<(), CollectiveError> {
+        all_reduce_staged(self, what, buf, dtype)
+    }
     /// Replaces `bytes` on every rank by rank `root`'s.
     fn broadcast(&mut self, what: &str, root: usize, bytes: &mut Vec<u8>);
     /// Every rank's `bytes`, in rank order.
@@ -144,14 +148,6 @@ impl Collective for Solo {
                 *x = half::bf16::from_f32(*x).to_f32();
             }
         }
-    }
-    fn all_reduce_device(
-        &mut self,
-        what: &str,
-        buf: &mut dyn DeviceBuffer,
-        dtype: ReduceDtype,
-    ) -> Result<(), CollectiveError> {
-        all_reduce_staged(self, what, buf, dtype)
     }
     fn broadcast(&mut self, _: &str, _: usize, _: &mut Vec<u8>) {}
     fn all_gather(&mut self, _: &str, bytes: &[u8]) -> Vec<Vec<u8>> {

@@ -12,7 +12,7 @@
 //! do not answer within a few seconds are named, and the job is ended with `MPI_Abort`
 //! (a collective another rank may be inside cannot be cancelled).
 
-use super::contract::{Collective, CollectiveError, DeviceBuffer, ReduceDtype, all_reduce_staged};
+use super::contract::{Collective, CollectiveError, ReduceDtype};
 use mpi::collective::{Operation, SystemOperation, UnsafeUserOperation};
 use mpi::datatype::Equivalence;
 use mpi::datatype::PartitionMut;
@@ -245,17 +245,6 @@ impl Collective for Mpi {
 
     fn set_timeout(&mut self, timeout: Duration) {
         self.timeout = timeout;
-    }
-
-    /// Through the host: this library is not asked to read device memory (a CUDA-aware
-    /// MPI could; rlstream's ranks on GPUs use NCCL).
-    fn all_reduce_device(
-        &mut self,
-        what: &str,
-        buf: &mut dyn DeviceBuffer,
-        dtype: ReduceDtype,
-    ) -> Result<(), CollectiveError> {
-        all_reduce_staged(self, what, buf, dtype)
     }
 
     fn all_reduce_sum(&mut self, what: &str, buf: &mut [f32], dtype: ReduceDtype) {

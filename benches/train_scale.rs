@@ -18,6 +18,9 @@
 //! cargo bench --bench train_scale -- decode-products ROWS    # a decode step's products, f32 and bf16 weights
 //! ```
 //!
+//! `step` and `step-lora` run with `train.keep_freed_memory` on when `KEEP_FREED_MEMORY` is
+//! set in the environment (any value).
+//!
 //! `invariance` multiplies ROWS random rows by each of the 0.5B shape's linear weights
 //! (896 → 896, 896 → 4864, 4864 → 896) two ways, the general matrix product
 //! (`matrixmultiply`, or the system BLAS in a `--features blas` build) and the linear
@@ -364,6 +367,7 @@ fn lora_settings(dir: &Path, ckpt: &Path, lr: f64, micro: usize, rank: usize) ->
             lr,
             checkpoint_dir: ckpt.to_path_buf(),
             lora_rank: rank,
+            keep_freed_memory: std::env::var_os("KEEP_FREED_MEMORY").is_some(),
             ..TrainConfig::default()
         },
     }

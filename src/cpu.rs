@@ -30,6 +30,38 @@ pub fn blas_core() -> Option<String> {
     }
 }
 
+/// mimalloc's `mi_option_purge_delay`: its place in the option enum of mimalloc 3, the
+/// version the `mimalloc` crate builds (checked by a test against the option's default).
+const MI_OPTION_PURGE_DELAY: std::ffi::c_int = 15;
+
+// Linked by the `mimalloc` crate (libmimalloc-sys), the binary's global allocator; the
+// library names the crate so that every binary built on it links the C library.
+use mimalloc as _;
+unsafe extern "C" {
+    fn mi_option_set(option: std::ffi::c_int, value: std::ffi::c_long);
+    fn mi_option_get(option: std::ffi::c_int) -> std::ffi::c_long;
+}
+
+/// Stops the allocator handing freed memory back to the kernel (mimalloc's purge delay set
+/// to never), once per process (`train.keep_freed_memory`). mimalloc purges every free
+/// span of an arena when its delay (a second) runs out, including spans freed a moment
+/// before, so a step's buffers keep coming back as fresh pages to fault in and zero.
+/// Without a mimalloc global allocator (the tests') it sets an option nothing reads.
+pub fn keep_freed_memory() {
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        // SAFETY: setting an option is a store mimalloc reads at its next purge decision.
+        unsafe { mi_option_set(MI_OPTION_PURGE_DELAY, -1) };
+        tracing::info!("keeping freed memory for the next step (allocator purging off)");
+    });
+}
+
+/// mimalloc's purge delay in milliseconds (-1: never).
+pub fn purge_delay_ms() -> std::ffi::c_long {
+    // SAFETY: reading an option; mimalloc reads its environment variable on first use.
+    unsafe { mi_option_get(MI_OPTION_PURGE_DELAY) }
+}
+
 /// The best OpenBLAS kernel set whose instructions this CPU has, judged from the CPU's
 /// feature flags (not its model number), or `None` where nothing beats the generic kernels
 /// or the CPU is not x86-64.
@@ -110,5 +142,19 @@ mod imp {
              with OPENBLAS_CORETYPE={best} failed ({err}); matrix products will be slow. \
              Set OPENBLAS_CORETYPE={best} yourself to fix it."
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_purge_delay_option_is_mimallocs() {
+        // mimalloc 3's default for `purge_delay` (1000 ms); another option at this place in
+        // the enum would read otherwise. The variable overrides the default.
+        let expected = std::env::var("MIMALLOC_PURGE_DELAY")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(1000);
+        assert_eq!(super::purge_delay_ms(), expected);
     }
 }

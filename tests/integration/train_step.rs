@@ -158,3 +158,40 @@ fn bf16_checkpoints_hold_rounded_weights_and_resume_at_f32() {
     let resumed = Trainer::start(&tc).unwrap();
     assert_eq!(resumed.model().valid().to_tensors().unwrap(), exact);
 }
+
+#[test]
+fn keep_freed_memory_turns_the_allocators_purging_off_after_the_first_step() {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = ModelConfig::tiny(Architecture::Qwen2, 32);
+    let model = Policy::<InferBackend>::random(&cfg, 8, &Default::default()).unwrap();
+    model.save_hf(&dir.path().join("model")).unwrap();
+    let g = group(&model);
+    let default = rlstream::cpu::purge_delay_ms();
+    assert!(default >= 0, "purging is on by default ({default} ms)");
+    for keep in [false, true] {
+        let tc = settings(
+            dir.path(),
+            TrainConfig {
+                lr: 1e-2,
+                checkpoint_dir: dir.path().join(format!("ckpt-{keep}")),
+                keep_freed_memory: keep,
+                ..TrainConfig::default()
+            },
+        );
+        let mut trainer = Trainer::start(&tc).unwrap();
+        assert_eq!(
+            rlstream::cpu::purge_delay_ms(),
+            default,
+            "not before a step"
+        );
+        assert!(!trainer.step(&[&g]).unwrap().skipped);
+        let now = rlstream::cpu::purge_delay_ms();
+        assert_eq!(
+            now,
+            if keep { -1 } else { default },
+            "keep_freed_memory {keep}"
+        );
+        // The next steps train as before.
+        assert!(!trainer.step(&[&g]).unwrap().skipped);
+    }
+}

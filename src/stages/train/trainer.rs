@@ -486,6 +486,13 @@ impl<B: TrainOn> TrainerOn<B> {
         if !stats.skipped {
             self.trained(groups);
         }
+        // The first step settles what stays allocated (the optimizer's moments) with the
+        // loading's temporaries handed back; from then on what a step frees, the next reuses.
+        if self.cfg.train.keep_freed_memory
+            && <B::InnerBackend as crate::model::WeightStorage>::HOST_MEMORY
+        {
+            crate::cpu::keep_freed_memory();
+        }
         stats.step = self.state.step;
         stats.version = self.state.version;
         stats.step_s = started.elapsed().as_secs_f64();

@@ -30,12 +30,18 @@ fn seq_logprobs(model: &Policy<InferBackend>, g: &ScoredGroup) -> Vec<f32> {
         .collect()
 }
 
-#[test]
-fn a_step_raises_good_completions_and_lowers_bad_ones() {
+/// A tiny random policy of `arch`, saved as `model` in a fresh directory.
+fn saved_tiny(arch: Architecture) -> (tempfile::TempDir, ModelConfig, Policy<InferBackend>) {
     let dir = tempfile::tempdir().unwrap();
-    let cfg = ModelConfig::tiny(Architecture::Qwen2, 32);
+    let cfg = ModelConfig::tiny(arch, 32);
     let model = Policy::<InferBackend>::random(&cfg, 8, &Default::default()).unwrap();
     model.save_hf(&dir.path().join("model")).unwrap();
+    (dir, cfg, model)
+}
+
+#[test]
+fn a_step_raises_good_completions_and_lowers_bad_ones() {
+    let (dir, cfg, model) = saved_tiny(Architecture::Qwen2);
     let g = group(&model);
     let before = seq_logprobs(&model, &g);
     for loss in [LossKind::Ppo, LossKind::Tis, LossKind::Reinforce] {
@@ -82,10 +88,7 @@ fn a_step_raises_good_completions_and_lowers_bad_ones() {
 /// the decoder refuses them) makes the loss NaN: the step is skipped and the weights stay.
 #[test]
 fn a_nan_loss_skips_the_step_and_keeps_the_weights() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = ModelConfig::tiny(Architecture::Llama, 32);
-    let model = Policy::<InferBackend>::random(&cfg, 8, &Default::default()).unwrap();
-    model.save_hf(&dir.path().join("model")).unwrap();
+    let (dir, _, model) = saved_tiny(Architecture::Llama);
     let mut g = group(&model);
     g.advantages[3] = f32::NAN;
     let tc = settings(
@@ -118,10 +121,7 @@ fn bf16_checkpoints_hold_rounded_weights_and_resume_at_f32() {
     use burn::module::AutodiffModule;
     use rlstream::model::hf::read_hf_tensors;
     use rlstream::model::tensors::WeightDtype;
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = ModelConfig::tiny(Architecture::Qwen2, 32);
-    let model = Policy::<InferBackend>::random(&cfg, 8, &Default::default()).unwrap();
-    model.save_hf(&dir.path().join("model")).unwrap();
+    let (dir, _, model) = saved_tiny(Architecture::Qwen2);
     let g = group(&model);
     let tc = settings(
         dir.path(),
@@ -161,10 +161,7 @@ fn bf16_checkpoints_hold_rounded_weights_and_resume_at_f32() {
 
 #[test]
 fn keep_freed_memory_turns_the_allocators_purging_off_after_the_first_step() {
-    let dir = tempfile::tempdir().unwrap();
-    let cfg = ModelConfig::tiny(Architecture::Qwen2, 32);
-    let model = Policy::<InferBackend>::random(&cfg, 8, &Default::default()).unwrap();
-    model.save_hf(&dir.path().join("model")).unwrap();
+    let (dir, _, model) = saved_tiny(Architecture::Qwen2);
     let g = group(&model);
     let default = rlstream::cpu::purge_delay_ms();
     assert!(default >= 0, "purging is on by default ({default} ms)");

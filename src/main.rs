@@ -9,8 +9,8 @@ use std::process::ExitCode;
 /// Tensor buffers are allocated and freed by the thousand per training step; glibc's
 /// allocator hands large ones back to the kernel each time, and the page faults cost about
 /// a fifth of a small model's step (BENCHMARKS.md). mimalloc itself hands back memory that
-/// stays free for a second; `MIMALLOC_PURGE_DELAY=-1` keeps it, trading resident memory for
-/// fewer page faults (BENCHMARKS.md, "The trainer at real vocabularies and lengths").
+/// stays free for a second; `train.keep_freed_memory` (or `MIMALLOC_PURGE_DELAY=-1`) keeps
+/// it, trading resident memory for fewer page faults (BENCHMARKS.md, "Keeping freed memory").
 #[global_allocator]
 static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 

@@ -221,7 +221,7 @@ crate::settings! {
         pub grad_buffers: GradBuffers = GradBuffers::Auto,
         /// Trainer ranks: what each rank keeps of the optimizer's state and of the gradients. `none` (every rank all of it), `optimizer` (each rank the AdamW moments of its 1/N of the parameters; checkpoints hold one optimizer file per rank and resume at any number of ranks) or `gradients` (also the gradients reduce-scattered, each rank receiving its 1/N).
         pub shard: Sharding = Sharding::None,
-        /// CPU trainers: from the second step on, keep the memory a step frees for the next one instead of handing it back to the kernel (the allocator's purging off), so no step pays for faulting in and zeroing fresh pages. Faster steps for more resident memory: 1.3x at the 135M chat model for no more peak, 10-16% more peak at 0.5B (BENCHMARKS.md).
+        /// CPU trainers: from the second step on, keep the memory a step frees for the next one instead of handing it back to the kernel (the allocator's purging off), so no step pays for faulting in and zeroing fresh pages. Faster steps for more resident memory: 1.47x at the 135M chat model for 3-7% more peak, 10-16% more peak at 0.5B (BENCHMARKS.md).
         pub keep_freed_memory: bool = false,
         /// Consumer name, unique per trainer process.
         pub name: String = "train-0".into(),

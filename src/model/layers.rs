@@ -2,7 +2,7 @@
 //! blocks: linear projections on rows (through the fused kernel where the backend has one),
 //! the LoRA adapters that can sit on them, the SwiGLU MLP and RMSNorm.
 
-use super::kernels::Kernels;
+use super::kernels::{Kernels, reshape};
 use burn::module::{Module, Param};
 use burn::nn::{Linear, RmsNorm};
 use burn::tensor::Tensor;
@@ -230,5 +230,8 @@ pub(crate) fn rms_norm<B: Kernels, const D: usize>(
     let dims = x.dims();
     let d = dims[D - 1];
     let rows = dims[..D - 1].iter().product();
-    B::rms_norm(x.reshape([rows, d]), norm.gamma.val(), norm.epsilon).reshape(dims)
+    reshape(
+        B::rms_norm(reshape(x, [rows, d]), norm.gamma.val(), norm.epsilon),
+        dims,
+    )
 }

@@ -7,7 +7,7 @@
 //! batch: the cache is left-aligned per row and masked before each row's start.
 
 use super::config::ModelConfig;
-use super::kernels::{Kernels, MASKED};
+use super::kernels::{Kernels, MASKED, reshape};
 use super::layers::{BlockLora, Lora, Mlp, adapted, native_linear, rms_norm};
 use super::moe::{Moe, Routes};
 use burn::module::{Module, Param};
@@ -118,7 +118,7 @@ impl<B: Kernels> Attention<B> {
         let at = |layer: &Linear<B>, t: fn(&BlockLora<B>) -> Option<&Lora<B>>, x: Tensor<B, 2>| {
             adapted(layer, lora.and_then(t), x, [b, l])
         };
-        let x = x.reshape([b * l, d]);
+        let x = reshape(x, [b * l, d]);
         let (h, kvh, hd) = (self.num_heads, self.num_kv_heads, self.head_dim);
         let g = h / kvh;
         let norm = |t: Tensor<B, 4>, n: &Option<RmsNorm<B>>| match n {
@@ -128,7 +128,7 @@ impl<B: Kernels> Attention<B> {
         // Rotary positions also lay q and k out as `[b, heads, l, hd]`.
         let q = B::rope(
             norm(
-                at(&self.q, |l| l.q.as_ref(), x.clone()).reshape([b, l, h, hd]),
+                reshape(at(&self.q, |l| l.q.as_ref(), x.clone()), [b, l, h, hd]),
                 &self.q_norm,
             ),
             cos.clone(),
@@ -136,15 +136,13 @@ impl<B: Kernels> Attention<B> {
         );
         let k = B::rope(
             norm(
-                at(&self.k, |l| l.k.as_ref(), x.clone()).reshape([b, l, kvh, hd]),
+                reshape(at(&self.k, |l| l.k.as_ref(), x.clone()), [b, l, kvh, hd]),
                 &self.k_norm,
             ),
             cos,
             sin,
         );
-        let v = at(&self.v, |l| l.v.as_ref(), x)
-            .reshape([b, l, kvh, hd])
-            .swap_dims(1, 2);
+        let v = reshape(at(&self.v, |l| l.v.as_ref(), x), [b, l, kvh, hd]).swap_dims(1, 2);
         let (k, v) = match layer_cache {
             Some(cache) => {
                 let k = B::cat_columns(cache.0.clone(), k);
@@ -156,14 +154,13 @@ impl<B: Kernels> Attention<B> {
         };
         // Query heads j*g..(j+1)*g share key/value head j (HF `repeat_kv`): grouped, all of
         // a kv head's query heads attend over its K and V without copying them.
-        let q = q.reshape([b, kvh, g * l, hd]);
+        let q = reshape(q, [b, kvh, g * l, hd]);
         let scale = (hd as f64).powf(-0.5);
         // bias is [b or 1, 1, l, t]: broadcast over kv heads and their query groups.
-        let out = B::attn(q, k, v, bias, scale)
-            .reshape([b, h, l, hd])
+        let out = reshape(B::attn(q, k, v, bias, scale), [b, h, l, hd])
             .swap_dims(1, 2)
             .reshape([b * l, h * hd]);
-        at(&self.o, |l| l.o.as_ref(), out).reshape([b, l, d])
+        reshape(at(&self.o, |l| l.o.as_ref(), out), [b, l, d])
     }
 }
 
@@ -324,12 +321,8 @@ impl<B: Kernels> Policy<B> {
             ),
             &device,
         );
-        let cos = self
-            .rope_cos
-            .clone()
-            .select(0, pos.clone())
-            .reshape([b, l, hd]);
-        let sin = self.rope_sin.clone().select(0, pos).reshape([b, l, hd]);
+        let cos = reshape(self.rope_cos.clone().select(0, pos.clone()), [b, l, hd]);
+        let sin = reshape(self.rope_sin.clone().select(0, pos), [b, l, hd]);
         let mut x = self.embed.forward(tokens);
         match mode {
             AttnMode::Full => {
@@ -402,7 +395,7 @@ impl<B: Kernels> Block<B> {
                 .attn
                 .forward(rms_norm(&self.attn_norm, x), cos, sin, bias, cache, lora);
         let [b, l, d] = h.dims();
-        let rows = rms_norm(&self.mlp_norm, h.clone()).reshape([b * l, d]);
+        let rows = reshape(rms_norm(&self.mlp_norm, h.clone()), [b * l, d]);
         let out = match (&self.mlp, &self.moe, real) {
             (_, Some(moe), _) => moe.forward(rows, [b, l], routes),
             (Some(mlp), None, Some(keep)) => {
@@ -417,7 +410,7 @@ impl<B: Kernels> Block<B> {
             (Some(mlp), None, None) => mlp.forward(rows, [b, l], lora),
             (None, None, _) => return h,
         };
-        h + out.reshape([b, l, d])
+        h + reshape(out, [b, l, d])
     }
 }
 

@@ -7,7 +7,7 @@
 //! [`token_logprob`](super::kernels::token_logprob): the same temperature and, when the
 //! sampler recorded a mask (top-k/top-p truncation), the same kept ids.
 
-use super::kernels::{Kept, Kernels};
+use super::kernels::{Kept, Kernels, reshape};
 use super::llama::Policy;
 use super::moe::{LIVE, Routes};
 use crate::schema::{Routing, SamplingMask};
@@ -245,7 +245,7 @@ pub fn scored<B: Kernels>(
     };
     let d = hidden.dims()[2];
     let rows = Tensor::<B, 1, Int>::from_data(TensorData::new(rows, [b * cmax]), &device);
-    let picked = hidden.reshape([b * lmax, d]).select(0, rows);
+    let picked = reshape(hidden, [b * lmax, d]).select(0, rows);
     let valid = Tensor::<B, 2>::from_data(TensorData::new(valid, [b, cmax]), &device);
     let kept = kept_sets(seqs, cmax);
     let lp = model

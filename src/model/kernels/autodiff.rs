@@ -10,7 +10,8 @@ use burn::backend::autodiff::checkpoint::strategy::CheckpointStrategy;
 use burn::backend::autodiff::grads::Gradients;
 use burn::backend::autodiff::ops::{Backward, Ops, OpsKind};
 use burn::tensor::ops::FloatTensor;
-use burn::tensor::{Tensor, TensorPrimitive};
+use burn::tensor::{Shape, Tensor, TensorPrimitive};
+use burn_backend::TensorMetadata;
 use std::sync::Arc;
 
 /// A primitive of the inner backend as a tensor.
@@ -256,8 +257,40 @@ impl<B: Kernels> Backward<B, 2> for HeadLogprobsBackward {
     }
 }
 
+#[derive(Debug)]
+struct ReshapeBackward;
+
+impl<B: Kernels> Backward<B, 1> for ReshapeBackward {
+    /// The input's shape.
+    type State = Shape;
+
+    fn backward(self, ops: Ops<Self::State, 1>, grads: &mut Gradients, _: &mut Checkpointer) {
+        let [px] = ops.parents;
+        let dy = grads.consume::<B>(&ops.node);
+        if let Some(node) = px {
+            grads.register::<B>(node.id, B::reshape_values(dy, ops.state));
+        }
+    }
+}
+
 impl<B: Kernels, C: CheckpointStrategy> Kernels for Autodiff<B, C> {
     const NATIVE_LINEAR: bool = B::NATIVE_LINEAR;
+
+    /// One node whose backward reshapes the gradient back through the inner backend's
+    /// [`Kernels::reshape_values`], so neither direction copies on NdArray.
+    fn reshape_values(x: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
+        let from = x.primitive.shape();
+        let node = x.node.clone();
+        let y = B::reshape_values(x.primitive, shape);
+        match ReshapeBackward
+            .prepare::<C>([node])
+            .compute_bound()
+            .stateful()
+        {
+            OpsKind::Tracked(prep) => prep.finish(from, y),
+            OpsKind::UnTracked(prep) => prep.finish(y),
+        }
+    }
 
     fn linear_rows(
         x: Tensor<Self, 2>,

@@ -9,7 +9,8 @@ use super::rows::PackedWeight;
 use super::{Kernels, attend, head, pack_once, reference, rows};
 use burn::backend::NdArray;
 use burn::backend::ndarray::NdArrayTensor;
-use burn::tensor::{DType, Tensor, TensorPrimitive};
+use burn::tensor::ops::FloatTensorOps;
+use burn::tensor::{DType, Shape, Tensor, TensorPrimitive};
 use ndarray::{ArcArray, Array2, ArrayView2, Ix2, IxDyn};
 use rayon::prelude::*;
 use std::borrow::Cow;
@@ -173,6 +174,23 @@ fn bf16_stored(weight: &Tensor<NdArray, 2>) -> Option<ArcArray<u16, IxDyn>> {
 
 impl Kernels for NdArray {
     const NATIVE_LINEAR: bool = true;
+
+    /// A contiguous f32 tensor keeps its buffer (shared, copied on a later write as every
+    /// NdArray buffer is); anything else goes through burn's reshape.
+    fn reshape_values(x: NdArrayTensor, shape: Shape) -> NdArrayTensor {
+        match x {
+            NdArrayTensor::F32(s) if s.is_owned() && s.view().is_standard_layout() => {
+                match s
+                    .into_shared()
+                    .into_shape_with_order(IxDyn(shape.as_slice()))
+                {
+                    Ok(a) => NdArrayTensor::from(a),
+                    Err(e) => panic!("reshape to {:?}: {e}", shape.as_slice()),
+                }
+            }
+            x => Self::float_reshape(x, shape),
+        }
+    }
 
     /// Every output one dot product in a fixed order ([`rows`]), whatever the number of
     /// rows: a weight stored `[out, in]` (a generation model's, in f32 or bf16; a tied

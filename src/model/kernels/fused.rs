@@ -5,7 +5,28 @@ use super::head;
 use super::logprob::{HeadTargets, Kept};
 use super::reference::{self, LinearGrads};
 use crate::model::storage::WeightStorage;
-use burn::tensor::Tensor;
+use burn::tensor::ops::FloatTensor;
+use burn::tensor::{Shape, Tensor, TensorPrimitive};
+
+/// `x` under `shape` through [`Kernels::reshape_values`]: on the CPU trainer, without
+/// copying a contiguous tensor (forward or, on `Autodiff`, backward). The model reshapes
+/// between `[b, l, d]` and `[b * l, d]` several times a layer.
+pub fn reshape<B: Kernels, const D: usize, const E: usize>(
+    x: Tensor<B, D>,
+    shape: [usize; E],
+) -> Tensor<B, E> {
+    let from = x.dims();
+    assert_eq!(
+        from.iter().product::<usize>(),
+        shape.iter().product::<usize>(),
+        "reshape {from:?} to {shape:?}: not as many values"
+    );
+    let values = x.into_primitive().tensor();
+    Tensor::from_primitive(TensorPrimitive::Float(B::reshape_values(
+        values,
+        Shape::from(shape),
+    )))
+}
 
 /// The decoder's fused blocks. Shapes are fixed by the caller (the model flattens leading
 /// dimensions into rows). Every method has the composed default; a backend overrides the
@@ -17,6 +38,13 @@ pub trait Kernels: WeightStorage {
     /// `Linear` on the input's own rank (Flex's matrix product parallelises, and rounds,
     /// by that shape).
     const NATIVE_LINEAR: bool = false;
+
+    /// `x`'s values, in row-major order, under `shape` (as many values): burn's reshape.
+    /// NdArray's copies every tensor it reshapes, a contiguous one too; a backend that can
+    /// share the buffer overrides this ([`reshape`] is the tensor-level call).
+    fn reshape_values(x: FloatTensor<Self>, shape: Shape) -> FloatTensor<Self> {
+        Self::float_reshape(x, shape)
+    }
 
     /// `x · weight + bias` for `x` `[n, in]` and `weight` `[in, out]` (burn's layout).
     fn linear_rows(

@@ -43,7 +43,7 @@ mod products;
 pub mod reference;
 mod rows;
 
-pub use fused::Kernels;
+pub use fused::{Kernels, reshape};
 pub use head::{HEAD_CHUNK_ROWS, reset_widest_logits, widest_logits};
 pub use logprob::{HeadTargets, Kept, token_logprob};
 pub(crate) use logprob::{MASKED, inv_temperature};

@@ -447,3 +447,70 @@ fn cat_columns_is_the_concatenation() {
         assert_eq!(got.into_data(), want.into_data());
     }
 }
+
+fn reshape<B: AutodiffBackend + Kernels>() {
+    let x = random::<B, 3>([3, 5, 8], 41);
+    check(
+        vec![x],
+        |v| super::reshape(super::reshape(v[0].clone(), [15, 8]) * 2.0, [3, 5, 8]),
+        |v| (v[0].clone().reshape([15, 8]) * 2.0).reshape([3, 5, 8]),
+        0.0,
+        "reshape",
+    );
+    // A strided view (a transposed one) takes burn's copying reshape.
+    let x = random::<B, 3>([4, 6, 2], 42);
+    check(
+        vec![x],
+        |v| super::reshape(v[0].clone().swap_dims(0, 1), [24, 2]),
+        |v| v[0].clone().swap_dims(0, 1).reshape([24, 2]),
+        0.0,
+        "reshape of a transposed view",
+    );
+}
+
+#[test]
+fn reshape_native_and_composed_match_burns_reshape() {
+    reshape::<Native>();
+    reshape::<Composed>();
+}
+
+/// The address of a CPU tensor's first value.
+fn first_value<const D: usize>(t: Tensor<NdArray, D>) -> *const f32 {
+    match t.into_primitive().tensor() {
+        burn::backend::ndarray::NdArrayTensor::F32(s) => s.view().as_ptr(),
+        _ => unreachable!("an f32 tensor"),
+    }
+}
+
+/// On the CPU backend a contiguous tensor keeps its buffer through [`super::reshape`]
+/// (burn's own reshape copies it), forward and, through `Autodiff`, backward.
+#[test]
+fn reshape_on_the_cpu_shares_the_buffer() {
+    let x = Tensor::<NdArray, 3>::from_data(
+        TensorData::new((0..24).map(|v| v as f32).collect(), [2, 3, 4]),
+        &Default::default(),
+    );
+    let at = first_value(x.clone());
+    let rows = super::reshape(x.clone(), [6, 4]);
+    assert_eq!(
+        first_value(rows.clone()),
+        at,
+        "the reshape shares the buffer"
+    );
+    assert_ne!(first_value(x.reshape([6, 4])), at, "burn's reshape copies");
+    assert_eq!(
+        values_of(rows),
+        (0..24).map(|v| v as f32).collect::<Vec<_>>()
+    );
+    // Through Autodiff: the gradient reaching the input is the output's, reshaped.
+    let x = Tensor::<Autodiff<NdArray>, 3>::ones([2, 3, 4], &Default::default()).require_grad();
+    let grads = (super::reshape(x.clone(), [6, 4]) * 3.0).sum().backward();
+    let dx = x
+        .grad(&grads)
+        .map(|g| g.to_data().to_vec::<f32>().unwrap_or_default());
+    assert_eq!(dx, Some(vec![3.0; 24]));
+}
+
+fn values_of(t: Tensor<NdArray, 2>) -> Vec<f32> {
+    t.to_data().to_vec::<f32>().unwrap_or_default()
+}

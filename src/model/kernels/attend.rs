@@ -9,6 +9,7 @@
 //! which recomputes the probabilities a block of queries at a time: the saved state is
 //! linear in the length, and the square of it exists for one block only.
 
+use super::exp::{exp, exp_in_place};
 use super::logprob::MASKED;
 use super::products::mat_mul;
 use super::rows;
@@ -220,15 +221,18 @@ fn softmax_out_portable(
             max = max.max(*pj);
         }
     }
-    let mut sum = 0f32;
+    // A hidden column's e^-inf is 0, and adding 0 leaves the (positive) sum's bits as
+    // they are: the visible columns' sum in their order.
     for (j, pj) in p.iter_mut().enumerate() {
-        if visible(j) {
-            *pj = (*pj - max).exp();
-            sum += *pj;
+        *pj = if visible(j) {
+            *pj - max
         } else {
-            *pj = 0.0;
-        }
+            f32::NEG_INFINITY
+        };
     }
+    exp_in_place(p);
+    let mut sum = 0f32;
+    p.iter().for_each(|&pj| sum += pj);
     let inv = 1.0 / sum;
     o.fill(0.0);
     for (j, pj) in p.iter_mut().enumerate() {
@@ -332,8 +336,14 @@ impl Head<'_> {
                 let lse = saved.lse[r0 + i];
                 let at = (r0 + i) * hd;
                 let d = rows::portable_dot(&saved.dy[at..at + hd], &saved.out[at..at + hd]);
-                for ((pj, dj), &bj) in pr.iter_mut().zip(dr.iter_mut()).zip(bias) {
-                    *pj = (*pj * self.scale + bj - lse).exp();
+                for (pj, &bj) in pr.iter_mut().zip(bias) {
+                    *pj = *pj * self.scale + bj - lse;
+                }
+                match pr.as_slice_mut() {
+                    Some(row) => exp_in_place(row),
+                    None => pr.mapv_inplace(exp),
+                }
+                for (pj, dj) in pr.iter().zip(dr.iter_mut()) {
                     *dj = *pj * (*dj - d) * self.scale;
                 }
             }

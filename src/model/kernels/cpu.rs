@@ -2,6 +2,7 @@
 //! cores by rayon, each output written once into a fresh buffer. A tensor of another dtype
 //! takes the composed path.
 
+use super::exp::{exp, exp_in_place};
 use super::fused::head_backward_chunks;
 use super::logprob::{HeadTargets, Kept, inv_temperature, token_logprob};
 use super::products::mat_mul;
@@ -107,8 +108,9 @@ fn fits_vocabulary(targets: &[u32], kept: &Kept, n: usize, vocab: usize) -> bool
         && (0..n).all(|i| kept.row(i).iter().all(below))
 }
 
-fn sigmoid(x: f32) -> f32 {
-    1.0 / (1.0 + (-x).exp())
+/// `σ(x) = 1 / (1 + e^-x)` from `e^-x` ([`exp_in_place`] takes those a block at a time).
+fn sigmoid_of(exp_minus_x: f32) -> f32 {
+    1.0 / (1.0 + exp_minus_x)
 }
 
 type Four = Tensor<NdArray, 4>;
@@ -472,11 +474,10 @@ impl Kernels for NdArray {
                     *o = v * scale + bv;
                     max = max.max(*o);
                 }
+                out.iter_mut().for_each(|o| *o -= max);
+                exp_in_place(out);
                 let mut sum = 0f32;
-                for o in out.iter_mut() {
-                    *o = (*o - max).exp();
-                    sum += *o;
-                }
+                out.iter().for_each(|o| sum += o);
                 let inv = 1.0 / sum;
                 out.iter_mut().for_each(|o| *o *= inv);
             });
@@ -587,8 +588,11 @@ impl Kernels for NdArray {
             .zip(gs.par_chunks(4096).zip(us.par_chunks(4096)))
             .with_min_len(4)
             .for_each(|(out, (g, u))| {
+                // `out` holds e^-g first: the sigmoid's exponentials a block at a time.
+                out.iter_mut().zip(g).for_each(|(o, &g)| *o = -g);
+                exp_in_place(out);
                 for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
-                    *o = g * sigmoid(g) * u;
+                    *o = g * sigmoid_of(*o) * u;
                 }
             });
         tensor(y, shape)
@@ -613,9 +617,12 @@ impl Kernels for NdArray {
             .with_min_len(4)
             .for_each(|(c, (dgc, duc))| {
                 let o = c * 4096;
+                // `dgc` holds e^-g first, as in the forward.
+                dgc.iter_mut().zip(&gs[o..]).for_each(|(e, &g)| *e = -g);
+                exp_in_place(dgc);
                 for k in 0..dgc.len() {
                     let (g, u, d) = (gs[o + k], us[o + k], dys[o + k]);
-                    let s = sigmoid(g);
+                    let s = sigmoid_of(dgc[k]);
                     dgc[k] = d * u * s * (1.0 + g * (1.0 - s));
                     duc[k] = d * g * s;
                 }
@@ -683,13 +690,13 @@ impl Kernels for NdArray {
                 let (zr, l, dk) = (&zs[i * v..][..v], ls[i], dys[i] * k);
                 match kept.row(i) {
                     [] => {
-                        for (o, &z) in out.iter_mut().zip(zr) {
-                            *o = -dk * (z * k - l).exp();
-                        }
+                        out.iter_mut().zip(zr).for_each(|(o, &z)| *o = z * k - l);
+                        exp_in_place(out);
+                        out.iter_mut().for_each(|o| *o *= -dk);
                     }
                     ids => {
                         for &id in ids {
-                            out[id as usize] = -dk * (zr[id as usize] * k - l).exp();
+                            out[id as usize] = -dk * exp(zr[id as usize] * k - l);
                         }
                     }
                 }

@@ -1,6 +1,8 @@
 //! The one definition of a token's log-prob under a tempered, truncated distribution, and
 //! the sets of ids a truncation kept.
 
+use super::exp::exp_in_place;
+
 /// Additive attention bias for masked positions. Finite, so a fully masked row (never
 /// produced here) would not turn into NaN, and gradients stay clean.
 pub(crate) const MASKED: f32 = -1e9;
@@ -92,17 +94,36 @@ pub struct HeadTargets<'a> {
 /// log-prob, and the trainer's kernel ([`Kernels::token_logprobs`] on the CPU) computes
 /// it row by row, so with the same logits the two agree bit for bit. The maximum and the
 /// sum of exponentials run in f32 over the ids in ascending order.
+/// `Σ e^v` over `values`, added in their order; the exponentials are taken a block at a
+/// time ([`exp_in_place`]).
+fn sum_exp(values: impl Iterator<Item = f32>) -> f32 {
+    let (mut block, mut values, mut sum) = ([0f32; 256], values, 0f32);
+    loop {
+        let mut n = 0;
+        // `zip` asks the block for a slot first, so no value is drawn and dropped.
+        for (slot, v) in block.iter_mut().zip(&mut values) {
+            *slot = v;
+            n += 1;
+        }
+        exp_in_place(&mut block[..n]);
+        block[..n].iter().for_each(|e| sum += e);
+        if n < block.len() {
+            return sum;
+        }
+    }
+}
+
 pub fn token_logprob(row: &[f32], target: usize, temperature: f32, kept: &[u32]) -> (f32, f32) {
     let k = inv_temperature(temperature);
-    let (mut max, mut sum) = (f32::NEG_INFINITY, 0f32);
-    if kept.is_empty() {
+    let mut max = f32::NEG_INFINITY;
+    let sum = if kept.is_empty() {
         row.iter().for_each(|&z| max = max.max(z * k));
-        row.iter().for_each(|&z| sum += (z * k - max).exp());
+        sum_exp(row.iter().map(|&z| z * k - max))
     } else {
         let at = |i: &u32| row.get(*i as usize).copied().unwrap_or(f32::NEG_INFINITY);
         kept.iter().for_each(|i| max = max.max(at(i) * k));
-        kept.iter().for_each(|i| sum += (at(i) * k - max).exp());
-    }
+        sum_exp(kept.iter().map(|i| at(i) * k - max))
+    };
     let lse = max + sum.ln();
     (
         row.get(target).copied().unwrap_or(f32::NEG_INFINITY) * k - lse,

@@ -35,6 +35,7 @@
 mod attend;
 mod autodiff;
 mod cpu;
+mod exp;
 mod fused;
 pub mod head;
 mod logprob;

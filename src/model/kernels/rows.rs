@@ -298,7 +298,7 @@ pub(super) fn rows_by_packed(x: &[f32], rows: usize, w: &PackedWeight) -> Vec<f3
 
 /// Whether the AVX-512 path of many rows can run.
 #[cfg(target_arch = "x86_64")]
-fn avx512_available() -> bool {
+pub(super) fn avx512_available() -> bool {
     std::arch::is_x86_feature_detected!("avx512f")
         && std::arch::is_x86_feature_detected!("avx512dq")
         && fma_available()

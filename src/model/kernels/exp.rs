@@ -33,9 +33,18 @@ const P: [f32; 6] = [
     0.5,
 ];
 
-/// `e^x`, the same bits as each lane of [`exp_in_place`].
-#[inline(always)]
+/// `e^x` for one value, through [`exp_in_place`]'s dispatch: the same bits as every lane,
+/// with fused multiply-adds as instructions wherever the CPU has them.
 pub(super) fn exp(x: f32) -> f32 {
+    let mut v = [x];
+    exp_in_place(&mut v);
+    v[0]
+}
+
+/// The scalar twin: [`exp`]'s arithmetic, inlined into each caller so that it takes the
+/// caller's target features (without FMA, `mul_add` is a call into libm).
+#[inline(always)]
+fn twin(x: f32) -> f32 {
     if x.is_nan() {
         return x;
     }
@@ -77,18 +86,17 @@ pub(super) fn exp_in_place(xs: &mut [f32]) {
             return unsafe { scalar_fma(xs) };
         }
     }
-    xs.iter_mut().for_each(|x| *x = exp(*x));
+    xs.iter_mut().for_each(|x| *x = twin(*x));
 }
 
-/// [`exp`] over `xs` with its fused multiply-adds as instructions (without the feature,
-/// `mul_add` is a call into libm).
+/// [`twin`] over `xs` with its fused multiply-adds as instructions.
 ///
 /// # Safety
 /// The CPU has FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "fma")]
 unsafe fn scalar_fma(xs: &mut [f32]) {
-    xs.iter_mut().for_each(|x| *x = exp(*x));
+    xs.iter_mut().for_each(|x| *x = twin(*x));
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -96,7 +104,7 @@ mod avx512 {
     use super::{C1, C2, HI, LO, LOG2E, P};
     use std::arch::x86_64::*;
 
-    /// [`super::exp`] on sixteen lanes.
+    /// [`super::twin`] on sixteen lanes.
     #[inline]
     #[target_feature(enable = "avx512f,avx512dq,fma")]
     fn exp16(x: __m512) -> __m512 {
@@ -140,7 +148,7 @@ mod avx512 {
         chunks
             .into_remainder()
             .iter_mut()
-            .for_each(|x| *x = super::exp(*x));
+            .for_each(|x| *x = super::twin(*x));
     }
 }
 

@@ -94,6 +94,24 @@ pub struct HeadTargets<'a> {
 /// log-prob, and the trainer's kernel ([`Kernels::token_logprobs`] on the CPU) computes
 /// it row by row, so with the same logits the two agree bit for bit. The maximum and the
 /// sum of exponentials run in f32 over the ids in ascending order.
+pub fn token_logprob(row: &[f32], target: usize, temperature: f32, kept: &[u32]) -> (f32, f32) {
+    let k = inv_temperature(temperature);
+    let mut max = f32::NEG_INFINITY;
+    let sum = if kept.is_empty() {
+        row.iter().for_each(|&z| max = max.max(z * k));
+        sum_exp(row.iter().map(|&z| z * k - max))
+    } else {
+        let at = |i: &u32| row.get(*i as usize).copied().unwrap_or(f32::NEG_INFINITY);
+        kept.iter().for_each(|i| max = max.max(at(i) * k));
+        sum_exp(kept.iter().map(|i| at(i) * k - max))
+    };
+    let lse = max + sum.ln();
+    (
+        row.get(target).copied().unwrap_or(f32::NEG_INFINITY) * k - lse,
+        lse,
+    )
+}
+
 /// `Σ e^v` over `values`, added in their order; the exponentials are taken a block at a
 /// time ([`exp_in_place`]).
 fn sum_exp(values: impl Iterator<Item = f32>) -> f32 {
@@ -111,22 +129,4 @@ fn sum_exp(values: impl Iterator<Item = f32>) -> f32 {
             return sum;
         }
     }
-}
-
-pub fn token_logprob(row: &[f32], target: usize, temperature: f32, kept: &[u32]) -> (f32, f32) {
-    let k = inv_temperature(temperature);
-    let mut max = f32::NEG_INFINITY;
-    let sum = if kept.is_empty() {
-        row.iter().for_each(|&z| max = max.max(z * k));
-        sum_exp(row.iter().map(|&z| z * k - max))
-    } else {
-        let at = |i: &u32| row.get(*i as usize).copied().unwrap_or(f32::NEG_INFINITY);
-        kept.iter().for_each(|i| max = max.max(at(i) * k));
-        sum_exp(kept.iter().map(|i| at(i) * k - max))
-    };
-    let lse = max + sum.ln();
-    (
-        row.get(target).copied().unwrap_or(f32::NEG_INFINITY) * k - lse,
-        lse,
-    )
 }

@@ -18,8 +18,9 @@
 //! cargo bench --bench train_scale -- decode-products ROWS    # a decode step's products, f32 and bf16 weights
 //! ```
 //!
-//! `step` and `step-lora` run with `train.keep_freed_memory` on when `KEEP_FREED_MEMORY` is
-//! set in the environment (any value).
+//! `step`, `step-lora` and `long` run with `train.keep_freed_memory` on when
+//! `KEEP_FREED_MEMORY` is set in the environment (any value), and with
+//! `train.gradient_checkpointing` on when `GRADIENT_CHECKPOINTING` is.
 //!
 //! `invariance` multiplies ROWS random rows by each of the 0.5B shape's linear weights
 //! (896 → 896, 896 → 4864, 4864 → 896) two ways, the general matrix product
@@ -368,6 +369,7 @@ fn lora_settings(dir: &Path, ckpt: &Path, lr: f64, micro: usize, rank: usize) ->
             checkpoint_dir: ckpt.to_path_buf(),
             lora_rank: rank,
             keep_freed_memory: std::env::var_os("KEEP_FREED_MEMORY").is_some(),
+            gradient_checkpointing: std::env::var_os("GRADIENT_CHECKPOINTING").is_some(),
             ..TrainConfig::default()
         },
     }

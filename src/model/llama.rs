@@ -313,16 +313,7 @@ impl<B: Kernels> Policy<B> {
         let [b, l] = tokens.dims();
         routes.begin(b * l, self.moe_layers());
         let device = tokens.device();
-        let hd = self.config.head_dim;
-        let pos = Tensor::<B, 1, Int>::from_data(
-            TensorData::new(
-                positions.iter().map(|&p| p as i64).collect::<Vec<_>>(),
-                [b * l],
-            ),
-            &device,
-        );
-        let cos = reshape(self.rope_cos.clone().select(0, pos.clone()), [b, l, hd]);
-        let sin = reshape(self.rope_sin.clone().select(0, pos), [b, l, hd]);
+        let (cos, sin) = self.rotary_at(positions, [b, l]);
         let mut x = self.embed.forward(tokens);
         match mode {
             AttnMode::Full => {
@@ -344,6 +335,22 @@ impl<B: Kernels> Policy<B> {
             }
         }
         rms_norm(&self.norm, x)
+    }
+
+    /// The rotary tables' rows `[batch, len, head_dim]` (cos, sin) at `positions`, each
+    /// row's own.
+    pub(crate) fn rotary_at(&self, positions: &[usize], [b, l]: [usize; 2]) -> RotaryRows<B> {
+        let hd = self.config.head_dim;
+        let pos = Tensor::<B, 1, Int>::from_data(
+            TensorData::new(
+                positions.iter().map(|&p| p as i64).collect::<Vec<_>>(),
+                [b * l],
+            ),
+            &self.rope_cos.device(),
+        );
+        let cos = reshape(self.rope_cos.clone().select(0, pos.clone()), [b, l, hd]);
+        let sin = reshape(self.rope_sin.clone().select(0, pos), [b, l, hd]);
+        (cos, sin)
     }
 
     /// Logits of whole sequences `[batch, len]` from position 0 (the trainer's view; also
@@ -374,13 +381,16 @@ impl<B: Kernels> Policy<B> {
 }
 
 /// What a block's attention reads: the bias over its columns, and the layer's cache.
-type Attend<'a, B> = (Tensor<B, 4>, Option<&'a mut (Tensor<B, 4>, Tensor<B, 4>)>);
+pub(crate) type Attend<'a, B> = (Tensor<B, 4>, Option<&'a mut (Tensor<B, 4>, Tensor<B, 4>)>);
+
+/// The rotary tables' cos and sin rows of a pass, `[batch, len, head_dim]` each.
+pub(crate) type RotaryRows<B> = (Tensor<B, 3>, Tensor<B, 3>);
 
 impl<B: Kernels> Block<B> {
     /// `real`: the rows `[b × l]` that are not left padding, when some are ([`real_rows`]):
     /// only they go through a dense MLP (the padding's MLP output is -0.0, which added to
     /// any value gives that value).
-    fn forward(
+    pub(crate) fn forward(
         &self,
         x: Tensor<B, 3>,
         cos: Tensor<B, 3>,
@@ -440,7 +450,7 @@ fn real_rows<B: Kernels>(
 
 /// `[l, l]`: 0 on and below the diagonal, masked above; made on the device (only the two
 /// `l`-long index ranges cross, not `l²` values).
-fn causal_bias<B: Backend>(l: usize, device: &B::Device) -> Tensor<B, 2> {
+pub(crate) fn causal_bias<B: Backend>(l: usize, device: &B::Device) -> Tensor<B, 2> {
     let above = Tensor::<B, 2, burn::tensor::Bool>::tril_mask([l, l], 0, device);
     Tensor::zeros([l, l], device).mask_fill(above, MASKED)
 }

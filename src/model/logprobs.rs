@@ -218,6 +218,21 @@ pub fn scored<B: Kernels>(
     temperature: f32,
     routed: Routed,
 ) -> Scored<B> {
+    let trunk = |tokens, routes: &mut Routes| model.hidden_routed(tokens, routes);
+    scored_through(model, seqs, temperature, routed, trunk)
+}
+
+/// [`scored`] with the trunk (ids `[batch, len]` from position 0 to the final hidden
+/// states `[batch, len, hidden]`) run by `trunk`, the MoE layers routed as the given
+/// [`Routes`] say: how the trainer's layer-by-layer recompute
+/// ([`super::recompute`]) takes part. Everything after the trunk is [`scored`]'s.
+pub fn scored_through<B: Kernels>(
+    model: &Policy<B>,
+    seqs: &[ScoredSeq<'_>],
+    temperature: f32,
+    routed: Routed,
+    trunk: impl FnOnce(Tensor<B, 2, Int>, &mut Routes) -> Tensor<B, 3>,
+) -> Scored<B> {
     let device = model.device();
     let b = seqs.len();
     let Layout {
@@ -238,7 +253,7 @@ pub fn scored<B: Kernels>(
         (Some(table), Routed::Live) => Routes::comparing(table),
         (None, _) => Routes::default(),
     };
-    let hidden = model.hidden_routed(tokens, &mut routes);
+    let hidden = trunk(tokens, &mut routes);
     let routing = RoutingStats {
         compared: routes.replayed,
         differ: routes.differ,

@@ -41,6 +41,7 @@ pub mod logprobs;
 pub mod lora;
 pub mod moe;
 pub mod params;
+pub mod recompute;
 pub mod sampler;
 pub mod storage;
 pub mod tensors;

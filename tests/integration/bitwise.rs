@@ -3,7 +3,8 @@
 //! ratio is exactly 1 and the logprob gap exactly 0. The run covers what could break it:
 //! micro-batches, top-k masks (kept-set renormalisation), multi-turn episodes (environment
 //! tokens, resumed caches) and an MoE policy (routing replay), under every objective
-//! (GSPO's sequence ratios are exactly 1 too), and with several updates per step, under
+//! (GSPO's sequence ratios are exactly 1 too; CISPO's run recomputes the trunk layer by
+//! layer in the backward, gradient checkpointing), and with several updates per step, under
 //! decoupled PPO too, on the first update (where the proximal policy is the behaviour's).
 
 use rlstream::bus::{MemoryBus, SharedBus};
@@ -46,7 +47,12 @@ async fn a_sync_run_has_ratios_of_exactly_one() {
     let objectives: [(LossKind, LossAgg, u64, Tweak); 8] = [
         (LossKind::Ppo, LossAgg::TokenMean, 3, &same),
         (LossKind::Gspo, LossAgg::SeqMeanTokenMean, 2, &same),
-        (LossKind::Cispo, LossAgg::TokenMean, 2, &same),
+        (
+            LossKind::Cispo,
+            LossAgg::TokenMean,
+            2,
+            &|t: &mut TrainConfig| t.gradient_checkpointing = true,
+        ),
         (LossKind::Tis, LossAgg::SeqMeanTokenSumNorm, 2, &same),
         (LossKind::Reinforce, LossAgg::SeqMeanTokenSum, 2, &same),
         (

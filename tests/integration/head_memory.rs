@@ -1,15 +1,18 @@
 //! What a training pass keeps in memory: the output head's logits never exist for more
-//! rows than one chunk (in the trainer, the teacher, `sft` and `eval`), and attention keeps
-//! state linear in the length for its backward.
+//! rows than one chunk (in the trainer, the teacher, `sft` and `eval`), attention keeps
+//! state linear in the length for its backward, and a checkpointed trunk keeps one hidden
+//! state per layer.
 //!
 //! The memory test counts the bytes this process holds through its allocator; nextest
 //! runs each test in a process of its own, so nothing else allocates meanwhile.
 
+use burn::tensor::{Int, Tensor, TensorData};
 use rlstream::commands::eval::{self, EvalSet};
 use rlstream::commands::sft::{self, SftOptions};
 use rlstream::config::{PolicySettings, TrainConfig};
 use rlstream::model::kernels::{HEAD_CHUNK_ROWS, PackOnce, reset_widest_logits, widest_logits};
 use rlstream::model::logprobs::{ScoredSeq, completion_logprobs};
+use rlstream::model::moe::Routes;
 use rlstream::model::tokenizer::Tokenizer;
 use rlstream::model::{Architecture, InferBackend, ModelConfig, Policy, TrainBackend};
 use rlstream::stages::score::teacher::Teacher;
@@ -86,6 +89,46 @@ fn attention_keeps_state_linear_in_the_length_for_its_backward() {
     assert!(
         growth < 5.0,
         "a layer keeps {short} bytes at 128 tokens and {long} at 512 ({growth:.1}×): more than linear"
+    );
+}
+
+/// Bytes the trunk of a pass over one sequence of `len` tokens keeps alive for its
+/// backward with the layers checkpointed (`train.gradient_checkpointing`), on the model of
+/// [`kept_for_backward`].
+fn kept_checkpointed(layers: usize, len: usize) -> (isize, usize) {
+    let cfg =
+        ModelConfig::new(Architecture::Llama, 64, 32, 32, layers, 8, 8, 4).with_max_position(2048);
+    let model = Policy::<TrainBackend>::random(&cfg, 3, &Default::default()).unwrap();
+    let ids: Vec<i64> = (0..len).map(|i| (i % 60) as i64 + 2).collect();
+    let tokens = Tensor::<TrainBackend, 2, Int>::from_data(
+        TensorData::new(ids, [1, len]),
+        &Default::default(),
+    );
+    let before = HELD.load(Ordering::SeqCst);
+    let kept = model.hidden_checkpointed(tokens, &mut Routes::default());
+    let held = HELD.load(Ordering::SeqCst) - before;
+    drop(kept);
+    (held, cfg.hidden_size)
+}
+
+#[test]
+fn checkpointed_layers_keep_one_hidden_state_each() {
+    let len = 256;
+    let (one, hidden) = kept_checkpointed(1, len);
+    let (two, _) = kept_checkpointed(2, len);
+    let per_layer = two - one;
+    let state = (len * hidden * 4) as isize;
+    let plain = kept_for_backward(2, len) - kept_for_backward(1, len);
+    eprintln!(
+        "a checkpointed layer keeps {per_layer} bytes, a plain one {plain}; one hidden state is {state}"
+    );
+    assert!(
+        per_layer <= state + 4096,
+        "a checkpointed layer keeps {per_layer} bytes, more than its input's {state}"
+    );
+    assert!(
+        plain > 4 * state,
+        "a plain layer keeps {plain} bytes (the test of the test)"
     );
 }
 

@@ -124,6 +124,8 @@ crate::settings! {
         pub weight_decay: f64 = 0.0,
         /// Gradient clipping by global norm.
         pub max_grad_norm: f32 = 1.0,
+        /// Keep only each decoder layer's input from the forward and recompute the layer's activations in the backward, one layer at a time (gradient checkpointing): the trunk's activation memory falls to one hidden state per layer and token, for about one more forward. Log-probs are unchanged bit for bit.
+        pub gradient_checkpointing: bool = false,
         /// Run each step in micro-batches of at most this many prompt + completion tokens, accumulating gradients (0: one pass); bounds activation memory.
         pub micro_batch_tokens: usize = 0,
         /// How per-token losses become the step's loss: token-mean, seq-mean-token-mean, seq-mean-token-sum or seq-mean-token-sum-norm (verl's loss_agg_mode).

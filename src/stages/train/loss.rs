@@ -5,8 +5,10 @@
 use super::objective::{self, Norm};
 use super::{LossAgg, RoutingMode, TrainerSettings, credit};
 use crate::model::logprobs::{
-    Routed, ScoredSeq, completion_logprobs, completion_logprobs_routed, scored,
+    Routed, Scored, ScoredSeq, completion_logprobs, completion_logprobs_routed, scored,
+    scored_through,
 };
+use crate::model::recompute::Checkpoints;
 use crate::model::{Kernels, ModelError, Policy};
 use crate::schema::{Sample, ScoredGroup};
 use burn::module::AutodiffModule;
@@ -413,11 +415,55 @@ pub fn part<B: AutodiffBackend + Kernels>(
 where
     B::InnerBackend: Kernels,
 {
+    let seqs = &samples.seqs[range.clone()];
+    let pass_of = scored(model, seqs, cfg.policy.temperature, routed(cfg));
+    part_of(model, reference, samples, range, pass, cfg, pass_of)
+}
+
+/// [`part`] with the trunk's activations recomputed layer by layer in the backward
+/// (`train.gradient_checkpointing`): the loss, its part, and what
+/// [`Checkpoints::backward`] needs to finish the backward after the loss's.
+pub fn part_checkpointed<B: AutodiffBackend + Kernels>(
+    model: &Policy<B>,
+    reference: Option<&Policy<B::InnerBackend>>,
+    samples: &Samples,
+    range: Range<usize>,
+    pass: &Pass,
+    cfg: &TrainerSettings,
+) -> Result<(Tensor<B, 1>, Part, Checkpoints<B>), ModelError>
+where
+    B::InnerBackend: Kernels,
+{
+    let seqs = &samples.seqs[range.clone()];
+    let mut saved = None;
+    let trunk = |tokens, routes: &mut _| {
+        let (hidden, s) = model.hidden_checkpointed(tokens, routes);
+        saved = Some(s);
+        hidden
+    };
+    let pass_of = scored_through(model, seqs, cfg.policy.temperature, routed(cfg), trunk);
+    let (loss, part) = part_of(model, reference, samples, range, pass, cfg, pass_of)?;
+    let saved = saved.expect("the scored pass runs its trunk");
+    Ok((loss, part, saved))
+}
+
+/// [`part`] from the teacher-forced pass `pass_of` of the samples in `range`.
+fn part_of<B: AutodiffBackend + Kernels>(
+    model: &Policy<B>,
+    reference: Option<&Policy<B::InnerBackend>>,
+    samples: &Samples,
+    range: Range<usize>,
+    pass: &Pass,
+    cfg: &TrainerSettings,
+    pass_of: Scored<B>,
+) -> Result<(Tensor<B, 1>, Part), ModelError>
+where
+    B::InnerBackend: Kernels,
+{
     let device = model.device();
     let seqs = &samples.seqs[range.clone()];
     let b = seqs.len();
     let norm = &pass.norm;
-    let pass_of = scored(model, seqs, cfg.policy.temperature, routed(cfg));
     let (lp, valid) = (pass_of.lp.clone(), pass_of.valid.clone());
     let c = lp.dims()[1];
     let (mu, a_tok, own) = token_inputs(samples, range.clone(), c);

@@ -538,13 +538,22 @@ impl<B: TrainOn> TrainerOn<B> {
         let _packed = reused.then(PackOnce::open);
         let mut sum = GradientsAccumulator::<Policy<B>>::new();
         let mut parts = Vec::new();
+        let (model, reference) = (self.model(), self.reference.as_ref());
         for range in batches {
-            let reference = self.reference.as_ref();
-            let (l, part) = loss::part(self.model(), reference, &samples, range, pass, &self.cfg)?;
-            sum.accumulate(
-                self.model(),
-                GradientsParams::from_grads(l.backward(), self.model()),
-            );
+            let part = match self.cfg.train.gradient_checkpointing {
+                false => {
+                    let (l, part) = loss::part(model, reference, &samples, range, pass, &self.cfg)?;
+                    sum.accumulate(model, GradientsParams::from_grads(l.backward(), model));
+                    part
+                }
+                true => {
+                    let (l, part, saved) = loss::part_checkpointed(
+                        model, reference, &samples, range, pass, &self.cfg,
+                    )?;
+                    saved.backward(model, l.backward(), |g| sum.accumulate(model, g));
+                    part
+                }
+            };
             parts.push(part);
         }
         Ok((sum.grads(), TokenSums::of(&parts, &self.cfg)))

@@ -5,7 +5,7 @@
 use super::exp::{exp, exp_in_place};
 use super::fused::head_backward_chunks;
 use super::logprob::{HeadTargets, Kept, inv_temperature, token_logprob};
-use super::products::mat_mul;
+use super::products::{mat_mul, product};
 use super::rows::PackedWeight;
 use super::{Kernels, attend, head, pack_once, reference, rows};
 use burn::backend::NdArray;
@@ -258,28 +258,23 @@ impl Kernels for NdArray {
         if !all_f32(&[x.dtype(), weight.dtype(), dy.dtype()]) {
             return reference::linear_backward(x, weight, weight_grad, bias, dy);
         }
-        let [n, d_in] = x.dims();
         let d_out = weight.dims()[1];
         let (x, w, dy) = (
             Host::matrix_of(x),
             Host::matrix_of(weight),
             Host::matrix_of(dy),
         );
-        let mut dx = Array2::zeros((n, d_in));
-        mat_mul(&dy.matrix(), &w.matrix().t(), false, &mut dx.view_mut());
+        let dx = product(&dy.matrix(), &w.matrix().t());
         // The weight's gradient in the weight's own order: a transposed view (a tied
         // embedding read as the output head) gets `(dyᵀ · x)ᵀ`, so the gradient reaches the
         // embedding row-major, without a transposing copy.
         let dw = if !weight_grad {
             None
         } else if w.is_transposed() {
-            let mut dwt = Array2::zeros((d_out, d_in));
-            mat_mul(&dy.matrix().t(), &x.matrix(), false, &mut dwt.view_mut());
+            let dwt = product(&dy.matrix().t(), &x.matrix());
             Some(dwt.reversed_axes())
         } else {
-            let mut dw = Array2::zeros((d_in, d_out));
-            mat_mul(&x.matrix().t(), &dy.matrix(), false, &mut dw.view_mut());
-            Some(dw)
+            Some(product(&x.matrix().t(), &dy.matrix()))
         };
         let db = bias.then(|| tensor(dy.matrix().sum_axis(ndarray::Axis(0)).to_vec(), [d_out]));
         (matrix_tensor(dx), dw.map(matrix_tensor), db)
@@ -583,13 +578,13 @@ impl Kernels for NdArray {
         let shape = gate.dims();
         let (gate, up) = (Host::of(gate), Host::of(up));
         let (gs, us) = (gate.slice(), up.slice());
-        let mut y = vec![0f32; gs.len()];
+        // `y` holds -g first (written as it is made, with no zeroing pass), then e^-g: the
+        // sigmoid's exponentials a block at a time.
+        let mut y: Vec<f32> = gs.par_iter().with_min_len(4096).map(|&g| -g).collect();
         y.par_chunks_mut(4096)
             .zip(gs.par_chunks(4096).zip(us.par_chunks(4096)))
             .with_min_len(4)
             .for_each(|(out, (g, u))| {
-                // `out` holds e^-g first: the sigmoid's exponentials a block at a time.
-                out.iter_mut().zip(g).for_each(|(o, &g)| *o = -g);
                 exp_in_place(out);
                 for ((o, &g), &u) in out.iter_mut().zip(g).zip(u) {
                     *o = g * sigmoid_of(*o) * u;
@@ -609,19 +604,19 @@ impl Kernels for NdArray {
         let shape = gate.dims();
         let (gate, up, dy) = (Host::of(gate), Host::of(up), Host::of(dy));
         let (gs, us, dys) = (gate.slice(), up.slice(), dy.slice());
-        let mut dg = vec![0f32; gs.len()];
-        let mut du = vec![0f32; gs.len()];
+        // Both made as they are first written (no zeroing pass): `dg` holds -g, then e^-g
+        // as in the forward, `du` the output's gradient.
+        let mut dg: Vec<f32> = gs.par_iter().with_min_len(4096).map(|&g| -g).collect();
+        let mut du: Vec<f32> = dys.par_iter().with_min_len(4096).copied().collect();
         dg.par_chunks_mut(4096)
             .zip(du.par_chunks_mut(4096))
             .enumerate()
             .with_min_len(4)
             .for_each(|(c, (dgc, duc))| {
                 let o = c * 4096;
-                // `dgc` holds e^-g first, as in the forward.
-                dgc.iter_mut().zip(&gs[o..]).for_each(|(e, &g)| *e = -g);
                 exp_in_place(dgc);
                 for k in 0..dgc.len() {
-                    let (g, u, d) = (gs[o + k], us[o + k], dys[o + k]);
+                    let (g, u, d) = (gs[o + k], us[o + k], duc[k]);
                     let s = sigmoid_of(dgc[k]);
                     dgc[k] = d * u * s * (1.0 + g * (1.0 - s));
                     duc[k] = d * g * s;

@@ -7,7 +7,7 @@
 //! AVX-512 the backward's products run about twice as fast here as through ndarray's
 //! `general_mat_mul` (`matrixmultiply`, AVX2 at most); BENCHMARKS.md has the step.
 
-use ndarray::{ArrayView2, ArrayViewMut2};
+use ndarray::{Array2, ArrayView2, ArrayViewMut2};
 
 /// Fused multiply-adds under which a product stays on the calling thread: splitting it
 /// costs more than it gains, and attention's blocks already run one head per core.
@@ -42,16 +42,50 @@ pub(super) fn mat_mul(
         ndarray::linalg::general_mat_mul(1.0, a, b, beta, c);
     }
     #[cfg(not(feature = "blas"))]
-    gemm_crate(a, b, accumulate, c);
+    {
+        let sc = [c.strides()[0], c.strides()[1]];
+        // SAFETY: `c`'s pointer and strides address its `m × n` elements, initialised, and
+        // it is borrowed mutably, so it overlaps neither input.
+        unsafe { gemm_crate(a, b, accumulate, c.as_mut_ptr(), sc) };
+    }
 }
 
-/// [`mat_mul`] through the `gemm` crate.
+/// `a · b` as a new row-major matrix, each output written once: on the `gemm` crate the
+/// destination is not zeroed first (a pass over it that a product of the small size's
+/// layers pays as much as a tenth of its own time for).
+pub(super) fn product(a: &ArrayView2<'_, f32>, b: &ArrayView2<'_, f32>) -> Array2<f32> {
+    let ((m, k), (kb, n)) = (a.dim(), b.dim());
+    assert_eq!(k, kb, "a is [m, k] and b [k, n]");
+    #[cfg(not(feature = "blas"))]
+    if m > 0 && n > 0 && k > 0 {
+        let mut c = Array2::<f32>::uninit((m, n));
+        let sc = [c.strides()[0], c.strides()[1]];
+        let dst = c.as_mut_ptr().cast::<f32>();
+        // SAFETY: `dst` and `sc` address the `m × n` elements of `c`, a fresh array that
+        // overlaps neither input; with `accumulate` false `gemm` writes every one of them
+        // and reads none, so all are initialised when it returns.
+        unsafe {
+            gemm_crate(a, b, false, dst, sc);
+            return c.assume_init();
+        }
+    }
+    let mut c = Array2::zeros((m, n));
+    mat_mul(a, b, false, &mut c.view_mut());
+    c
+}
+
+/// [`mat_mul`] through the `gemm` crate, into `dst` with strides `sc` (rows, columns).
+///
+/// # Safety
+/// `dst` and `sc` address `m × n` writable elements that overlap neither input; they are
+/// read only when `accumulate`, and then must be initialised.
 #[cfg(not(feature = "blas"))]
-fn gemm_crate(
+unsafe fn gemm_crate(
     a: &ArrayView2<'_, f32>,
     b: &ArrayView2<'_, f32>,
     accumulate: bool,
-    c: &mut ArrayViewMut2<'_, f32>,
+    dst: *mut f32,
+    sc: [isize; 2],
 ) {
     let ((m, k), n) = (a.dim(), b.dim().1);
     let parallelism = if m * n * k < SERIAL_FMAS {
@@ -59,13 +93,11 @@ fn gemm_crate(
     } else {
         gemm::Parallelism::Rayon(0)
     };
-    let (sa, sb, sc) = (a.strides(), b.strides(), c.strides());
-    let (sa, sb, sc) = ([sa[0], sa[1]], [sb[0], sb[1]], [sc[0], sc[1]]);
-    let dst = c.as_mut_ptr();
-    // SAFETY: each view's pointer and strides address its own `m × k`, `k × n` and `m × n`
-    // elements (ndarray's invariant); `c` is borrowed mutably, so it overlaps neither input.
-    // `gemm`'s `alpha` scales the destination (read only when `accumulate`) and `beta` the
-    // product.
+    let (sa, sb) = (a.strides(), b.strides());
+    let (sa, sb) = ([sa[0], sa[1]], [sb[0], sb[1]]);
+    // SAFETY: each view's pointer and strides address its own `m × k` and `k × n` elements
+    // (ndarray's invariant), `dst` its `m × n` (the caller's). `gemm`'s `alpha` scales the
+    // destination (read only when `accumulate`) and `beta` the product.
     unsafe {
         gemm::gemm(
             m,
@@ -93,7 +125,7 @@ fn gemm_crate(
 
 #[cfg(test)]
 mod tests {
-    use super::mat_mul;
+    use super::{mat_mul, product};
     use ndarray::{Array2, linalg::general_mat_mul};
 
     fn values(rows: usize, cols: usize, seed: u32) -> Array2<f32> {
@@ -104,7 +136,8 @@ mod tests {
     }
 
     /// Against ndarray's product, every layout the backward uses: plain, a transposed left
-    /// or right operand, a transposed destination, serial and split sizes, accumulating.
+    /// or right operand, a transposed destination, serial and split sizes, accumulating, and
+    /// into a fresh matrix ([`product`], never zeroed).
     #[test]
     fn matches_general_mat_mul_in_every_layout() {
         for (m, k, n) in [(3, 5, 7), (64, 64, 96), (300, 170, 260), (1, 9, 1)] {
@@ -130,7 +163,11 @@ mod tests {
                         accumulate,
                         &mut got_t.view_mut().reversed_axes(),
                     );
-                    for (g, w) in got.iter().zip(&want).chain(got_t.t().iter().zip(&want)) {
+                    let fresh = (!accumulate).then(|| product(&lhs, &rhs));
+                    let fresh = fresh.iter().flat_map(|f| f.iter().zip(&want));
+                    let back = got_t.t();
+                    let all = got.iter().zip(&want).chain(back.iter().zip(&want));
+                    for (g, w) in all.chain(fresh) {
                         assert!(
                             (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
                             "{m}x{k}x{n}: {g} vs {w}"
@@ -149,5 +186,8 @@ mod tests {
         assert!(c.iter().all(|&v| v == 7.0));
         mat_mul(&a.view(), &b.view(), false, &mut c.view_mut());
         assert!(c.iter().all(|&v| v == 0.0));
+        let fresh = product(&a.view(), &b.view());
+        assert_eq!(fresh.dim(), (3, 2));
+        assert!(fresh.iter().all(|&v| v == 0.0));
     }
 }

@@ -23,6 +23,7 @@
 //! a decode step streams half the bytes.
 
 use rayon::prelude::*;
+use std::mem::MaybeUninit;
 
 /// Up to this many rows go by columns (each task a run of weight rows, all the input
 /// rows); more go by blocks of input rows. Both sum every output in the same order.
@@ -154,29 +155,39 @@ fn by_panels<E: Elem>(x: &[f32], rows: usize, wt: &[E], n: usize, k: usize, t: T
         .map(|w| {
             let pc = w.len() / k;
             let (wp, tails) = (pack(w, pc, k, t.cols), tails(w, k));
-            let mut out = vec![0f32; rows * pc];
+            let mut out = Vec::with_capacity(rows * pc);
             let parts = blocks
                 .iter()
                 .zip(x.chunks(per_block * k))
-                .zip(out.chunks_mut(per_block * pc));
+                .zip(out.spare_capacity_mut()[..rows * pc].chunks_mut(per_block * pc));
             for ((xp, xb), ob) in parts {
                 // SAFETY: `tiles()` chose tiles this CPU has; `xp` and `wp` are `pack`'s
                 // layouts of `xb` `[nr, k]` and the panel `[pc, k]` in the tiles' shape,
                 // `tails` `[pc, k % 8]`, `ob` `[nr, pc]`, `k >= 8`.
                 unsafe { (t.product)(xp, xb, xb.len() / k, &wp, &tails, pc, k, ob) };
             }
+            // SAFETY: the blocks cover the `rows × pc` outputs, each written by its product.
+            unsafe { out.set_len(rows * pc) };
             out
         })
         .collect();
-    let mut y = vec![0f32; rows * n];
-    y.par_chunks_mut(n).enumerate().for_each(|(r, yr)| {
-        let mut c = 0;
-        for p in &panels {
-            let pc = p.len() / rows;
-            yr[c..c + pc].copy_from_slice(&p[r * pc..(r + 1) * pc]);
-            c += pc;
-        }
-    });
+    let mut y = Vec::with_capacity(rows * n);
+    y.spare_capacity_mut()[..rows * n]
+        .par_chunks_mut(n)
+        .enumerate()
+        .for_each(|(r, yr)| {
+            let mut c = 0;
+            for p in &panels {
+                let pc = p.len() / rows;
+                let row = &p[r * pc..(r + 1) * pc];
+                for (o, &v) in yr[c..c + pc].iter_mut().zip(row) {
+                    *o = MaybeUninit::new(v);
+                }
+                c += pc;
+            }
+        });
+    // SAFETY: the panels' columns add up to `n`, so every row's `n` values were written.
+    unsafe { y.set_len(rows * n) };
     y
 }
 
@@ -271,18 +282,17 @@ impl PackedWeight {
 pub(super) fn rows_by_packed(x: &[f32], rows: usize, w: &PackedWeight) -> Vec<f32> {
     let (n, k) = (w.n, w.k);
     assert_eq!(x.len(), rows * k, "x is [rows, k]");
-    let mut y = vec![0f32; rows * n];
-    if rows == 0 {
-        return y;
-    }
     #[cfg(target_arch = "x86_64")]
-    {
+    if rows > 0 {
         let t = w.tiles;
         let per_block = rows_per_block(k);
+        // Written once by the tiles, never zeroed first.
+        let mut y = Vec::with_capacity(rows * n);
         // Both operands packed so that each tile reads one contiguous run of each; with
         // AVX-512, two outputs per 512-bit register, each in its own eight lanes: the same
         // sums.
-        y.par_chunks_mut(per_block * n)
+        y.spare_capacity_mut()[..rows * n]
+            .par_chunks_mut(per_block * n)
             .zip(x.par_chunks(per_block * k))
             .for_each(|(out, xb)| {
                 let nr = xb.len() / k;
@@ -292,8 +302,12 @@ pub(super) fn rows_by_packed(x: &[f32], rows: usize, w: &PackedWeight) -> Vec<f3
                 // tiles' shape, `w.tails` `[n, k % 8]`, `out` `[nr, n]`, `k >= 8`.
                 unsafe { (t.product)(&xp, xb, nr, &w.packed, &w.tails, n, k, out) };
             });
+        // SAFETY: the blocks cover the `rows × n` outputs and each product wrote all of its
+        // block's (the tiles' contract).
+        unsafe { y.set_len(rows * n) };
+        return y;
     }
-    y
+    vec![0f32; rows * n]
 }
 
 /// Whether the AVX-512 path of many rows can run.
@@ -345,7 +359,8 @@ fn block<E: Elem>(x: &[f32], rows: usize, k: usize, w: &[E], out: &mut [f32], st
 
 /// A packed many-rows product (`avx2::packed`, `avx512::packed`).
 #[cfg(target_arch = "x86_64")]
-type PackedTiles = unsafe fn(&[f32], &[f32], usize, &[f32], &[f32], usize, usize, &mut [f32]);
+type PackedTiles =
+    unsafe fn(&[f32], &[f32], usize, &[f32], &[f32], usize, usize, &mut [MaybeUninit<f32>]);
 
 /// `m` `[rows, k]` in groups of `group` rows, each group's first `k - k % 8` values
 /// interleaved by eights (row 0's first eight, row 1's, …, then each row's next eight), a

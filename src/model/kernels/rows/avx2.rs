@@ -3,6 +3,7 @@
 
 use super::{Elem, Strides};
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 /// Eight weight values from `p` as f32 (bf16 widened by a shift).
 ///
@@ -43,7 +44,8 @@ pub(super) fn fold(v: __m256) -> f32 {
 /// # Safety
 /// The CPU has AVX2 and FMA; `xp`, `wp` are `pack(x, rows, k, 3)`, `pack(w, n, k, 4)`
 /// with `x` `[rows, k]`, `w` `[n, k]`, `tails` `[n, k % 8]`, `out` `[rows, n]`,
-/// `rows, n > 0`, `k >= 8`.
+/// `rows, n > 0`, `k >= 8`. Every one of `out`'s `rows × n` values is written (none is
+/// read), so it may start uninitialised.
 #[target_feature(enable = "avx2,fma")]
 #[allow(clippy::too_many_arguments)]
 pub(super) unsafe fn packed(
@@ -54,7 +56,7 @@ pub(super) unsafe fn packed(
     tails: &[f32],
     n: usize,
     k: usize,
-    out: &mut [f32],
+    out: &mut [MaybeUninit<f32>],
 ) {
     let (k8, kt) = (k - k % 8, k % 8);
     let (xs, ws) = (ROWS * k8, COLS * k8);
@@ -96,7 +98,7 @@ pub(super) unsafe fn packed(
                     for t in k8..k {
                         s = xr[t].mul_add(wr[t - k8], s);
                     }
-                    out[(r + a) * n + c + cc] = s;
+                    out[(r + a) * n + c + cc] = MaybeUninit::new(s);
                 }
             }
         }

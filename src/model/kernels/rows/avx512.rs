@@ -3,6 +3,7 @@
 
 use super::{Elem, Strides};
 use std::arch::x86_64::*;
+use std::mem::MaybeUninit;
 
 /// The few-rows tile: six weight rows by [`FEW_GROUP`] input rows.
 pub(super) const FEW_COLS: usize = 6;
@@ -167,7 +168,7 @@ pub(super) unsafe fn packed(
     tails: &[f32],
     n: usize,
     k: usize,
-    out: &mut [f32],
+    out: &mut [MaybeUninit<f32>],
 ) {
     const PAIRS: usize = COLS / 2;
     let (k8, kt) = (k - k % 8, k % 8);
@@ -211,7 +212,7 @@ pub(super) unsafe fn packed(
                     for t in k8..k {
                         s = xr[t].mul_add(wr[t - k8], s);
                     }
-                    out[(r + a) * n + c + cc] = s;
+                    out[(r + a) * n + c + cc] = MaybeUninit::new(s);
                 }
             }
         }

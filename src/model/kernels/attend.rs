@@ -54,16 +54,22 @@ impl Shape {
     /// The keys `lo..hi` that any of the flat query rows `rows` sees (all of them for a row
     /// that sees none, as attention attends then); every key outside has probability 0 for
     /// these rows.
+    ///
+    /// Each row is searched only where it could widen the range found so far (before `lo`,
+    /// from `hi`), so a block of causal rows costs about one row's length, not one per row.
     fn key_range(&self, bias: &[f32], rows: std::ops::Range<usize>) -> (usize, usize) {
+        let seen = |x: &f32| *x != MASKED;
         let (mut lo, mut hi) = (self.t, 0);
         for i in rows {
             let b = self.bias_row(bias, i);
-            match (
-                b.iter().position(|&x| x != MASKED),
-                b.iter().rposition(|&x| x != MASKED),
-            ) {
-                (Some(first), Some(last)) => (lo, hi) = (lo.min(first), hi.max(last + 1)),
-                _ => return (0, self.t),
+            match b[..lo].iter().position(seen) {
+                Some(first) => lo = first,
+                // Nothing before `lo`: the row sees a key at or after it, or none at all.
+                None if !b[lo..].iter().any(seen) => return (0, self.t),
+                None => {}
+            }
+            if let Some(last) = b[hi..].iter().rposition(seen) {
+                hi += last + 1;
             }
         }
         (lo.min(hi), hi)
@@ -350,6 +356,69 @@ impl Head<'_> {
             mat_mul(&p.t(), &dyb, true, &mut view_mut(dv, lo * hd, nk, hd));
             mat_mul(&ds.view(), &kb, false, &mut view_mut(dq, r0 * hd, nb, hd));
             mat_mul(&ds.t(), &qb, true, &mut view_mut(dk, lo * hd, nk, hd));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{MASKED, Shape};
+
+    /// Every row searched whole: the range the narrowed search must find.
+    fn every_row(s: &Shape, bias: &[f32], rows: std::ops::Range<usize>) -> (usize, usize) {
+        let (mut lo, mut hi) = (s.t, 0);
+        for i in rows {
+            let b = s.bias_row(bias, i);
+            match (
+                b.iter().position(|&x| x != MASKED),
+                b.iter().rposition(|&x| x != MASKED),
+            ) {
+                (Some(first), Some(last)) => (lo, hi) = (lo.min(first), hi.max(last + 1)),
+                _ => return (0, s.t),
+            }
+        }
+        (lo.min(hi), hi)
+    }
+
+    /// Causal rows, left-padded rows (padding queries see nothing), holes, and rows seeing
+    /// keys out of order: the narrowed search finds each block's range as a whole search does.
+    #[test]
+    fn the_key_range_is_every_rows_range() {
+        let (l, t) = (7, 10);
+        let mut bias = vec![MASKED; 3 * l * t];
+        for (bi, start) in [(0, 0), (1, 4), (2, 2)] {
+            for q in 0..l {
+                for j in 0..t {
+                    let causal = j >= start && j <= q + 3;
+                    let hole = bi == 2 && (j == 3 || (q % 3 == 1 && j > 5));
+                    if causal && !hole {
+                        bias[(bi * l + q) * t + j] = 0.0;
+                    }
+                }
+            }
+        }
+        // Batch row 2's query 0 sees one late key only.
+        bias[(2 * l) * t..(2 * l + 1) * t].fill(MASKED);
+        bias[(2 * l) * t + 8] = 0.0;
+        let s = Shape {
+            b: 3,
+            kv_heads: 2,
+            rows: l,
+            l,
+            t,
+            hd: 4,
+            bias_b: 3,
+        };
+        let all = s.b * s.kv_heads * s.rows;
+        for first in 0..all {
+            for n in 1..=(all - first).min(9) {
+                let rows = first..first + n;
+                assert_eq!(
+                    s.key_range(&bias, rows.clone()),
+                    every_row(&s, &bias, rows.clone()),
+                    "rows {rows:?}"
+                );
+            }
         }
     }
 }

@@ -401,9 +401,16 @@ fn surrogate<B: AutodiffBackend>(
     }
 }
 
+/// A part's loss, its statistics, and with gradient checkpointing what the backward needs
+/// after the loss's ([`part`]).
+pub type PartOf<B> = (Tensor<B, 1>, Part, Option<Checkpoints<B>>);
+
 /// The loss of the samples in `range`: their per-token surrogate (and KL) weighted by the
 /// update's norm (token-mean: divided by the whole update's token count), so that the
-/// parts of an update add up to its loss and their gradients to its gradient.
+/// parts of an update add up to its loss and their gradients to its gradient. With
+/// `train.gradient_checkpointing`, the trunk's activations are recomputed layer by layer
+/// in the backward: what [`Checkpoints::backward`] needs to finish it after the loss's
+/// comes third.
 pub fn part<B: AutodiffBackend + Kernels>(
     model: &Policy<B>,
     reference: Option<&Policy<B::InnerBackend>>,
@@ -411,39 +418,25 @@ pub fn part<B: AutodiffBackend + Kernels>(
     range: Range<usize>,
     pass: &Pass,
     cfg: &TrainerSettings,
-) -> Result<(Tensor<B, 1>, Part), ModelError>
+) -> Result<PartOf<B>, ModelError>
 where
     B::InnerBackend: Kernels,
 {
     let seqs = &samples.seqs[range.clone()];
-    let pass_of = scored(model, seqs, cfg.policy.temperature, routed(cfg));
-    part_of(model, reference, samples, range, pass, cfg, pass_of)
-}
-
-/// [`part`] with the trunk's activations recomputed layer by layer in the backward
-/// (`train.gradient_checkpointing`): the loss, its part, and what
-/// [`Checkpoints::backward`] needs to finish the backward after the loss's.
-pub fn part_checkpointed<B: AutodiffBackend + Kernels>(
-    model: &Policy<B>,
-    reference: Option<&Policy<B::InnerBackend>>,
-    samples: &Samples,
-    range: Range<usize>,
-    pass: &Pass,
-    cfg: &TrainerSettings,
-) -> Result<(Tensor<B, 1>, Part, Checkpoints<B>), ModelError>
-where
-    B::InnerBackend: Kernels,
-{
-    let seqs = &samples.seqs[range.clone()];
+    let (temperature, routed) = (cfg.policy.temperature, routed(cfg));
     let mut saved = None;
-    let trunk = |tokens, routes: &mut _| {
-        let (hidden, s) = model.hidden_checkpointed(tokens, routes);
-        saved = Some(s);
-        hidden
+    let pass_of = match cfg.train.gradient_checkpointing {
+        false => scored(model, seqs, temperature, routed),
+        true => {
+            let trunk = |tokens, routes: &mut _| {
+                let (hidden, s) = model.hidden_checkpointed(tokens, routes);
+                saved = Some(s);
+                hidden
+            };
+            scored_through(model, seqs, temperature, routed, trunk)
+        }
     };
-    let pass_of = scored_through(model, seqs, cfg.policy.temperature, routed(cfg), trunk);
     let (loss, part) = part_of(model, reference, samples, range, pass, cfg, pass_of)?;
-    let saved = saved.expect("the scored pass runs its trunk");
     Ok((loss, part, saved))
 }
 
@@ -603,7 +596,7 @@ mod tests {
                 prox: Prox::Behaviour,
                 first: true,
             };
-            let (total, _) = part(&model, None, &samples, 0..1, &pass, &cfg).unwrap();
+            let (total, _, _) = part(&model, None, &samples, 0..1, &pass, &cfg).unwrap();
             let grads = total.backward();
             (
                 host2(model.embed.weight.val().grad(&grads).unwrap()),
@@ -679,7 +672,7 @@ mod tests {
         let g = offset_group(&model, 0.3);
         let run = |cfg: &TrainerSettings| {
             let samples = Samples::of(&[&g], 1.0, None).unwrap();
-            let (total, part) =
+            let (total, part, _) =
                 part(&model, None, &samples, 0..2, &Pass::whole(&[&g], cfg), cfg).unwrap();
             let grads = total.backward();
             (part, host2(model.embed.weight.val().grad(&grads).unwrap()))
@@ -729,7 +722,7 @@ mod tests {
             prox: Prox::Loglinear { version: 3 },
             first: true,
         };
-        let (_, p) = part(&model, None, &samples, 0..2, &pass, &cfg).unwrap();
+        let (_, p, _) = part(&model, None, &samples, 0..2, &pass, &cfg).unwrap();
         let c = p.cols;
         for row in 0..2 {
             for t in 0..4 {
@@ -779,7 +772,7 @@ mod tests {
         let run = |g: &ScoredGroup, discount: f32| {
             let samples = Samples::of(&[g], discount, None).unwrap();
             let n = tokens(&[g]);
-            let (total, part) =
+            let (total, part, _) =
                 part(&model, None, &samples, 0..2, &Pass::whole(&[g], &cfg), &cfg).unwrap();
             let grads = total.backward();
             let e = host2(model.embed.weight.val().grad(&grads).unwrap());

@@ -540,20 +540,12 @@ impl<B: TrainOn> TrainerOn<B> {
         let mut parts = Vec::new();
         let (model, reference) = (self.model(), self.reference.as_ref());
         for range in batches {
-            let part = match self.cfg.train.gradient_checkpointing {
-                false => {
-                    let (l, part) = loss::part(model, reference, &samples, range, pass, &self.cfg)?;
-                    sum.accumulate(model, GradientsParams::from_grads(l.backward(), model));
-                    part
-                }
-                true => {
-                    let (l, part, saved) = loss::part_checkpointed(
-                        model, reference, &samples, range, pass, &self.cfg,
-                    )?;
-                    saved.backward(model, l.backward(), |g| sum.accumulate(model, g));
-                    part
-                }
-            };
+            let (l, part, saved) = loss::part(model, reference, &samples, range, pass, &self.cfg)?;
+            let grads = l.backward();
+            match saved {
+                None => sum.accumulate(model, GradientsParams::from_grads(grads, model)),
+                Some(saved) => saved.backward(model, grads, |g| sum.accumulate(model, g)),
+            }
             parts.push(part);
         }
         Ok((sum.grads(), TokenSums::of(&parts, &self.cfg)))

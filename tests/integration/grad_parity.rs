@@ -212,10 +212,16 @@ fn micro_batches_add_up_to_the_whole_batch() {
     }
 }
 
+/// Whether the trainer's forward passes are the same bits with and without a graph: on the
+/// CPU's kernels, not on a CubeCL backend's.
+const EXACT: bool = !cfg!(feature = "wgpu");
+
 /// Gradient checkpointing (the trunk recomputed layer by layer in the backward) changes
 /// neither the loss nor the statistics, and the gradients only in the last bits: for both
 /// models (llama's head is the tied embedding, which gets its two parts in another order),
-/// every objective variant, in one pass and in micro-batches.
+/// every objective variant, in one pass and in micro-batches. On the CPU the loss and the
+/// ratios keep their bits ([`EXACT`]); on a CubeCL backend, whose kernels run without a
+/// graph in the recompute's forward, they agree to rounding.
 #[test]
 fn recomputed_layers_give_the_whole_graphs_gradients() {
     let b = batch();
@@ -233,12 +239,18 @@ fn recomputed_layers_give_the_whole_graphs_gradients() {
                 let (layered, s2) = trainer(model, train, micro, &b)
                     .named_gradients(&refs)
                     .expect("recomputed");
-                assert_eq!(s1.loss.to_bits(), s2.loss.to_bits(), "{at}: loss");
-                assert_eq!(s1.ratio_mean.to_bits(), s2.ratio_mean.to_bits(), "{at}");
+                let same = |a: f64, b: f64| match EXACT {
+                    true => a.to_bits() == b.to_bits(),
+                    false => (a - b).abs() <= 1e-5 * (1.0 + b.abs()),
+                };
+                let (l1, l2, r1, r2) = (s1.loss, s2.loss, s1.ratio_mean, s2.ratio_mean);
+                assert!(same(l1, l2), "{at}: loss {l1} vs {l2}");
+                assert!(same(r1, r2), "{at}: mean ratio {r1} vs {r2}");
                 assert_eq!(s1.tokens, s2.tokens, "{at}");
                 assert_eq!(whole.len(), layered.len(), "{at}: parameter count");
                 let (d, name) = max_diff(&layered, &whole);
-                assert!(d < 1e-6, "{at}: gradient of {name} off by {d}");
+                let bound = if EXACT { 1e-6 } else { 1e-5 };
+                assert!(d < bound, "{at}: gradient of {name} off by {d}");
             }
         }
     }

@@ -356,8 +356,7 @@ impl<B: Kernels> Policy<B> {
     /// Logits of whole sequences `[batch, len]` from position 0 (the trainer's view; also
     /// the reference the cached path is tested against).
     pub fn forward(&self, tokens: Tensor<B, 2, Int>) -> Tensor<B, 3> {
-        let [b, l] = tokens.dims();
-        let positions: Vec<usize> = (0..b).flat_map(|_| 0..l).collect();
+        let positions = from_start(tokens.dims());
         self.forward_with(tokens, &positions, AttnMode::Full)
     }
 
@@ -369,8 +368,7 @@ impl<B: Kernels> Policy<B> {
 
     /// [`Policy::hidden`] with the MoE layers routed (and recorded) as `routes` says.
     pub fn hidden_routed(&self, tokens: Tensor<B, 2, Int>, routes: &mut Routes) -> Tensor<B, 3> {
-        let [b, l] = tokens.dims();
-        let positions: Vec<usize> = (0..b).flat_map(|_| 0..l).collect();
+        let positions = from_start(tokens.dims());
         self.trunk_routed(tokens, &positions, AttnMode::Full, routes)
     }
 
@@ -381,7 +379,7 @@ impl<B: Kernels> Policy<B> {
 }
 
 /// What a block's attention reads: the bias over its columns, and the layer's cache.
-pub(crate) type Attend<'a, B> = (Tensor<B, 4>, Option<&'a mut (Tensor<B, 4>, Tensor<B, 4>)>);
+type Attend<'a, B> = (Tensor<B, 4>, Option<&'a mut (Tensor<B, 4>, Tensor<B, 4>)>);
 
 /// The rotary tables' cos and sin rows of a pass, `[batch, len, head_dim]` each.
 pub(crate) type RotaryRows<B> = (Tensor<B, 3>, Tensor<B, 3>);
@@ -446,6 +444,11 @@ fn real_rows<B: Kernels>(
         .collect();
     let n = keep.len();
     (n > 0 && n < starts.len() * l).then(|| Tensor::from_data(TensorData::new(keep, [n]), device))
+}
+
+/// The positions of `[batch, len]` whole sequences, each row from 0: `0..len` `batch` times.
+pub(crate) fn from_start([b, l]: [usize; 2]) -> Vec<usize> {
+    (0..b).flat_map(|_| 0..l).collect()
 }
 
 /// `[l, l]`: 0 on and below the diagonal, masked above; made on the device (only the two

@@ -16,18 +16,20 @@
 
 use super::kernels::Kernels;
 use super::layers::rms_norm;
-use super::llama::{Policy, causal_bias};
+use super::llama::{Policy, causal_bias, from_start};
 use super::moe::Routes;
 use burn::module::AutodiffModule;
 use burn::optim::GradientsParams;
 use burn::tensor::backend::AutodiffBackend;
 use burn::tensor::{Int, Tensor};
 
-/// What the backward of a checkpointed trunk needs: the ids, each layer's input, and the
-/// routing the forward's MoE layers ran (replayed so the recompute runs the same experts).
+/// What the backward of a checkpointed trunk needs: the ids, the rotary rows, each layer's
+/// input, and the routing the forward's MoE layers ran (replayed so the recompute runs the
+/// same experts).
 pub struct Checkpoints<B: AutodiffBackend> {
     tokens: Tensor<B, 2, Int>,
-    positions: Vec<usize>,
+    /// The forward's rotary rows (cos, sin), `[batch, len, head_dim]` each.
+    rotary: (Tensor<B::InnerBackend, 3>, Tensor<B::InnerBackend, 3>),
     inputs: Vec<Tensor<B::InnerBackend, 3>>,
     /// The last layer's output, the leaf the loss's graph starts from.
     top: Tensor<B, 3>,
@@ -50,10 +52,9 @@ where
     ) -> (Tensor<B, 3>, Checkpoints<B>) {
         let inner = self.valid();
         let [b, l] = tokens.dims();
-        let positions: Vec<usize> = (0..b).flat_map(|_| 0..l).collect();
         let record = std::mem::replace(&mut routes.record, true);
         routes.begin(b * l, self.moe_layers());
-        let (cos, sin) = inner.rotary_at(&positions, [b, l]);
+        let (cos, sin) = inner.rotary_at(&from_start([b, l]), [b, l]);
         let bias = causal_bias::<B::InnerBackend>(l, &tokens.device()).reshape([1, 1, l, l]);
         let mut x = inner.embed.forward(tokens.clone().inner());
         let mut inputs = Vec::with_capacity(inner.blocks.len());
@@ -71,7 +72,7 @@ where
         let hidden = rms_norm(&self.norm, top.clone());
         let saved = Checkpoints {
             tokens,
-            positions,
+            rotary: (cos, sin),
             inputs,
             top,
             routes: used,
@@ -97,9 +98,9 @@ where
         let mut g = self.top.grad(&grads);
         add(GradientsParams::from_grads(grads, model));
         let [b, l] = self.tokens.dims();
-        let device = self.tokens.device();
-        let (cos, sin) = model.rotary_at(&self.positions, [b, l]);
-        let bias = causal_bias::<B>(l, &device).reshape([1, 1, l, l]);
+        let (cos, sin) = self.rotary;
+        let (cos, sin) = (Tensor::<B, 3>::from_inner(cos), Tensor::from_inner(sin));
+        let bias = causal_bias::<B>(l, &self.tokens.device()).reshape([1, 1, l, l]);
         let mut routes = match self.routes.is_empty() {
             true => Routes::default(),
             false => Routes::replaying(self.routes),

@@ -59,13 +59,19 @@ unsafe impl GlobalAlloc for Counting {
 #[global_allocator]
 static ALLOC: Counting = Counting;
 
+/// A model of `layers` layers with many narrow heads (so attention's probabilities would
+/// dwarf everything linear).
+fn narrow_heads(layers: usize) -> Policy<TrainBackend> {
+    let cfg =
+        ModelConfig::new(Architecture::Llama, 64, 32, 32, layers, 8, 8, 4).with_max_position(2048);
+    Policy::<TrainBackend>::random(&cfg, 3, &Default::default()).unwrap()
+}
+
 /// Bytes a teacher-forced pass over one sequence of `len` tokens keeps alive for its
 /// backward, on a model of `layers` layers with many narrow heads (so attention's
 /// probabilities, `heads × len²`, would dwarf everything linear).
 fn kept_for_backward(layers: usize, len: usize) -> isize {
-    let cfg =
-        ModelConfig::new(Architecture::Llama, 64, 32, 32, layers, 8, 8, 4).with_max_position(2048);
-    let model = Policy::<TrainBackend>::random(&cfg, 3, &Default::default()).unwrap();
+    let model = narrow_heads(layers);
     let prompt = [1u32];
     let completion: Vec<u32> = (0..len - 1).map(|i| (i % 60) as u32 + 2).collect();
     let seqs = [ScoredSeq::plain(&prompt, &completion)];
@@ -93,12 +99,10 @@ fn attention_keeps_state_linear_in_the_length_for_its_backward() {
 }
 
 /// Bytes the trunk of a pass over one sequence of `len` tokens keeps alive for its
-/// backward with the layers checkpointed (`train.gradient_checkpointing`), on the model of
-/// [`kept_for_backward`].
+/// backward with the layers checkpointed (`train.gradient_checkpointing`), on
+/// [`narrow_heads`]' model.
 fn kept_checkpointed(layers: usize, len: usize) -> (isize, usize) {
-    let cfg =
-        ModelConfig::new(Architecture::Llama, 64, 32, 32, layers, 8, 8, 4).with_max_position(2048);
-    let model = Policy::<TrainBackend>::random(&cfg, 3, &Default::default()).unwrap();
+    let model = narrow_heads(layers);
     let ids: Vec<i64> = (0..len).map(|i| (i % 60) as i64 + 2).collect();
     let tokens = Tensor::<TrainBackend, 2, Int>::from_data(
         TensorData::new(ids, [1, len]),
@@ -108,7 +112,7 @@ fn kept_checkpointed(layers: usize, len: usize) -> (isize, usize) {
     let kept = model.hidden_checkpointed(tokens, &mut Routes::default());
     let held = HELD.load(Ordering::SeqCst) - before;
     drop(kept);
-    (held, cfg.hidden_size)
+    (held, model.config().hidden_size)
 }
 
 #[test]

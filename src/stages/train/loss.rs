@@ -422,41 +422,11 @@ pub fn part<B: AutodiffBackend + Kernels>(
 where
     B::InnerBackend: Kernels,
 {
-    let seqs = &samples.seqs[range.clone()];
-    let (temperature, routed) = (cfg.policy.temperature, routed(cfg));
-    let mut saved = None;
-    let pass_of = match cfg.train.gradient_checkpointing {
-        false => scored(model, seqs, temperature, routed),
-        true => {
-            let trunk = |tokens, routes: &mut _| {
-                let (hidden, s) = model.hidden_checkpointed(tokens, routes);
-                saved = Some(s);
-                hidden
-            };
-            scored_through(model, seqs, temperature, routed, trunk)
-        }
-    };
-    let (loss, part) = part_of(model, reference, samples, range, pass, cfg, pass_of)?;
-    Ok((loss, part, saved))
-}
-
-/// [`part`] from the teacher-forced pass `pass_of` of the samples in `range`.
-fn part_of<B: AutodiffBackend + Kernels>(
-    model: &Policy<B>,
-    reference: Option<&Policy<B::InnerBackend>>,
-    samples: &Samples,
-    range: Range<usize>,
-    pass: &Pass,
-    cfg: &TrainerSettings,
-    pass_of: Scored<B>,
-) -> Result<(Tensor<B, 1>, Part), ModelError>
-where
-    B::InnerBackend: Kernels,
-{
     let device = model.device();
     let seqs = &samples.seqs[range.clone()];
     let b = seqs.len();
     let norm = &pass.norm;
+    let (pass_of, saved) = teacher_forced(model, seqs, cfg);
     let (lp, valid) = (pass_of.lp.clone(), pass_of.valid.clone());
     let c = lp.dims()[1];
     let (mu, a_tok, own) = token_inputs(samples, range.clone(), c);
@@ -528,7 +498,31 @@ where
         ref_kl,
         routing: pass_of.routing,
     };
-    Ok((total, part))
+    Ok((total, part, saved))
+}
+
+/// The teacher-forced pass of `seqs` [`part`] takes its loss from, and with
+/// `train.gradient_checkpointing` what its backward needs after the loss's.
+fn teacher_forced<B: AutodiffBackend + Kernels>(
+    model: &Policy<B>,
+    seqs: &[ScoredSeq<'_>],
+    cfg: &TrainerSettings,
+) -> (Scored<B>, Option<Checkpoints<B>>)
+where
+    B::InnerBackend: Kernels,
+{
+    let (temperature, routed) = (cfg.policy.temperature, routed(cfg));
+    if !cfg.train.gradient_checkpointing {
+        return (scored(model, seqs, temperature, routed), None);
+    }
+    let mut saved = None;
+    let trunk = |tokens, routes: &mut _| {
+        let (hidden, s) = model.hidden_checkpointed(tokens, routes);
+        saved = Some(s);
+        hidden
+    };
+    let pass_of = scored_through(model, seqs, temperature, routed, trunk);
+    (pass_of, saved)
 }
 
 #[cfg(test)]
